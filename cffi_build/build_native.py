@@ -1,0 +1,57 @@
+"""cffi builder (API mode, out-of-line) for numa_engram._native.
+
+Run by setuptools at install time (``cffi_modules`` in setup.py); nothing
+prebuilt is committed.  Declarations are grouped by topic; the C source is
+native.c beside this file.
+"""
+
+from pathlib import Path
+
+from cffi import FFI
+
+HERE = Path(__file__).resolve().parent
+
+MEMORY_DECLS = """
+    #define MADV_DONTNEED ...
+    #define MADV_NOHUGEPAGE ...
+    #define MADV_HUGEPAGE ...
+    void *ne_map_shared(int fd, size_t length, int writable);
+    int ne_unmap(void *addr, size_t length);
+    int ne_madvise(void *addr, size_t length, int advice);
+    int ne_fallocate(int fd, int64_t offset, int64_t length);
+    int ne_statvfs(const char *path, uint64_t *free_bytes, uint64_t *total_bytes);
+    long ne_page_size(void);
+"""
+
+NUMA_DECLS = """
+    long ne_mbind(void *addr, size_t length, int mode, const unsigned long *nodemask,
+                  unsigned long maxnode, unsigned int flags);
+    long ne_get_mempolicy(int *mode, unsigned long *nodemask, unsigned long maxnode,
+                          void *addr, unsigned long flags);
+    long ne_page_nodes(void *addr, size_t length, size_t page_size, int *status);
+"""
+
+KERNEL_DECLS = """
+    uint16_t ne_dequant_one(uint8_t weight, uint8_t scale);
+    int64_t ne_first_bad_id(const int64_t *ids, int64_t n_tokens, int64_t stride,
+                            int64_t n_heads, const int64_t *bucket_sizes);
+    int ne_lookup_bf16(const uint8_t *weights, const uint8_t *scales, int64_t dim,
+                       int64_t block, const int64_t *ids, int64_t n_tokens,
+                       int64_t stride, int64_t n_heads, const int64_t *head_offsets,
+                       uint16_t *out, int n_threads, const int *cpus, int n_cpus);
+"""
+
+ffibuilder = FFI()
+ffibuilder.cdef(MEMORY_DECLS + NUMA_DECLS + KERNEL_DECLS)
+ffibuilder.set_source(
+    "numa_engram._native",
+    '#include <sys/mman.h>\n#include "native.c"',
+    include_dirs=[str(HERE)],
+    # -O3 lets GCC vectorise the branch-free dequant loop for the baseline
+    # ISA; nothing here assumes the build host's CPU (no -march=native).
+    extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-unused-function"],
+    libraries=["pthread"],
+)
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

@@ -1,0 +1,287 @@
+/* numa_engram native core: thin syscall wrappers and the hot kernels.
+ *
+ * Every wrapper returns -1 (or NULL) and leaves errno set on failure; the
+ * Python side (numa_engram/native.py) is the only caller and turns errno into
+ * an exception.  Nothing here allocates memory that outlives a call. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/statvfs.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+/* ------------------------------------------------------------ memory --- */
+
+void *ne_map_shared(int fd, size_t length, int writable)
+{
+    int prot = PROT_READ | (writable ? PROT_WRITE : 0);
+    void *p = mmap(NULL, length, prot, MAP_SHARED, fd, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+int ne_unmap(void *addr, size_t length) { return munmap(addr, length); }
+
+int ne_madvise(void *addr, size_t length, int advice)
+{
+    return madvise(addr, length, advice);
+}
+
+long ne_mbind(void *addr, size_t length, int mode, const unsigned long *nodemask,
+              unsigned long maxnode, unsigned int flags)
+{
+    return syscall(SYS_mbind, addr, length, mode, nodemask, maxnode, flags);
+}
+
+long ne_get_mempolicy(int *mode, unsigned long *nodemask, unsigned long maxnode,
+                      void *addr, unsigned long flags)
+{
+    return syscall(SYS_get_mempolicy, mode, nodemask, maxnode, addr, flags);
+}
+
+/* Node of every page in [addr, addr + length): status[i] gets the node or a
+ * negative errno (-ENOENT: page not mapped in this process).  Queries in
+ * chunks so the pointer array stays on the stack. */
+long ne_page_nodes(void *addr, size_t length, size_t page_size, int *status)
+{
+    enum { CHUNK = 1024 };
+    void *pages[CHUNK];
+    size_t count = (length + page_size - 1) / page_size;
+    for (size_t done = 0; done < count; done += CHUNK) {
+        size_t n = count - done < CHUNK ? count - done : CHUNK;
+        for (size_t i = 0; i < n; i++)
+            pages[i] = (char *)addr + (done + i) * page_size;
+        long rc = syscall(SYS_move_pages, 0, n, pages, NULL, status + done, 0);
+        if (rc < 0)
+            return -1;
+    }
+    return 0;
+}
+
+int ne_fallocate(int fd, int64_t offset, int64_t length)
+{
+    int rc = posix_fallocate(fd, (off_t)offset, (off_t)length);
+    if (rc != 0) {
+        errno = rc;
+        return -1;
+    }
+    return 0;
+}
+
+int ne_statvfs(const char *path, uint64_t *free_bytes, uint64_t *total_bytes)
+{
+    struct statvfs st;
+    if (statvfs(path, &st) != 0)
+        return -1;
+    *free_bytes = (uint64_t)st.f_bavail * st.f_frsize;
+    *total_bytes = (uint64_t)st.f_blocks * st.f_frsize;
+    return 0;
+}
+
+long ne_page_size(void) { return sysconf(_SC_PAGESIZE); }
+
+/* ---------------------------------------------- FP8 rows -> BF16 rows --- */
+
+/* bf16 of fp8_e4m3fn(w) * 2^(s - 127) for every (s, w): the exact value,
+ * built once from fp32 arithmetic and round-to-nearest-even, NaN -> 0x7FC0
+ * (what torch does).  Blocks whose scale could leave the normal fp32 range
+ * read this table; the others use the branch-free formula below. */
+static uint16_t exact_lut[256][256];
+static pthread_once_t lut_once = PTHREAD_ONCE_INIT;
+
+static float e4m3_to_float(uint8_t w)
+{
+    int sign = w >> 7, exp = (w >> 3) & 0xF, mant = w & 7;
+    float v;
+    if (exp == 0xF && mant == 7)
+        return __builtin_nanf("");
+    if (exp == 0)
+        v = (float)mant / 8.0f / 64.0f; /* subnormal: mant/8 * 2^-6 */
+    else
+        v = (1.0f + (float)mant / 8.0f) * __builtin_ldexpf(1.0f, exp - 7);
+    return sign ? -v : v;
+}
+
+static float e8m0_to_float(uint8_t s)
+{
+    uint32_t bits;
+    float f;
+    if (s == 255)
+        return __builtin_nanf("");
+    bits = s == 0 ? 0x00400000u : (uint32_t)s << 23; /* 2^-127 is subnormal */
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static uint16_t float_to_bf16(float f)
+{
+    uint32_t u;
+    if (f != f)
+        return 0x7FC0;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + (((u >> 16) & 1) + 0x7FFF)) >> 16);
+}
+
+static void build_exact_lut(void)
+{
+    for (int s = 0; s < 256; s++) {
+        float scale = e8m0_to_float((uint8_t)s);
+        for (int w = 0; w < 256; w++) {
+            volatile float product = e4m3_to_float((uint8_t)w) * scale;
+            exact_lut[s][w] = float_to_bf16(product);
+        }
+    }
+}
+
+uint16_t ne_dequant_one(uint8_t weight, uint8_t scale)
+{
+    pthread_once(&lut_once, build_exact_lut);
+    return exact_lut[scale][weight];
+}
+
+/* One block of values sharing scale byte s.  For 10 <= s <= 246 every
+ * product is a normal fp32 with at most 4 significant bits, so its bf16 is
+ * exact: the e4m3 bits re-biased plus (s - 127) in the exponent field. */
+static inline void dequant_block(const uint8_t *w, uint8_t s, int n, uint16_t *out)
+{
+    if (s < 10 || s > 246) {
+        const uint16_t *lut = exact_lut[s];
+        for (int i = 0; i < n; i++)
+            out[i] = lut[w[i]];
+        return;
+    }
+    const uint16_t shift = (uint16_t)(((int)s - 127) << 7);
+    for (int i = 0; i < n; i++) {
+        uint16_t v = w[i];
+        uint16_t mag = v & 0x7F;
+        uint16_t m = v & 7;
+        /* subnormal e4m3: m * 2^-9, as bf16 bits before the scale */
+        uint16_t sub = m >= 4 ? (uint16_t)((120 << 7) | ((m & 3) << 5))
+                     : m >= 2 ? (uint16_t)((119 << 7) | ((m & 1) << 6))
+                              : (uint16_t)(118 << 7);
+        uint16_t normal = (uint16_t)((mag << 4) + (120 << 7));
+        uint16_t r = (uint16_t)(((mag >> 3) ? normal : sub) + shift);
+        r = mag == 0 ? 0 : r;
+        r |= (uint16_t)((v & 0x80) << 8);
+        out[i] = mag == 0x7F ? 0x7FC0 : r;
+    }
+}
+
+/* Every id in ids[t * stride + h] (t < n_tokens, h < n_heads) must be -1
+ * (DEAD) or in [0, bucket_sizes[h]).  Returns the flat index t*n_heads+h of
+ * the first that is not, or -1 when all are good. */
+int64_t ne_first_bad_id(const int64_t *ids, int64_t n_tokens, int64_t stride,
+                        int64_t n_heads, const int64_t *bucket_sizes)
+{
+    for (int64_t t = 0; t < n_tokens; t++)
+        for (int64_t h = 0; h < n_heads; h++) {
+            int64_t id = ids[t * stride + h];
+            if (id < -1 || id >= bucket_sizes[h])
+                return t * n_heads + h;
+        }
+    return -1;
+}
+
+struct lookup_job {
+    const uint8_t *weights, *scales;
+    int64_t dim, block;
+    const int64_t *ids;
+    int64_t stride, n_heads;
+    const int64_t *head_offsets;
+    uint16_t *out;
+    int64_t t_begin, t_end;
+    int cpu;
+};
+
+static void run_lookup(const struct lookup_job *j)
+{
+    const int64_t n_scales = j->dim / j->block;
+    for (int64_t t = j->t_begin; t < j->t_end; t++) {
+        for (int64_t h = 0; h < j->n_heads; h++) {
+            int64_t id = j->ids[t * j->stride + h];
+            uint16_t *dst = j->out + (t * j->n_heads + h) * j->dim;
+            if (id < 0) {
+                memset(dst, 0, (size_t)j->dim * 2);
+                continue;
+            }
+            int64_t row = id + j->head_offsets[h];
+            const uint8_t *w = j->weights + row * j->dim;
+            const uint8_t *s = j->scales + row * n_scales;
+            for (int64_t b = 0; b < n_scales; b++)
+                dequant_block(w + b * j->block, s[b], (int)j->block, dst + b * j->block);
+        }
+    }
+}
+
+static void *lookup_thread(void *arg)
+{
+    struct lookup_job *j = arg;
+    if (j->cpu >= 0) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(j->cpu, &set);
+        pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+    }
+    run_lookup(j);
+    return NULL;
+}
+
+/* Gather + dequantise the rows of n_heads heads for n_tokens tokens into
+ * out[n_tokens][n_heads][dim] (bf16 bits).  ids must have been checked with
+ * ne_first_bad_id.  Work is split by token over n_threads threads, thread i
+ * pinned to cpus[i % n_cpus] when n_cpus > 0.  Returns 0, or -1 with errno
+ * when a thread cannot be started. */
+int ne_lookup_bf16(const uint8_t *weights, const uint8_t *scales, int64_t dim,
+                   int64_t block, const int64_t *ids, int64_t n_tokens,
+                   int64_t stride, int64_t n_heads, const int64_t *head_offsets,
+                   uint16_t *out, int n_threads, const int *cpus, int n_cpus)
+{
+    enum { MAX_THREADS = 256 };
+    struct lookup_job jobs[MAX_THREADS];
+    pthread_t threads[MAX_THREADS];
+    pthread_once(&lut_once, build_exact_lut);
+    if (n_threads < 1)
+        n_threads = 1;
+    if (n_threads > MAX_THREADS)
+        n_threads = MAX_THREADS;
+    if (n_threads > n_tokens)
+        n_threads = n_tokens > 0 ? (int)n_tokens : 1;
+    int64_t per = (n_tokens + n_threads - 1) / n_threads;
+    for (int i = 0; i < n_threads; i++) {
+        jobs[i] = (struct lookup_job){weights, scales, dim, block, ids, stride, n_heads,
+                                      head_offsets, out, i * per,
+                                      (i + 1) * per < n_tokens ? (i + 1) * per : n_tokens,
+                                      n_cpus > 0 ? cpus[i % n_cpus] : -1};
+        if (jobs[i].t_begin > jobs[i].t_end)
+            jobs[i].t_begin = jobs[i].t_end;
+    }
+    if (n_threads == 1 && n_cpus == 0) {
+        run_lookup(&jobs[0]);
+        return 0;
+    }
+    int started = 0, err = 0;
+    for (; started < n_threads; started++) {
+        err = pthread_create(&threads[started], NULL, lookup_thread, &jobs[started]);
+        if (err)
+            break;
+    }
+    for (int i = 0; i < started; i++)
+        pthread_join(threads[i], NULL);
+    if (err) {
+        errno = err;
+        return -1;
+    }
+    return 0;
+}

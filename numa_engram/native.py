@@ -1,0 +1,201 @@
+"""Typed Python over the compiled cffi module (the only importer of it).
+
+Every wrapper checks the C return value here and raises ``SyscallError``
+naming the call, its important arguments and the errno name, so no caller
+ever looks at errno.  No torch here: the placement tools import this.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterable
+
+import numpy as np
+
+from .errors import CapacityError, SyscallError
+
+try:
+    from ._native import ffi, lib
+except ImportError as exc:  # pragma: no cover - only on a broken install
+    raise ImportError(
+        "numa_engram's C core is not built; install the package with "
+        "'pip install -e .' (needs a C compiler and cffi)"
+    ) from exc
+
+PAGE_SIZE: int = int(lib.ne_page_size())
+
+MPOL_DEFAULT, MPOL_PREFERRED, MPOL_BIND, MPOL_INTERLEAVE, MPOL_LOCAL = 0, 1, 2, 3, 4
+MPOL_MF_STRICT, MPOL_MF_MOVE, MPOL_MF_MOVE_ALL = 1, 2, 4
+MPOL_F_NODE, MPOL_F_ADDR = 1, 2
+MADV_DONTNEED = int(lib.MADV_DONTNEED)
+MADV_NOHUGEPAGE = int(lib.MADV_NOHUGEPAGE)
+MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23
+_MADV_NAMES = {
+    MADV_DONTNEED: "MADV_DONTNEED",
+    MADV_NOHUGEPAGE: "MADV_NOHUGEPAGE",
+    MADV_POPULATE_READ: "MADV_POPULATE_READ",
+    MADV_POPULATE_WRITE: "MADV_POPULATE_WRITE",
+}
+_MPOL_NAMES = {MPOL_DEFAULT: "MPOL_DEFAULT", MPOL_PREFERRED: "MPOL_PREFERRED",
+               MPOL_BIND: "MPOL_BIND", MPOL_INTERLEAVE: "MPOL_INTERLEAVE"}
+_BITS_PER_LONG = 64
+
+
+def _raise(call: str, detail: str = "", hint: str = "") -> None:
+    raise SyscallError(call, ffi.errno, detail, hint)
+
+
+class Mapping:
+    """A MAP_SHARED mapping of a file.
+
+    The memory is unmapped when the last Python object that can reach it
+    (this mapping, or any numpy view made by ``array``) is gone, so a view
+    kept past ``close()`` never points into unmapped memory.
+    """
+
+    def __init__(self, fd: int, length: int, writable: bool = True) -> None:
+        if length <= 0:
+            raise ValueError(f"mapping length must be > 0, got {length}")
+        ptr = lib.ne_map_shared(fd, length, 1 if writable else 0)
+        if ptr == ffi.NULL:
+            _raise("mmap", f"fd={fd} length={length} MAP_SHARED writable={writable}")
+        self.length = length
+        self.address = int(ffi.cast("uintptr_t", ptr))
+        self._state = {"mapped": True}
+        state = self._state
+
+        def unmap(p: object) -> None:
+            lib.ne_unmap(p, length)
+            state["mapped"] = False
+
+        self._ptr = ffi.gc(ptr, unmap, size=length)
+        self._buffer = ffi.buffer(self._ptr, length)
+
+    @property
+    def mapped(self) -> bool:
+        """False once the memory has really been unmapped."""
+        return self._state["mapped"]
+
+    def array(self, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """A uint8 numpy view of [offset, offset + length) of the mapping."""
+        self._check_open()
+        length = self.length - offset if length is None else length
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise ValueError(f"range [{offset}, {offset + length}) outside mapping of {self.length}")
+        return np.frombuffer(self._buffer, dtype=np.uint8, count=length, offset=offset)
+
+    def pointer(self, offset: int = 0) -> object:
+        self._check_open()
+        return ffi.cast("char *", self._ptr) + offset
+
+    def close(self) -> None:
+        """Drop this object's hold on the memory (idempotent)."""
+        self._buffer = None
+        self._ptr = None
+
+    def _check_open(self) -> None:
+        if self._ptr is None:
+            raise ValueError("mapping is closed")
+
+
+def _check_range(mapping: Mapping, offset: int, length: int, call: str) -> None:
+    if offset % PAGE_SIZE or offset < 0 or length <= 0 or offset + length > mapping.length:
+        raise ValueError(
+            f"{call}: range [{offset}, {offset + length}) must be page-aligned "
+            f"({PAGE_SIZE}) and inside the mapping of {mapping.length} bytes"
+        )
+
+
+def madvise(mapping: Mapping, advice: int, offset: int = 0, length: int | None = None) -> None:
+    length = mapping.length - offset if length is None else length
+    _check_range(mapping, offset, length, "madvise")
+    if lib.ne_madvise(mapping.pointer(offset), length, advice) != 0:
+        name = _MADV_NAMES.get(advice, str(advice))
+        hint = "MADV_POPULATE_* needs Linux >= 5.14" if ffi.errno == errno.EINVAL else ""
+        if ffi.errno == errno.ENOMEM and advice == MADV_POPULATE_WRITE:
+            raise CapacityError(f"populating {length} bytes failed: out of memory")
+        _raise("madvise", f"{name} offset={offset} length={length}", hint)
+
+
+def nodemask(nodes: Iterable[int]) -> tuple[object, int]:
+    """A kernel node mask (array of unsigned long) and the maxnode to pass with it."""
+    nodes = sorted(set(nodes))
+    if not nodes:
+        raise ValueError("empty node set: give at least one NUMA node")
+    if nodes[0] < 0:
+        raise ValueError(f"negative NUMA node {nodes[0]}")
+    words = nodes[-1] // _BITS_PER_LONG + 1
+    mask = ffi.new("unsigned long[]", words)
+    for node in nodes:
+        mask[node // _BITS_PER_LONG] |= 1 << (node % _BITS_PER_LONG)
+    # maxnode counts bits + 1 (the kernel drops the last one)
+    return mask, words * _BITS_PER_LONG + 1
+
+
+def mbind(mapping: Mapping, offset: int, length: int, mode: int, nodes: Iterable[int],
+          flags: int = 0) -> None:
+    """Set the memory policy of a range; on tmpfs it is kept on the file itself."""
+    _check_range(mapping, offset, length, "mbind")
+    nodes = tuple(sorted(set(nodes)))
+    if mode == MPOL_DEFAULT:
+        mask, maxnode = ffi.NULL, 0
+    else:
+        mask, maxnode = nodemask(nodes)
+    rc = lib.ne_mbind(mapping.pointer(offset), length, mode, mask, maxnode, flags)
+    if rc != 0:
+        hint = "a node in the set does not exist or has no memory" if ffi.errno == errno.EINVAL else ""
+        _raise("mbind", f"{_MPOL_NAMES.get(mode, mode)} nodes={list(nodes)} offset={offset} "
+               f"length={length} flags={flags}", hint)
+
+
+def node_of_address(mapping: Mapping, offset: int) -> int:
+    """get_mempolicy(MPOL_F_NODE|MPOL_F_ADDR): the node of the page (faults it in)."""
+    mode = ffi.new("int *")
+    if lib.ne_get_mempolicy(mode, ffi.NULL, 0, mapping.pointer(offset),
+                            MPOL_F_NODE | MPOL_F_ADDR) != 0:
+        _raise("get_mempolicy", f"MPOL_F_NODE|MPOL_F_ADDR offset={offset}")
+    return int(mode[0])
+
+
+def policy_of_address(mapping: Mapping, offset: int, max_nodes: int = 1024) -> tuple[int, list[int]]:
+    """get_mempolicy(MPOL_F_ADDR): the policy mode and node set of a range."""
+    mode = ffi.new("int *")
+    words = max_nodes // _BITS_PER_LONG
+    mask = ffi.new("unsigned long[]", words)
+    if lib.ne_get_mempolicy(mode, mask, words * _BITS_PER_LONG, mapping.pointer(offset),
+                            MPOL_F_ADDR) != 0:
+        _raise("get_mempolicy", f"MPOL_F_ADDR offset={offset}")
+    nodes = [w * 64 + b for w in range(words) for b in range(64) if mask[w] >> b & 1]
+    return int(mode[0]), nodes
+
+
+def page_nodes(mapping: Mapping, offset: int, length: int) -> np.ndarray:
+    """move_pages query: node of each page in the range (negative errno if unmapped)."""
+    _check_range(mapping, offset, length, "move_pages")
+    count = (length + PAGE_SIZE - 1) // PAGE_SIZE
+    status = np.empty(count, dtype=np.int32)
+    ptr = ffi.cast("int *", ffi.from_buffer(status))
+    if lib.ne_page_nodes(mapping.pointer(offset), length, PAGE_SIZE, ptr) != 0:
+        _raise("move_pages", f"query offset={offset} length={length}")
+    return status
+
+
+def fallocate(fd: int, offset: int, length: int, path: str = "") -> None:
+    """posix_fallocate: ENOSPC becomes CapacityError here, never a SIGBUS later."""
+    if lib.ne_fallocate(fd, offset, length) != 0:
+        err = ffi.errno
+        if err == errno.ENOSPC:
+            raise CapacityError(
+                f"no space to allocate {length} bytes for {path or f'fd {fd}'}: the tmpfs is "
+                "full; free space, enlarge it (mount -o remount,size=...) or use a smaller table"
+            )
+        raise SyscallError("posix_fallocate", err, f"fd={fd} offset={offset} length={length}")
+
+
+def statvfs(path: str) -> tuple[int, int]:
+    """(free bytes for unprivileged users, total bytes) of the file system holding path."""
+    free = ffi.new("uint64_t *")
+    total = ffi.new("uint64_t *")
+    if lib.ne_statvfs(path.encode(), free, total) != 0:
+        _raise("statvfs", f"path={path}")
+    return int(free[0]), int(total[0])

@@ -1,0 +1,267 @@
+"""Where the pages live: a PlacementPlan maps byte ranges of a backing file
+to a NUMA policy, ``apply`` binds them before population and ``verify``
+reports, page by page, where they really are.
+
+Policies an operator chooses from (DESIGN.md section 4): ``gpu-local``,
+``node:N``, ``interleave``, ``replicate-per-node`` (one copy per node, each
+bound locally) and ``none`` (first touch).  No torch here.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from . import native
+from .errors import PlacementError, TopologyError
+from .topology import Topology
+
+MODES = {"bind": native.MPOL_BIND, "preferred": native.MPOL_PREFERRED,
+         "interleave": native.MPOL_INTERLEAVE, "default": native.MPOL_DEFAULT}
+POLICIES = ("gpu-local", "node:N", "interleave", "replicate-per-node", "none")
+
+
+@dataclass(frozen=True)
+class PlacementRange:
+    """One byte range of the file and the policy its pages get."""
+
+    name: str
+    offset: int
+    length: int
+    mode: str  # bind | preferred | interleave | default
+    nodes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Region:
+    """A range to be placed and the NUMA nodes of the GPUs/processes that read it."""
+
+    name: str
+    offset: int
+    length: int
+    reader_nodes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    ranges: tuple[PlacementRange, ...]
+    policy: str = "custom"
+    copies: int = 1  # replicate-per-node: one copy of the table per node
+
+    def validate(self, file_size: int, topology: Topology | None = None) -> None:
+        """Refuse unaligned, overlapping or out-of-file ranges and unknown nodes
+        before any syscall is made."""
+        page = native.PAGE_SIZE
+        spans = []
+        for r in self.ranges:
+            if r.mode not in MODES:
+                raise PlacementError(f"range {r.name!r}: mode {r.mode!r} is not one of "
+                                     f"{sorted(MODES)}")
+            if r.offset < 0 or r.offset % page:
+                raise PlacementError(f"range {r.name!r}: offset {r.offset} is not aligned to the "
+                                     f"page size {page}; align range starts to pages")
+            if r.length <= 0 or r.offset + r.length > file_size:
+                raise PlacementError(f"range {r.name!r}: [{r.offset}, {r.offset + r.length}) is "
+                                     f"outside the file of {file_size} bytes")
+            if r.mode != "default":
+                if not r.nodes:
+                    raise TopologyError(f"range {r.name!r}: empty node set for mode {r.mode}; "
+                                        "name at least one NUMA node")
+                if topology is not None:
+                    topology.check_nodes(r.nodes)
+            spans.append((r.offset, r.offset + r.length, r.name))
+        spans.sort()
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+            if start < end:
+                raise PlacementError(f"ranges {a!r} and {b!r} overlap; give disjoint ranges")
+
+    def apply(self, mapping: native.Mapping, topology: Topology | None = None,
+              move: bool = False) -> None:
+        """mbind every range.  On tmpfs the policy is stored on the file, so
+        every later fault by any process obeys it.  ``move`` also migrates
+        pages already there (only pages this process alone maps)."""
+        self.validate(mapping.length, topology or Topology.detect())
+        flags = native.MPOL_MF_MOVE | native.MPOL_MF_STRICT if move else 0
+        for r in self.ranges:
+            length = min(_round_up(r.length, native.PAGE_SIZE), mapping.length - r.offset)
+            native.mbind(mapping, r.offset, length, MODES[r.mode], r.nodes, flags)
+
+    def bytes_per_node(self) -> dict[int, int]:
+        """Planned bytes on each node (interleave split evenly)."""
+        out: Counter[int] = Counter()
+        for r in self.ranges:
+            for node in r.nodes:
+                out[node] += r.length // len(r.nodes)
+        return dict(sorted(out.items()))
+
+    def to_dict(self) -> dict:
+        return {"policy": self.policy, "copies": self.copies,
+                "ranges": [vars(r) | {"nodes": list(r.nodes)} for r in self.ranges],
+                "bytes_per_node": self.bytes_per_node()}
+
+
+def _round_up(value: int, align: int) -> int:
+    return (value + align - 1) // align * align
+
+
+def parse_policy(policy: str) -> tuple[str, int | None]:
+    """'node:1' -> ('node', 1); 'gpu-local' -> ('gpu-local', None)."""
+    if policy.startswith("node:"):
+        try:
+            return "node", int(policy.split(":", 1)[1])
+        except ValueError:
+            raise PlacementError(f"bad policy {policy!r}: write node:N with N a node id") from None
+    if policy in POLICIES:
+        return policy, None
+    raise PlacementError(f"unknown placement policy {policy!r}; choose one of {list(POLICIES)}")
+
+
+def plan_placement(policy: str, regions: Sequence[Region], topology: Topology) -> PlacementPlan:
+    """A plan for ``regions`` under ``policy`` on ``topology``.
+
+    gpu-local binds each region to the node most of its readers sit on;
+    without readers it falls back to node 0 of the topology (the caller
+    passes the leader's node as reader in that case)."""
+    kind, node = parse_policy(policy)
+    ranges = []
+    for reg in regions:
+        if kind == "node":
+            topology.node(node)
+            ranges.append(PlacementRange(reg.name, reg.offset, reg.length, "bind", (node,)))
+        elif kind == "interleave":
+            ranges.append(PlacementRange(reg.name, reg.offset, reg.length, "interleave",
+                                         topology.node_ids))
+        elif kind == "none":
+            ranges.append(PlacementRange(reg.name, reg.offset, reg.length, "default", ()))
+        else:  # gpu-local, replicate-per-node (each copy's readers are node-local)
+            ranges.append(PlacementRange(reg.name, reg.offset, reg.length, "bind",
+                                         (_majority_node(reg, topology),)))
+    copies = len(topology.nodes) if kind == "replicate-per-node" else 1
+    return PlacementPlan(tuple(ranges), policy, copies)
+
+
+def _majority_node(region: Region, topology: Topology) -> int:
+    if not region.reader_nodes:
+        return topology.nodes[0].id
+    for n in region.reader_nodes:
+        topology.node(n)
+    counts = Counter(region.reader_nodes)
+    return max(sorted(counts), key=lambda n: counts[n])
+
+
+def expected_remote_fraction(plan: PlacementPlan, regions: Sequence[Region]) -> float:
+    """Expected fraction of row reads that cross a socket, weighting each
+    region by its size and each reader equally."""
+    if plan.policy == "replicate-per-node":
+        return 0.0
+    by_name = {r.name: r for r in plan.ranges}
+    remote = total = 0.0
+    for reg in regions:
+        placed = by_name[reg.name]
+        for reader in reg.reader_nodes:
+            total += reg.length
+            if placed.mode == "default" or not placed.nodes:
+                continue  # first touch: unknown, counted local
+            local = placed.nodes.count(reader) / len(placed.nodes)
+            remote += reg.length * (1.0 - local)
+    return remote / total if total else 0.0
+
+
+# ------------------------------------------------------------ reporting --
+
+@dataclass(frozen=True)
+class RangeReport:
+    name: str
+    offset: int
+    length: int
+    mode: str
+    planned_nodes: tuple[int, ...]
+    pages: int
+    pages_per_node: dict[int, int] = field(default_factory=dict)
+    unmapped_pages: int = 0
+
+    @property
+    def pages_on_plan(self) -> int:
+        if self.mode == "default" or not self.planned_nodes:
+            return self.pages - self.unmapped_pages
+        return sum(c for n, c in self.pages_per_node.items() if n in self.planned_nodes)
+
+    @property
+    def fraction_on_plan(self) -> float:
+        return self.pages_on_plan / self.pages if self.pages else 1.0
+
+    @property
+    def interleave_spread(self) -> int:
+        """max - min pages over the planned nodes (0 or 1 when perfectly even)."""
+        counts = [self.pages_per_node.get(n, 0) for n in self.planned_nodes] or [0]
+        return max(counts) - min(counts)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "offset": self.offset, "length": self.length,
+                "mode": self.mode, "planned_nodes": list(self.planned_nodes),
+                "pages": self.pages, "pages_per_node": dict(self.pages_per_node),
+                "unmapped_pages": self.unmapped_pages,
+                "fraction_on_plan": self.fraction_on_plan}
+
+
+@dataclass(frozen=True)
+class PlacementReport:
+    ranges: tuple[RangeReport, ...]
+
+    @property
+    def fraction_on_plan(self) -> float:
+        pages = sum(r.pages for r in self.ranges)
+        return sum(r.pages_on_plan for r in self.ranges) / pages if pages else 1.0
+
+    @property
+    def ok(self) -> bool:
+        return all(r.pages_on_plan == r.pages for r in self.ranges)
+
+    def pages_per_node(self) -> dict[int, int]:
+        total: Counter[int] = Counter()
+        for r in self.ranges:
+            total.update(r.pages_per_node)
+        return dict(sorted(total.items()))
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "fraction_on_plan": self.fraction_on_plan,
+                "pages_per_node": self.pages_per_node(),
+                "ranges": [r.to_dict() for r in self.ranges]}
+
+    def format(self) -> str:
+        nodes = sorted({n for r in self.ranges for n in r.pages_per_node})
+        head = f"{'range':<16}{'mode':<12}{'plan':<10}" + "".join(f"{'N' + str(n):>10}"
+                                                                   for n in nodes)
+        lines = [head + f"{'on plan':>10}"]
+        for r in self.ranges:
+            plan = ",".join(map(str, r.planned_nodes)) or "-"
+            cells = "".join(f"{r.pages_per_node.get(n, 0):>10}" for n in nodes)
+            lines.append(f"{r.name:<16}{r.mode:<12}{plan:<10}{cells}"
+                         f"{r.fraction_on_plan:>10.1%}")
+        return "\n".join(lines)
+
+
+def verify(mapping: native.Mapping, plan: PlacementPlan) -> PlacementReport:
+    """Where each page of each planned range really is (move_pages query).
+
+    Pages of the file that this process has not mapped yet are mapped first
+    with MADV_POPULATE_READ, so a peer that attached without touching the
+    table sees the same report as the creator."""
+    reports = []
+    for r in plan.ranges:
+        length = min(_round_up(r.length, native.PAGE_SIZE), mapping.length - r.offset)
+        native.madvise(mapping, native.MADV_POPULATE_READ, r.offset, length)
+        status = native.page_nodes(mapping, r.offset, length)
+        placed = status[status >= 0]
+        counts = Counter(int(n) for n in placed) if len(placed) < 4096 else _bincount(placed)
+        reports.append(RangeReport(r.name, r.offset, r.length, r.mode, r.nodes, len(status),
+                                   dict(sorted(counts.items())), int((status < 0).sum())))
+    return PlacementReport(tuple(reports))
+
+
+def _bincount(nodes) -> dict[int, int]:
+    import numpy as np
+
+    counts = np.bincount(nodes)
+    return {i: int(c) for i, c in enumerate(counts) if c}

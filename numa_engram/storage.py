@@ -1,0 +1,392 @@
+"""Backing-file lifecycle on tmpfs: header, create, place, populate, attach,
+unlink, close, and gc of files whose creator died.
+
+``BackingFile.create`` is DESIGN.md section 3 steps 1-7 in one visible
+sequence; ``attach`` is what a peer does in step 8.  No torch here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import stat
+import struct
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import native
+from .errors import CapacityError, SpecMismatchError, StorageError
+from .placement import PlacementPlan, PlacementReport, verify
+from .topology import Topology
+
+log = logging.getLogger(__name__)
+
+PREFIX = "numa-engram-"
+MAGIC = b"NUMAENGR"
+FORMAT_VERSION = 1
+DEFAULT_DIRECTORY = "/dev/shm"
+SHMEM_THP = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+STATE_CREATING, STATE_READY, STATE_FAILED = 0, 1, 2
+STATE_NAMES = {STATE_CREATING: "CREATING", STATE_READY: "READY", STATE_FAILED: "FAILED"}
+MAX_REGIONS = 16
+
+# magic, version, state, creator pid, creator uid, creator start time (ticks),
+# boot id, fingerprint (32 raw bytes), file size, region count
+_HEAD = struct.Struct("<8sIIIIQ16s32sQI")
+_REGION = struct.Struct("<32sQQ")
+_STATE_OFFSET = 12
+
+
+@dataclass(frozen=True)
+class LayoutRegion:
+    name: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Header page, then each region page-aligned, in order."""
+
+    regions: tuple[LayoutRegion, ...]
+    file_size: int
+
+    @classmethod
+    def of(cls, sizes: Sequence[tuple[str, int]]) -> Layout:
+        if not sizes or len(sizes) > MAX_REGIONS:
+            raise StorageError(f"a backing file holds 1 to {MAX_REGIONS} regions, got {len(sizes)}")
+        page = native.PAGE_SIZE
+        offset, regions = page, []
+        for name, length in sizes:
+            if length <= 0:
+                raise StorageError(f"region {name!r} has size {length}; sizes must be > 0")
+            if len(name.encode()) > 32:
+                raise StorageError(f"region name {name!r} is longer than 32 bytes")
+            regions.append(LayoutRegion(name, offset, int(length)))
+            offset += (int(length) + page - 1) // page * page
+        return cls(tuple(regions), offset)
+
+    def region(self, name: str) -> LayoutRegion:
+        for r in self.regions:
+            if r.name == name:
+                return r
+        raise KeyError(f"no region {name!r}; regions are {[r.name for r in self.regions]}")
+
+
+@dataclass(frozen=True)
+class Header:
+    version: int
+    state: int
+    creator_pid: int
+    creator_uid: int
+    creator_start: int
+    boot_id: bytes
+    fingerprint: bytes
+    layout: Layout
+
+    def pack(self) -> bytes:
+        head = _HEAD.pack(MAGIC, self.version, self.state, self.creator_pid, self.creator_uid,
+                          self.creator_start, self.boot_id, self.fingerprint,
+                          self.layout.file_size, len(self.layout.regions))
+        regions = b"".join(_REGION.pack(r.name.encode(), r.offset, r.length)
+                           for r in self.layout.regions)
+        return head + regions
+
+    @classmethod
+    def unpack(cls, data: bytes, where: str) -> Header:
+        if len(data) < _HEAD.size:
+            raise StorageError(f"{where} is too short ({len(data)} bytes) to be a numa_engram "
+                               "backing file")
+        (magic, version, state, pid, uid, start, boot, fp, size, count) = _HEAD.unpack_from(data)
+        if magic != MAGIC:
+            raise StorageError(f"{where} is not a numa_engram backing file (magic {magic!r})")
+        if version != FORMAT_VERSION:
+            raise StorageError(f"{where} has format version {version}, this library reads "
+                               f"{FORMAT_VERSION}; recreate the table with this version")
+        if count > MAX_REGIONS:
+            raise StorageError(f"{where} header claims {count} regions (max {MAX_REGIONS})")
+        regions = []
+        for i in range(count):
+            name, offset, length = _REGION.unpack_from(data, _HEAD.size + i * _REGION.size)
+            regions.append(LayoutRegion(name.rstrip(b"\0").decode(), offset, length))
+        return cls(version, state, pid, uid, start, boot, fp, Layout(tuple(regions), size))
+
+
+# ---------------------------------------------------------------- checks --
+
+def boot_id() -> bytes:
+    return uuid.UUID(Path("/proc/sys/kernel/random/boot_id").read_text().strip()).bytes
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of pid in clock ticks since boot (None if no such process)."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat_line.rsplit(")", 1)[1].split()[19])
+
+
+def check_shmem_thp(path: Path = SHMEM_THP) -> None:
+    """Refuse to run when shared-memory THP is forced on every mount."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return
+    if "[force]" in text:
+        raise StorageError(
+            f"{path} is 'force': shared memory would use huge pages, which pinning splits and "
+            f"placement cannot verify; run 'echo never > {path}' (or 'advise') as root")
+
+
+def check_space(directory: str, size: int) -> None:
+    if not os.path.isdir(directory):
+        raise StorageError(f"directory {directory!r} does not exist; mount a tmpfs there or "
+                           "pass directory= another tmpfs")
+    free, total = native.statvfs(directory)
+    if size > free:
+        raise CapacityError(
+            f"{directory} has {free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB but the "
+            f"table needs {size / 2**30:.2f} GiB; enlarge it (mount -o remount,size=...) or "
+            "use another directory")
+
+
+# ------------------------------------------------------------------ file --
+
+class BackingFile:
+    """One mapped backing file.  Use ``create`` (leader) or ``attach`` (peer)."""
+
+    def __init__(self, path: str, fd: int, header: Header, mapping: native.Mapping,
+                 owner: bool) -> None:
+        self.path = path
+        self.fd = fd
+        self.header = header
+        self.layout = header.layout
+        self.mapping = mapping
+        self.owner = owner
+        self.unlinked = False
+
+    # ---------------------------------------------------------- create --
+    @classmethod
+    def create(cls, layout: Layout, fingerprint: bytes, *, directory: str = DEFAULT_DIRECTORY,
+               placement: PlacementPlan | None = None, topology: Topology | None = None,
+               populate: bool = True) -> BackingFile:
+        """Steps 1-7: check, create exclusively, header, size, map, no THP,
+        bind, populate.  Any failure removes the file before raising."""
+        check_shmem_thp()                                            # 1
+        check_space(directory, layout.file_size)
+        if placement is not None:
+            placement.validate(layout.file_size, topology or Topology.detect())
+        path, fd = _create_exclusive(directory)                      # 2
+        try:
+            header = _new_header(layout, fingerprint)
+            os.pwrite(fd, header.pack(), 0)
+            os.ftruncate(fd, layout.file_size)                       # 3
+            mapping = native.Mapping(fd, layout.file_size)
+            native.madvise(mapping, native.MADV_NOHUGEPAGE)          # 4
+            if placement is not None:
+                placement.apply(mapping, topology)                   # 5
+            if populate:
+                native.fallocate(fd, 0, layout.file_size, path)      # 6
+        except BaseException:
+            _remove(path, fd)
+            raise
+        log.debug("created %s (%d bytes)", path, layout.file_size)
+        return cls(path, fd, header, mapping, owner=True)
+
+    # ---------------------------------------------------------- attach --
+    @classmethod
+    def attach(cls, path: str | None = None, *, fd: int | None = None,
+               fingerprint: bytes | None = None, file_size: int | None = None,
+               writable: bool = False) -> BackingFile:
+        """Map an existing file (by path or an open fd) after checking that
+        it is ours: no symlink, our uid, our magic and version, the expected
+        fingerprint and size."""
+        if (path is None) == (fd is None):
+            raise ValueError("give exactly one of path= or fd=")
+        where = path if path is not None else f"fd {fd}"
+        if path is not None:
+            fd = _open_existing(path, writable)
+        else:
+            fd = os.dup(fd)
+        try:
+            header = _check_file(fd, where, fingerprint, file_size)
+            mapping = native.Mapping(fd, header.layout.file_size, writable)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(where, fd, header, mapping, owner=False)
+
+    # ------------------------------------------------------------ state --
+    def read_header(self) -> Header:
+        return Header.unpack(os.pread(self.fd, native.PAGE_SIZE, 0), self.path)
+
+    def set_state(self, state: int) -> None:
+        os.pwrite(self.fd, struct.pack("<I", state), _STATE_OFFSET)
+
+    def mark_ready(self) -> None:
+        self.set_state(STATE_READY)
+
+    @property
+    def state(self) -> int:
+        return self.read_header().state
+
+    def region(self, name: str) -> np.ndarray:
+        """uint8 view of one region (exactly its length, not the page padding)."""
+        r = self.layout.region(name)
+        return self.mapping.array(r.offset, r.length)
+
+    def verify_placement(self, plan: PlacementPlan) -> PlacementReport:
+        return verify(self.mapping, plan)
+
+    # ------------------------------------------------------------- end --
+    def unlink(self) -> None:
+        """Remove the path; the mappings keep the memory alive."""
+        if self.owner and not self.unlinked:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.unlinked = True
+
+    def close(self) -> None:
+        """Unmap and close (idempotent).  The creator also unlinks."""
+        if self.owner:
+            self.unlink()
+        if self.mapping is not None:
+            self.mapping.close()
+            self.mapping = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> BackingFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _create_exclusive(directory: str) -> tuple[str, int]:
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    path = os.path.join(directory, PREFIX + secrets.token_hex(8))
+    try:
+        return path, os.open(path, flags, 0o600)
+    except OSError as exc:
+        raise StorageError(f"cannot create {path}: {exc.strerror}") from exc
+
+
+def _new_header(layout: Layout, fingerprint: bytes) -> Header:
+    if len(fingerprint) != 32:
+        raise ValueError(f"fingerprint must be 32 bytes, got {len(fingerprint)}")
+    pid = os.getpid()
+    return Header(FORMAT_VERSION, STATE_CREATING, pid, os.geteuid(),
+                  process_start_time(pid) or 0, boot_id(), fingerprint, layout)
+
+
+def _remove(path: str, fd: int) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    os.close(fd)
+
+
+def _open_existing(path: str, writable: bool) -> int:
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags)
+    except OSError as exc:
+        if os.path.islink(path):
+            raise StorageError(f"{path} is a symlink; refusing to follow it") from exc
+        if exc.errno == 13:
+            raise StorageError(f"{path}: permission denied; a table is readable only by the "
+                               "user that created it (mode 0600): run as that user") from exc
+        raise StorageError(f"cannot open {path}: {exc.strerror}") from exc
+
+
+def _check_file(fd: int, where: str, fingerprint: bytes | None,
+                file_size: int | None) -> Header:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise StorageError(f"{where} is not a regular file")
+    if st.st_uid != os.geteuid():
+        raise StorageError(f"{where} is owned by uid {st.st_uid}, not by this process's uid "
+                           f"{os.geteuid()}; only the creator's user may attach")
+    header = Header.unpack(os.pread(fd, native.PAGE_SIZE, 0), where)
+    if header.creator_uid != st.st_uid:
+        raise StorageError(f"{where} header names creator uid {header.creator_uid} but the "
+                           f"file belongs to uid {st.st_uid}")
+    if st.st_size != header.layout.file_size:
+        raise StorageError(f"{where} is {st.st_size} bytes but its header says "
+                           f"{header.layout.file_size}: truncated or not finished")
+    if file_size is not None and header.layout.file_size != file_size:
+        raise StorageError(f"{where} is {header.layout.file_size} bytes, expected {file_size}")
+    if fingerprint is not None and header.fingerprint != fingerprint:
+        raise SpecMismatchError(f"{where} was built for spec {header.fingerprint.hex()[:16]}, "
+                                f"this process has spec {fingerprint.hex()[:16]}; both sides "
+                                "must use the same EngramSpec")
+    return header
+
+
+# -------------------------------------------------------------------- gc --
+
+@dataclass(frozen=True)
+class GcEntry:
+    path: str
+    size: int
+    creator_pid: int
+    reason: str  # why it is stale, or why it was kept
+    removed: bool
+
+
+def creator_alive(header: Header) -> bool:
+    if header.boot_id != boot_id():
+        return False
+    start = process_start_time(header.creator_pid)
+    return start is not None and start == header.creator_start
+
+
+def gc_stale_files(directory: str = DEFAULT_DIRECTORY, dry_run: bool = False) -> list[GcEntry]:
+    """Remove backing files (by prefix and header) whose creator is dead or
+    from another boot.  Files of live creators, of other users and files
+    with our prefix but not our header are reported and left alone."""
+    entries = []
+    for name in sorted(os.listdir(directory)):
+        if not name.startswith(PREFIX):
+            continue
+        path = os.path.join(directory, name)
+        entries.append(_gc_one(path, dry_run))
+    return entries
+
+
+def _gc_one(path: str, dry_run: bool) -> GcEntry:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        return GcEntry(path, 0, 0, f"kept: cannot open ({exc.strerror})", False)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() and os.geteuid() != 0:
+            return GcEntry(path, st.st_size, 0, f"kept: owned by uid {st.st_uid}", False)
+        try:
+            header = Header.unpack(os.pread(fd, native.PAGE_SIZE, 0), path)
+        except StorageError as exc:
+            return GcEntry(path, st.st_size, 0, f"kept: {exc}", False)
+    finally:
+        os.close(fd)
+    if creator_alive(header):
+        return GcEntry(path, st.st_size, header.creator_pid, "kept: creator alive", False)
+    reason = ("stale: creator from another boot" if header.boot_id != boot_id()
+              else f"stale: creator pid {header.creator_pid} is dead")
+    if not dry_run:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    return GcEntry(path, st.st_size, header.creator_pid, reason, not dry_run)
