@@ -81,7 +81,8 @@ class Mapping:
         self._check_open()
         length = self.length - offset if length is None else length
         if offset < 0 or length < 0 or offset + length > self.length:
-            raise ValueError(f"range [{offset}, {offset + length}) outside mapping of {self.length}")
+            raise ValueError(f"range [{offset}, {offset + length}) is outside the mapping "
+                             f"of {self.length} bytes")
         return np.frombuffer(self._buffer, dtype=np.uint8, count=length, offset=offset)
 
     def pointer(self, offset: int = 0) -> object:
@@ -143,7 +144,8 @@ def mbind(mapping: Mapping, offset: int, length: int, mode: int, nodes: Iterable
         mask, maxnode = nodemask(nodes)
     rc = lib.ne_mbind(mapping.pointer(offset), length, mode, mask, maxnode, flags)
     if rc != 0:
-        hint = "a node in the set does not exist or has no memory" if ffi.errno == errno.EINVAL else ""
+        hint = ("a node in the set does not exist or has no memory"
+                if ffi.errno == errno.EINVAL else "")
         _raise("mbind", f"{_MPOL_NAMES.get(mode, mode)} nodes={list(nodes)} offset={offset} "
                f"length={length} flags={flags}", hint)
 
@@ -157,7 +159,8 @@ def node_of_address(mapping: Mapping, offset: int) -> int:
     return int(mode[0])
 
 
-def policy_of_address(mapping: Mapping, offset: int, max_nodes: int = 1024) -> tuple[int, list[int]]:
+def policy_of_address(mapping: Mapping, offset: int,
+                      max_nodes: int = 1024) -> tuple[int, list[int]]:
     """get_mempolicy(MPOL_F_ADDR): the policy mode and node set of a range."""
     mode = ffi.new("int *")
     words = max_nodes // _BITS_PER_LONG

@@ -265,3 +265,19 @@ def _bincount(nodes) -> dict[int, int]:
 
     counts = np.bincount(nodes)
     return {i: int(c) for i, c in enumerate(counts) if c}
+
+
+_MODE_NAMES = {v: k for k, v in MODES.items()}
+
+
+def plan_of_mapping(mapping: native.Mapping,
+                    ranges: Sequence[tuple[str, int, int]]) -> PlacementPlan:
+    """The plan as the kernel holds it: the policy stored on each range
+    (get_mempolicy per range start), so a peer can verify without being told."""
+    out = []
+    for name, offset, length in ranges:
+        mode, nodes = native.policy_of_address(mapping, offset)
+        mode_name = _MODE_NAMES.get(mode, "default")
+        out.append(PlacementRange(name, offset, length, mode_name,
+                                  tuple(nodes) if mode_name != "default" else ()))
+    return PlacementPlan(tuple(out), "from-file")

@@ -1,0 +1,17 @@
+# make demo  - install into .venv and run the main job on a default table
+# make test  - install into .venv and run every test (NUMA ones in the VM)
+VENV ?= .venv
+
+.PHONY: setup demo test bench
+setup:
+	VENV=$(VENV) tools/setup.sh
+
+demo: setup
+	$(VENV)/bin/numa-engram topo
+	$(VENV)/bin/numa-engram demo
+
+test: setup
+	PYTHON=$(VENV)/bin/python tools/test.sh
+
+bench: setup
+	$(VENV)/bin/python tools/bench.py

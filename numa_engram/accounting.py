@@ -1,0 +1,86 @@
+"""Capacity and memory accounting.
+
+Measured part: one reader per kernel file (smaps_rollup, numa_maps, per-node
+meminfo, statvfs of a tmpfs) and a sum over a set of pids.  PSS, not RSS, is
+what tells one shared copy from N private ones.  No torch here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import native
+from .topology import read_node_meminfo, read_online_nodes
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    pid: int
+    rss: int
+    pss: int
+    pss_shmem: int
+    shared: int  # Shared_Clean + Shared_Dirty
+
+
+def read_smaps_rollup(pid: int) -> ProcessMemory:
+    """/proc/<pid>/smaps_rollup in bytes."""
+    fields: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        parts = line.split()
+        if len(parts) >= 3 and parts[2] == "kB":
+            fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return ProcessMemory(pid, fields.get("Rss", 0), fields.get("Pss", 0),
+                         fields.get("Pss_Shmem", 0),
+                         fields.get("Shared_Clean", 0) + fields.get("Shared_Dirty", 0))
+
+
+def sum_memory(pids: Iterable[int]) -> ProcessMemory:
+    """Totals over pids: summed RSS counts a shared table once per process,
+    summed PSS counts it once."""
+    rows = [read_smaps_rollup(p) for p in pids]
+    return ProcessMemory(-1, sum(r.rss for r in rows), sum(r.pss for r in rows),
+                         sum(r.pss_shmem for r in rows), sum(r.shared for r in rows))
+
+
+def read_numa_maps(pid: int, match: str | None = None) -> dict[int, int]:
+    """Pages per node of pid's mappings (only pages it has mapped), from
+    /proc/<pid>/numa_maps; ``match`` keeps lines containing that text."""
+    pages: Counter[int] = Counter()
+    for line in Path(f"/proc/{pid}/numa_maps").read_text().splitlines():
+        if match is not None and match not in line:
+            continue
+        for tok in line.split():
+            if tok[:1] == "N" and "=" in tok and tok[1:tok.index("=")].isdigit():
+                node, count = tok[1:].split("=")
+                pages[int(node)] += int(count)
+    return dict(sorted(pages.items()))
+
+
+def node_shmem() -> dict[int, int]:
+    """Shmem bytes per NUMA node (nodeN/meminfo)."""
+    return {n: read_node_meminfo(n).get("Shmem", 0) for n in read_online_nodes()
+            if Path(f"/sys/devices/system/node/node{n}").exists()}
+
+
+def tmpfs_usage(directory: str = "/dev/shm") -> tuple[int, int]:
+    """(used bytes, total bytes) of a tmpfs."""
+    free, total = native.statvfs(directory)
+    return total - free, total
+
+
+def pids_of_users(pattern: str) -> list[int]:
+    """Pids whose command line contains pattern (for `numa-engram mem`)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if pattern in cmd and int(entry) != os.getpid():
+                out.append(int(entry))
+    return out

@@ -1,0 +1,200 @@
+"""numa-engram: plan, place, verify and measure Engram tables.
+
+Every sub-command prints a table an operator can read (numactl/numastat
+style) or, with --json, a document for scripts.  The placement tools do not
+import torch, so they start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from .errors import NumaEngramError
+
+UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'64M' -> 67108864; plain numbers are bytes."""
+    t = text.strip().lower().rstrip("ib").rstrip("b") if text[-1:].lower() in "bB" else text.lower()
+    if t and t[-1] in UNITS:
+        return int(float(t[:-1]) * UNITS[t[-1]])
+    return int(t)
+
+
+def load_topology(simulate: str | None):
+    from .topology import Topology
+
+    if not simulate:
+        return Topology.detect()
+    if os.path.exists(simulate):
+        with open(simulate) as fh:
+            return Topology.from_dict(json.load(fh))
+    sockets, _, gpus = simulate.lower().partition("x")
+    return Topology.from_dict({"sockets": int(sockets), "gpus_per_socket": int(gpus or 0)})
+
+
+def emit(args: argparse.Namespace, doc: object, text: str) -> None:
+    print(json.dumps(doc, indent=2, default=str) if args.json else text)
+
+
+# ------------------------------------------------------------- commands --
+
+def cmd_topo(args: argparse.Namespace) -> int:
+    topo = load_topology(args.simulate)
+    ids = topo.node_ids
+    lines = [f"available: {len(ids)} nodes ({','.join(map(str, ids))})"
+             + ("  [simulated]" if topo.simulated else "")]
+    for n in topo.nodes:
+        lines.append(f"node {n.id} cpus: {' '.join(map(str, n.cpus))}")
+        lines.append(f"node {n.id} size: {n.mem_total >> 20} MB")
+        lines.append(f"node {n.id} free: {n.mem_free >> 20} MB")
+    lines.append("node distances:")
+    lines.append("node " + "".join(f"{i:>5}" for i in ids))
+    for n in topo.nodes:
+        lines.append(f"{n.id:>4}:" + "".join(f"{topo.distance(n.id, o):>5}" for o in ids))
+    lines.append("GPUs:" if topo.gpus else "GPUs: none found (sysfs)")
+    for g in topo.gpus:
+        lines.append(f"  GPU{g.index}  {g.pci_bus_id}  NUMA node {g.numa_node}")
+    lines.extend(f"note: {note}" for note in topo.notes)
+    emit(args, topo.to_dict(), "\n".join(lines))
+    return 0
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    """Create a table file, place it, populate, verify, report; then remove it
+    (or keep it mapped for --hold seconds so other tools can look at it)."""
+    from .placement import Region, plan_placement
+    from .storage import BackingFile, Layout
+
+    topo = load_topology(None)
+    size = parse_size(args.size)
+    share = size // args.regions
+    layout = Layout.of([(f"shard{i}", share) for i in range(args.regions)])
+    regions = [Region(r.name, r.offset, r.length, (topo.node_ids[i % len(topo.node_ids)],))
+               for i, r in enumerate(layout.regions)]
+    plan = plan_placement(args.policy, regions, topo)
+    t0 = time.perf_counter()
+    with BackingFile.create(layout, bytes(32), directory=args.directory, placement=plan) as f:
+        created = time.perf_counter() - t0
+        report = f.verify_placement(plan)
+        doc = {"path": f.path, "bytes": layout.file_size, "create_s": created,
+               "plan": plan.to_dict(), "report": report.to_dict()}
+        emit(args, doc, f"{f.path}: {layout.file_size / 2**20:.1f} MiB, policy {args.policy}, "
+                        f"created in {created:.3f} s\n{report.format()}")
+        if args.hold:
+            time.sleep(args.hold)
+    return 0 if report.ok else 1
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Where the pages of a table file are, against the policy stored on it."""
+    from .placement import plan_of_mapping
+    from .storage import STATE_NAMES, BackingFile
+
+    with BackingFile.attach(args.path) as f:
+        plan = plan_of_mapping(f.mapping, [(r.name, r.offset, r.length) for r in f.layout.regions])
+        report = f.verify_placement(plan)
+        state = STATE_NAMES.get(f.state, "?")
+    emit(args, {"path": args.path, "state": state, "report": report.to_dict()},
+         f"{args.path} [{state}]\n{report.format()}")
+    return 0 if report.ok else 1
+
+
+def cmd_mem(args: argparse.Namespace) -> int:
+    """Per-process PSS/RSS (numastat -p style) and per-node Shmem."""
+    from . import accounting, native
+
+    pids = [int(p) for p in args.pids] or accounting.pids_of_users(args.match)
+    rows = []
+    for pid in pids:
+        try:
+            m = accounting.read_smaps_rollup(pid)
+        except OSError:
+            continue
+        rows.append({"pid": pid, "rss": m.rss, "pss": m.pss, "pss_shmem": m.pss_shmem,
+                     "numa_pages": accounting.read_numa_maps(pid, match=args.file_match)})
+    shmem = accounting.node_shmem()
+    used, total = accounting.tmpfs_usage(args.directory)
+    nodes = sorted(shmem)
+    lines = [f"{'pid':>8}{'RSS MiB':>12}{'PSS MiB':>12}{'PssShm MiB':>12}"
+             + "".join(f"{'N' + str(n) + ' MiB':>10}" for n in nodes)]
+    page_mib = native.PAGE_SIZE / 2**20
+    for r in rows:
+        lines.append(f"{r['pid']:>8}{r['rss'] / 2**20:>12.1f}{r['pss'] / 2**20:>12.1f}"
+                     f"{r['pss_shmem'] / 2**20:>12.1f}"
+                     + "".join(f"{r['numa_pages'].get(n, 0) * page_mib:>10.1f}" for n in nodes))
+    lines.append(f"{'Total':>8}{sum(r['rss'] for r in rows) / 2**20:>12.1f}"
+                 f"{sum(r['pss'] for r in rows) / 2**20:>12.1f}"
+                 f"{sum(r['pss_shmem'] for r in rows) / 2**20:>12.1f}")
+    lines.append("Shmem per node (MiB): " + "  ".join(f"N{n}={shmem[n] / 2**20:.1f}"
+                                                       for n in nodes))
+    lines.append(f"{args.directory}: {used / 2**20:.1f} MiB used of {total / 2**20:.1f} MiB")
+    emit(args, {"processes": rows, "node_shmem": shmem, "tmpfs_used": used,
+                "tmpfs_total": total}, "\n".join(lines))
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from .storage import gc_stale_files
+
+    entries = gc_stale_files(args.directory, dry_run=args.dry_run)
+    def verdict(e) -> str:
+        if e.removed:
+            return "removed"
+        return "would remove" if e.reason.startswith("stale") else "kept"
+
+    lines = [f"{verdict(e):<13}{e.path}  {e.size / 2**20:.1f} MiB  {e.reason}" for e in entries]
+    emit(args, [vars(e) for e in entries], "\n".join(lines) or "no numa_engram files")
+    return 0
+
+
+# ---------------------------------------------------------------- main --
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="numa-engram", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def add(name: str, func, help_text: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        sp.add_argument("--json", action="store_true", help="print JSON for scripts")
+        sp.set_defaults(func=func)
+        return sp
+
+    sp = add("topo", cmd_topo, "NUMA nodes, cpus, memory, distances and GPUs")
+    sp.add_argument("--simulate", help="'2x4' (sockets x GPUs per socket) or a topology JSON file")
+    sp = add("create", cmd_create, "create, place, populate and verify a table file")
+    sp.add_argument("--size", default="64M")
+    sp.add_argument("--regions", type=int, default=2, help="equal regions, region i read from "
+                    "node i mod nodes")
+    sp.add_argument("--policy", default="gpu-local")
+    sp.add_argument("--directory", default="/dev/shm")
+    sp.add_argument("--hold", type=float, default=0, help="seconds to keep it before removing")
+    sp = add("verify", cmd_verify, "report where a table file's pages are")
+    sp.add_argument("path")
+    sp = add("mem", cmd_mem, "PSS/RSS per process and Shmem per node")
+    sp.add_argument("pids", nargs="*")
+    sp.add_argument("--match", default="numa_engram", help="pick pids by command line")
+    sp.add_argument("--file-match", default="numa-engram-", help="mappings counted per node")
+    sp.add_argument("--directory", default="/dev/shm")
+    sp = add("gc", cmd_gc, "remove table files whose creator died")
+    sp.add_argument("--directory", default="/dev/shm")
+    sp.add_argument("--dry-run", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except NumaEngramError as exc:
+        print(f"numa-engram {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+import os
+
+from numa_engram import accounting
+from numa_engram.storage import BackingFile, Layout
+
+
+def test_pss_counts_a_shared_table_once_rss_per_process():
+    size = 32 << 20
+    with BackingFile.create(Layout.of([("w", size)]), bytes(32)) as table:
+        from numa_engram import native
+        native.madvise(table.mapping, native.MADV_POPULATE_READ)
+        peer = BackingFile.attach(table.path)
+        native.madvise(peer.mapping, native.MADV_POPULATE_READ)
+        me = accounting.read_smaps_rollup(os.getpid())
+        # two mappings of the same pages in one process: RSS twice, PSS once
+        assert me.rss >= 2 * size
+        assert me.pss_shmem >= size * 0.95
+        pages = accounting.read_numa_maps(os.getpid(), match="numa-engram-")
+        assert sum(pages.values()) >= 2 * size // native.PAGE_SIZE
+        peer.close()
+
+
+def test_node_shmem_and_tmpfs_usage_see_a_new_table():
+    before_used, _ = accounting.tmpfs_usage()
+    before_shmem = sum(accounting.node_shmem().values())
+    with BackingFile.create(Layout.of([("w", 64 << 20)]), bytes(32)):
+        used, total = accounting.tmpfs_usage()
+        assert used - before_used >= 60 << 20 and total > used
+        assert sum(accounting.node_shmem().values()) - before_shmem >= 60 << 20
+
+
+def test_sum_memory_adds_processes():
+    pid = os.getpid()
+    one = accounting.read_smaps_rollup(pid)
+    two = accounting.sum_memory([pid, pid])
+    assert two.rss >= 2 * one.rss * 0.9

@@ -1,0 +1,107 @@
+import errno
+import os
+
+import numpy as np
+import pytest
+
+from numa_engram import native
+from numa_engram.errors import CapacityError, SyscallError
+
+
+@pytest.fixture
+def mapped(tmp_path):
+    fd = os.open("/dev/shm/numa-engram-test-native", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.unlink("/dev/shm/numa-engram-test-native")
+    os.ftruncate(fd, 16 * native.PAGE_SIZE)
+    m = native.Mapping(fd, 16 * native.PAGE_SIZE)
+    yield fd, m
+    m.close()
+    os.close(fd)
+
+
+def test_page_size_is_a_power_of_two():
+    assert native.PAGE_SIZE >= 4096 and native.PAGE_SIZE & (native.PAGE_SIZE - 1) == 0
+
+
+def test_mbind_then_populate_lands_on_the_bound_node(mapped):
+    fd, m = mapped
+    native.madvise(m, native.MADV_NOHUGEPAGE)
+    native.mbind(m, 0, m.length, native.MPOL_BIND, [0])
+    native.fallocate(fd, 0, m.length)
+    native.madvise(m, native.MADV_POPULATE_READ)
+    assert (native.page_nodes(m, 0, m.length) == 0).all()
+    assert native.policy_of_address(m, 0) == (native.MPOL_BIND, [0])
+    assert native.node_of_address(m, native.PAGE_SIZE) == 0
+
+
+def test_unmapped_pages_report_enoent(mapped):
+    fd, m = mapped
+    native.fallocate(fd, 0, m.length)
+    status = native.page_nodes(m, 0, m.length)
+    assert (status == -errno.ENOENT).all()
+
+
+def test_mbind_on_missing_node_names_call_args_and_errno(mapped):
+    _, m = mapped
+    with pytest.raises(SyscallError) as info:
+        native.mbind(m, 0, native.PAGE_SIZE, native.MPOL_BIND, [63])
+    err = info.value
+    assert err.errno == errno.EINVAL and err.errno_name == "EINVAL" and err.call == "mbind"
+    assert "nodes=[63]" in str(err) and "MPOL_BIND" in str(err)
+
+
+def test_nodemask_wider_than_64_nodes():
+    mask, maxnode = native.nodemask([1, 64, 130])
+    assert maxnode == 3 * 64 + 1
+    assert (mask[0], mask[1], mask[2]) == (1 << 1, 1, 1 << 2)
+    with pytest.raises(ValueError, match="empty node set"):
+        native.nodemask([])
+
+
+def test_unaligned_and_out_of_mapping_ranges_refused(mapped):
+    _, m = mapped
+    with pytest.raises(ValueError, match="page-aligned"):
+        native.mbind(m, 1, native.PAGE_SIZE, native.MPOL_BIND, [0])
+    with pytest.raises(ValueError, match="inside the mapping"):
+        native.madvise(m, native.MADV_DONTNEED, 0, m.length + native.PAGE_SIZE)
+
+
+def test_views_keep_memory_mapped_after_close(mapped):
+    _, m = mapped
+    view = m.array()
+    view[:4] = [1, 2, 3, 4]
+    m.close()
+    assert m.mapped  # the view still holds it: no dangling pointer
+    assert list(view[:4]) == [1, 2, 3, 4]
+    del view
+    assert not m.mapped
+
+
+def test_fallocate_enospc_is_capacity_error(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.system(f"mount -t tmpfs -o size=1m tmpfs {mnt} 2>/dev/null") != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root and mount permission)")
+    try:
+        fd = os.open(mnt / "f", os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, 8 << 20)  # succeeds: tmpfs only fails when pages are touched
+        with pytest.raises(CapacityError, match="no space"):
+            native.fallocate(fd, 0, 8 << 20, str(mnt / "f"))
+        os.close(fd)
+    finally:
+        os.system(f"umount {mnt}")
+
+
+def test_statvfs_reports_shm():
+    free, total = native.statvfs("/dev/shm")
+    assert 0 < free <= total
+    with pytest.raises(SyscallError, match="ENOENT"):
+        native.statvfs("/no/such/dir")
+
+
+def test_array_is_a_real_view_across_two_mappings(mapped):
+    fd, m = mapped
+    other = native.Mapping(fd, m.length, writable=False)
+    m.array()[100:104] = np.arange(4, dtype=np.uint8) + 7
+    assert list(other.array()[100:104]) == [7, 8, 9, 10]
+    other.close()

@@ -1,0 +1,111 @@
+"""Placement on a kernel with >= 2 NUMA nodes (the tools/numa-vm guest on
+single-node hosts; directly on a real multi-socket host)."""
+
+import json
+
+import pytest
+
+from numa_engram import native
+from numa_engram.placement import (
+    PlacementPlan,
+    PlacementRange,
+    Region,
+    plan_of_mapping,
+    plan_placement,
+)
+from numa_engram.storage import BackingFile, Layout
+from numa_engram.topology import Topology
+
+from .conftest import run_python
+
+pytestmark = pytest.mark.numa
+FP = b"\7" * 32
+SIZE = 64 << 20
+
+
+def _per_node_layout(nodes):
+    share = SIZE // len(nodes)
+    return Layout.of([(f"shard{n}", share) for n in nodes])
+
+
+def _bind_each_region(layout, nodes):
+    return PlacementPlan(tuple(PlacementRange(r.name, r.offset, r.length, "bind", (n,))
+                               for r, n in zip(layout.regions, nodes)))
+
+
+ATTACH_AND_VERIFY = """
+    import json, sys
+    from numa_engram.placement import plan_of_mapping
+    from numa_engram.storage import BackingFile
+    f = BackingFile.attach(sys.argv[1])
+    plan = plan_of_mapping(f.mapping, [(r.name, r.offset, r.length) for r in f.layout.regions])
+    print(json.dumps(f.verify_placement(plan).to_dict()))
+    f.close()
+"""
+
+
+def test_ranges_bound_to_different_nodes_are_fully_placed(numa_nodes):
+    layout = _per_node_layout(numa_nodes)
+    plan = _bind_each_region(layout, numa_nodes)
+    with BackingFile.create(layout, FP, placement=plan) as table:
+        report = table.verify_placement(plan)
+        assert report.ok, report.format()
+        for r, node in zip(report.ranges, numa_nodes):
+            assert r.pages_per_node == {node: r.pages} and r.fraction_on_plan == 1.0
+        # a second process that binds nothing sees the same pages on the same nodes
+        peer = run_python(ATTACH_AND_VERIFY, table.path)
+        assert peer.returncode == 0, peer.stderr
+        seen = json.loads(peer.stdout)
+        assert seen["ok"] and seen["fraction_on_plan"] == 1.0
+        assert [r["pages_per_node"] for r in seen["ranges"]] == [
+            {str(n): r.pages} for r, n in zip(report.ranges, numa_nodes)]
+
+
+def test_policy_is_kept_on_the_file(numa_nodes):
+    layout = _per_node_layout(numa_nodes)
+    plan = _bind_each_region(layout, numa_nodes)
+    with BackingFile.create(layout, FP, placement=plan) as table:
+        peer = BackingFile.attach(table.path)
+        stored = plan_of_mapping(peer.mapping, [(r.name, r.offset, r.length)
+                                                for r in layout.regions])
+        assert [(r.mode, r.nodes) for r in stored.ranges] == [("bind", (n,)) for n in numa_nodes]
+        peer.close()
+
+
+def test_interleave_spreads_pages_evenly(numa_nodes):
+    layout = Layout.of([("weights", SIZE)])
+    topo = Topology.detect()
+    plan = plan_placement("interleave", [Region("weights", layout.regions[0].offset, SIZE)], topo)
+    with BackingFile.create(layout, FP, placement=plan) as table:
+        r = table.verify_placement(plan).ranges[0]
+        assert set(r.pages_per_node) == set(numa_nodes), r.pages_per_node
+        assert r.interleave_spread <= 1, r.pages_per_node
+        assert r.fraction_on_plan == 1.0
+
+
+def test_gpu_local_plan_on_this_host_places_each_shard_on_its_readers_node(numa_nodes):
+    layout = _per_node_layout(numa_nodes)
+    regions = [Region(r.name, r.offset, r.length, (n,)) for r, n in zip(layout.regions,
+                                                                         numa_nodes)]
+    plan = plan_placement("gpu-local", regions, Topology.detect())
+    with BackingFile.create(layout, FP, placement=plan) as table:
+        report = table.verify_placement(plan)
+        assert report.ok and report.pages_per_node() == {
+            n: r.pages for n, r in zip(numa_nodes, report.ranges)}
+
+
+def test_preferred_policy_lands_on_preferred_node(numa_nodes):
+    last = numa_nodes[-1]
+    layout = Layout.of([("w", 4 << 20)])
+    plan = PlacementPlan((PlacementRange("w", layout.regions[0].offset, 4 << 20, "preferred",
+                                         (last,)),))
+    with BackingFile.create(layout, FP, placement=plan) as table:
+        assert table.verify_placement(plan).ranges[0].pages_per_node == {
+            last: (4 << 20) // native.PAGE_SIZE}
+
+
+def test_topology_sees_every_node(numa_nodes):
+    topo = Topology.detect()
+    assert topo.node_ids == numa_nodes
+    assert all(len(n.distances) == len(numa_nodes) for n in topo.nodes)
+    assert not any("disagree" in note for note in topo.notes), topo.notes

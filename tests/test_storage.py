@@ -1,0 +1,186 @@
+import os
+import signal
+import struct
+
+import pytest
+
+from numa_engram import native
+from numa_engram.errors import (
+    CapacityError,
+    PlacementError,
+    SpecMismatchError,
+    StorageError,
+    TopologyError,
+)
+from numa_engram.placement import PlacementPlan, PlacementRange
+from numa_engram.storage import PREFIX, BackingFile, Layout, check_shmem_thp, gc_stale_files
+
+from .conftest import run_python, shm_files
+
+FP = bytes(range(32))
+LAYOUT = Layout.of([("weights", 3 * native.PAGE_SIZE + 5), ("scales", 100)])
+
+
+@pytest.fixture
+def backing():
+    f = BackingFile.create(LAYOUT, FP)
+    yield f
+    f.close()
+
+
+def test_layout_regions_are_page_aligned_after_a_header_page():
+    page = native.PAGE_SIZE
+    assert [(r.offset, r.length) for r in LAYOUT.regions] == [(page, 3 * page + 5),
+                                                               (5 * page, 100)]
+    assert LAYOUT.file_size == 6 * page
+
+
+def test_create_writes_header_and_mode_0600(backing):
+    st = os.stat(backing.path)
+    assert oct(st.st_mode & 0o777) == "0o600" and st.st_size == LAYOUT.file_size
+    assert os.path.basename(backing.path).startswith(PREFIX)
+    h = backing.read_header()
+    assert h.creator_pid == os.getpid() and h.fingerprint == FP and h.state == 0
+    assert h.layout == LAYOUT
+    backing.mark_ready()
+    assert backing.state == 1
+
+
+def test_peer_in_another_process_sees_the_bytes(backing):
+    backing.region("weights")[:3] = [7, 8, 9]
+    out = run_python("""
+        import sys
+        from numa_engram.storage import BackingFile
+        f = BackingFile.attach(sys.argv[1], fingerprint=bytes(range(32)))
+        print(f.region("weights")[:3].tolist())
+        f.close()
+    """, backing.path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[7, 8, 9]"
+
+
+def test_unlink_keeps_memory_alive(backing):
+    peer = BackingFile.attach(backing.path, fingerprint=FP)
+    backing.region("scales")[0] = 42
+    backing.unlink()
+    assert not os.path.exists(backing.path)
+    assert peer.region("scales")[0] == 42
+    peer.close()
+
+
+def test_close_is_idempotent(backing):
+    backing.close()
+    backing.close()
+    assert not os.path.exists(backing.path)
+
+
+def test_size_larger_than_free_tmpfs_is_refused_before_creating():
+    huge = Layout.of([("weights", native.statvfs("/dev/shm")[1] * 2)])
+    before = shm_files()
+    with pytest.raises(CapacityError, match="GiB free"):
+        BackingFile.create(huge, FP)
+    assert shm_files() == before
+
+
+def test_missing_directory():
+    with pytest.raises(StorageError, match="does not exist"):
+        BackingFile.create(LAYOUT, FP, directory="/no/such/dir")
+
+
+@pytest.mark.parametrize("plan, error, match", [
+    (PlacementPlan((PlacementRange("w", 4097, 4096, "bind", (0,)),)), PlacementError, "aligned"),
+    (PlacementPlan((PlacementRange("w", 4096, 1 << 30, "bind", (0,)),)), PlacementError,
+     "outside the file"),
+    (PlacementPlan((PlacementRange("w", 4096, 4096, "bind", (7,)),)), TopologyError,
+     "node 7 does not exist"),
+    (PlacementPlan((PlacementRange("w", 4096, 4096, "bind", ()),)), TopologyError,
+     "empty node set"),
+    (PlacementPlan((PlacementRange("w", 4096, 8192, "bind", (0,)),
+                    PlacementRange("s", 8192, 4096, "bind", (0,)))), PlacementError, "overlap"),
+])
+def test_bad_plans_are_refused_and_leave_nothing(plan, error, match):
+    before = shm_files()
+    with pytest.raises(error, match=match):
+        BackingFile.create(LAYOUT, FP, placement=plan)
+    assert shm_files() == before
+
+
+def _foreign(tmp_name: str, data: bytes) -> str:
+    path = f"/dev/shm/{PREFIX}{tmp_name}"
+    with open(path, "wb") as fh:
+        fh.write(data)
+    os.chmod(path, 0o600)
+    return path
+
+
+def test_wrong_magic_is_refused():
+    path = _foreign("test-magic", b"\0" * LAYOUT.file_size)
+    try:
+        with pytest.raises(StorageError, match="not a numa_engram backing file"):
+            BackingFile.attach(path)
+    finally:
+        os.unlink(path)
+
+
+def test_other_format_version_is_refused(backing):
+    os.pwrite(backing.fd, struct.pack("<I", 99), 8)
+    with pytest.raises(StorageError, match="format version 99"):
+        BackingFile.attach(backing.path)
+
+
+def test_truncated_file_is_refused(backing):
+    os.ftruncate(backing.fd, LAYOUT.file_size - native.PAGE_SIZE)
+    with pytest.raises(StorageError, match="truncated"):
+        BackingFile.attach(backing.path)
+
+
+def test_symlink_is_refused(backing):
+    link = f"/dev/shm/{PREFIX}test-link"
+    os.symlink(backing.path, link)
+    try:
+        with pytest.raises(StorageError, match="symlink"):
+            BackingFile.attach(link)
+    finally:
+        os.unlink(link)
+
+
+def test_other_owner_is_refused(backing):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to chown a file to another uid")
+    os.fchown(backing.fd, 4321, -1)
+    with pytest.raises(StorageError, match="owned by uid 4321"):
+        BackingFile.attach(backing.path)
+
+
+def test_fingerprint_mismatch(backing):
+    with pytest.raises(SpecMismatchError, match="same EngramSpec"):
+        BackingFile.attach(backing.path, fingerprint=b"\1" * 32)
+
+
+def test_shmem_thp_force_is_refused(tmp_path):
+    knob = tmp_path / "shmem_enabled"
+    knob.write_text("always within_size advise never deny [force]\n")
+    with pytest.raises(StorageError, match="echo never"):
+        check_shmem_thp(knob)
+    knob.write_text("always within_size advise [never] deny force\n")
+    check_shmem_thp(knob)
+
+
+def test_gc_removes_file_of_killed_creator_and_keeps_live_ones(backing):
+    child = run_python("""
+        import os, signal
+        from numa_engram.storage import BackingFile, Layout
+        f = BackingFile.create(Layout.of([("w", 4096)]), bytes(32))
+        print(f.path, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    assert child.returncode == -signal.SIGKILL
+    dead_path = child.stdout.strip()
+    assert os.path.exists(dead_path)
+    preview = {e.path: e for e in gc_stale_files(dry_run=True)}
+    assert not preview[dead_path].removed and os.path.exists(dead_path)
+    entries = {e.path: e for e in gc_stale_files()}
+    assert entries[dead_path].removed and "dead" in entries[dead_path].reason
+    assert not os.path.exists(dead_path)
+    assert entries[backing.path].reason == "kept: creator alive"
+    assert os.path.exists(backing.path)

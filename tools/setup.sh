@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Install what numa_engram needs on a Debian/Ubuntu host into .venv:
+# libnuma (for py-libnuma), a C compiler (the cffi core is built at install
+# time), torch (the CPU build unless TORCH_SPEC says otherwise; a serving
+# host keeps its own CUDA build: set TORCH_SPEC=skip), then the package.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+need=()
+[ -e /usr/lib/x86_64-linux-gnu/libnuma.so.1 ] || ldconfig -p | grep -q libnuma.so.1 || need+=(libnuma1)
+command -v cc >/dev/null || need+=(gcc libc6-dev)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"
+  else
+    echo "setup.sh: please install ${need[*]} (apt-get install ${need[*]})" >&2; exit 1
+  fi
+fi
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+[ "$TORCH_SPEC" = skip ] || "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
+"$VENV/bin/python" -m pip install -q -e '.[test]'
