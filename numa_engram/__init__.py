@@ -1,0 +1,50 @@
+"""numa_engram: NUMA-placed, DP-shared host-memory Engram tables.
+
+Importing the package is cheap: torch is imported only by the modules that
+need it (fp8, lookup, table, prefetch, cuda), when first used.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+from .errors import (
+    CapacityError,
+    CheckpointError,
+    LookupIdError,
+    NumaEngramError,
+    PlacementError,
+    SpecError,
+    SpecMismatchError,
+    StorageError,
+    SyscallError,
+    TopologyError,
+)
+from .hashing import compress_ids, ngram_hashes
+from .placement import PlacementPlan, PlacementRange, PlacementReport, plan_placement
+from .sharding import DEAD_ID, ShardInfo, WorldLayout, shard_heads, shard_rows
+from .spec import EngramSpec
+from .topology import Topology
+
+_LAZY = {
+    "dequantize_rows": "fp8",
+    "quantize_rows": "fp8",
+    "SharedEngramTable": "table",
+    "PrefetchScheduler": "prefetch",
+    "lookup_rows": "lookup",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'numa_engram' has no attribute {name!r}")
+
+
+__all__ = [
+    "DEAD_ID", "CapacityError", "CheckpointError", "EngramSpec", "LookupIdError",
+    "NumaEngramError", "PlacementError", "PlacementPlan", "PlacementRange", "PlacementReport",
+    "ShardInfo", "SpecError", "SpecMismatchError", "StorageError", "SyscallError", "Topology",
+    "TopologyError", "WorldLayout", "compress_ids", "ngram_hashes", "plan_placement",
+    "shard_heads", "shard_rows", *_LAZY,
+]

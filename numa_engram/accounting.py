@@ -84,3 +84,55 @@ def pids_of_users(pattern: str) -> list[int]:
             if pattern in cmd and int(entry) != os.getpid():
                 out.append(int(entry))
     return out
+
+
+# ------------------------------------------------------------ arithmetic --
+# Exact bytes from per-shard row counts (prime bucket sizes make W/T only
+# approximate).
+
+
+@dataclass(frozen=True)
+class ModeMemory:
+    mode: str
+    per_rank: dict[int, int]   # bytes each rank's shard(s) occupy (attributed, not PSS)
+    per_node: dict[int, int]   # physical bytes on each node (shared copies counted once)
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_node.values())
+
+
+def shard_bytes(spec, layer_id: int, num_shards: int, rank: int, row_wise: bool = False) -> int:
+    from .sharding import shard_heads, shard_rows
+
+    shard = shard_rows if row_wise else shard_heads
+    return shard(spec.bucket_sizes(layer_id), num_shards, rank).num_rows * spec.row_bytes
+
+
+def mode_memory(spec, mode: str, layout) -> ModeMemory:
+    """Host bytes per rank and per node of all Engram layers under a mode."""
+    from .sharding import assign
+
+    per_rank: dict[int, int] = {}
+    per_node: Counter[int] = Counter()
+    holders: set[tuple[int, ...]] = set()
+    for rank in range(layout.world_size):
+        a = assign(mode, layout, rank)
+        size = sum(shard_bytes(spec, layer, a.num_shards, a.shard_index)
+                   for layer in spec.layer_ids)
+        per_rank[rank] = size
+        if a.sharing_group not in holders:  # one physical copy per sharing group
+            holders.add(a.sharing_group)
+            per_node[layout.node_of(rank)] += size
+    return ModeMemory(mode, per_rank, dict(sorted(per_node.items())))
+
+
+def query_payload(spec, tokens: int, heads: int | None = None) -> int:
+    """Bytes of FP8 rows (weights + scales) one layer's lookup reads for
+    ``tokens`` tokens over ``heads`` heads (all heads by default)."""
+    return tokens * (spec.n_hash_cols if heads is None else heads) * spec.row_bytes
+
+
+def dequantized_bytes(spec, tokens: int, heads: int | None = None) -> int:
+    """Bytes of the BF16 rows a lookup produces."""
+    return tokens * (spec.n_hash_cols if heads is None else heads) * spec.head_dim * 2

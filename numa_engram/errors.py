@@ -49,3 +49,11 @@ class SyscallError(NumaEngramError, OSError):
 
     def __str__(self) -> str:
         return self.strerror or ""
+
+
+class SpecError(NumaEngramError, ValueError):
+    """An Engram configuration that cannot describe a table."""
+
+
+class CheckpointError(NumaEngramError):
+    """A checkpoint tensor that is missing or has the wrong name, dtype or shape."""

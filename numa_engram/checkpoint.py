@@ -1,0 +1,189 @@
+"""Read a layer's row range of FP8 weights and ue8m0 scales from safetensors
+files straight into a caller-given buffer (the mapped table), and write small
+synthetic checkpoints in the same layout.
+
+Tensor metadata (name, dtype, shape) is checked through the ``safetensors``
+package; the rows themselves are read with ``preadv`` at the tensor's byte
+offset into the destination, chunk by chunk, so nothing else of the file is
+read and no intermediate copy is made.  ``method="slice"`` uses the
+package's own slicing instead (same bytes, one more copy).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import CheckpointError
+from .spec import EngramSpec
+
+log = logging.getLogger(__name__)
+
+WEIGHT_DTYPES = ("F8_E4M3", "U8")
+SCALE_DTYPES = ("F8_E8M0", "U8")
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+
+@dataclass(frozen=True)
+class TensorNames:
+    """Names of a layer's tensors; ``{layer}`` is replaced by the layer id."""
+
+    weights: str = "layers.{layer}.engram.embedding.weight"
+    scales: str = "layers.{layer}.engram.embedding.scale"
+
+    def of(self, layer_id: int) -> tuple[str, str]:
+        return self.weights.format(layer=layer_id), self.scales.format(layer=layer_id)
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    path: str
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    data_offset: int  # absolute byte offset of element 0 in the file
+
+
+def _as_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    out = [str(p) for p in paths]
+    if not out:
+        raise CheckpointError("no checkpoint files given")
+    return out
+
+
+def read_header(path: str) -> tuple[dict, int]:
+    """The safetensors JSON header of a file and where its data starts."""
+    try:
+        with open(path, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            if size > 100 << 20:
+                raise CheckpointError(f"{path}: header of {size} bytes; not a safetensors file")
+            return json.loads(fh.read(size)), 8 + size
+    except (OSError, struct.error, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot read a safetensors header ({exc})") from exc
+
+
+def locate(paths, name: str) -> TensorLocation:
+    """Find a tensor among the files, checking its metadata with safetensors."""
+    from safetensors import safe_open
+
+    for path in _as_paths(paths):
+        header, base = read_header(path)
+        if name not in header:
+            continue
+        with safe_open(path, framework="pt") as f:  # the package's own view of it
+            sl = f.get_slice(name)
+            shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+        begin, _ = header[name]["data_offsets"]
+        return TensorLocation(path, name, dtype, shape, base + begin)
+    raise CheckpointError(f"tensor {name!r} is in none of {_as_paths(paths)}; check the layer id "
+                          "and the TensorNames pattern")
+
+
+def _check_tensor(loc: TensorLocation, rows: int, width: int, dtypes: tuple[str, ...]) -> None:
+    if loc.dtype not in dtypes:
+        raise CheckpointError(f"{loc.name} in {loc.path} has dtype {loc.dtype}, expected one of "
+                              f"{dtypes}")
+    if loc.shape != (rows, width):
+        raise CheckpointError(f"{loc.name} in {loc.path} has shape {list(loc.shape)}, the spec "
+                              f"says [{rows}, {width}]")
+
+
+def load_rows(paths, spec: EngramSpec, layer_id: int, row_start: int, row_end: int,
+              weights_out: np.ndarray, scales_out: np.ndarray, *,
+              names: TensorNames = TensorNames(), chunk_bytes: int = 64 << 20,
+              method: str = "pread", progress: Progress | None = None) -> None:
+    """Copy rows [row_start, row_end) of the layer's weights and scales into
+    ``weights_out`` ([n, head_dim] uint8) and ``scales_out`` ([n, head_dim/block])."""
+    rows = spec.rows(layer_id)
+    n = row_end - row_start
+    if not 0 <= row_start <= row_end <= rows:
+        raise CheckpointError(f"row range [{row_start}, {row_end}) outside layer {layer_id}'s "
+                              f"{rows} rows")
+    if weights_out.shape != (n, spec.head_dim) or scales_out.shape != (n, spec.scales_per_row):
+        raise CheckpointError(f"destination shapes {weights_out.shape}, {scales_out.shape} do not "
+                              f"hold {n} rows of {spec.head_dim} + {spec.scales_per_row} bytes")
+    w_name, s_name = names.of(layer_id)
+    w_loc, s_loc = locate(paths, w_name), locate(paths, s_name)
+    _check_tensor(w_loc, rows, spec.head_dim, WEIGHT_DTYPES)
+    _check_tensor(s_loc, rows, spec.scales_per_row, SCALE_DTYPES)
+    total = n * spec.row_bytes
+    done = 0
+    for loc, out in ((w_loc, weights_out), (s_loc, scales_out)):
+        width = out.shape[1]
+        step = max(1, chunk_bytes // width)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            if method == "pread":
+                _pread_rows(loc, row_start + a, row_start + b, out[a:b])
+            elif method == "slice":
+                _slice_rows(loc, row_start + a, row_start + b, out[a:b])
+            else:
+                raise ValueError(f"method must be 'pread' or 'slice', got {method!r}")
+            done += (b - a) * width
+            if progress is not None:
+                progress(done, total)
+
+
+def _pread_rows(loc: TensorLocation, a: int, b: int, out: np.ndarray) -> None:
+    width = loc.shape[1]
+    view = memoryview(out.reshape(-1))
+    offset = loc.data_offset + a * width
+    fd = os.open(loc.path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        got = 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n == 0:
+                raise CheckpointError(f"{loc.path} ends inside {loc.name} (rows {a}..{b}): "
+                                      "truncated checkpoint")
+            got += n
+    finally:
+        os.close(fd)
+
+
+def _slice_rows(loc: TensorLocation, a: int, b: int, out: np.ndarray) -> None:
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(loc.path, framework="pt") as f:
+        t = f.get_slice(loc.name)[a:b]
+    out[...] = t.view(torch.uint8).numpy()
+
+
+# ---------------------------------------------------------------- writer --
+
+def synthetic_layer(spec: EngramSpec, layer_id: int, seed: int = 0,
+                    raw: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic FP8 rows for one layer (quantised normals, or raw bytes)."""
+    from .fp8 import random_rows
+
+    return random_rows(spec.rows(layer_id), spec.head_dim, seed=seed * 1000 + layer_id,
+                       block=spec.block, raw=raw)
+
+
+def write_synthetic_checkpoint(path: str | os.PathLike, spec: EngramSpec, *, seed: int = 0,
+                               raw: bool = False, names: TensorNames = TensorNames(),
+                               layers: Sequence[int] | None = None) -> Path:
+    """A safetensors file with every layer's weights (float8_e4m3fn) and
+    scales (float8_e8m0fnu), as the real checkpoints store them."""
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for layer in layers or spec.layer_ids:
+        w, s = synthetic_layer(spec, layer, seed, raw)
+        w_name, s_name = names.of(layer)
+        tensors[w_name] = torch.from_numpy(w).view(torch.float8_e4m3fn)
+        tensors[s_name] = torch.from_numpy(s).view(torch.float8_e8m0fnu)
+    save_file(tensors, str(path), metadata={"engram_spec": json.dumps(spec.to_dict())})
+    return Path(path)
