@@ -35,7 +35,7 @@ def test_every_shard_reads_back_exactly(ckpt, tp, method):
             s = np.zeros((info.num_rows, 2), np.uint8)
             seen = []
             load_rows(ckpt, SPEC, layer, info.row_start, info.row_end, w, s, method=method,
-                      chunk_bytes=4096, progress=lambda d, t: seen.append((d, t)))
+                      chunk_bytes=4096, progress=lambda d, t, acc=seen: acc.append((d, t)))
             np.testing.assert_array_equal(w, w_all[info.row_start:info.row_end])
             np.testing.assert_array_equal(s, s_all[info.row_start:info.row_end])
             assert seen[-1][0] == seen[-1][1] == info.num_rows * SPEC.row_bytes
