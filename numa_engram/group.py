@@ -1,0 +1,112 @@
+"""Coordination for the sharing protocol: broadcast from the leader,
+all-gather small objects and barrier, each bounded by a timeout.
+
+``TorchGroup`` runs over a torch.distributed CPU process group (gloo); the
+caller passes it in (no global state).  ``SingleProcessGroup`` is the
+one-member group of a private table.  ``sharing_groups`` forms the
+node-local sharing (EDP) groups of a world, per the rule in sharding.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any, Protocol
+
+from .errors import NumaEngramError
+from .sharding import WorldLayout
+
+log = logging.getLogger(__name__)
+
+
+class GroupTimeout(NumaEngramError, TimeoutError):
+    """A member did not arrive at a collective in time (or died)."""
+
+
+class Group(Protocol):
+    rank: int
+    size: int
+
+    def broadcast(self, obj: Any, step: str) -> Any: ...
+    def all_gather(self, obj: Any, step: str) -> list[Any]: ...
+    def barrier(self, step: str) -> None: ...
+
+
+class SingleProcessGroup:
+    """The group of a table private to this process."""
+
+    rank = 0
+    size = 1
+    ranks = (0,)
+
+    def broadcast(self, obj: Any, step: str) -> Any:
+        return obj
+
+    def all_gather(self, obj: Any, step: str) -> list[Any]:
+        return [obj]
+
+    def barrier(self, step: str) -> None:
+        return None
+
+
+class TorchGroup:
+    """A torch.distributed gloo group.  Collectives that do not complete
+    within ``timeout_s`` (a peer that never joins, a leader that died) raise
+    GroupTimeout naming the protocol step."""
+
+    def __init__(self, process_group=None, timeout_s: float = 300.0) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise NumaEngramError("torch.distributed is not initialised: call "
+                                  "init_process_group('gloo', ...) first")
+        self._dist = dist
+        self.pg = process_group
+        self.timeout_s = timeout_s
+        self.rank = dist.get_rank(process_group)
+        self.size = dist.get_world_size(process_group)
+        self.ranks = tuple(dist.get_process_group_ranks(process_group)) if process_group \
+            else tuple(range(self.size))
+        self.leader_global_rank = self.ranks[0]
+
+    def _run(self, step: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as exc:  # gloo: timeout, or a peer's socket closed
+            raise GroupTimeout(
+                f"step '{step}': the sharing group {list(self.ranks)} did not complete within "
+                f"{self.timeout_s:.0f} s or a member died ({str(exc).splitlines()[0][:200]})"
+            ) from exc
+
+    def broadcast(self, obj: Any, step: str) -> Any:
+        box = [obj if self.rank == 0 else None]
+        self._run(step, self._dist.broadcast_object_list, box, src=self.leader_global_rank,
+                  group=self.pg)
+        return box[0]
+
+    def all_gather(self, obj: Any, step: str) -> list[Any]:
+        out: list[Any] = [None] * self.size
+        self._run(step, self._dist.all_gather_object, out, obj, group=self.pg)
+        return out
+
+    def barrier(self, step: str) -> None:
+        self._run(step, self._dist.monitored_barrier, group=self.pg,
+                  timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
+
+
+def sharing_groups(layout: WorldLayout, timeout_s: float = 300.0) -> TorchGroup:
+    """Form every node-local sharing group of the world (a collective: all
+    ranks call it) and return this rank's.  Logs the membership."""
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    mine = None
+    for ranks in layout.edp_groups():
+        pg = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout_s), backend="gloo")
+        if me in ranks:
+            mine = TorchGroup(pg, timeout_s)
+    log.info("rank %d: sharing group %s (EDP size %d of tp=%d dp=%d, %d GPUs per node)", me,
+             list(layout.edp_group(me)), layout.edp_size(), layout.tp, layout.dp,
+             layout.gpus_per_node)
+    assert mine is not None  # every rank is in exactly one group
+    return mine

@@ -1,0 +1,117 @@
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from numa_engram.errors import LookupIdError
+from numa_engram.fp8 import random_rows
+from numa_engram.lookup import lookup_rows, reference_lookup
+
+SIZES = [97, 101, 103, 107, 109, 113, 127, 131]  # 8 heads, like vLLM's test
+DIM = 64
+
+
+def _bits(t):
+    return t.view(torch.int16).numpy()
+
+
+def _shard(head_start, head_end, seed=0):
+    sizes = SIZES[head_start:head_end]
+    w, s = random_rows(sum(sizes), DIM, seed=seed, raw=True)  # NaN bytes included
+    return sizes, w, s
+
+
+def _ids(n_tokens, dead_fraction=0.1, seed=1):
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.integers(0, b, size=n_tokens) for b in SIZES], axis=1)
+    ids[rng.random(ids.shape) < dead_fraction] = -1
+    return np.ascontiguousarray(ids, dtype=np.int64)
+
+
+@pytest.mark.parametrize("head_start, head_end", [(0, 8), (0, 4), (4, 8), (3, 6)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dedup", [False, True])
+def test_fused_kernel_is_bit_exact_with_reference(head_start, head_end, threads, dedup):
+    sizes, w, s = _shard(head_start, head_end)
+    ids = _ids(777)
+    ids[:50] = ids[50:100]  # repeated rows for dedup
+    got = lookup_rows(w, s, ids, head_start=head_start, bucket_sizes=sizes, threads=threads,
+                      dedup=dedup)
+    want = reference_lookup(w, s, ids, head_start=head_start, bucket_sizes=sizes)
+    assert got.shape == (777, head_end - head_start, DIM) and got.dtype == torch.bfloat16
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    assert (_bits(got)[ids[:, head_start:head_end] == -1] == 0).all()  # DEAD rows are zeros
+
+
+def test_every_weight_byte_times_every_scale_byte_through_the_kernel():
+    w = np.tile(np.arange(256, dtype=np.uint8), 256).reshape(256, 256)
+    s = np.repeat(np.arange(256, dtype=np.uint8), 8).reshape(256, 8)
+    ids = np.arange(256, dtype=np.int64).reshape(256, 1)
+    got = lookup_rows(w, s, ids, head_start=0, bucket_sizes=[256], threads=2)
+    want = reference_lookup(w, s, ids, head_start=0, bucket_sizes=[256])
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def test_writes_into_a_caller_tensor_and_pins_threads():
+    sizes, w, s = _shard(0, 8)
+    ids = _ids(64)
+    out = torch.full((64, 8, DIM), 7.0, dtype=torch.bfloat16)
+    res = lookup_rows(w, s, ids, head_start=0, bucket_sizes=sizes, out=out, threads=2,
+                      cpus=[0])
+    assert res is out
+    np.testing.assert_array_equal(_bits(out), _bits(reference_lookup(
+        w, s, ids, head_start=0, bucket_sizes=sizes)))
+    with pytest.raises(ValueError, match="contiguous CPU bfloat16"):
+        lookup_rows(w, s, ids, head_start=0, bucket_sizes=sizes, out=out.float())
+
+
+@pytest.mark.parametrize("bad", [-2, -3, -(2**63), 97, 98, 2**62])
+def test_bad_ids_are_refused_before_any_read(bad):
+    sizes, w, s = _shard(0, 8)
+    ids = _ids(10)
+    ids[7, 0] = bad
+    with pytest.raises(LookupIdError, match=f"hash id {bad} at token 7, column 0"):
+        lookup_rows(w, s, ids, head_start=0, bucket_sizes=sizes)
+
+
+def test_dtype_layout_and_shape_errors():
+    sizes, w, s = _shard(0, 8)
+    ids = _ids(10)
+    with pytest.raises(LookupIdError, match="dtype int32"):
+        lookup_rows(w, s, ids.astype(np.int32), head_start=0, bucket_sizes=sizes)
+    with pytest.raises(LookupIdError, match="not C-contiguous"):
+        lookup_rows(w, s, np.asfortranarray(ids), head_start=0, bucket_sizes=sizes)
+    with pytest.raises(LookupIdError, match="not contiguous"):
+        lookup_rows(w, s, torch.from_numpy(ids).t().contiguous().t(), head_start=0,
+                    bucket_sizes=sizes)
+    with pytest.raises(LookupIdError, match="not columns of hash ids with 5 columns"):
+        lookup_rows(w, s, ids[:, :5].copy(), head_start=0, bucket_sizes=sizes)
+    with pytest.raises(LookupIdError, match="expected"):
+        lookup_rows(w, s, ids.reshape(-1), head_start=0, bucket_sizes=sizes)
+    with pytest.raises(LookupIdError, match="not columns"):
+        lookup_rows(w, s, ids, head_start=4, bucket_sizes=sizes)
+
+
+def test_empty_batch():
+    sizes, w, s = _shard(0, 8)
+    out = lookup_rows(w, s, np.zeros((0, 8), np.int64), head_start=0, bucket_sizes=sizes)
+    assert out.shape == (0, 8, DIM)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(-(2**63), 2**63 - 1) | st.integers(-3, 140),
+                         min_size=4, max_size=4), min_size=1, max_size=20),
+       st.sampled_from([0, 4]), st.booleans())
+def test_fuzz_never_crashes(rows, head_start, dedup):
+    sizes, w, s = _shard(head_start, head_start + 4)
+    ids = np.zeros((len(rows), 8), np.int64)
+    ids[:, head_start:head_start + 4] = rows
+    try:
+        got = lookup_rows(w, s, ids, head_start=head_start, bucket_sizes=sizes, dedup=dedup)
+    except LookupIdError:
+        cols = ids[:, head_start:head_start + 4]
+        assert ((cols < -1) | (cols >= np.array(sizes))).any()
+        return
+    want = reference_lookup(w, s, ids, head_start=head_start, bucket_sizes=sizes)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
