@@ -42,6 +42,9 @@ class TensorNames:
         return self.weights.format(layer=layer_id), self.scales.format(layer=layer_id)
 
 
+DEFAULT_NAMES = TensorNames()
+
+
 @dataclass(frozen=True)
 class TensorLocation:
     path: str
@@ -100,7 +103,7 @@ def _check_tensor(loc: TensorLocation, rows: int, width: int, dtypes: tuple[str,
 
 def load_rows(paths, spec: EngramSpec, layer_id: int, row_start: int, row_end: int,
               weights_out: np.ndarray, scales_out: np.ndarray, *,
-              names: TensorNames = TensorNames(), chunk_bytes: int = 64 << 20,
+              names: TensorNames = DEFAULT_NAMES, chunk_bytes: int = 64 << 20,
               method: str = "pread", progress: Progress | None = None) -> None:
     """Copy rows [row_start, row_end) of the layer's weights and scales into
     ``weights_out`` ([n, head_dim] uint8) and ``scales_out`` ([n, head_dim/block])."""
@@ -172,7 +175,7 @@ def synthetic_layer(spec: EngramSpec, layer_id: int, seed: int = 0,
 
 
 def write_synthetic_checkpoint(path: str | os.PathLike, spec: EngramSpec, *, seed: int = 0,
-                               raw: bool = False, names: TensorNames = TensorNames(),
+                               raw: bool = False, names: TensorNames = DEFAULT_NAMES,
                                layers: Sequence[int] | None = None) -> Path:
     """A safetensors file with every layer's weights (float8_e4m3fn) and
     scales (float8_e8m0fnu), as the real checkpoints store them."""

@@ -24,8 +24,9 @@ class GroupTimeout(NumaEngramError, TimeoutError):
 
 
 class Group(Protocol):
-    rank: int
+    rank: int  # in the group; 0 leads
     size: int
+    ranks: tuple[int, ...]  # world ranks of the members, in group order
 
     def broadcast(self, obj: Any, step: str) -> Any: ...
     def all_gather(self, obj: Any, step: str) -> list[Any]: ...
@@ -37,7 +38,14 @@ class SingleProcessGroup:
 
     rank = 0
     size = 1
-    ranks = (0,)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """This process's rank in the world, when torch.distributed is up."""
+        import sys
+
+        dist = sys.modules.get("torch.distributed")
+        return (dist.get_rank(),) if dist is not None and dist.is_initialized() else (0,)
 
     def broadcast(self, obj: Any, step: str) -> Any:
         return obj

@@ -173,13 +173,18 @@ class BackingFile:
 
     # ---------------------------------------------------------- create --
     @classmethod
-    def create(cls, layout: Layout, fingerprint: bytes, *, directory: str = DEFAULT_DIRECTORY,
-               placement: PlacementPlan | None = None, topology: Topology | None = None,
-               populate: bool = True) -> BackingFile:
+    def create(cls, layout: Layout, fingerprint: bytes, *,
+               directory: str | None = DEFAULT_DIRECTORY, placement: PlacementPlan | None = None,
+               topology: Topology | None = None, populate: bool = True) -> BackingFile:
         """Steps 1-7: check, create exclusively, header, size, map, no THP,
-        bind, populate.  Any failure removes the file before raising."""
+        bind, populate.  Any failure removes the file before raising.
+
+        ``directory=None`` makes a private table on an anonymous memfd: the
+        same shmem pages and policies, but no path at all (nothing to leak,
+        not limited by the size of /dev/shm)."""
         check_shmem_thp()                                            # 1
-        check_space(directory, layout.file_size)
+        if directory is not None:
+            check_space(directory, layout.file_size)
         if placement is not None:
             placement.validate(layout.file_size, topology or Topology.detect())
         path, fd = _create_exclusive(directory)                      # 2
@@ -247,7 +252,7 @@ class BackingFile:
     # ------------------------------------------------------------- end --
     def unlink(self) -> None:
         """Remove the path; the mappings keep the memory alive."""
-        if self.owner and not self.unlinked:
+        if self.owner and not self.unlinked and not self.path.startswith("memfd:"):
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
@@ -272,7 +277,10 @@ class BackingFile:
         self.close()
 
 
-def _create_exclusive(directory: str) -> tuple[str, int]:
+def _create_exclusive(directory: str | None) -> tuple[str, int]:
+    if directory is None:
+        name = PREFIX + secrets.token_hex(8)
+        return f"memfd:{name}", os.memfd_create(name, os.MFD_CLOEXEC)
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     path = os.path.join(directory, PREFIX + secrets.token_hex(8))
     try:
@@ -290,10 +298,11 @@ def _new_header(layout: Layout, fingerprint: bytes) -> Header:
 
 
 def _remove(path: str, fd: int) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    if not path.startswith("memfd:"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
     os.close(fd)
 
 

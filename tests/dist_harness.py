@@ -1,0 +1,80 @@
+"""Run a scenario in N real processes (spawn) joined by torch.distributed
+over gloo on 127.0.0.1, and collect each rank's JSON result."""
+
+import json
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(f"{record.levelname}: {record.getMessage()}")
+
+
+def _worker(rank, world, port, scenario, kwargs, conn, pg_timeout_s):
+    import torch.distributed as dist
+
+    from tests import dist_scenarios
+
+    logs = _Collect()
+    logging.getLogger("numa_engram").addHandler(logs)
+    logging.getLogger("numa_engram").setLevel(logging.INFO)
+    result = {"rank": rank}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=pg_timeout_s))
+        result.update(getattr(dist_scenarios, scenario)(rank, world, **kwargs) or {})
+        result["ok"] = True
+    except BaseException as exc:  # report, do not hang
+        result.update(ok=False, error_type=type(exc).__name__, message=str(exc),
+                      traceback=traceback.format_exc())
+    result["logs"] = logs.records
+    # through a pipe, not a file: a rank may have dropped to another uid
+    conn.send(json.dumps(result, default=str))
+    conn.close()
+    os._exit(0)  # skip gloo teardown, which can block when a peer is gone
+
+
+def run_world(world, scenario, timeout_s=180, pg_timeout_s=60, **kwargs):
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, scenario, kwargs, pipes[r][1],
+                                               pg_timeout_s)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    received = {}
+    for r, p in enumerate(procs):
+        if pipes[r][0].poll(max(0.1, deadline - time.monotonic())):
+            try:
+                received[r] = json.loads(pipes[r][0].recv())
+            except EOFError:
+                pass
+        p.join(max(0.1, deadline - time.monotonic()))
+    results = []
+    for r, p in enumerate(procs):
+        if p.is_alive():  # only processes this harness started, by pid
+            os.kill(p.pid, signal.SIGKILL)
+            p.join()
+        res = received.get(r, {"rank": r, "ok": False, "error_type": "NoResult",
+                                "message": "no result"})
+        res["exitcode"] = p.exitcode
+        results.append(res)
+    return results

@@ -1,0 +1,126 @@
+"""Scenarios run by tests/dist_harness.py in each spawned rank."""
+
+import hashlib
+import os
+import signal
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+from numa_engram.checkpoint import synthetic_layer
+from numa_engram.group import TorchGroup, sharing_groups
+from numa_engram.hashing import ngram_hashes
+from numa_engram.lookup import reference_lookup
+from numa_engram.sharding import WorldLayout
+
+LAYER = 1
+
+
+def make_spec(rows_per_head, seed=0):
+    return EngramSpec.small(rows_per_head=rows_per_head, n_head_per_ngram=4, head_dim=128,
+                            seed=seed)
+
+
+def mapping_memory(match):
+    """Pss and Rss (bytes) of this process's mappings whose line contains match."""
+    pss = rss = 0
+    take = False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            first = line.split(maxsplit=1)[0]
+            if "-" in first and not first.endswith(":"):
+                take = match in line
+            elif take and first == "Pss:":
+                pss += int(line.split()[1]) * 1024
+            elif take and first == "Rss:":
+                rss += int(line.split()[1]) * 1024
+    return pss, rss
+
+
+def share(rank, world, *, tp, dp, mode, checkpoint, rows_per_head):
+    spec = make_spec(rows_per_head)
+    layout = WorldLayout(tp=tp, dp=dp, gpus_per_node=tp * dp)
+    group = sharing_groups(layout, timeout_s=60)
+    tp_rank = rank % tp
+    shard = shard_heads(spec.bucket_sizes(LAYER), tp, tp_rank)
+    table = SharedEngramTable.create(spec, LAYER, shard, group=group, mode=mode,
+                                     checkpoint=checkpoint, placement="gpu-local")
+    w_all, s_all = synthetic_layer(spec, LAYER)
+    same = (np.array_equal(table.weights, w_all[shard.row_start:shard.row_end])
+            and np.array_equal(table.scales, s_all[shard.row_start:shard.row_end]))
+    ids = ngram_hashes(spec, np.random.default_rng(rank).integers(0, 1000, 300), LAYER)
+    ids[::7, :] = -1
+    got = table.lookup(ids)
+    want = reference_lookup(table.weights, table.scales, ids, head_start=shard.head_start,
+                            bucket_sizes=spec.bucket_sizes(LAYER)[shard.head_start:
+                                                                  shard.head_end])
+    exact = np.array_equal(got.view(torch.int16).numpy(), want.view(torch.int16).numpy())
+    dist.barrier()  # everyone mapped and touched: measure while all are alive
+    pss, rss = mapping_memory("numa-engram-")
+    report = table.mode_report()
+    digest = hashlib.sha256(table.weights.tobytes() + table.scales.tobytes()).hexdigest()
+    path_gone = not os.path.exists(table.path)
+    placement = table.placement_report().to_dict()
+    dist.barrier()
+    table.close()
+    return {"same_as_source": same, "lookup_exact": exact, "pss": pss, "rss": rss,
+            "digest": digest, "path_gone": path_gone, "report": report,
+            "backing_bytes": table.backing_bytes, "placement": placement}
+
+
+def _world_group(timeout_s):
+    return TorchGroup(None, timeout_s=timeout_s)
+
+
+def peer_never_joins(rank, world):
+    spec = make_spec(200)
+    if rank == world - 1:
+        time.sleep(12)  # arrives only after the others gave up
+        return {}
+    shard = shard_heads(spec.bucket_sizes(LAYER), 1, 0)
+    SharedEngramTable.create(spec, LAYER, shard, group=_world_group(5), mode="dp_shared")
+    return {}
+
+
+def leader_killed(rank, world):
+    import numa_engram.table as table_mod
+
+    spec = make_spec(200)
+    if rank == 0:
+        def die(step):
+            if step == "after-create":
+                print(flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+        table_mod._STEP_HOOK = die
+    shard = shard_heads(spec.bucket_sizes(LAYER), 1, 0)
+    SharedEngramTable.create(spec, LAYER, shard, group=_world_group(10), mode="dp_shared")
+    return {}
+
+
+def small_tmpfs(rank, world, *, directory, mode):
+    spec = make_spec(2000)
+    shard = shard_heads(spec.bucket_sizes(LAYER), 1, 0)
+    t = SharedEngramTable.create(spec, LAYER, shard, group=_world_group(30), mode=mode,
+                                 directory=directory)
+    report = t.mode_report()
+    t.close()
+    return {"report": report}
+
+
+def fingerprint_differs(rank, world):
+    spec = make_spec(200, seed=1 if rank == 2 else 0)
+    shard = shard_heads(spec.bucket_sizes(LAYER), 1, 0)
+    SharedEngramTable.create(spec, LAYER, shard, group=_world_group(30), mode="dp_shared")
+    return {}
+
+
+def other_uid(rank, world):
+    spec = make_spec(200)
+    if rank == 1:
+        os.setuid(65534)
+    shard = shard_heads(spec.bucket_sizes(LAYER), 1, 0)
+    SharedEngramTable.create(spec, LAYER, shard, group=_world_group(30), mode="dp_shared")
+    return {}

@@ -1,0 +1,157 @@
+"""The DP-shared table across real processes (spawn + gloo on 127.0.0.1)."""
+
+import os
+
+import numpy as np
+import pytest
+
+from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+from numa_engram.checkpoint import synthetic_layer, write_synthetic_checkpoint
+from numa_engram.errors import StorageError, TopologyError
+from numa_engram.storage import gc_stale_files
+
+from .conftest import shm_files
+from .dist_harness import run_world
+from .dist_scenarios import LAYER, make_spec
+
+pytestmark = pytest.mark.multiproc
+ROWS_PER_HEAD = 4000  # 8 heads x ~4000 rows x 132 B = ~4 MiB per layer
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "engram.safetensors"
+    return str(write_synthetic_checkpoint(path, make_spec(ROWS_PER_HEAD)))
+
+
+def _all_ok(results):
+    for r in results:
+        assert r["ok"], f"rank {r['rank']}: {r.get('traceback') or r}"
+
+
+@pytest.mark.parametrize("tp, dp", [(1, 4), (2, 2)])
+def test_dp_shared_one_copy_vs_independent_four(tmp_path, checkpoint, tp, dp):
+    shared = run_world(4, "share", tp=tp, dp=dp, mode="dp_shared",
+                       checkpoint=checkpoint, rows_per_head=ROWS_PER_HEAD)
+    _all_ok(shared)
+    indep = run_world(4, "share", tp=tp, dp=dp, mode="independent",
+                      checkpoint=checkpoint, rows_per_head=ROWS_PER_HEAD)
+    _all_ok(indep)
+    one_copy = sum(r["backing_bytes"] for r in shared[:tp])  # the TP shards of one replica
+    for r in shared + indep:
+        assert r["same_as_source"] and r["lookup_exact"]
+        assert r["path_gone"], "the backing file must be unlinked once all members mapped"
+    for r in shared:
+        assert r["report"]["mode"] == "dp_shared" and r["report"]["embedding_dp_size"] == 1
+        assert r["report"]["sharing_group"] == [r["rank"] % tp + k * tp for k in range(dp)]
+        assert r["placement"]["ok"]
+    # identical bytes within each TP shard's sharing group
+    for t in range(tp):
+        assert len({r["digest"] for r in shared if r["rank"] % tp == t}) == 1
+    pss_shared = sum(r["pss"] for r in shared)
+    pss_indep = sum(r["pss"] for r in indep)
+    print(f"\nTP{tp}xDP{dp}: one copy {one_copy / 2**20:.2f} MiB; sum of PSS: dp_shared "
+          f"{pss_shared / 2**20:.2f} MiB ({pss_shared / one_copy:.2f} copies), independent "
+          f"{pss_indep / 2**20:.2f} MiB ({pss_indep / one_copy:.2f} copies)")
+    assert abs(pss_shared - one_copy) <= 0.05 * one_copy
+    assert abs(pss_indep - dp * one_copy) <= 0.05 * dp * one_copy
+    assert all(r["report"]["mode"] == "independent" for r in indep)
+
+
+def _assert_all_failed(results, error_type, text, ranks=None):
+    for r in results:
+        if ranks is not None and r["rank"] not in ranks:
+            continue
+        assert not r["ok"], f"rank {r['rank']} should have failed"
+        assert r["error_type"] == error_type, r
+        assert text in r["message"], r["message"]
+
+
+def test_peer_that_never_joins_times_out_everywhere(tmp_path):
+    results = run_world(4, "peer_never_joins", timeout_s=40, pg_timeout_s=5)
+    _assert_all_failed(results, "GroupTimeout", "step 'join'", ranks={0, 1, 2})
+    assert not shm_files()
+
+
+def test_leader_killed_before_unlink_leaves_a_file_gc_removes(tmp_path):
+    before = shm_files()
+    results = run_world(4, "leader_killed", timeout_s=90, pg_timeout_s=10)
+    assert results[0]["exitcode"] == -9
+    _assert_all_failed(results, "GroupTimeout", "did not complete", ranks={1, 2, 3})
+    left = shm_files() - before
+    assert len(left) == 1, "the killed leader's file is still there"
+    removed = [e for e in gc_stale_files() if e.removed]
+    assert [os.path.basename(e.path) for e in removed] == list(left)
+    assert not shm_files() - before
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if os.system(f"mount -t tmpfs -o size=512k tmpfs {mnt} 2>/dev/null") != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root and mount permission)")
+    yield str(mnt)
+    os.system(f"umount {mnt}")
+
+
+def test_tmpfs_too_small_explicit_mode_fails_everywhere(tmp_path, small_tmpfs):
+    results = run_world(4, "small_tmpfs", directory=small_tmpfs, mode="dp_shared")
+    _assert_all_failed(results, "CapacityError", "dp_shared requested but")
+    assert not os.listdir(small_tmpfs)
+
+
+def test_tmpfs_too_small_auto_mode_falls_back_and_logs(tmp_path, small_tmpfs):
+    results = run_world(4, "small_tmpfs", directory=small_tmpfs, mode="auto")
+    _all_ok(results)
+    for r in results:
+        assert r["report"]["mode"] == "independent" and "GiB free" in r["report"][
+            "fallback_reason"]
+        assert any("falls back to independent" in line for line in r["logs"])
+    assert not os.listdir(small_tmpfs)
+
+
+def test_peer_with_another_spec_fails_everywhere(tmp_path):
+    results = run_world(4, "fingerprint_differs")
+    _assert_all_failed(results, "SpecMismatchError", "members [2] have another Engram spec")
+
+
+def test_peer_of_another_uid_cannot_open_the_file(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to start a member as another uid")
+    results = run_world(4, "other_uid")
+    _assert_all_failed(results, "StorageError", "permission denied")
+    assert "member 1" in results[0]["message"]
+
+
+# ------------------------------------------------- single-process checks --
+
+def test_private_table_lives_on_a_memfd_and_close_is_idempotent(tmp_path):
+    spec = EngramSpec.small()
+    ckpt = write_synthetic_checkpoint(tmp_path / "c.safetensors", spec)
+    shard = shard_heads(spec.bucket_sizes(14), 2, 0)
+    before = shm_files()
+    with SharedEngramTable.create(spec, 14, shard, checkpoint=str(ckpt)) as table:
+        assert table.path.startswith("memfd:") and shm_files() == before
+        w, _ = synthetic_layer(spec, 14)
+        np.testing.assert_array_equal(table.weights, w[shard.row_start:shard.row_end])
+        report = table.mode_report()
+        assert report["mode"] == "independent" and report["head_end"] == 4
+    table.close()
+    with pytest.raises(StorageError, match="closed"):
+        table.lookup(np.zeros((1, spec.n_hash_cols), np.int64))
+
+
+def test_shard_not_made_by_shard_heads_is_refused():
+    spec = EngramSpec.small()
+    bad = shard_heads(spec.bucket_sizes(14), 2, 0)
+    bad = type(bad)(bad.head_start, bad.head_end, 1, bad.row_end, bad.num_rows - 1)
+    with pytest.raises(TopologyError, match="shard_heads"):
+        SharedEngramTable.create(spec, 14, bad)
+
+
+def test_explicit_dp_shared_without_peers_fails_loudly():
+    spec = EngramSpec.small()
+    with pytest.raises(StorageError, match="one member"):
+        SharedEngramTable.create(spec, 14, shard_heads(spec.bucket_sizes(14), 1, 0),
+                                 mode="dp_shared")
