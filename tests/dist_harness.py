@@ -36,6 +36,7 @@ def _worker(rank, world, port, scenario, kwargs, conn, pg_timeout_s):
     logging.getLogger("numa_engram").addHandler(logs)
     logging.getLogger("numa_engram").setLevel(logging.INFO)
     result = {"rank": rank}
+    t0 = time.monotonic()
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=pg_timeout_s))
@@ -45,6 +46,7 @@ def _worker(rank, world, port, scenario, kwargs, conn, pg_timeout_s):
         result.update(ok=False, error_type=type(exc).__name__, message=str(exc),
                       traceback=traceback.format_exc())
     result["logs"] = logs.records
+    result["seconds"] = time.monotonic() - t0
     # through a pipe, not a file: a rank may have dropped to another uid
     conn.send(json.dumps(result, default=str))
     conn.close()
@@ -59,6 +61,8 @@ def run_world(world, scenario, timeout_s=180, pg_timeout_s=60, **kwargs):
                                                pg_timeout_s)) for r in range(world)]
     for p in procs:
         p.start()
+    for _, child_end in pipes:
+        child_end.close()  # so a rank that dies shows up as EOF, not as silence
     deadline = time.monotonic() + timeout_s
     received = {}
     for r, p in enumerate(procs):

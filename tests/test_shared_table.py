@@ -70,6 +70,7 @@ def _assert_all_failed(results, error_type, text, ranks=None):
 def test_peer_that_never_joins_times_out_everywhere(tmp_path):
     results = run_world(4, "peer_never_joins", timeout_s=40, pg_timeout_s=5)
     _assert_all_failed(results, "GroupTimeout", "step 'join'", ranks={0, 1, 2})
+    assert all(r["seconds"] < 5 + 10 for r in results[:3]), "no hang past the timeout"
     assert not shm_files()
 
 
@@ -78,6 +79,7 @@ def test_leader_killed_before_unlink_leaves_a_file_gc_removes(tmp_path):
     results = run_world(4, "leader_killed", timeout_s=90, pg_timeout_s=10)
     assert results[0]["exitcode"] == -9
     _assert_all_failed(results, "GroupTimeout", "did not complete", ranks={1, 2, 3})
+    assert all(r["seconds"] < 10 + 10 for r in results[1:]), "no hang past the timeout"
     left = shm_files() - before
     assert len(left) == 1, "the killed leader's file is still there"
     removed = [e for e in gc_stale_files() if e.removed]
