@@ -12,7 +12,7 @@ from numa_engram.storage import gc_stale_files
 
 from .conftest import shm_files
 from .dist_harness import run_world
-from .dist_scenarios import LAYER, make_spec
+from .dist_scenarios import make_spec
 
 pytestmark = pytest.mark.multiproc
 ROWS_PER_HEAD = 4000  # 8 heads x ~4000 rows x 132 B = ~4 MiB per layer

@@ -1,0 +1,228 @@
+"""PrefetchScheduler: Engram lookups issued ahead of the layer that needs
+them, in FIFO order on one side stream, each layer with its own completion
+event.
+
+``submit(layer, hash_ids)`` enqueues the layer's lookup after the work
+already queued; ``wait(layer)`` blocks (CPU) or makes the consumer stream
+wait (CUDA) on that layer's event only, and returns its staged rows.
+Depth is bounded: a submit beyond ``depth`` outstanding lookups blocks until
+the oldest completes.  An error in a lookup is raised by that layer's
+``wait``.  Staging buffers are allocated once per layer (``max_tokens``
+rows) and reused every step, so a CUDA graph can be captured around them.
+
+Backends: ``cpu`` (a worker thread and threading events; the fully tested
+contract) and ``cuda`` (a side stream and CUDA events).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import NumaEngramError
+
+LookupFn = Callable[[Any, Any], Any]  # (hash_ids, out) -> out
+
+
+class PrefetchError(NumaEngramError):
+    """Misuse of the scheduler (unknown layer, double submit, too many tokens)."""
+
+
+@dataclass
+class LayerMetrics:
+    lookups: int = 0
+    lookup_s: float = 0.0   # time the lookup itself ran
+    lead_s: float = 0.0     # submit -> wait call
+    exposed_s: float = 0.0  # wait call -> rows ready (what the consumer lost)
+
+    def as_dict(self) -> dict:
+        n = max(1, self.lookups)
+        return {"lookups": self.lookups, "mean_lookup_s": self.lookup_s / n,
+                "mean_lead_s": self.lead_s / n, "mean_exposed_s": self.exposed_s / n}
+
+
+@dataclass
+class _Job:
+    layer: Any
+    ids: Any
+    out: Any
+    submitted: float
+    done: threading.Event = field(default_factory=threading.Event)
+    started: float = 0.0
+    finished: float = 0.0
+    error: BaseException | None = None
+    cancelled: bool = False
+    event: Any = None  # CUDA event
+
+
+def _as_lookup(source: Any) -> LookupFn:
+    if hasattr(source, "lookup"):
+        return lambda ids, out: source.lookup(ids, out=out)
+    if callable(source):
+        return source
+    raise PrefetchError(f"{source!r} is neither a table (with .lookup) nor a callable")
+
+
+class PrefetchScheduler:
+    """``lookups`` maps each Engram layer to its table (or a callable
+    ``(hash_ids, out) -> out``); ``row_shape`` maps each layer to
+    ``(heads_in_shard, head_dim)`` of its rows."""
+
+    def __init__(self, lookups: Mapping[Any, Any], row_shape: Mapping[Any, tuple[int, int]], *,
+                 max_tokens: int, depth: int = 2, backend: str = "cpu", device: Any = None,
+                 dtype: Any = None) -> None:
+        import torch
+
+        if depth < 1:
+            raise PrefetchError(f"depth must be >= 1, got {depth}")
+        if backend not in ("cpu", "cuda"):
+            raise PrefetchError(f"backend must be 'cpu' or 'cuda', got {backend!r}")
+        self._torch = torch
+        self.backend, self.depth, self.max_tokens = backend, depth, max_tokens
+        self._lookups = {layer: _as_lookup(src) for layer, src in lookups.items()}
+        dev = torch.device("cpu") if backend == "cpu" else torch.device(device or "cuda")
+        self.staging = {layer: torch.empty((max_tokens, *row_shape[layer]),
+                                           dtype=dtype or torch.bfloat16, device=dev)
+                        for layer in self._lookups}
+        self.metrics = {layer: LayerMetrics() for layer in self._lookups}
+        self._inflight: dict[Any, _Job] = {}
+        self._order: list[_Job] = []
+        self._slots = threading.Semaphore(depth)
+        self._lock = threading.Lock()
+        self._closed = False
+        if backend == "cpu":
+            self._queue: queue.Queue[_Job | None] = queue.Queue()
+            self._worker = threading.Thread(target=self._run_cpu, name="engram-prefetch",
+                                            daemon=True)
+            self._worker.start()
+        else:
+            self._stream = torch.cuda.Stream(device=dev)
+
+    # -------------------------------------------------------------- api --
+    def submit(self, layer: Any, hash_ids: Any) -> None:
+        """Queue the layer's lookup after everything already submitted."""
+        self._check_open()
+        if layer not in self._lookups:
+            raise PrefetchError(f"layer {layer!r} has no lookup; layers are "
+                                f"{list(self._lookups)}")
+        n = int(hash_ids.shape[0])
+        if n > self.max_tokens:
+            raise PrefetchError(f"{n} tokens for layer {layer!r} exceed max_tokens "
+                                f"{self.max_tokens} of the static staging buffer")
+        with self._lock:
+            if layer in self._inflight:
+                raise PrefetchError(f"layer {layer!r} already has a lookup in flight; wait() "
+                                    "for it or reset() first")
+        self._slots.acquire()  # backpressure: at most `depth` lookups outstanding
+        job = _Job(layer, hash_ids, self.staging[layer][:n], time.perf_counter())
+        with self._lock:
+            self._inflight[layer] = job
+            self._order.append(job)
+        if self.backend == "cpu":
+            self._queue.put(job)
+        else:
+            self._launch_cuda(job)
+
+    def wait(self, layer: Any):
+        """The layer's staged rows ``[T, heads, head_dim]`` once its lookup is
+        done (CPU) or ordered before the consumer's next work (CUDA)."""
+        with self._lock:
+            job = self._inflight.get(layer)
+        if job is None:
+            raise PrefetchError(f"wait({layer!r}) without a submit({layer!r}) this step")
+        called = time.perf_counter()
+        try:
+            if self.backend == "cpu":
+                job.done.wait()
+            else:
+                self._torch.cuda.current_stream(job.out.device).wait_event(job.event)
+            ready = time.perf_counter()
+            self._account(job, called, ready)
+            if job.error is not None:
+                raise job.error
+            return job.out
+        finally:
+            self._retire(job)
+
+    def reset(self) -> None:
+        """Drop every lookup not yet waited for (e.g. between steps after an
+        abort); a running one finishes but its rows are discarded."""
+        with self._lock:
+            pending = list(self._inflight.values())
+        for job in pending:
+            job.cancelled = True
+        for job in pending:
+            if self.backend == "cpu":
+                job.done.wait()
+            else:
+                job.event.synchronize()
+            self._retire(job)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.reset()
+        self._closed = True
+        if self.backend == "cpu":
+            self._queue.put(None)
+            self._worker.join()
+
+    def metrics_report(self) -> dict:
+        return {str(layer): m.as_dict() for layer, m in self.metrics.items()}
+
+    def __enter__(self) -> PrefetchScheduler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --------------------------------------------------------- internals --
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PrefetchError("the scheduler is closed")
+
+    def _retire(self, job: _Job) -> None:
+        with self._lock:
+            if self._inflight.get(job.layer) is job:
+                del self._inflight[job.layer]
+                self._order.remove(job)
+                self._slots.release()
+
+    def _account(self, job: _Job, called: float, ready: float) -> None:
+        m = self.metrics[job.layer]
+        m.lookups += 1
+        m.lookup_s += max(0.0, job.finished - job.started) if self.backend == "cpu" else 0.0
+        m.lead_s += called - job.submitted
+        m.exposed_s += ready - called
+
+    def _run_cpu(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            job.started = time.perf_counter()
+            if not job.cancelled:
+                try:
+                    self._lookups[job.layer](job.ids, job.out)
+                except BaseException as exc:  # surfaces at this layer's wait()
+                    job.error = exc
+            job.finished = time.perf_counter()
+            job.done.set()
+
+    def _launch_cuda(self, job: _Job) -> None:
+        torch = self._torch
+        consumer = torch.cuda.current_stream(job.out.device)
+        self._stream.wait_stream(consumer)  # after the work already queued
+        job.event = torch.cuda.Event()
+        job.started = time.perf_counter()
+        with torch.cuda.stream(self._stream):
+            try:
+                self._lookups[job.layer](job.ids, job.out)
+            except BaseException as exc:
+                job.error = exc
+            job.event.record(self._stream)
+        job.finished = time.perf_counter()

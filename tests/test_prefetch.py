@@ -1,0 +1,157 @@
+"""PrefetchScheduler contract on the CPU backend (worker thread + events)."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+from numa_engram.checkpoint import write_synthetic_checkpoint
+from numa_engram.hashing import ngram_hashes
+from numa_engram.prefetch import PrefetchError, PrefetchScheduler
+
+
+class Recorder:
+    """A lookup that sleeps, records its order and fills rows with its layer id."""
+
+    def __init__(self, layer, log, delay=0.0, fail=False, gate=None):
+        self.layer, self.log, self.delay, self.fail, self.gate = layer, log, delay, fail, gate
+
+    def __call__(self, ids, out):
+        if self.gate is not None:
+            self.gate.wait()
+        time.sleep(self.delay)
+        self.log.append(self.layer)
+        if self.fail:
+            raise ValueError(f"lookup of layer {self.layer} failed")
+        out.fill_(self.layer)
+        return out
+
+
+def _sched(lookups, depth=4, max_tokens=8):
+    return PrefetchScheduler(lookups, {k: (2, 4) for k in lookups}, max_tokens=max_tokens,
+                             depth=depth)
+
+
+def _ids(n=4):
+    return np.zeros((n, 2), np.int64)
+
+
+def test_fifo_order_across_layers_and_each_wait_returns_its_own_rows():
+    log = []
+    with _sched({k: Recorder(k, log, 0.01) for k in (1, 2, 3)}) as s:
+        for k in (3, 1, 2):
+            s.submit(k, _ids())
+        assert (s.wait(1) == 1).all() and (s.wait(2) == 2).all() and (s.wait(3) == 3).all()
+    assert log == [3, 1, 2]
+
+
+def test_wait_blocks_only_until_its_own_layer():
+    gate = threading.Event()
+    log = []
+    with _sched({1: Recorder(1, log), 2: Recorder(2, log, gate=gate)}) as s:
+        s.submit(1, _ids())
+        s.submit(2, _ids())
+        t0 = time.perf_counter()
+        s.wait(1)  # layer 2 is still blocked behind the gate
+        assert time.perf_counter() - t0 < 1.0
+        gate.set()
+        assert (s.wait(2) == 2).all()
+
+
+def test_error_in_layer_2_is_raised_by_wait_2_only():
+    log = []
+    with _sched({1: Recorder(1, log), 2: Recorder(2, log, fail=True),
+                 3: Recorder(3, log)}) as s:
+        for k in (1, 2, 3):
+            s.submit(k, _ids())
+        s.wait(1)
+        s.wait(3)
+        with pytest.raises(ValueError, match="layer 2 failed"):
+            s.wait(2)
+        s.submit(2, _ids())  # the layer is usable again next step
+        with pytest.raises(ValueError):
+            s.wait(2)
+
+
+def test_bounded_depth_blocks_the_submitter():
+    gate = threading.Event()
+    log = []
+    s = _sched({k: Recorder(k, log, gate=gate) for k in (1, 2, 3)}, depth=2)
+    s.submit(1, _ids())
+    s.submit(2, _ids())
+    third = threading.Thread(target=s.submit, args=(3, _ids()))
+    third.start()
+    third.join(0.3)
+    assert third.is_alive(), "a third submit must block at depth 2"
+    gate.set()
+    s.wait(1)
+    third.join(5)
+    assert not third.is_alive()
+    s.wait(2)
+    s.wait(3)
+    s.close()
+
+
+def test_reset_cancels_pending_and_staging_buffers_are_reused():
+    gate = threading.Event()
+    log = []
+    s = _sched({1: Recorder(1, log, gate=gate), 2: Recorder(2, log)})
+    buf = s.staging[1].data_ptr()
+    s.submit(1, _ids())
+    s.submit(2, _ids())
+    gate.set()
+    s.reset()
+    with pytest.raises(PrefetchError, match="without a submit"):
+        s.wait(2)
+    s.submit(1, _ids(3))
+    out = s.wait(1)
+    assert out.data_ptr() == buf and out.shape == (3, 2, 4)
+    s.close()
+    with pytest.raises(PrefetchError, match="closed"):
+        s.submit(1, _ids())
+
+
+def test_misuse_errors():
+    with _sched({1: Recorder(1, [])}) as s:
+        with pytest.raises(PrefetchError, match="exceed max_tokens"):
+            s.submit(1, _ids(9))
+        with pytest.raises(PrefetchError, match="has no lookup"):
+            s.submit(7, _ids())
+        s.submit(1, _ids())
+        with pytest.raises(PrefetchError, match="already has a lookup in flight"):
+            s.submit(1, _ids())
+        s.wait(1)
+
+
+@pytest.mark.parametrize("lookup_s, lead_s", [(0.20, 0.05), (0.05, 0.20)])
+def test_exposed_wait_is_lookup_minus_lead(lookup_s, lead_s):
+    with _sched({1: Recorder(1, [], lookup_s)}) as s:
+        s.submit(1, _ids())
+        time.sleep(lead_s)  # the layers before this one compute
+        s.wait(1)
+        m = s.metrics[1]
+    expected = max(0.0, lookup_s - lead_s)
+    assert abs(m.exposed_s - expected) < 0.08, (m, expected)
+    assert m.lookup_s >= lookup_s * 0.9 and m.lead_s >= lead_s * 0.9
+
+
+def test_with_real_tables(tmp_path):
+    spec = EngramSpec.small()
+    ckpt = str(write_synthetic_checkpoint(tmp_path / "c.safetensors", spec))
+    tables = {layer: SharedEngramTable.create(spec, layer,
+                                              shard_heads(spec.bucket_sizes(layer), 1, 0),
+                                              checkpoint=ckpt) for layer in spec.layer_ids}
+    shapes = {layer: (spec.n_hash_cols, spec.head_dim) for layer in spec.layer_ids}
+    tokens = np.random.default_rng(0).integers(0, 1000, 50)
+    with PrefetchScheduler(tables, shapes, max_tokens=64) as s:
+        for layer in spec.layer_ids:
+            s.submit(layer, ngram_hashes(spec, tokens, layer))
+        for layer in spec.layer_ids:
+            got = s.wait(layer)
+            want = tables[layer].lookup(ngram_hashes(spec, tokens, layer))
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    for t in tables.values():
+        t.close()
