@@ -122,6 +122,7 @@ class SharedEngramTable:
             self.scales.flags.writeable = False
         self._bucket_sizes = np.asarray(
             spec.bucket_sizes(layer_id)[shard.head_start:shard.head_end], dtype=np.int64)
+        self._device_shard = None
         self._closed = False
 
     # ------------------------------------------------------------ create --
@@ -145,8 +146,8 @@ class SharedEngramTable:
         grp = _as_group(group, timeout_s)
         topo = topology or Topology.detect()
         layout = table_layout(spec, shard)
-        me = MemberInfo(grp.ranks[grp.rank], os.getpid(), os.geteuid(), _member_node(topo, register_device),
-                        register_device, spec.fingerprint)
+        me = MemberInfo(grp.ranks[grp.rank], os.getpid(), os.geteuid(),
+                        _member_node(topo, register_device), register_device, spec.fingerprint)
         members = grp.all_gather(me, "join")                                      # everyone here
         decision = grp.broadcast(
             _decide(mode, members, layout, directory) if grp.rank == 0 else None, "decide")
@@ -219,6 +220,25 @@ class SharedEngramTable:
                            threads=self.lookup_threads, cpus=self.lookup_cpus,
                            block=self.spec.block)
 
+    def device_view(self):
+        """Zero-copy CUDA views of this shard (needs register_device=)."""
+        from .lookup import DeviceShard
+
+        self._check_open()
+        if self.registration is None:
+            raise StorageError("the table is not registered with CUDA; create it with "
+                               "register_device=<cuda device index>")
+        if self._device_shard is None:
+            self._device_shard = DeviceShard(self.weights, self.scales, self.registration.device,
+                                             self.shard.head_start, self._bucket_sizes,
+                                             self.spec.block)
+        return self._device_shard
+
+    def lookup_cuda(self, hash_ids, out=None, *, validate: bool = True):
+        """The lookup on the GPU that registered the table: a zero-copy gather
+        over PCIe plus dequantisation on the device."""
+        return self.device_view().lookup(hash_ids, out=out, validate=validate)
+
     # ----------------------------------------------------------- reports --
     def placement_report(self, refresh: bool = True) -> PlacementReport | None:
         """Where this member sees the pages (re-measured unless refresh=False)."""
@@ -255,7 +275,7 @@ class SharedEngramTable:
         if self._closed:
             return
         self._closed = True
-        self.weights = self.scales = None
+        self.weights = self.scales = self._device_shard = None
         _cleanup(self._backing, self.registration)
 
     def _check_open(self) -> None:

@@ -1,0 +1,71 @@
+"""CUDA paths: registration, zero-copy device views, UVA and staged lookups.
+They run where an NVIDIA GPU and the CUDA runtime are present and skip,
+printing why, everywhere else."""
+
+import numpy as np
+import pytest
+import torch
+
+from numa_engram import EngramSpec, SharedEngramTable, cuda, shard_heads
+from numa_engram.checkpoint import write_synthetic_checkpoint
+from numa_engram.errors import LookupIdError
+from numa_engram.hashing import ngram_hashes
+from numa_engram.lookup import staged_lookup
+
+AVAILABLE, WHY_NOT = cuda.available()
+if AVAILABLE and not torch.cuda.is_available():
+    AVAILABLE, WHY_NOT = False, "the CUDA runtime loads but this torch build has no CUDA"
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not AVAILABLE, reason=f"no usable GPU: {WHY_NOT}")]
+
+
+@pytest.fixture
+def table(tmp_path):
+    spec = EngramSpec.small(rows_per_head=5000, head_dim=128)
+    ckpt = str(write_synthetic_checkpoint(tmp_path / "c.safetensors", spec, raw=True))
+    t = SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 2, 1),
+                                 checkpoint=ckpt, register_device=0)
+    yield spec, t
+    t.close()
+
+
+def _bits(x):
+    return x.cpu().view(torch.int16).numpy()
+
+
+def test_uva_lookup_is_zero_copy_and_bit_exact(table):
+    spec, t = table
+    view = t.device_view()
+    assert view.weights.data_ptr() == t.weights.ctypes.data  # UVA: host pointer is device pointer
+    ids = ngram_hashes(spec, np.random.default_rng(0).integers(0, 1000, 4096), 1)
+    ids[::5] = -1
+    got = t.lookup_cuda(torch.from_numpy(ids).cuda())
+    np.testing.assert_array_equal(_bits(got), _bits(t.lookup(ids)))
+    bad = torch.from_numpy(ids).cuda()
+    bad[3, 5] = 10**9
+    with pytest.raises(LookupIdError, match="token 3, column 5"):
+        t.lookup_cuda(bad)
+
+
+def test_staged_lookup_is_bit_exact(table):
+    spec, t = table
+    ids = ngram_hashes(spec, np.random.default_rng(1).integers(0, 1000, 1000), 1)
+    pinned = torch.empty((1000, 4, 128), dtype=torch.bfloat16).pin_memory()
+    out = torch.empty((1000, 4, 128), dtype=torch.bfloat16, device="cuda")
+    got = staged_lookup(t.weights, t.scales, ids, head_start=4,
+                        bucket_sizes=spec.bucket_sizes(1)[4:8], pinned=pinned, out=out)
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(_bits(got), _bits(t.lookup(ids)))
+
+
+def test_cuda_prefetch_backend(table):
+    from numa_engram.prefetch import PrefetchScheduler
+
+    spec, t = table
+    ids = torch.from_numpy(ngram_hashes(spec, np.arange(100), 1)).cuda()
+    with PrefetchScheduler({1: lambda i, out: t.lookup_cuda(i, out=out)}, {1: (4, 128)},
+                           max_tokens=128, backend="cuda") as s:
+        s.submit(1, ids)
+        got = s.wait(1)
+        torch.cuda.synchronize()
+    np.testing.assert_array_equal(_bits(got), _bits(t.lookup(ids.cpu().numpy())))
