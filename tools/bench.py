@@ -107,11 +107,11 @@ def bench_hashing(tokens: int) -> None:
 # ------------------------------------------------------------------ load --
 
 def bench_load(gib: float) -> None:
-    from numa_engram import EngramSpec, shard_heads
-    from numa_engram.checkpoint import TensorNames, load_rows
-
     import torch
     from safetensors.torch import save_file
+
+    from numa_engram import EngramSpec, shard_heads
+    from numa_engram.checkpoint import TensorNames, load_rows
 
     head_dim = 256
     per_head = int(gib * 2**30) // (head_dim + 8) // 24
