@@ -124,3 +124,19 @@ def other_uid(rank, world):
     shard = shard_heads(spec.bucket_sizes(LAYER), 1, 0)
     SharedEngramTable.create(spec, LAYER, shard, group=_world_group(30), mode="dp_shared")
     return {}
+
+
+def share_placed(rank, world, *, tp, dp):
+    """TP shard r bound to NUMA node r; every member reports where pages are."""
+    spec = make_spec(3000)
+    layout = WorldLayout(tp=tp, dp=dp, gpus_per_node=tp * dp)
+    group = sharing_groups(layout, timeout_s=600)
+    tp_rank = rank % tp
+    shard = shard_heads(spec.bucket_sizes(LAYER), tp, tp_rank)
+    table = SharedEngramTable.create(spec, LAYER, shard, group=group, mode="dp_shared",
+                                     placement=f"node:{tp_rank}", timeout_s=600)
+    report = table.placement_report().to_dict()
+    mode = table.mode_report()
+    dist.barrier()
+    table.close()
+    return {"placement": report, "mode": mode}

@@ -1,0 +1,21 @@
+"""A DP-shared table placed across NUMA nodes, seen from every member
+(runs in the 2-node guest on single-node hosts)."""
+
+import pytest
+
+from .dist_harness import run_world
+
+pytestmark = [pytest.mark.numa, pytest.mark.multiproc]
+
+
+def test_two_tp_shards_on_two_nodes_report_full_placement_from_every_member(numa_nodes):
+    results = run_world(4, "share_placed", timeout_s=900, pg_timeout_s=600, tp=2, dp=2)
+    for r in results:
+        assert r["ok"], r.get("traceback") or r
+        node = r["rank"] % 2
+        assert r["mode"]["mode"] == "dp_shared" and r["mode"]["sharing_group"] == [node,
+                                                                                   node + 2]
+        placement = r["placement"]
+        assert placement["ok"] and placement["fraction_on_plan"] == 1.0, placement
+        assert set(placement["pages_per_node"]) == {str(node)}, placement
+        print(f"rank {r['rank']}: TP shard {node} pages per node {placement['pages_per_node']}")
