@@ -38,6 +38,22 @@ def read_smaps_rollup(pid: int) -> ProcessMemory:
                          fields.get("Shared_Clean", 0) + fields.get("Shared_Dirty", 0))
 
 
+def read_mapping_memory(pid: int | str, match: str) -> tuple[int, int]:
+    """(Pss, Rss) bytes of pid's mappings whose smaps header line contains
+    ``match`` (e.g. the table prefix): what one table costs one process."""
+    pss = rss = 0
+    take = False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        first = line.split(maxsplit=1)[0] if line else ""
+        if "-" in first and not first.endswith(":"):
+            take = match in line
+        elif take and first == "Pss:":
+            pss += int(line.split()[1]) * 1024
+        elif take and first == "Rss:":
+            rss += int(line.split()[1]) * 1024
+    return pss, rss
+
+
 def sum_memory(pids: Iterable[int]) -> ProcessMemory:
     """Totals over pids: summed RSS counts a shared table once per process,
     summed PSS counts it once."""

@@ -153,6 +153,130 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_spec(name: str):
+    from .spec import EngramSpec
+
+    if name == "demo":
+        return EngramSpec.demo()
+    if name == "v4-flash":
+        return EngramSpec(layer_ids=(1, 14), engram_vocab_sizes=(16_000_000,) * 3,
+                          max_ngram_size=4, n_head_per_ngram=8, head_dim=256,
+                          compressed_vocab_size=99092, pad_id=2)
+    if name == "small":
+        return EngramSpec.small(rows_per_head=50_000, n_head_per_ngram=8, head_dim=256)
+    if name == "tiny":
+        return EngramSpec.small()
+    with open(name) as fh:
+        return EngramSpec.from_dict(json.load(fh))
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Bytes per node and expected remote reads of a table under a policy and
+    mode, on this host or a simulated one."""
+    from .accounting import mode_memory
+    from .placement import Region, expected_remote_fraction, plan_placement
+    from .sharding import WorldLayout, assign
+
+    spec, topo = load_spec(args.spec), load_topology(args.simulate)
+    gpn = args.gpus_per_node or max(1, len(topo.gpus)) or args.tp * args.dp
+    layout = WorldLayout(args.tp, args.dp, gpn)
+    regions, offset, seen = [], 0, set()
+    for rank in range(min(layout.world_size, gpn)):  # one node's ranks
+        a = assign(args.mode, layout, rank)
+        key = (a.shard_index, a.sharing_group)
+        if key in seen:
+            continue
+        seen.add(key)
+        readers = tuple(topo.nearest_node(m % gpn) if topo.gpus else topo.nodes[0].id
+                        for m in a.sharing_group)
+        for layer in spec.layer_ids:
+            from .accounting import shard_bytes
+            size = shard_bytes(spec, layer, a.num_shards, a.shard_index)
+            regions.append(Region(f"L{layer}/s{a.shard_index}/r{rank}", offset, size, readers))
+            offset += size
+    plan = plan_placement(args.policy, regions, topo)
+    per_node = plan.bytes_per_node()
+    if plan.copies > 1:  # replicate-per-node: a whole copy on every node
+        per_node = {n: sum(r.length for r in regions) for n in topo.node_ids}
+    remote = expected_remote_fraction(plan, regions)
+    modes = {m: mode_memory(spec, m, layout).per_node for m in
+             ("independent", "dp_shared", "dp_sharded")}
+    lines = [f"spec {args.spec}: {len(spec.layer_ids)} layers, {spec.n_hash_cols} heads, "
+             f"{spec.table_bytes() / 2**30:.2f} GiB in all; TP{args.tp} x DP{args.dp}, "
+             f"{gpn} GPUs per node, mode {args.mode}, policy {args.policy}",
+             f"{'region':<22}{'GiB':>9}  readers on nodes  -> placed on"]
+    for r, pr in zip(regions, plan.ranges):
+        lines.append(f"{r.name:<22}{r.length / 2**30:>9.2f}  {str(list(r.reader_nodes)):<17}"
+                     f" -> {pr.mode} {list(pr.nodes)}")
+    lines.append("bytes per node (one node's tables): " + ", ".join(
+        f"N{n}={b / 2**30:.2f} GiB" for n, b in per_node.items()))
+    lines.append(f"expected fraction of remote row reads: {remote:.1%}")
+    for m, nodes in modes.items():
+        lines.append(f"host memory, {m:<12}: " + ", ".join(
+            f"node{n}={b / 2**30:.1f} GiB" for n, b in nodes.items()))
+    emit(args, {"plan": plan.to_dict(), "bytes_per_node": per_node, "remote_fraction": remote,
+                "mode_memory": modes}, "\n".join(lines))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Lookup rows/s on a placed table, read by threads pinned to each node:
+    the local/remote cost an operator pays for a placement."""
+    import numpy as np
+
+    from .lookup import lookup_rows
+    from .placement import Region, plan_placement
+    from .storage import BackingFile, Layout
+
+    topo = load_topology(None)
+    dim, rows = 256, parse_size(args.size) // 264
+    layout = Layout.of([("weights", rows * dim), ("scales", rows * dim // 32)])
+    plan = plan_placement(args.policy, [Region(r.name, r.offset, r.length)
+                                        for r in layout.regions], topo)
+    results = []
+    with BackingFile.create(layout, bytes(32), directory=None, placement=plan) as f:
+        w = f.region("weights").reshape(rows, dim)
+        s = f.region("scales").reshape(rows, dim // 32)
+        w[:] = np.random.default_rng(0).integers(0, 256, size=w.shape, dtype=np.uint8)
+        s[:] = 127
+        ids = np.random.default_rng(1).integers(0, rows, size=(args.tokens, 1))
+        out = lookup_rows(w, s, ids, head_start=0, bucket_sizes=[rows])  # touch the output
+        for node in topo.nodes:
+            threads = min(args.threads, len(node.cpus)) or 1
+            best = min(_timed(lambda n=node, t=threads: lookup_rows(
+                w, s, ids, head_start=0, bucket_sizes=[rows], threads=t, cpus=n.cpus, out=out))
+                for _ in range(args.repeat))
+            results.append({"reader_node": node.id, "threads": threads,
+                            "rows_per_s": args.tokens / best})
+        report = f.verify_placement(plan)
+    base = max(r["rows_per_s"] for r in results)
+    lines = [f"table {layout.file_size / 2**30:.2f} GiB, policy {args.policy}, pages per node "
+             f"{report.pages_per_node()}"]
+    lines += [f"  readers on node {r['reader_node']} ({r['threads']} threads): "
+              f"{r['rows_per_s'] / 1e6:7.2f} M rows/s  ({r['rows_per_s'] / base:.2f} of best)"
+              for r in results]
+    emit(args, {"results": results, "placement": report.to_dict()}, "\n".join(lines))
+    return 0
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The main job on a default table: write a synthetic checkpoint, start
+    --procs DP replicas over gloo that share one placed copy, look rows up,
+    check them bit-exact, and show placement and memory."""
+    from .demo import run_demo
+
+    doc = run_demo(spec_name=args.spec, procs=args.procs, directory=args.directory,
+                   tokens=args.tokens, policy=args.policy)
+    emit(args, doc, doc["text"])
+    return 0 if doc["ok"] else 1
+
+
 # ---------------------------------------------------------------- main --
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,6 +304,27 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("pids", nargs="*")
     sp.add_argument("--match", default="numa_engram", help="pick pids by command line")
     sp.add_argument("--file-match", default="numa-engram-", help="mappings counted per node")
+    sp.add_argument("--directory", default="/dev/shm")
+    sp = add("plan", cmd_plan, "bytes per node and remote reads of a placement plan")
+    sp.add_argument("--spec", default="v4-flash", help="demo, v4-flash, small, tiny or a JSON file")
+    sp.add_argument("--tp", type=int, default=2)
+    sp.add_argument("--dp", type=int, default=4)
+    sp.add_argument("--gpus-per-node", type=int, default=0)
+    sp.add_argument("--mode", default="dp_shared", choices=["independent", "dp_shared",
+                                                            "dp_sharded"])
+    sp.add_argument("--policy", default="gpu-local")
+    sp.add_argument("--simulate", help="'2x4' or a topology JSON file")
+    sp = add("bench", cmd_bench, "lookup rows/s on a placed table, per reader node")
+    sp.add_argument("--size", default="1G")
+    sp.add_argument("--policy", default="node:0")
+    sp.add_argument("--tokens", type=int, default=100_000)
+    sp.add_argument("--threads", type=int, default=2)
+    sp.add_argument("--repeat", type=int, default=3)
+    sp = add("demo", cmd_demo, "share, place, load and look up a default table")
+    sp.add_argument("--spec", default="small")
+    sp.add_argument("--procs", type=int, default=2, help="DP replicas sharing the table")
+    sp.add_argument("--tokens", type=int, default=4096)
+    sp.add_argument("--policy", default="gpu-local")
     sp.add_argument("--directory", default="/dev/shm")
     sp = add("gc", cmd_gc, "remove table files whose creator died")
     sp.add_argument("--directory", default="/dev/shm")

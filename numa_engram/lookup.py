@@ -148,9 +148,9 @@ def reference_lookup(weights: np.ndarray, scales: np.ndarray, hash_ids, *, head_
     sizes = np.asarray(bucket_sizes, dtype=np.int64)
     offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     cols = np.asarray(hash_ids)[:, head_start:head_start + len(sizes)]
-    rows = torch.from_numpy(np.where(cols >= 0, cols + offsets, 0))
-    w = torch.from_numpy(np.asarray(weights))[rows]
-    s = torch.from_numpy(np.asarray(scales))[rows]
+    rows = np.where(cols >= 0, cols + offsets, 0)
+    w = torch.from_numpy(np.asarray(weights)[rows])  # a gathered (writable) copy
+    s = torch.from_numpy(np.asarray(scales)[rows])
     out = dequantize_rows(w, s, block)
     out[torch.from_numpy(cols < 0)] = 0
     return out

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+from numa_engram.accounting import read_mapping_memory
 from numa_engram.checkpoint import synthetic_layer
 from numa_engram.group import TorchGroup, sharing_groups
 from numa_engram.hashing import ngram_hashes
@@ -22,22 +23,6 @@ LAYER = 1
 def make_spec(rows_per_head, seed=0):
     return EngramSpec.small(rows_per_head=rows_per_head, n_head_per_ngram=4, head_dim=128,
                             seed=seed)
-
-
-def mapping_memory(match):
-    """Pss and Rss (bytes) of this process's mappings whose line contains match."""
-    pss = rss = 0
-    take = False
-    with open("/proc/self/smaps") as fh:
-        for line in fh:
-            first = line.split(maxsplit=1)[0]
-            if "-" in first and not first.endswith(":"):
-                take = match in line
-            elif take and first == "Pss:":
-                pss += int(line.split()[1]) * 1024
-            elif take and first == "Rss:":
-                rss += int(line.split()[1]) * 1024
-    return pss, rss
 
 
 def share(rank, world, *, tp, dp, mode, checkpoint, rows_per_head):
@@ -59,7 +44,7 @@ def share(rank, world, *, tp, dp, mode, checkpoint, rows_per_head):
                                                                   shard.head_end])
     exact = np.array_equal(got.view(torch.int16).numpy(), want.view(torch.int16).numpy())
     dist.barrier()  # everyone mapped and touched: measure while all are alive
-    pss, rss = mapping_memory("numa-engram-")
+    pss, rss = read_mapping_memory("self", "numa-engram-")
     report = table.mode_report()
     digest = hashlib.sha256(table.weights.tobytes() + table.scales.tobytes()).hexdigest()
     path_gone = not os.path.exists(table.path)

@@ -1,0 +1,87 @@
+"""The numa-engram tools, run as an operator runs them (subprocesses)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import shm_files
+
+
+def cli(*args, check=True):
+    out = subprocess.run([sys.executable, "-m", "numa_engram.cli", *args], capture_output=True,
+                         text=True, timeout=300)
+    if check:
+        assert out.returncode == 0, out.stderr
+    return out
+
+
+def test_topo_reads_like_numactl_and_answers_json():
+    text = cli("topo").stdout
+    assert "available:" in text and "node distances:" in text
+    doc = json.loads(cli("topo", "--json").stdout)
+    assert doc["nodes"][0]["id"] == 0 and doc["nodes"][0]["cpus"]
+    sim = json.loads(cli("topo", "--simulate", "2x4", "--json").stdout)
+    assert [g["numa_node"] for g in sim["gpus"]] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_tools_start_without_torch():
+    code = ("import sys, numa_engram.cli as c; c.main(['topo', '--json']); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_plan_numbers_for_a_simulated_dual_socket_host():
+    doc = json.loads(cli("plan", "--simulate", "2x4", "--tp", "2", "--dp", "4", "--json").stdout)
+    mem = doc["mode_memory"]
+    assert mem["independent"]["0"] == 4 * mem["dp_shared"]["0"]
+    assert doc["remote_fraction"] == 0.5  # sharing groups span both sockets
+    rep = json.loads(cli("plan", "--simulate", "2x4", "--tp", "2", "--dp", "4", "--policy",
+                         "replicate-per-node", "--json").stdout)
+    assert rep["remote_fraction"] == 0.0
+    assert rep["bytes_per_node"]["0"] == rep["bytes_per_node"]["1"] == mem["dp_shared"]["0"]
+
+
+def test_create_verify_and_report():
+    doc = json.loads(cli("create", "--size", "8M", "--policy", "node:0", "--json").stdout)
+    assert doc["report"]["ok"] and doc["report"]["fraction_on_plan"] == 1.0
+    bad = cli("create", "--size", "8M", "--policy", "node:9", check=False)
+    assert bad.returncode == 2 and "node 9 does not exist" in bad.stderr
+
+
+def test_verify_a_live_table_file_from_another_process():
+    from numa_engram.placement import PlacementPlan, PlacementRange
+    from numa_engram.storage import BackingFile, Layout
+
+    layout = Layout.of([("w", 1 << 20)])
+    plan = PlacementPlan((PlacementRange("w", layout.regions[0].offset, 1 << 20, "bind", (0,)),))
+    with BackingFile.create(layout, bytes(32), placement=plan) as f:
+        doc = json.loads(cli("verify", f.path, "--json").stdout)
+        assert doc["state"] == "CREATING" and doc["report"]["ok"]
+        assert doc["report"]["ranges"][0]["pages_per_node"] == {"0": 256}
+
+
+def test_gc_and_mem():
+    dead = subprocess.run([sys.executable, "-c", (
+        "import os, signal\nfrom numa_engram.storage import BackingFile, Layout\n"
+        "f = BackingFile.create(Layout.of([('w', 4096)]), bytes(32))\nprint(f.path, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)")], capture_output=True, text=True)
+    path = dead.stdout.strip()
+    assert os.path.exists(path)
+    dry = json.loads(cli("gc", "--dry-run", "--json").stdout)
+    assert any(e["path"] == path and not e["removed"] for e in dry)
+    assert "removed" in cli("gc").stdout and not os.path.exists(path)
+    mem = json.loads(cli("mem", str(os.getpid()), "--json").stdout)
+    assert mem["processes"][0]["pid"] == os.getpid() and mem["tmpfs_total"] > 0
+
+
+@pytest.mark.multiproc
+def test_demo_shares_one_copy_between_two_replicas():
+    before = shm_files()
+    out = cli("demo", "--spec", "tiny", "--procs", "2", "--tokens", "512")
+    assert "mode dp_shared" in out.stdout and "bit-exact True" in out.stdout
+    assert "= 1.00 copies" in out.stdout, out.stdout
+    assert shm_files() == before
