@@ -165,6 +165,7 @@ class SharedEngramTable:
         table = cls._share(spec, layer_id, shard, grp, members, layout, **args)
         table.mode, table.requested_mode, table.fallback_reason = actual, mode, reason
         table.lookup_threads = lookup_threads
+        table.lookup_cpus = _reader_cpus(table.plan, topo)
         log.info("Engram table: %s", table.mode_report())
         return table
 
@@ -266,6 +267,7 @@ class SharedEngramTable:
                 "pages_per_node": None if report is None else report.pages_per_node()},
             "registered_device": None if self.registration is None else
             self.registration.device,
+            "lookup_threads": self.lookup_threads, "lookup_cpus": list(self.lookup_cpus),
         }
 
     # ------------------------------------------------------------- close --
@@ -343,6 +345,18 @@ def _plan(placement, layout: Layout, members: list[MemberInfo],
     readers = tuple(m.node for m in members)
     regions = [Region(r.name, r.offset, r.length, readers) for r in layout.regions]
     return plan_placement(policy, regions, topology)
+
+
+def _reader_cpus(plan: PlacementPlan | None, topology: Topology) -> tuple[int, ...]:
+    """CPUs of the node the weights are bound to: lookup threads run there so
+    their reads stay local.  Empty (no pinning) for interleave or no plan."""
+    if plan is None or topology.simulated:
+        return ()
+    weights = next((r for r in plan.ranges if r.name == "weights"), None)
+    if weights is None or weights.mode != "bind" or len(weights.nodes) != 1:
+        return ()
+    allowed = os.sched_getaffinity(0)
+    return tuple(c for c in topology.node(weights.nodes[0]).cpus if c in allowed)
 
 
 def _leader_create(layout, fingerprint, directory, plan, topology):
