@@ -58,9 +58,12 @@ class SingleProcessGroup:
 
 
 class TorchGroup:
-    """A torch.distributed gloo group.  Collectives that do not complete
-    within ``timeout_s`` (a peer that never joins, a leader that died) raise
-    GroupTimeout naming the protocol step."""
+    """A torch.distributed gloo group.  A collective that does not complete
+    (a peer that never joins, a leader that died) raises GroupTimeout naming
+    the protocol step.  gloo bounds every collective by the process group's
+    own timeout (``init_process_group(timeout=)`` / ``new_group(timeout=)``;
+    ``sharing_groups`` creates its groups with ``timeout_s``); barriers also
+    use ``timeout_s`` directly."""
 
     def __init__(self, process_group=None, timeout_s: float = 300.0) -> None:
         import torch.distributed as dist

@@ -32,7 +32,7 @@ from .storage import (
     check_shmem_thp,
     check_space,
 )
-from .topology import Topology, current_node
+from .topology import Topology, current_node, read_pci_numa_node
 
 log = logging.getLogger(__name__)
 
@@ -305,9 +305,30 @@ def _check_shard(spec: EngramSpec, layer_id: int, shard: ShardInfo) -> None:
 
 
 def _member_node(topo: Topology, device: int | None) -> int:
-    if device is not None and topo.gpus:
+    """The node this member reads from: its GPU's (by the PCI bus id CUDA
+    reports, so CUDA and PCI order may differ), else the CPU it runs on."""
+    if device is None:
+        return current_node(topo)
+    bus_id = _cuda_bus_id(device)
+    if bus_id:
+        node = read_pci_numa_node(bus_id)
+        if node >= 0:
+            return node
+    if topo.gpus:
         return topo.nearest_node(device)
     return current_node(topo)
+
+
+def _cuda_bus_id(device: int) -> str:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return ""
+        p = torch.cuda.get_device_properties(device)
+        return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+    except (ImportError, RuntimeError, AttributeError, AssertionError):
+        return ""
 
 
 def _decide(mode: str, members: list[MemberInfo], layout: Layout,
