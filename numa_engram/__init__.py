@@ -32,6 +32,8 @@ _LAZY = {
     "SharedEngramTable": "table",
     "PrefetchScheduler": "prefetch",
     "lookup_rows": "lookup",
+    "DPShardedLookup": "exchange",
+    "ShardedHeads": "exchange",
 }
 
 

@@ -32,7 +32,7 @@ def ngram_hashes(spec: EngramSpec, compressed_ids, layer_id: int) -> np.ndarray:
     if x.ndim == 0:
         raise SpecError("compressed_ids must have a token axis: shape [..., T]")
     lead, t = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, t)
+    rows = x.reshape(int(np.prod(lead, dtype=np.int64)), t)  # -1 cannot infer 0 tokens
     multipliers = spec.multipliers(layer_id)
     primes = spec.bucket_sizes(layer_id)
     out = np.empty((rows.shape[0], t, spec.n_hash_cols), dtype=np.int64)

@@ -76,58 +76,49 @@ def share(rank, world, *, tp, dp, mode, checkpoint, rows_per_head):
             "backing_bytes": table.backing_bytes, "placement": placement}
 
 
-def _world_group(timeout_s):
-    return TorchGroup(None, timeout_s=timeout_s)
+def _whole_table_on_world(spec, timeout_s, mode="dp_shared", **kwargs):
+    """One shard holding every head, shared by the whole world group."""
+    shard = shard_heads(spec.bucket_sizes(LAYER), 1, 0)
+    return SharedEngramTable.create(spec, LAYER, shard, group=TorchGroup(None, timeout_s),
+                                    mode=mode, **kwargs)
 
 
 def peer_never_joins(rank, world):
-    spec = make_spec(200)
     if rank == world - 1:
         time.sleep(12)  # arrives only after the others gave up
         return {}
-    shard = shard_heads(spec.bucket_sizes(LAYER), 1, 0)
-    SharedEngramTable.create(spec, LAYER, shard, group=_world_group(5), mode="dp_shared")
+    _whole_table_on_world(make_spec(200), 5)
     return {}
 
 
 def leader_killed(rank, world):
     import numa_engram.table as table_mod
 
-    spec = make_spec(200)
     if rank == 0:
         def die(step):
             if step == "after-create":
-                print(flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
         table_mod._STEP_HOOK = die
-    shard = shard_heads(spec.bucket_sizes(LAYER), 1, 0)
-    SharedEngramTable.create(spec, LAYER, shard, group=_world_group(10), mode="dp_shared")
+    _whole_table_on_world(make_spec(200), 10)
     return {}
 
 
 def small_tmpfs(rank, world, *, directory, mode):
-    spec = make_spec(2000)
-    shard = shard_heads(spec.bucket_sizes(LAYER), 1, 0)
-    t = SharedEngramTable.create(spec, LAYER, shard, group=_world_group(30), mode=mode,
-                                 directory=directory)
+    t = _whole_table_on_world(make_spec(2000), 30, mode=mode, directory=directory)
     report = t.mode_report()
     t.close()
     return {"report": report}
 
 
 def fingerprint_differs(rank, world):
-    spec = make_spec(200, seed=1 if rank == 2 else 0)
-    shard = shard_heads(spec.bucket_sizes(LAYER), 1, 0)
-    SharedEngramTable.create(spec, LAYER, shard, group=_world_group(30), mode="dp_shared")
+    _whole_table_on_world(make_spec(200, seed=1 if rank == 2 else 0), 30)
     return {}
 
 
 def other_uid(rank, world):
-    spec = make_spec(200)
     if rank == 1:
         os.setuid(65534)
-    shard = shard_heads(spec.bucket_sizes(LAYER), 1, 0)
-    SharedEngramTable.create(spec, LAYER, shard, group=_world_group(30), mode="dp_shared")
+    _whole_table_on_world(make_spec(200), 30)
     return {}
 
 
@@ -145,3 +136,41 @@ def share_placed(rank, world, *, tp, dp):
     dist.barrier()
     table.close()
     return {"placement": report, "mode": mode}
+
+
+def dp_sharded(rank, world, *, tp, dp, counts, n_head_per_ngram, max_ngram, max_tokens):
+    """DP-sharded lookups: every replica's rows bit-exact with the reference
+    over the whole table, including an idle replica and an all-DEAD one."""
+    from numa_engram.exchange import DPShardedLookup, ShardedHeads
+    from numa_engram.lookup import reference_lookup
+
+    spec = EngramSpec.small(rows_per_head=96, n_head_per_ngram=n_head_per_ngram, head_dim=64,
+                            max_ngram_size=max_ngram)  # primes 97 and up, like vLLM's test
+    layout = WorldLayout(tp=tp, dp=dp, gpus_per_node=tp * dp)
+    group = sharing_groups(layout, timeout_s=60)  # the node-local EDP group
+    tp_rank, dp_rank = layout.coords(rank)
+    edp, edp_rank = group.size, group.rank
+    heads = ShardedHeads.of(spec, LAYER, tp, edp, tp_rank)
+    table = SharedEngramTable.create(spec, LAYER, heads.members[edp_rank], mode="independent")
+    w_all, s_all = synthetic_layer(spec, LAYER, raw=True)
+    offset = heads.members[edp_rank].row_start
+    n = heads.members[edp_rank].num_rows
+    np.copyto(table.weights, w_all[offset:offset + n])
+    np.copyto(table.scales, s_all[offset:offset + n])
+    rng = np.random.default_rng(100 + rank)
+    ids = ngram_hashes(spec, rng.integers(0, 1000, counts[dp_rank]), LAYER)
+    if dp_rank == 2:
+        ids[:] = -1  # a replica whose ids are all DEAD
+    sharded = DPShardedLookup(table, heads, edp_rank, group.pg, max_tokens=max_tokens)
+    got = sharded.lookup(ids)
+    sizes = spec.bucket_sizes(LAYER)
+    want = reference_lookup(w_all[heads.members[0].row_start:heads.members[-1].row_end],
+                            s_all[heads.members[0].row_start:heads.members[-1].row_end], ids,
+                            head_start=heads.head_start,
+                            bucket_sizes=sizes[heads.head_start:heads.head_end])
+    exact = got.shape == want.shape and np.array_equal(got.view(torch.int16).numpy(),
+                                                        want.view(torch.int16).numpy())
+    report = sharded.mode_report()
+    table.close()
+    return {"exact": bool(exact), "shape": list(got.shape), "report": report, "owned": [
+        m.num_heads for m in heads.members]}

@@ -89,6 +89,12 @@ def test_overflow_and_floor_modulo_against_python_ints():
                 assert got[0, t, col] == scalar_hash(back[:n], m[:n], primes[col])
 
 
+def test_empty_inputs_keep_their_shape():
+    spec = EngramSpec.demo()
+    assert ngram_hashes(spec, np.zeros(0, np.int64), 1).shape == (0, 16)
+    assert ngram_hashes(spec, np.zeros((3, 0), np.int64), 1).shape == (3, 0, 16)
+
+
 def test_compression_map_and_negative_passthrough():
     table = np.array([0, 0, 1, 2, 2])
     np.testing.assert_array_equal(compress_ids([4, 3, -1, 0], table), [2, 2, -1, 0])

@@ -1,0 +1,146 @@
+"""DP-sharded mode: TP x EDP shards, hash ids gathered, rows exchanged.
+
+Each member of a node-local EDP group holds the rows of a slice of its TP
+rank's heads (shard index ``tp_rank * edp + edp_rank``).  A lookup:
+1. all-gathers the members' token counts; the slot is the group's largest
+   (padding never goes past the node's own maximum); a count above
+   ``max_tokens`` fails in every member alike;
+2. pads each member's hash ids with DEAD_ID to the slot and all-gathers them;
+3. looks up the member's own heads for every gathered token (DEAD rows are
+   zeros, never row 0);
+4. exchanges rows with one all-to-all: member j gets, from every member,
+   that member's heads for j's tokens; concatenated by head they are the TP
+   rank's rows, of which the first T (the member's own tokens) are returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import LookupIdError, TopologyError
+from .sharding import DEAD_ID, ShardInfo, shard_heads
+from .spec import EngramSpec
+
+
+@dataclass(frozen=True)
+class ShardedHeads:
+    """Head slices of one TP rank's EDP group, in EDP-rank order."""
+
+    tp_rank: int
+    edp: int
+    members: tuple[ShardInfo, ...]
+
+    @classmethod
+    def of(cls, spec: EngramSpec, layer_id: int, tp: int, edp: int, tp_rank: int) -> ShardedHeads:
+        sizes = spec.bucket_sizes(layer_id)
+        members = tuple(shard_heads(sizes, tp * edp, tp_rank * edp + e) for e in range(edp))
+        return cls(tp_rank, edp, members)
+
+    @property
+    def head_start(self) -> int:
+        return self.members[0].head_start
+
+    @property
+    def head_end(self) -> int:
+        return self.members[-1].head_end
+
+
+def pad_hash_ids(hash_ids: np.ndarray, slot: int) -> np.ndarray:
+    """``[slot, n_cols]``: the ids, then DEAD_ID rows."""
+    ids = np.asarray(hash_ids, dtype=np.int64)
+    if ids.shape[0] > slot:
+        raise LookupIdError(f"{ids.shape[0]} tokens do not fit the exchange slot of {slot}")
+    out = np.full((slot, ids.shape[1]), DEAD_ID, dtype=np.int64)
+    out[: ids.shape[0]] = ids
+    return out
+
+
+class DPShardedLookup:
+    """Lookup of a TP rank's heads in the DP-sharded mode.
+
+    ``table`` holds this member's head slice (``heads.members[edp_rank]``);
+    ``process_group`` is the node-local EDP group (gloo or NCCL) in EDP-rank
+    order."""
+
+    def __init__(self, table, heads: ShardedHeads, edp_rank: int, process_group=None, *,
+                 max_tokens: int | None = None) -> None:
+        import torch.distributed as dist
+
+        if dist.get_world_size(process_group) != heads.edp:
+            raise TopologyError(f"the EDP group has {dist.get_world_size(process_group)} members,"
+                                f" the shard layout {heads.edp}")
+        mine = heads.members[edp_rank]
+        if (table.shard.head_start, table.shard.head_end) != (mine.head_start, mine.head_end):
+            raise TopologyError(f"the table holds heads [{table.shard.head_start}, "
+                                f"{table.shard.head_end}), EDP rank {edp_rank} owns "
+                                f"[{mine.head_start}, {mine.head_end})")
+        self.table, self.heads, self.edp_rank = table, heads, edp_rank
+        self.pg, self.max_tokens, self._dist = process_group, max_tokens, dist
+
+    def lookup(self, hash_ids):
+        """BF16 ``[T, tp_heads, head_dim]`` for this member's ``hash_ids [T, n_hash_cols]``
+        (T may be 0: an idle replica still takes part)."""
+        import torch
+
+        from .lookup import check_ids
+
+        ids = check_ids(hash_ids, self.table.spec.n_hash_cols)
+        counts = self._gather_counts(ids.shape[0])
+        slot = max(counts)
+        if self.max_tokens is not None and slot > self.max_tokens:
+            raise LookupIdError(f"EDP members have {counts} tokens; the slot limit is "
+                                f"{self.max_tokens} (raise max_tokens or split the batch)")
+        if slot == 0:
+            return torch.zeros((0, self._tp_heads(), self.table.spec.head_dim),
+                               dtype=torch.bfloat16)
+        gathered = self._gather_ids(pad_hash_ids(ids, slot))             # [edp * slot, cols]
+        rows = self.table.lookup(gathered)                                # [edp*slot, own, d]
+        received = self._exchange(rows, slot)
+        return received[: ids.shape[0]]
+
+    def mode_report(self) -> dict:
+        """What this member really runs, for the deployment log."""
+        mine = self.heads.members[self.edp_rank]
+        return {"mode": "dp_sharded", "embedding_dp_size": self.heads.edp,
+                "edp_rank": self.edp_rank, "tp_rank": self.heads.tp_rank,
+                "tp_heads": [self.heads.head_start, self.heads.head_end],
+                "owned_heads": [mine.head_start, mine.head_end],
+                "row_start": mine.row_start, "row_end": mine.row_end,
+                "max_tokens": self.max_tokens}
+
+    # --------------------------------------------------------- internals --
+    def _tp_heads(self) -> int:
+        return self.heads.head_end - self.heads.head_start
+
+    def _gather_counts(self, count: int) -> list[int]:
+        import torch
+
+        mine = torch.tensor([count], dtype=torch.int64)
+        out = [torch.empty(1, dtype=torch.int64) for _ in range(self.heads.edp)]
+        self._dist.all_gather(out, mine, group=self.pg)
+        return [int(t) for t in out]
+
+    def _gather_ids(self, padded: np.ndarray) -> np.ndarray:
+        import torch
+
+        mine = torch.from_numpy(padded)
+        out = [torch.empty_like(mine) for _ in range(self.heads.edp)]
+        self._dist.all_gather(out, mine, group=self.pg)
+        return torch.cat(out).numpy()
+
+    def _exchange(self, rows, slot: int):
+        """all-to-all: chunk j of ours (our heads, j's tokens) goes to member j."""
+        import torch
+
+        d = self.table.spec.head_dim
+        owned = [m.num_heads for m in self.heads.members]
+        send = rows.reshape(-1)
+        recv = torch.empty(slot * sum(owned) * d, dtype=rows.dtype)
+        self._dist.all_to_all_single(
+            recv, send, output_split_sizes=[slot * h * d for h in owned],
+            input_split_sizes=[slot * owned[self.edp_rank] * d] * self.heads.edp,
+            group=self.pg)
+        parts = recv.split([slot * h * d for h in owned])
+        return torch.cat([p.view(slot, h, d) for p, h in zip(parts, owned)], dim=1)

@@ -1,0 +1,55 @@
+"""DP-sharded mode across 4 real processes (gloo on 127.0.0.1), after vLLM's
+test contract: bit-exact rows for every replica, an idle replica, an
+all-DEAD replica, a padded head column, oversized batches refused."""
+
+import numpy as np
+import pytest
+
+from numa_engram.errors import LookupIdError
+from numa_engram.exchange import ShardedHeads, pad_hash_ids
+from numa_engram.spec import EngramSpec
+
+from .dist_harness import run_world
+
+pytestmark = pytest.mark.multiproc
+COUNTS = [5, 0, 3, 9]  # by DP rank: replica 1 idle, replica 2 all DEAD
+
+
+@pytest.mark.parametrize("tp, dp", [(1, 4), (2, 2)])
+@pytest.mark.parametrize("heads_per_order, orders", [(4, 3), (7, 2)])  # 8 heads, 7 heads
+def test_every_replica_gets_exact_rows(tp, dp, heads_per_order, orders):
+    results = run_world(4, "dp_sharded", tp=tp, dp=dp, counts=COUNTS,
+                        n_head_per_ngram=heads_per_order, max_ngram=orders, max_tokens=16)
+    n_heads = heads_per_order * (orders - 1)
+    for r in results:
+        assert r["ok"], r.get("traceback") or r
+        assert r["exact"], r
+        dp_rank = r["rank"] // tp
+        assert r["shape"][0] == COUNTS[dp_rank]
+        assert r["shape"][1] == sum(r["owned"])  # the TP rank's heads, idle or not
+        assert r["report"]["mode"] == "dp_sharded" and r["report"]["embedding_dp_size"] == 4 // tp
+    if n_heads == 7 and tp == 1:
+        assert results[0]["owned"] == [2, 2, 2, 1]  # the last slice is one head short
+
+
+def test_oversized_batch_fails_in_every_member():
+    results = run_world(4, "dp_sharded", tp=1, dp=4, counts=[5, 0, 3, 20],
+                        n_head_per_ngram=4, max_ngram=3, max_tokens=16)
+    for r in results:
+        assert not r["ok"] and r["error_type"] == "LookupIdError", r
+        assert "[5, 0, 3, 20] tokens" in r["message"]
+
+
+def test_padding_goes_to_the_slot_with_dead_ids():
+    ids = np.arange(6, dtype=np.int64).reshape(2, 3)
+    padded = pad_hash_ids(ids, 4)
+    assert padded.shape == (4, 3) and (padded[2:] == -1).all() and (padded[:2] == ids).all()
+    with pytest.raises(LookupIdError, match="do not fit"):
+        pad_hash_ids(ids, 1)
+
+
+def test_sharded_heads_are_tp_major():
+    spec = EngramSpec.small(n_head_per_ngram=4)  # 8 heads
+    tp1 = ShardedHeads.of(spec, 1, tp=2, edp=2, tp_rank=1)
+    assert [(m.head_start, m.head_end) for m in tp1.members] == [(4, 6), (6, 8)]
+    assert (tp1.head_start, tp1.head_end) == (4, 8)
