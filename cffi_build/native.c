@@ -221,11 +221,23 @@ struct lookup_job {
  * memory-latency bound, not compute bound. */
 enum { PREFETCH_AHEAD = 8 };
 
-static inline int64_t job_row(const struct lookup_job *j, int64_t k)
+/* A (token, head) cursor over the job: rows in output order, no division. */
+struct cursor {
+    int64_t t, h;
+};
+
+static inline int64_t cursor_row(const struct lookup_job *j, const struct cursor *c)
 {
-    int64_t t = k / j->n_heads, h = k % j->n_heads;
-    int64_t id = j->ids[t * j->stride + h];
-    return id < 0 ? -1 : id + j->head_offsets[h];
+    int64_t id = j->ids[c->t * j->stride + c->h];
+    return id < 0 ? -1 : id + j->head_offsets[c->h];
+}
+
+static inline void cursor_next(const struct lookup_job *j, struct cursor *c)
+{
+    if (++c->h == j->n_heads) {
+        c->h = 0;
+        c->t++;
+    }
 }
 
 typedef void (*row_fn)(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block,
@@ -303,17 +315,21 @@ static void run_lookup(const struct lookup_job *j)
     const row_fn row_dequant = pick_row_fn();
     const int64_t n_scales = j->dim / j->block;
     const int64_t k_begin = j->t_begin * j->n_heads, k_end = j->t_end * j->n_heads;
-    for (int64_t k = k_begin; k < k_end; k++) {
+    struct cursor cur = {j->t_begin, 0}, ahead = {j->t_begin, 0};
+    for (int64_t k = k_begin; k < k_begin + PREFETCH_AHEAD && k < k_end; k++)
+        cursor_next(j, &ahead);
+    for (int64_t k = k_begin; k < k_end; k++, cursor_next(j, &cur)) {
         if (k + PREFETCH_AHEAD < k_end) {
-            int64_t ahead = job_row(j, k + PREFETCH_AHEAD);
-            if (ahead >= 0) {
-                const char *p = (const char *)(j->weights + ahead * j->dim);
+            int64_t next = cursor_row(j, &ahead);
+            cursor_next(j, &ahead);
+            if (next >= 0) {
+                const char *p = (const char *)(j->weights + next * j->dim);
                 for (int64_t off = 0; off < j->dim; off += 64)
                     __builtin_prefetch(p + off, 0, 0);
-                __builtin_prefetch(j->scales + ahead * n_scales, 0, 0);
+                __builtin_prefetch(j->scales + next * n_scales, 0, 0);
             }
         }
-        int64_t row = job_row(j, k);
+        int64_t row = cursor_row(j, &cur);
         uint16_t *dst = j->out + k * j->dim;
         if (row < 0) {
             memset(dst, 0, (size_t)j->dim * 2);

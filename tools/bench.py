@@ -22,12 +22,19 @@ from numa_engram.storage import BackingFile, Layout  # noqa: E402
 
 
 def best_of(fn, repeat=5):
-    times = []
+    return best_interleaved({"x": fn}, repeat)["x"]
+
+
+def best_interleaved(fns: dict, repeat: int = 7) -> dict:
+    """Best time of each function, run in turns (A B C A B C ...) so a noisy
+    neighbour slows every variant alike instead of whichever ran then."""
+    best = {name: float("inf") for name in fns}
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
 
 
 # ---------------------------------------------------------------- lookup --
@@ -63,9 +70,14 @@ def bench_lookup(table_gib: float, tokens: int, heads: int = 24, head_dim: int =
             return lambda: lookup_rows(w, s, ids, head_start=0, bucket_sizes=sizes, out=out,
                                        threads=threads)
 
-        t_take = best_of(lambda: (w.take(flat, axis=0), s.take(flat, axis=0)))
-        t1 = best_of(fused(1))
-        t2 = best_of(fused(2))
+        gathered_w = np.empty((len(flat), head_dim), np.uint8)
+        gathered_s = np.empty((len(flat), head_dim // 32), np.uint8)
+        best = best_interleaved({
+            # mode="clip": with out= and the default mode="raise" numpy buffers
+            "take": lambda: (w.take(flat, axis=0, out=gathered_w, mode="clip"),
+                             s.take(flat, axis=0, out=gathered_s, mode="clip")),
+            "fused1": fused(1), "fused2": fused(2)})
+        t_take, t1, t2 = best["take"], best["fused1"], best["fused2"]
         sub = slice(0, max(1, tokens // 8))  # the reference is slow: time an eighth
         t_ref = best_of(lambda: reference_lookup(w, s, ids[sub], head_start=0,
                                                  bucket_sizes=sizes), repeat=2) * (
@@ -95,8 +107,9 @@ def bench_hashing(tokens: int) -> None:
                       n_head_per_ngram=8, head_dim=256, compressed_vocab_size=99092, pad_id=2)
     ids = np.random.default_rng(0).integers(0, spec.compressed_vocab_size, size=(1, tokens))
     m, p = spec.multipliers(1), spec.bucket_sizes(1)
-    t_lib = best_of(lambda: ngram_hashes(spec, ids, 1), repeat=3)
-    t_ref = best_of(lambda: reference_hashes(ids, m, p, 4, 8, spec.pad_id), repeat=3)
+    best = best_interleaved({"lib": lambda: ngram_hashes(spec, ids, 1),
+                             "ref": lambda: reference_hashes(ids, m, p, 4, 8, spec.pad_id)}, 3)
+    t_lib, t_ref = best["lib"], best["ref"]
     same = np.array_equal(ngram_hashes(spec, ids, 1), reference_hashes(ids, m, p, 4, 8, 2))
     print(f"== hashing: {tokens / 1e6:.1f} M tokens, 24 hash columns (V4-like spec)")
     print(f"  ngram_hashes       : {tokens / t_lib / 1e6:6.2f} M tokens/s")
@@ -148,7 +161,8 @@ def bench_load(gib: float) -> None:
                           f.region("scales").reshape(rows, head_dim // 32))
 
         plain_copy(), load()  # warm the page cache for both
-        t_copy, t_load = best_of(plain_copy, 3), best_of(load, 3)
+        best = best_interleaved({"copy": plain_copy, "load": load}, 3)
+        t_copy, t_load = best["copy"], best["load"]
     print(f"== checkpoint load: {size / 2**30:.2f} GiB shard into a fresh tmpfs table")
     print(f"  plain copy of the same bytes: {size / t_copy / 2**30:6.2f} GiB/s")
     print(f"  load_rows from safetensors  : {size / t_load / 2**30:6.2f} GiB/s "
