@@ -24,8 +24,9 @@ def _torch():
     return torch
 
 
-def check_ids(hash_ids, n_cols: int) -> np.ndarray:
-    """int64, C-contiguous, 2-D ``[T, n_cols]`` hash ids as a numpy array (no copy)."""
+def check_ids(hash_ids, n_cols: int | None = None) -> np.ndarray:
+    """int64, C-contiguous, 2-D ``[T, n_cols]`` hash ids as a numpy array (no
+    copy); ``n_cols=None`` accepts any column count."""
     torch = _torch()
     if torch.is_tensor(hash_ids):
         if hash_ids.device.type != "cpu":
@@ -38,9 +39,9 @@ def check_ids(hash_ids, n_cols: int) -> np.ndarray:
     if ids.dtype != np.int64:
         raise LookupIdError(f"hash ids have dtype {ids.dtype}; pass int64 (ids.astype(np.int64))"
                             " so no id can be truncated")
-    if ids.ndim != 2 or ids.shape[1] != n_cols:
-        raise LookupIdError(f"hash ids have shape {list(ids.shape)}; expected [T, {n_cols}] "
-                            "(one bucket index per hash column)")
+    if ids.ndim != 2 or (n_cols is not None and ids.shape[1] != n_cols):
+        raise LookupIdError(f"hash ids have shape {list(ids.shape)}; expected "
+                            f"[T, {n_cols or 'n_hash_cols'}] (one bucket index per hash column)")
     if not ids.flags.c_contiguous:
         raise LookupIdError("hash ids are not C-contiguous; call np.ascontiguousarray first")
     return ids
@@ -92,10 +93,7 @@ def lookup_rows(weights: np.ndarray, scales: np.ndarray, hash_ids, *, head_start
     if weights.shape[0] < int((offsets + sizes).max(initial=0)):
         raise ValueError(f"weights hold {weights.shape[0]} rows, heads need "
                          f"{int((offsets + sizes).max())}")
-    ids = hash_ids if isinstance(hash_ids, np.ndarray) and hash_ids.dtype == np.int64 \
-        and hash_ids.ndim == 2 and hash_ids.flags.c_contiguous else None
-    if ids is None:
-        ids = check_ids(hash_ids, getattr(hash_ids, "shape", (0, 0))[-1])
+    ids = check_ids(hash_ids)
     if not 0 <= head_start <= ids.shape[1] - len(sizes):
         raise LookupIdError(f"heads [{head_start}, {head_start + len(sizes)}) are not columns of "
                             f"hash ids with {ids.shape[1]} columns")

@@ -13,6 +13,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from . import native
 from .errors import PlacementError, TopologyError
 from .topology import Topology
@@ -253,18 +255,11 @@ def verify(mapping: native.Mapping, plan: PlacementPlan) -> PlacementReport:
         length = min(_round_up(r.length, native.PAGE_SIZE), mapping.length - r.offset)
         native.madvise(mapping, native.MADV_POPULATE_READ, r.offset, length)
         status = native.page_nodes(mapping, r.offset, length)
-        placed = status[status >= 0]
-        counts = Counter(int(n) for n in placed) if len(placed) < 4096 else _bincount(placed)
+        counts = np.bincount(status[status >= 0])
+        per_node = {node: int(c) for node, c in enumerate(counts) if c}
         reports.append(RangeReport(r.name, r.offset, r.length, r.mode, r.nodes, len(status),
-                                   dict(sorted(counts.items())), int((status < 0).sum())))
+                                   per_node, int((status < 0).sum())))
     return PlacementReport(tuple(reports))
-
-
-def _bincount(nodes) -> dict[int, int]:
-    import numpy as np
-
-    counts = np.bincount(nodes)
-    return {i: int(c) for i, c in enumerate(counts) if c}
 
 
 _MODE_NAMES = {v: k for k, v in MODES.items()}

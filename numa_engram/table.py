@@ -179,8 +179,9 @@ class SharedEngramTable:
         try:
             # steps 1-7 (leader): check, create, size, map, no THP, bind, populate, verify
             if leader:
-                (backing, report), made = _attempt(lambda: _leader_create(
+                created, made = _attempt(lambda: _leader_create(
                     layout, spec.fingerprint, directory, plan, topology))
+                backing, report = created if made.ok else (None, None)
                 _step("after-create")
             made = grp.broadcast(made if leader else None, "create")
             _raise_first_failure([made], "create")

@@ -152,6 +152,17 @@ def test_shard_not_made_by_shard_heads_is_refused():
         SharedEngramTable.create(spec, 14, bad)
 
 
+def test_leader_failure_while_creating_is_raised_as_itself():
+    from numa_engram.errors import PlacementError
+    from numa_engram.placement import PlacementPlan, PlacementRange
+
+    spec = EngramSpec.small()
+    bad = PlacementPlan((PlacementRange("weights", 4097, 4096, "bind", (0,)),))
+    with pytest.raises(PlacementError, match="step 'create'.*not aligned"):
+        SharedEngramTable.create(spec, 14, shard_heads(spec.bucket_sizes(14), 1, 0),
+                                 placement=bad)
+
+
 def test_explicit_dp_shared_without_peers_fails_loudly():
     spec = EngramSpec.small()
     with pytest.raises(StorageError, match="one member"):
