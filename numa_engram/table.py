@@ -209,6 +209,25 @@ class SharedEngramTable:
                    "independent", requested_mode="", members=list(members), leader=leader,
                    plan=plan, report=report, registration=registration)
 
+    @classmethod
+    def attach(cls, spec: EngramSpec, layer_id: int, shard: ShardInfo, *,
+               path: str | None = None, fd: int | None = None) -> SharedEngramTable:
+        """Map a READY table handed over outside a group (its path before the
+        unlink, or an fd passed over a Unix socket), read-only, after the
+        same checks a peer makes."""
+        _check_shard(spec, layer_id, shard)
+        layout = table_layout(spec, shard)
+        backing = BackingFile.attach(path, fd=fd, fingerprint=spec.fingerprint,
+                                     file_size=layout.file_size)
+        if backing.state != STATE_READY:
+            backing.close()
+            raise StorageError(f"table {backing.path} is not READY (its creator has not "
+                               "finished loading it); attach after create() returned")
+        me = MemberInfo(0, os.getpid(), os.geteuid(), current_node(Topology.detect()), None,
+                        spec.fingerprint)
+        return cls(spec, layer_id, shard, backing, mode="attached", requested_mode="attach",
+                   members=[me], leader=False, plan=None, report=None)
+
     # ------------------------------------------------------------ lookup --
     def lookup(self, hash_ids, out=None, *, dedup: bool = False):
         """BF16 ``[T, heads_in_shard, head_dim]`` rows for ``hash_ids

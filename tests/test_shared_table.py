@@ -7,7 +7,7 @@ import pytest
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 from numa_engram.checkpoint import synthetic_layer, write_synthetic_checkpoint
-from numa_engram.errors import StorageError, TopologyError
+from numa_engram.errors import SpecMismatchError, StorageError, TopologyError
 from numa_engram.storage import gc_stale_files
 
 from .conftest import shm_files
@@ -142,6 +142,30 @@ def test_private_table_lives_on_a_memfd_and_close_is_idempotent(tmp_path):
     table.close()
     with pytest.raises(StorageError, match="closed"):
         table.lookup(np.zeros((1, spec.n_hash_cols), np.int64))
+
+
+def test_attach_by_fd_sees_the_table_and_refuses_an_unfinished_one():
+    spec = EngramSpec.small()
+    shard = shard_heads(spec.bucket_sizes(1), 1, 0)
+    with SharedEngramTable.create(spec, 1, shard) as table:
+        table.weights[:2] = 7
+        fd = table._backing.fd
+        peer = SharedEngramTable.attach(spec, 1, shard, fd=fd)
+        assert (peer.weights[:2] == 7).all() and not peer.weights.flags.writeable
+        ids = np.zeros((3, spec.n_hash_cols), np.int64)
+        assert torch_equal(peer.lookup(ids), table.lookup(ids))
+        peer.close()
+        table._backing.set_state(0)
+        with pytest.raises(StorageError, match="not READY"):
+            SharedEngramTable.attach(spec, 1, shard, fd=fd)
+        with pytest.raises(SpecMismatchError):
+            SharedEngramTable.attach(EngramSpec.small(seed=3), 1, shard, fd=fd)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 def test_shard_not_made_by_shard_heads_is_refused():
