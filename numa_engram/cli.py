@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from .errors import NumaEngramError
+from .errors import NumaEngramError, StorageError
 
 UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -92,17 +92,44 @@ def cmd_create(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Where the pages of a table file are, against the policy stored on it."""
+    """Where the pages of table files are, against the policy stored on each:
+    a file by path, or every table a running process holds (--pid), unlinked
+    and memfd ones included."""
+    from .storage import open_process_fd, table_fds
+
+    if args.pid is not None:
+        targets = [(f"pid {args.pid} fd {fd} ({name})", open_process_fd(args.pid, fd))
+                   for fd, name in table_fds(args.pid)]
+        if not targets:
+            raise StorageError(f"pid {args.pid} holds no numa_engram table")
+    elif args.path:
+        targets = [(args.path, None)]
+    else:
+        raise StorageError("give a table file PATH or --pid PID")
+    docs, texts, ok = [], [], True
+    for label, fd in targets:
+        doc, text = _verify_one(label, args.path if fd is None else None, fd)
+        docs.append(doc)
+        texts.append(text)
+        ok &= doc["report"]["ok"]
+    emit(args, docs if args.pid is not None else docs[0], "\n".join(texts))
+    return 0 if ok else 1
+
+
+def _verify_one(label: str, path: str | None, fd: int | None) -> tuple[dict, str]:
     from .placement import plan_of_mapping
     from .storage import STATE_NAMES, BackingFile
 
-    with BackingFile.attach(args.path) as f:
-        plan = plan_of_mapping(f.mapping, [(r.name, r.offset, r.length) for r in f.layout.regions])
-        report = f.verify_placement(plan)
-        state = STATE_NAMES.get(f.state, "?")
-    emit(args, {"path": args.path, "state": state, "report": report.to_dict()},
-         f"{args.path} [{state}]\n{report.format()}")
-    return 0 if report.ok else 1
+    try:
+        with BackingFile.attach(path, fd=fd) as f:
+            ranges = [(r.name, r.offset, r.length) for r in f.layout.regions]
+            report = f.verify_placement(plan_of_mapping(f.mapping, ranges))
+            state = STATE_NAMES.get(f.state, "?")
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return ({"table": label, "state": state, "report": report.to_dict()},
+            f"{label} [{state}]\n{report.format()}")
 
 
 def cmd_mem(args: argparse.Namespace) -> int:
@@ -298,8 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--policy", default="gpu-local")
     sp.add_argument("--directory", default="/dev/shm")
     sp.add_argument("--hold", type=float, default=0, help="seconds to keep it before removing")
-    sp = add("verify", cmd_verify, "report where a table file's pages are")
-    sp.add_argument("path")
+    sp = add("verify", cmd_verify, "report where a table's pages are (file or live process)")
+    sp.add_argument("path", nargs="?")
+    sp.add_argument("--pid", type=int, help="every table this process holds")
     sp = add("mem", cmd_mem, "PSS/RSS per process and Shmem per node")
     sp.add_argument("pids", nargs="*")
     sp.add_argument("--match", default="numa_engram", help="pick pids by command line")

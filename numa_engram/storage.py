@@ -343,6 +343,30 @@ def _check_file(fd: int, where: str, fingerprint: bytes | None,
     return header
 
 
+def table_fds(pid: int) -> list[tuple[int, str]]:
+    """(fd, target) of every table file a live process holds open, unlinked
+    or memfd ones included: a running server's tables can be inspected."""
+    out = []
+    base = f"/proc/{pid}/fd"
+    for entry in sorted(os.listdir(base), key=int):
+        try:
+            target = os.readlink(f"{base}/{entry}")
+        except OSError:
+            continue
+        if PREFIX in target:
+            out.append((int(entry), target))
+    return out
+
+
+def open_process_fd(pid: int, fd: int) -> int:
+    """Our own descriptor for another process's open file (same user or root)."""
+    try:
+        return os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise StorageError(f"cannot open fd {fd} of pid {pid}: {exc.strerror}; run as the "
+                           "same user or root") from exc
+
+
 # -------------------------------------------------------------------- gc --
 
 @dataclass(frozen=True)

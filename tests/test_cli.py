@@ -64,6 +64,25 @@ def test_verify_a_live_table_file_from_another_process():
         assert doc["report"]["ranges"][0]["pages_per_node"] == {"0": 256}
 
 
+def test_verify_every_table_of_a_running_process():
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom numa_engram import EngramSpec, SharedEngramTable, shard_heads\n"
+        "spec = EngramSpec.small()\n"
+        "t = [SharedEngramTable.create(spec, l, shard_heads(spec.bucket_sizes(l), 1, 0))"
+        " for l in spec.layer_ids]\nprint('ready', flush=True)\ntime.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        docs = json.loads(cli("verify", "--pid", str(holder.pid), "--json").stdout)
+        assert len(docs) == 2 and all(d["state"] == "READY" and d["report"]["ok"] for d in docs)
+        assert all("memfd:numa-engram-" in d["table"] for d in docs)
+    finally:
+        os.kill(holder.pid, 9)
+        holder.wait()
+    none = cli("verify", "--pid", str(os.getpid()), check=False)
+    assert none.returncode == 2 and "holds no numa_engram table" in none.stderr
+
+
 def test_gc_and_mem():
     dead = subprocess.run([sys.executable, "-c", (
         "import os, signal\nfrom numa_engram.storage import BackingFile, Layout\n"
