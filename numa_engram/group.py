@@ -10,6 +10,7 @@ node-local sharing (EDP) groups of a world, per the rule in sharding.py.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -105,19 +106,22 @@ class TorchGroup:
                   timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
 
 
-def sharing_groups(layout: WorldLayout, timeout_s: float = 300.0) -> TorchGroup:
+def sharing_groups(layout: WorldLayout, timeout_s: float = 300.0,
+                   socket_of: Sequence[int] | None = None) -> TorchGroup:
     """Form every node-local sharing group of the world (a collective: all
-    ranks call it) and return this rank's.  Logs the membership."""
+    ranks call it) and return this rank's.  ``socket_of`` (NUMA node of each
+    rank's GPU) splits groups per socket: one copy per socket, read locally.
+    Logs the membership."""
     import torch.distributed as dist
 
     me = dist.get_rank()
     mine = None
-    for ranks in layout.edp_groups():
+    for ranks in layout.edp_groups(socket_of):
         pg = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout_s), backend="gloo")
         if me in ranks:
             mine = TorchGroup(pg, timeout_s)
-    log.info("rank %d: sharing group %s (EDP size %d of tp=%d dp=%d, %d GPUs per node)", me,
-             list(layout.edp_group(me)), layout.edp_size(), layout.tp, layout.dp,
-             layout.gpus_per_node)
+    log.info("rank %d: sharing group %s (EDP size %d of tp=%d dp=%d, %d GPUs per node%s)", me,
+             list(layout.edp_group(me, socket_of)), layout.edp_size(), layout.tp, layout.dp,
+             layout.gpus_per_node, ", split per socket" if socket_of is not None else "")
     assert mine is not None  # every rank is in exactly one group
     return mine

@@ -138,21 +138,28 @@ class WorldLayout:
             return 1
         return math.gcd(self.dp, self.gpus_per_node // self.tp)
 
-    def edp_group(self, rank: int) -> tuple[int, ...]:
+    def edp_group(self, rank: int, socket_of: Sequence[int] | None = None) -> tuple[int, ...]:
         """Ranks sharing one table with ``rank``: node-local DP peers with the
-        same TP rank (ranks tp_rank + r*tp)."""
+        same TP rank (ranks tp_rank + r*tp).  With ``socket_of`` (the NUMA
+        node of each rank's GPU) only peers on rank's socket: one copy per
+        socket, the replicate-per-node layout, with no remote reads."""
         tp_rank, dp_rank = self.coords(rank)
         size = self.edp_size()
         first = dp_rank // size * size
         members = tuple(self.rank(tp_rank, d) for d in range(first, first + size))
         if len({self.node_of(m) for m in members}) != 1:
             return (rank,)
+        if socket_of is not None:
+            if len(socket_of) != self.world_size:
+                raise TopologyError(f"socket_of names {len(socket_of)} ranks, the world has "
+                                    f"{self.world_size}")
+            members = tuple(m for m in members if socket_of[m] == socket_of[rank])
         return members
 
-    def edp_groups(self) -> list[tuple[int, ...]]:
+    def edp_groups(self, socket_of: Sequence[int] | None = None) -> list[tuple[int, ...]]:
         seen, out = set(), []
         for r in range(self.world_size):
-            g = self.edp_group(r)
+            g = self.edp_group(r, socket_of)
             if g not in seen:
                 seen.add(g)
                 out.append(g)

@@ -44,10 +44,10 @@ class collectives_forbidden:
             setattr(dist, n, fn)
 
 
-def share(rank, world, *, tp, dp, mode, checkpoint, rows_per_head):
+def share(rank, world, *, tp, dp, mode, checkpoint, rows_per_head, socket_of=None):
     spec = make_spec(rows_per_head)
     layout = WorldLayout(tp=tp, dp=dp, gpus_per_node=tp * dp)
-    group = sharing_groups(layout, timeout_s=60)
+    group = sharing_groups(layout, timeout_s=60, socket_of=socket_of)
     tp_rank = rank % tp
     shard = shard_heads(spec.bucket_sizes(LAYER), tp, tp_rank)
     table = SharedEngramTable.create(spec, LAYER, shard, group=group, mode=mode,

@@ -85,6 +85,16 @@ def test_edp_groups_follow_gcd_and_node_alignment():
     assert len(WorldLayout(tp=1, dp=4, gpus_per_node=4).edp_groups()) == 1
 
 
+def test_groups_split_per_socket_for_replicate_per_node():
+    layout = WorldLayout(tp=2, dp=4, gpus_per_node=8)
+    socket_of = [gpu // 4 for gpu in range(8)]  # GPUs 0-3 on node 0, 4-7 on node 1
+    assert layout.edp_group(0) == (0, 2, 4, 6)  # spans both sockets: half the reads remote
+    assert layout.edp_group(0, socket_of) == (0, 2) and layout.edp_group(6, socket_of) == (4, 6)
+    assert len(layout.edp_groups(socket_of)) == 4
+    with pytest.raises(TopologyError, match="names 3 ranks"):
+        layout.edp_group(0, [0, 0, 1])
+
+
 def test_mode_assignments():
     layout = WorldLayout(tp=2, dp=2, gpus_per_node=4)
     shared = assign("dp_shared", layout, 3)

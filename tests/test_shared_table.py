@@ -58,6 +58,18 @@ def test_dp_shared_one_copy_vs_independent_four(tmp_path, checkpoint, tp, dp):
     assert all(r["report"]["mode"] == "independent" for r in indep)
 
 
+def test_per_socket_groups_hold_one_copy_per_socket(checkpoint):
+    """replicate-per-node: DP replicas on GPUs of two sockets, a copy each."""
+    results = run_world(4, "share", tp=1, dp=4, mode="dp_shared", checkpoint=checkpoint,
+                        rows_per_head=ROWS_PER_HEAD, socket_of=[0, 0, 1, 1])
+    _all_ok(results)
+    assert [r["report"]["sharing_group"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    one_copy = results[0]["backing_bytes"]
+    pss = sum(r["pss"] for r in results)
+    assert abs(pss - 2 * one_copy) <= 0.05 * 2 * one_copy
+    assert all(r["same_as_source"] and r["lookup_exact"] for r in results)
+
+
 def _assert_all_failed(results, error_type, text, ranks=None):
     for r in results:
         if ranks is not None and r["rank"] not in ranks:
