@@ -39,6 +39,9 @@ KERNEL_DECLS = """
                        int64_t block, const int64_t *ids, int64_t n_tokens,
                        int64_t stride, int64_t n_heads, const int64_t *head_offsets,
                        uint16_t *out, int n_threads, const int *cpus, int n_cpus);
+    int ne_ngram_hashes(const int64_t *ids, int64_t n_rows, int64_t t, int64_t pad_id,
+                        const int64_t *multipliers, int64_t max_ngram, const int64_t *primes,
+                        int64_t n_head, int64_t *out, int n_threads);
 """
 
 ffibuilder = FFI()

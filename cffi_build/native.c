@@ -403,3 +403,85 @@ int ne_lookup_bf16(const uint8_t *weights, const uint8_t *scales, int64_t dim,
     }
     return 0;
 }
+
+/* ----------------------------------------------------- n-gram hashing --- */
+
+struct hash_job {
+    const int64_t *ids;
+    int64_t t, pad_id, max_ngram, n_head, n_cols;
+    const int64_t *multipliers, *primes;
+    int64_t *out;
+    int64_t begin, end; /* flat (row, position) range */
+};
+
+/* DeepSeek's formula: mix of order n = XOR over k < n of tok_k * m_k in
+ * wrapping int64 (done in uint64: signed overflow is undefined in C), each
+ * head taking the floor modulo of its prime (C's % truncates: fix negatives). */
+static void run_hashes(const struct hash_job *j)
+{
+    for (int64_t f = j->begin; f < j->end; f++) {
+        int64_t row = f / j->t, pos = f % j->t;
+        const int64_t *seq = j->ids + row * j->t;
+        uint64_t mix = (uint64_t)seq[pos] * (uint64_t)j->multipliers[0];
+        int64_t *dst = j->out + f * j->n_cols;
+        for (int64_t n = 2; n <= j->max_ngram; n++) {
+            int64_t k = n - 1;
+            int64_t tok = pos >= k ? seq[pos - k] : j->pad_id;
+            mix ^= (uint64_t)tok * (uint64_t)j->multipliers[k];
+            int64_t smix = (int64_t)mix;
+            const int64_t *p = j->primes + (n - 2) * j->n_head;
+            for (int64_t h = 0; h < j->n_head; h++) {
+                int64_t r = smix % p[h];
+                dst[(n - 2) * j->n_head + h] = r < 0 ? r + p[h] : r;
+            }
+        }
+    }
+}
+
+static void *hash_thread(void *arg)
+{
+    run_hashes(arg);
+    return NULL;
+}
+
+/* out[row][pos][col] for ids[n_rows][t]; primes > 0 (checked by the caller).
+ * Returns 0, or -1 with errno when a thread cannot start. */
+int ne_ngram_hashes(const int64_t *ids, int64_t n_rows, int64_t t, int64_t pad_id,
+                    const int64_t *multipliers, int64_t max_ngram, const int64_t *primes,
+                    int64_t n_head, int64_t *out, int n_threads)
+{
+    enum { MAX_THREADS = 64 };
+    struct hash_job jobs[MAX_THREADS];
+    pthread_t threads[MAX_THREADS];
+    int64_t total = n_rows * t;
+    if (n_threads < 1)
+        n_threads = 1;
+    if (n_threads > MAX_THREADS)
+        n_threads = MAX_THREADS;
+    if (total < 4096)
+        n_threads = 1; /* not worth a thread */
+    int64_t per = (total + n_threads - 1) / n_threads;
+    for (int i = 0; i < n_threads; i++) {
+        int64_t b = i * per < total ? i * per : total;
+        int64_t e = b + per < total ? b + per : total;
+        jobs[i] = (struct hash_job){ids, t, pad_id, max_ngram, n_head,
+                                    (max_ngram - 1) * n_head, multipliers, primes, out, b, e};
+    }
+    if (n_threads == 1) {
+        run_hashes(&jobs[0]);
+        return 0;
+    }
+    int started = 0, err = 0;
+    for (; started < n_threads; started++) {
+        err = pthread_create(&threads[started], NULL, hash_thread, &jobs[started]);
+        if (err)
+            break;
+    }
+    for (int i = 0; i < started; i++)
+        pthread_join(threads[i], NULL);
+    if (err) {
+        errno = err;
+        return -1;
+    }
+    return 0;
+}

@@ -4,6 +4,8 @@ For position t, token k back is ``pad_id`` before the start of each row.
 For order n: mix = XOR_k (tok_k * m_k) in wrapping int64, and head j of that
 order takes the floor modulo ``mix mod prime_j`` (numpy's ``%``).  The mix of
 order n+1 extends that of order n, so each product is computed once.
+``ngram_hashes`` is the native pass (every column of a token at once,
+threaded); ``ngram_hashes_numpy`` is the same in vectorised numpy.
 """
 
 from __future__ import annotations
@@ -25,14 +27,42 @@ def compress_ids(token_ids: np.ndarray, compression: np.ndarray) -> np.ndarray:
     return np.where(ids >= 0, table[np.clip(ids, 0, None)], ids)
 
 
-def ngram_hashes(spec: EngramSpec, compressed_ids, layer_id: int) -> np.ndarray:
+def ngram_hashes(spec: EngramSpec, compressed_ids, layer_id: int, *,
+                 threads: int = 1) -> np.ndarray:
     """int64 ``[..., T, n_hash_cols]`` per-head bucket indices for ids
-    ``[..., T]`` (a single sequence or a batch of rows)."""
+    ``[..., T]`` (a single sequence or a batch of rows): one native pass per
+    token computing every column, on ``threads`` threads."""
+    from .native import ffi, lib
+
+    rows, lead = _as_rows(compressed_ids)
+    t = rows.shape[1]
+    multipliers = np.ascontiguousarray(spec.multipliers(layer_id))
+    primes = np.asarray(spec.bucket_sizes(layer_id), dtype=np.int64)
+    out = np.empty((rows.shape[0], t, spec.n_hash_cols), dtype=np.int64)
+    if out.size:
+        rc = lib.ne_ngram_hashes(
+            ffi.cast("int64_t *", ffi.from_buffer(rows)), rows.shape[0], t, spec.pad_id,
+            ffi.cast("int64_t *", ffi.from_buffer(multipliers)), spec.max_ngram_size,
+            ffi.cast("int64_t *", ffi.from_buffer(primes)), spec.n_head_per_ngram,
+            ffi.cast("int64_t *", ffi.from_buffer(out)), threads)
+        if rc != 0:
+            raise OSError(ffi.errno, f"hash threads could not start ({threads} threads)")
+    return out.reshape(*lead, t, spec.n_hash_cols)
+
+
+def _as_rows(compressed_ids) -> tuple[np.ndarray, tuple[int, ...]]:
     x = np.ascontiguousarray(compressed_ids, dtype=np.int64)
     if x.ndim == 0:
         raise SpecError("compressed_ids must have a token axis: shape [..., T]")
     lead, t = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(int(np.prod(lead, dtype=np.int64)), t)  # -1 cannot infer 0 tokens
+    return x.reshape(int(np.prod(lead, dtype=np.int64)), t), lead  # -1 cannot infer 0 tokens
+
+
+def ngram_hashes_numpy(spec: EngramSpec, compressed_ids, layer_id: int) -> np.ndarray:
+    """The same hashes in vectorised numpy: each product computed once, the
+    mix of order n+1 extending that of order n."""
+    rows, lead = _as_rows(compressed_ids)
+    t = rows.shape[1]
     multipliers = spec.multipliers(layer_id)
     primes = spec.bucket_sizes(layer_id)
     out = np.empty((rows.shape[0], t, spec.n_hash_cols), dtype=np.int64)

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from numa_engram.errors import SpecError
-from numa_engram.hashing import compress_ids, ngram_hashes, table_rows
+from numa_engram.hashing import compress_ids, ngram_hashes, ngram_hashes_numpy, table_rows
 from numa_engram.spec import EngramSpec
 
 from .engram_reference import reference_hashes, reference_multipliers, reference_primes, scalar_hash
@@ -60,6 +60,7 @@ def test_hashes_equal_reference_on_random_configs(spec, data):
     got = ngram_hashes(spec, ids, layer)
     assert got.dtype == np.int64 and got.shape == (b, t, spec.n_hash_cols)
     np.testing.assert_array_equal(got, _reference(spec, ids, layer))
+    np.testing.assert_array_equal(ngram_hashes_numpy(spec, ids, layer), got)
     assert (got >= 0).all() and (got < np.array(spec.bucket_sizes(layer))).all()
 
 
@@ -70,6 +71,8 @@ def test_long_batch_rows_of_different_content_and_single_sequence():
     ids[1, :100] = spec.compressed_vocab_size - 1
     got = ngram_hashes(spec, ids, 15)
     np.testing.assert_array_equal(got, _reference(spec, ids, 15))
+    np.testing.assert_array_equal(ngram_hashes(spec, ids, 15, threads=2), got)  # threaded
+    np.testing.assert_array_equal(ngram_hashes_numpy(spec, ids, 15), got)
     np.testing.assert_array_equal(ngram_hashes(spec, ids[2], 15), got[2])
     # pad handling is per row: row 3's first position uses pad, not row 2's tail
     np.testing.assert_array_equal(ngram_hashes(spec, ids[3:4], 15)[0], got[3])
@@ -87,6 +90,12 @@ def test_overflow_and_floor_modulo_against_python_ints():
             for j in range(8):
                 col = (n - 2) * 8 + j
                 assert got[0, t, col] == scalar_hash(back[:n], m[:n], primes[col])
+
+
+def test_negative_ids_and_negative_mixes_take_the_floor_modulo():
+    spec = EngramSpec.small(compressed_vocab_size=50)
+    ids = np.array([[-1, -7, 3, -(2**40), 2**62]])  # negatives pass through compression
+    np.testing.assert_array_equal(ngram_hashes(spec, ids, 1), _reference(spec, ids, 1))
 
 
 def test_empty_inputs_keep_their_shape():
