@@ -68,7 +68,7 @@ def cmd_topo(args: argparse.Namespace) -> int:
 def cmd_create(args: argparse.Namespace) -> int:
     """Create a table file, place it, populate, verify, report; then remove it
     (or keep it mapped for --hold seconds so other tools can look at it)."""
-    from .placement import Region, plan_placement
+    from .placement import Region, plan_placement, verify
     from .storage import BackingFile, Layout
 
     topo = load_topology(None)
@@ -81,7 +81,7 @@ def cmd_create(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with BackingFile.create(layout, bytes(32), directory=args.directory, placement=plan) as f:
         created = time.perf_counter() - t0
-        report = f.verify_placement(plan)
+        report = verify(f.mapping, plan)
         doc = {"path": f.path, "bytes": layout.file_size, "create_s": created,
                "plan": plan.to_dict(), "report": report.to_dict()}
         emit(args, doc, f"{f.path}: {layout.file_size / 2**20:.1f} MiB, policy {args.policy}, "
@@ -117,13 +117,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _verify_one(label: str, path: str | None, fd: int | None) -> tuple[dict, str]:
-    from .placement import plan_of_mapping
+    from .placement import plan_of_mapping, verify
     from .storage import STATE_NAMES, BackingFile
 
     try:
         with BackingFile.attach(path, fd=fd) as f:
             ranges = [(r.name, r.offset, r.length) for r in f.layout.regions]
-            report = f.verify_placement(plan_of_mapping(f.mapping, ranges))
+            report = verify(f.mapping, plan_of_mapping(f.mapping, ranges))
             state = STATE_NAMES.get(f.state, "?")
     finally:
         if fd is not None:
@@ -183,18 +183,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def load_spec(name: str):
     from .spec import EngramSpec
 
-    if name == "demo":
-        return EngramSpec.demo()
-    if name == "v4-flash":
-        return EngramSpec(layer_ids=(1, 14), engram_vocab_sizes=(16_000_000,) * 3,
-                          max_ngram_size=4, n_head_per_ngram=8, head_dim=256,
-                          compressed_vocab_size=99092, pad_id=2)
-    if name == "small":
-        return EngramSpec.small(rows_per_head=50_000, n_head_per_ngram=8, head_dim=256)
-    if name == "tiny":
-        return EngramSpec.small()
-    with open(name) as fh:
-        return EngramSpec.from_dict(json.load(fh))
+    return EngramSpec.named(name)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -252,7 +241,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import numpy as np
 
     from .lookup import lookup_rows
-    from .placement import Region, plan_placement
+    from .placement import Region, plan_placement, verify
     from .storage import BackingFile, Layout
 
     topo = load_topology(None)
@@ -275,7 +264,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 for _ in range(args.repeat))
             results.append({"reader_node": node.id, "threads": threads,
                             "rows_per_s": args.tokens / best})
-        report = f.verify_placement(plan)
+        report = verify(f.mapping, plan)
     base = max(r["rows_per_s"] for r in results)
     lines = [f"table {layout.file_size / 2**30:.2f} GiB, policy {args.policy}, pages per node "
              f"{report.pages_per_node()}"]

@@ -2,7 +2,8 @@
 cffi (ABI mode, dlopen of the CUDA runtime torch ships), registering in
 chunks of at most 64 GiB, and a device view of registered host memory.
 
-No torch import: the runtime library is located on disk.  On a host without
+No torch import at module level: the runtime library is located on disk;
+``DeviceShard`` (the UVA gather + dequant) imports torch when built.  On a host without
 the runtime or a GPU every entry point raises CudaUnavailable with the
 reason, and the tests that need it skip printing that reason.
 """
@@ -15,9 +16,10 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
+import numpy as np
 from cffi import FFI
 
-from .errors import NumaEngramError
+from .errors import LookupIdError, NumaEngramError
 
 CHUNK_BYTES = 64 << 30  # one call of >= 512 GiB fails on recent drivers
 HOST_REGISTER_DEFAULT, HOST_REGISTER_PORTABLE, HOST_REGISTER_MAPPED = 0, 1, 2
@@ -175,3 +177,64 @@ class DeviceView:
         self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": "|u1",
                                          "data": (self.pointer, True), "version": 3,
                                          "strides": None}
+
+
+class DeviceShard:
+    """Zero-copy CUDA views of a registered shard and the GPU lookup on them.
+
+    The views come from ``__cuda_array_interface__`` with the registering
+    device; the constructor checks that torch did not copy the table."""
+
+    def __init__(self, weights: np.ndarray, scales: np.ndarray, device: int, head_start: int,
+                 bucket_sizes: np.ndarray, block: int = 32) -> None:
+        import torch
+
+        self.device = torch.device(f"cuda:{device}")
+        self.weights = self._view(weights, device)
+        self.scales = self._view(scales, device)
+        self.head_start, self.block = head_start, block
+        sizes = np.asarray(bucket_sizes, dtype=np.int64)
+        self.sizes = torch.from_numpy(sizes).to(self.device)
+        self.offsets = torch.from_numpy(
+            np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)).to(self.device)
+
+    def _view(self, array: np.ndarray, device: int):
+        import torch
+
+        view = DeviceView(array.ctypes.data, array.shape, device)
+        tensor = torch.as_tensor(view, device=self.device)
+        if tensor.data_ptr() != view.pointer:
+            raise RuntimeError("torch copied the host table instead of viewing it; the device "
+                               f"must be the registering one (cuda:{device})")
+        return tensor
+
+    def lookup(self, hash_ids, out=None, *, validate: bool = True):
+        """BF16 ``[T, heads, head_dim]`` on the device for CUDA int64 ids
+        ``[T, n_hash_cols]``; ``validate`` checks ids on the device (one sync)."""
+        import torch
+
+        from .fp8 import dequantize_rows
+
+        if hash_ids.dtype != torch.int64 or hash_ids.dim() != 2:
+            raise LookupIdError(f"hash ids must be int64 [T, n_hash_cols], got {hash_ids.dtype} "
+                                f"{list(hash_ids.shape)}")
+        ids = hash_ids.to(self.device, non_blocking=True)
+        heads = len(self.sizes)
+        cols = ids[:, self.head_start:self.head_start + heads]
+        if validate:
+            bad = (cols < -1) | (cols >= self.sizes)
+            if bool(bad.any()):
+                t, h = (int(x) for x in bad.nonzero()[0])
+                raise LookupIdError(f"hash id {int(cols[t, h])} at token {t}, column "
+                                    f"{self.head_start + h} is outside its head's buckets "
+                                    f"[0, {int(self.sizes[h])})")
+        dead = cols < 0
+        rows = torch.where(dead, 0, cols + self.offsets).reshape(-1)
+        w = self.weights.index_select(0, rows)  # zero-copy reads over PCIe
+        s = self.scales.index_select(0, rows)
+        vals = dequantize_rows(w, s, self.block).view(cols.shape[0], heads, -1)
+        vals.masked_fill_(dead.unsqueeze(-1), 0)
+        if out is None:
+            return vals
+        out.copy_(vals)
+        return out

@@ -83,9 +83,9 @@ def _replica(rank: int, procs: int, port: int, spec_doc: dict, ckpt: str, direct
 def run_demo(spec_name: str = "small", procs: int = 2, directory: str = "/dev/shm",
              tokens: int = 4096, policy: str = "gpu-local") -> dict:
     from .checkpoint import write_synthetic_checkpoint
-    from .cli import load_spec
+    from .spec import EngramSpec
 
-    spec = load_spec(spec_name)
+    spec = EngramSpec.named(spec_name)
     with tempfile.TemporaryDirectory(prefix="numa-engram-demo-") as tmp:
         ckpt = str(write_synthetic_checkpoint(os.path.join(tmp, "engram.safetensors"), spec))
         ctx = mp.get_context("spawn")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import native
 from .errors import LookupIdError, TopologyError
 from .sharding import DEAD_ID, ShardInfo, shard_heads
 from .spec import EngramSpec
@@ -84,9 +85,7 @@ class DPShardedLookup:
         (T may be 0: an idle replica still takes part)."""
         import torch
 
-        from .lookup import check_ids
-
-        ids = check_ids(hash_ids, self.table.spec.n_hash_cols)
+        ids = native.check_hash_ids(hash_ids, self.table.spec.n_hash_cols)
         counts = self._gather_counts(ids.shape[0])
         slot = max(counts)
         if self.max_tokens is not None and slot > self.max_tokens:

@@ -42,6 +42,19 @@ def dequantize_rows(weights_u8, scales_u8, block: int = 32):
     return out
 
 
+def bf16_out(out, shape: tuple[int, ...]):
+    """A contiguous CPU BF16 tensor of ``shape`` (``out`` checked, or a new
+    one) and a uint16 numpy view of its bits for the native kernel."""
+    torch = _torch()
+    if out is None:
+        out = torch.empty(shape, dtype=torch.bfloat16)
+    elif out.dtype != torch.bfloat16 or tuple(out.shape) != tuple(shape) \
+            or not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError(f"out must be a contiguous CPU bfloat16 tensor of shape {list(shape)}, "
+                         f"got {out.dtype} {list(out.shape)} on {out.device}")
+    return out, out.view(torch.int16).numpy().view(np.uint16)
+
+
 def quantize_rows(values: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
     """FP8 e4m3 weights and ue8m0 scales for float rows ``[..., d]``: each
     block's scale is the smallest power of two that fits its max in e4m3."""

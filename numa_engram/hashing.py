@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import native
 from .errors import SpecError
 from .spec import EngramSpec
 
@@ -32,22 +33,11 @@ def ngram_hashes(spec: EngramSpec, compressed_ids, layer_id: int, *,
     """int64 ``[..., T, n_hash_cols]`` per-head bucket indices for ids
     ``[..., T]`` (a single sequence or a batch of rows): one native pass per
     token computing every column, on ``threads`` threads."""
-    from .native import ffi, lib
-
     rows, lead = _as_rows(compressed_ids)
-    t = rows.shape[1]
-    multipliers = np.ascontiguousarray(spec.multipliers(layer_id))
-    primes = np.asarray(spec.bucket_sizes(layer_id), dtype=np.int64)
-    out = np.empty((rows.shape[0], t, spec.n_hash_cols), dtype=np.int64)
-    if out.size:
-        rc = lib.ne_ngram_hashes(
-            ffi.cast("int64_t *", ffi.from_buffer(rows)), rows.shape[0], t, spec.pad_id,
-            ffi.cast("int64_t *", ffi.from_buffer(multipliers)), spec.max_ngram_size,
-            ffi.cast("int64_t *", ffi.from_buffer(primes)), spec.n_head_per_ngram,
-            ffi.cast("int64_t *", ffi.from_buffer(out)), threads)
-        if rc != 0:
-            raise OSError(ffi.errno, f"hash threads could not start ({threads} threads)")
-    return out.reshape(*lead, t, spec.n_hash_cols)
+    out = native.ngram_hashes(rows, spec.pad_id, spec.multipliers(layer_id),
+                              spec.max_ngram_size, np.asarray(spec.bucket_sizes(layer_id)),
+                              spec.n_head_per_ngram, threads)
+    return out.reshape(*lead, rows.shape[1], spec.n_hash_cols)
 
 
 def _as_rows(compressed_ids) -> tuple[np.ndarray, tuple[int, ...]]:

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from .errors import CapacityError, SyscallError
+from .errors import CapacityError, LookupIdError, SyscallError
 
 try:
     from ._native import ffi, lib
@@ -202,3 +202,114 @@ def statvfs(path: str) -> tuple[int, int]:
     if lib.ne_statvfs(path.encode(), free, total) != 0:
         _raise("statvfs", f"path={path}")
     return int(free[0]), int(total[0])
+
+
+# ------------------------------------------------------------- kernels --
+
+def check_hash_ids(hash_ids, n_cols: int | None = None) -> np.ndarray:
+    """int64, C-contiguous, 2-D ``[T, n_cols]`` hash ids as a numpy array
+    without a copy (a CPU torch tensor is viewed through ``__array__``);
+    ``n_cols=None`` accepts any column count."""
+    device = getattr(hash_ids, "device", None)
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
+        raise LookupIdError(f"hash ids are on {device}; the CPU lookup needs them on the CPU")
+    ids = hash_ids if isinstance(hash_ids, np.ndarray) else np.asarray(hash_ids)
+    if ids.dtype != np.int64:
+        raise LookupIdError(f"hash ids have dtype {ids.dtype}; pass int64 (ids.astype(np.int64))"
+                            " so no id can be truncated")
+    if ids.ndim != 2 or (n_cols is not None and ids.shape[1] != n_cols):
+        raise LookupIdError(f"hash ids have shape {list(ids.shape)}; expected "
+                            f"[T, {n_cols or 'n_hash_cols'}] (one bucket index per hash column)")
+    if not ids.flags.c_contiguous:
+        raise LookupIdError("hash ids are not C-contiguous; call np.ascontiguousarray (or "
+                            ".contiguous() on a tensor) first")
+    return ids
+
+
+def _ptr(array: np.ndarray, ctype: str):
+    return ffi.cast(ctype, ffi.from_buffer(array))
+
+
+def _check_ids_in_range(ids: np.ndarray, head_start: int, sizes: np.ndarray) -> None:
+    if ids.shape[0] == 0:
+        return
+    bad = lib.ne_first_bad_id(_ptr(ids, "int64_t *") + head_start, ids.shape[0], ids.shape[1],
+                              len(sizes), _ptr(sizes, "int64_t *"))
+    if bad >= 0:
+        t, h = divmod(int(bad), len(sizes))
+        raise LookupIdError(
+            f"hash id {int(ids[t, head_start + h])} at token {t}, column {head_start + h} is "
+            f"outside head {head_start + h}'s buckets [0, {int(sizes[h])}); use -1 (DEAD_ID) "
+            "for padding")
+
+
+def gather_dequant(weights: np.ndarray, scales: np.ndarray, hash_ids: np.ndarray, *,
+                   head_start: int, bucket_sizes, out: np.ndarray, head_offsets=None,
+                   threads: int = 1, cpus=(), block: int = 32, dedup: bool = False) -> None:
+    """The fused kernel: rows of heads ``head_start .. +len(bucket_sizes)`` of
+    ``hash_ids [T, cols]`` gathered from uint8 ``weights``/``scales`` and
+    written as BF16 bits into ``out`` (uint16 ``[T, heads, head_dim]``).
+    Every id is checked first (-1 gives a zero row); GIL released."""
+    ids = check_hash_ids(hash_ids)
+    sizes = np.ascontiguousarray(bucket_sizes, dtype=np.int64)
+    offsets = np.ascontiguousarray(
+        np.concatenate(([0], np.cumsum(sizes)[:-1])) if head_offsets is None else head_offsets,
+        dtype=np.int64)
+    if not 0 <= head_start <= ids.shape[1] - len(sizes):
+        raise LookupIdError(f"heads [{head_start}, {head_start + len(sizes)}) are not columns of "
+                            f"hash ids with {ids.shape[1]} columns")
+    if weights.shape[0] < int((offsets + sizes).max(initial=0)):
+        raise ValueError(f"weights hold {weights.shape[0]} rows, heads need "
+                         f"{int((offsets + sizes).max())}")
+    if weights.shape[1] % block or scales.shape != (weights.shape[0], weights.shape[1] // block):
+        raise ValueError(f"weights {weights.shape} and scales {scales.shape} do not match with "
+                         f"{block} values per scale")
+    shape = (ids.shape[0], len(sizes), weights.shape[1])
+    if out.dtype != np.uint16 or out.shape != shape or not out.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous uint16 {list(shape)}, got {out.dtype} "
+                         f"{list(out.shape)}")
+    _check_ids_in_range(ids, head_start, sizes)
+    if ids.shape[0] == 0:
+        return
+    if dedup:  # read each distinct row once, then copy it where it repeats
+        cols = ids[:, head_start:head_start + len(sizes)]
+        unique, inverse = np.unique(np.where(cols >= 0, cols + offsets, -1),
+                                    return_inverse=True)
+        staged = np.empty((len(unique), 1, weights.shape[1]), dtype=np.uint16)
+        _run_lookup(weights, scales, np.ascontiguousarray(unique.reshape(-1, 1)), 0,
+                    np.zeros(1, np.int64), staged, threads, cpus, block)
+        np.take(staged.reshape(len(unique), -1), inverse.reshape(-1), axis=0,
+                out=out.reshape(-1, weights.shape[1]), mode="clip")
+        return
+    _run_lookup(weights, scales, ids, head_start, offsets, out, threads, cpus, block)
+
+
+def _run_lookup(weights, scales, ids, col0, offsets, out, threads, cpus, block) -> None:
+    cpu_arr = np.asarray(list(cpus), dtype=np.int32)
+    rc = lib.ne_lookup_bf16(
+        _ptr(weights, "uint8_t *"), _ptr(scales, "uint8_t *"), weights.shape[1], block,
+        _ptr(ids, "int64_t *") + col0, ids.shape[0], ids.shape[1], len(offsets),
+        _ptr(offsets, "int64_t *"), _ptr(out, "uint16_t *"), threads,
+        _ptr(cpu_arr, "int *") if len(cpu_arr) else ffi.NULL, len(cpu_arr))
+    if rc != 0:
+        _raise("pthread_create", f"lookup with {threads} threads")
+
+
+def ngram_hashes(rows: np.ndarray, pad_id: int, multipliers: np.ndarray, max_ngram: int,
+                 primes: np.ndarray, n_head: int, threads: int = 1) -> np.ndarray:
+    """int64 ``[n_rows, T, (max_ngram-1)*n_head]`` hashes of int64 ids
+    ``[n_rows, T]`` (the formula is in hashing.py)."""
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    multipliers = np.ascontiguousarray(multipliers, dtype=np.int64)
+    primes = np.ascontiguousarray(primes, dtype=np.int64)
+    if len(multipliers) < max_ngram or len(primes) != (max_ngram - 1) * n_head or \
+            (primes <= 0).any():
+        raise ValueError(f"{len(multipliers)} multipliers and {len(primes)} primes do not fit "
+                         f"max_ngram {max_ngram} x {n_head} heads")
+    out = np.empty((rows.shape[0], rows.shape[1], (max_ngram - 1) * n_head), dtype=np.int64)
+    if out.size and lib.ne_ngram_hashes(
+            _ptr(rows, "int64_t *"), rows.shape[0], rows.shape[1], pad_id,
+            _ptr(multipliers, "int64_t *"), max_ngram, _ptr(primes, "int64_t *"), n_head,
+            _ptr(out, "int64_t *"), threads) != 0:
+        _raise("pthread_create", f"hashing with {threads} threads")
+    return out

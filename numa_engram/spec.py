@@ -116,6 +116,26 @@ class EngramSpec:
                    head_dim=head_dim, compressed_vocab_size=compressed_vocab_size, pad_id=0,
                    seed=seed)
 
+    @classmethod
+    def named(cls, name: str) -> EngramSpec:
+        """A named configuration (demo, v4-flash, small, tiny) or a JSON file."""
+        named = {
+            "demo": cls.demo,
+            "v4-flash": lambda: cls(layer_ids=(1, 14), engram_vocab_sizes=(16_000_000,) * 3,
+                                    max_ngram_size=4, n_head_per_ngram=8, head_dim=256,
+                                    compressed_vocab_size=99092, pad_id=2),
+            "small": lambda: cls.small(rows_per_head=50_000, n_head_per_ngram=8, head_dim=256),
+            "tiny": cls.small,
+        }
+        if name in named:
+            return named[name]()
+        try:
+            with open(name) as fh:
+                return cls.from_dict(json.load(fh))
+        except OSError as exc:
+            raise SpecError(f"{name!r} is neither one of {sorted(named)} nor a readable JSON "
+                            f"spec file ({exc.strerror})") from exc
+
     # ------------------------------------------------------------ derived --
     @property
     def n_hash_cols(self) -> int:

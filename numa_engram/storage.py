@@ -16,12 +16,12 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from . import native
 from .errors import CapacityError, SpecMismatchError, StorageError
-from .placement import PlacementPlan, PlacementReport, verify
 from .topology import Topology
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,14 @@ MAX_REGIONS = 16
 _HEAD = struct.Struct("<8sIIIIQ16s32sQI")
 _REGION = struct.Struct("<32sQQ")
 _STATE_OFFSET = 12
+
+
+class RangePolicy(Protocol):
+    """What create() needs of a placement plan (placement.PlacementPlan is
+    one): refuse bad ranges before anything exists, then bind them."""
+
+    def validate(self, file_size: int, topology: Topology | None = None) -> None: ...
+    def apply(self, mapping: native.Mapping, topology: Topology | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -174,7 +182,7 @@ class BackingFile:
     # ---------------------------------------------------------- create --
     @classmethod
     def create(cls, layout: Layout, fingerprint: bytes, *,
-               directory: str | None = DEFAULT_DIRECTORY, placement: PlacementPlan | None = None,
+               directory: str | None = DEFAULT_DIRECTORY, placement: RangePolicy | None = None,
                topology: Topology | None = None, populate: bool = True) -> BackingFile:
         """Steps 1-7: check, create exclusively, header, size, map, no THP,
         bind, populate.  Any failure removes the file before raising.
@@ -245,9 +253,6 @@ class BackingFile:
         """uint8 view of one region (exactly its length, not the page padding)."""
         r = self.layout.region(name)
         return self.mapping.array(r.offset, r.length)
-
-    def verify_placement(self, plan: PlacementPlan) -> PlacementReport:
-        return verify(self.mapping, plan)
 
     # ------------------------------------------------------------- end --
     def unlink(self) -> None:

@@ -21,7 +21,7 @@ from . import errors, native
 from .checkpoint import DEFAULT_NAMES, Progress, TensorNames, load_rows
 from .errors import NumaEngramError, SpecMismatchError, StorageError, TopologyError
 from .group import Group, SingleProcessGroup, TorchGroup
-from .placement import PlacementPlan, PlacementReport, Region, plan_placement
+from .placement import PlacementPlan, PlacementReport, Region, plan_placement, verify
 from .sharding import ShardInfo
 from .spec import EngramSpec
 from .storage import (
@@ -232,18 +232,20 @@ class SharedEngramTable:
     def lookup(self, hash_ids, out=None, *, dedup: bool = False):
         """BF16 ``[T, heads_in_shard, head_dim]`` rows for ``hash_ids
         [T, n_hash_cols]``; DEAD_ID (-1) gives zero rows."""
-        from .lookup import check_ids, lookup_rows
+        from .fp8 import bf16_out
 
         self._check_open()
-        ids = check_ids(hash_ids, self.spec.n_hash_cols)
-        return lookup_rows(self.weights, self.scales, ids, head_start=self.shard.head_start,
-                           bucket_sizes=self._bucket_sizes, out=out, dedup=dedup,
-                           threads=self.lookup_threads, cpus=self.lookup_cpus,
-                           block=self.spec.block)
+        ids = native.check_hash_ids(hash_ids, self.spec.n_hash_cols)
+        result, bits = bf16_out(out, (ids.shape[0], self.shard.num_heads, self.spec.head_dim))
+        native.gather_dequant(self.weights, self.scales, ids, head_start=self.shard.head_start,
+                              bucket_sizes=self._bucket_sizes, out=bits, dedup=dedup,
+                              threads=self.lookup_threads, cpus=self.lookup_cpus,
+                              block=self.spec.block)
+        return result
 
     def device_view(self):
         """Zero-copy CUDA views of this shard (needs register_device=)."""
-        from .lookup import DeviceShard
+        from .cuda import DeviceShard
 
         self._check_open()
         if self.registration is None:
@@ -267,7 +269,7 @@ class SharedEngramTable:
         if self.plan is None:
             return None
         if refresh or self._report is None:
-            self._report = self._backing.verify_placement(self.plan)
+            self._report = verify(self._backing.mapping, self.plan)
         return self._report
 
     def mode_report(self) -> dict:
@@ -404,7 +406,7 @@ def _leader_create(layout, fingerprint, directory, plan, topology):
     backing = BackingFile.create(layout, fingerprint, directory=directory, placement=plan,
                                  topology=topology)
     try:
-        report = backing.verify_placement(plan) if plan is not None else None
+        report = verify(backing.mapping, plan) if plan is not None else None
     except BaseException:
         backing.close()
         raise

@@ -12,6 +12,7 @@ from numa_engram.placement import (
     Region,
     plan_of_mapping,
     plan_placement,
+    verify,
 )
 from numa_engram.storage import BackingFile, Layout
 from numa_engram.topology import Topology
@@ -35,11 +36,11 @@ def _bind_each_region(layout, nodes):
 
 ATTACH_AND_VERIFY = """
     import json, sys
-    from numa_engram.placement import plan_of_mapping
+    from numa_engram.placement import plan_of_mapping, verify
     from numa_engram.storage import BackingFile
     f = BackingFile.attach(sys.argv[1])
     plan = plan_of_mapping(f.mapping, [(r.name, r.offset, r.length) for r in f.layout.regions])
-    print(json.dumps(f.verify_placement(plan).to_dict()))
+    print(json.dumps(verify(f.mapping, plan).to_dict()))
     f.close()
 """
 
@@ -48,7 +49,7 @@ def test_ranges_bound_to_different_nodes_are_fully_placed(numa_nodes):
     layout = _per_node_layout(numa_nodes)
     plan = _bind_each_region(layout, numa_nodes)
     with BackingFile.create(layout, FP, placement=plan) as table:
-        report = table.verify_placement(plan)
+        report = verify(table.mapping, plan)
         assert report.ok, report.format()
         for r, node in zip(report.ranges, numa_nodes):
             assert r.pages_per_node == {node: r.pages} and r.fraction_on_plan == 1.0
@@ -77,7 +78,7 @@ def test_interleave_spreads_pages_evenly(numa_nodes):
     topo = Topology.detect()
     plan = plan_placement("interleave", [Region("weights", layout.regions[0].offset, SIZE)], topo)
     with BackingFile.create(layout, FP, placement=plan) as table:
-        r = table.verify_placement(plan).ranges[0]
+        r = verify(table.mapping, plan).ranges[0]
         assert set(r.pages_per_node) == set(numa_nodes), r.pages_per_node
         assert r.interleave_spread <= 1, r.pages_per_node
         assert r.fraction_on_plan == 1.0
@@ -89,7 +90,7 @@ def test_gpu_local_plan_on_this_host_places_each_shard_on_its_readers_node(numa_
                                                                          numa_nodes)]
     plan = plan_placement("gpu-local", regions, Topology.detect())
     with BackingFile.create(layout, FP, placement=plan) as table:
-        report = table.verify_placement(plan)
+        report = verify(table.mapping, plan)
         assert report.ok and report.pages_per_node() == {
             n: r.pages for n, r in zip(numa_nodes, report.ranges)}
 
@@ -100,7 +101,7 @@ def test_preferred_policy_lands_on_preferred_node(numa_nodes):
     plan = PlacementPlan((PlacementRange("w", layout.regions[0].offset, 4 << 20, "preferred",
                                          (last,)),))
     with BackingFile.create(layout, FP, placement=plan) as table:
-        assert table.verify_placement(plan).ranges[0].pages_per_node == {
+        assert verify(table.mapping, plan).ranges[0].pages_per_node == {
             last: (4 << 20) // native.PAGE_SIZE}
 
 
