@@ -423,7 +423,9 @@ def _peer_attach(path: str, spec: EngramSpec, layout: Layout) -> BackingFile:
 def _register(backing: BackingFile, device: int):
     from . import cuda
 
-    return cuda.register(backing.mapping.address, backing.mapping.length, device)
+    # peers map the table read-only; CUDA must be told, or pinning it fails
+    return cuda.register(backing.mapping.address, backing.mapping.length, device,
+                         read_only=not backing.owner)
 
 
 def _leader_load(backing: BackingFile, spec, layer_id, shard, checkpoint, names, progress):
