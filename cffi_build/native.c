@@ -310,33 +310,56 @@ static row_fn pick_row_fn(void)
     return row_generic;
 }
 
+/* Rows are gathered STAGE_ROWS at a time into a small cache-resident
+ * buffer with plain copies (many independent misses in flight, as in a
+ * memcpy-style gather), then dequantised from there: the dequant code is
+ * long enough per row that, fused with the misses, it would starve the
+ * out-of-order window of memory parallelism. */
+enum { STAGE_ROWS = 64, MAX_STAGE_BYTES = 1024 };
+
 static void run_lookup(const struct lookup_job *j)
 {
     const row_fn row_dequant = pick_row_fn();
     const int64_t n_scales = j->dim / j->block;
     const int64_t k_begin = j->t_begin * j->n_heads, k_end = j->t_end * j->n_heads;
+    const int staged = j->dim <= MAX_STAGE_BYTES && n_scales <= 64;
+    /* packed: row i at i * dim, so the staged rows stay within L1 */
+    uint8_t w_stage[STAGE_ROWS * MAX_STAGE_BYTES] __attribute__((aligned(64)));
+    uint8_t s_stage[STAGE_ROWS * 64] __attribute__((aligned(64)));
+    int64_t rows[STAGE_ROWS];
     struct cursor cur = {j->t_begin, 0}, ahead = {j->t_begin, 0};
     for (int64_t k = k_begin; k < k_begin + PREFETCH_AHEAD && k < k_end; k++)
         cursor_next(j, &ahead);
-    for (int64_t k = k_begin; k < k_end; k++, cursor_next(j, &cur)) {
-        if (k + PREFETCH_AHEAD < k_end) {
-            int64_t next = cursor_row(j, &ahead);
-            cursor_next(j, &ahead);
-            if (next >= 0) {
-                const char *p = (const char *)(j->weights + next * j->dim);
-                for (int64_t off = 0; off < j->dim; off += 64)
-                    __builtin_prefetch(p + off, 0, 0);
-                __builtin_prefetch(j->scales + next * n_scales, 0, 0);
+    for (int64_t k0 = k_begin; k0 < k_end; k0 += STAGE_ROWS) {
+        int64_t n = k_end - k0 < STAGE_ROWS ? k_end - k0 : STAGE_ROWS;
+        for (int64_t i = 0; i < n; i++, cursor_next(j, &cur)) {
+            if (k0 + i + PREFETCH_AHEAD < k_end) {
+                int64_t next = cursor_row(j, &ahead);
+                cursor_next(j, &ahead);
+                if (next >= 0) {
+                    const char *p = (const char *)(j->weights + next * j->dim);
+                    for (int64_t off = 0; off < j->dim; off += 64)
+                        __builtin_prefetch(p + off, 0, 0);
+                    __builtin_prefetch(j->scales + next * n_scales, 0, 0);
+                }
+            }
+            rows[i] = cursor_row(j, &cur);
+            if (staged && rows[i] >= 0) {
+                memcpy(w_stage + i * j->dim, j->weights + rows[i] * j->dim, (size_t)j->dim);
+                memcpy(s_stage + i * n_scales, j->scales + rows[i] * n_scales,
+                       (size_t)n_scales);
             }
         }
-        int64_t row = cursor_row(j, &cur);
-        uint16_t *dst = j->out + k * j->dim;
-        if (row < 0) {
-            memset(dst, 0, (size_t)j->dim * 2);
-            continue;
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t *dst = j->out + (k0 + i) * j->dim;
+            if (rows[i] < 0)
+                memset(dst, 0, (size_t)j->dim * 2);
+            else if (staged)
+                row_dequant(w_stage + i * j->dim, s_stage + i * n_scales, j->dim, j->block, dst);
+            else
+                row_dequant(j->weights + rows[i] * j->dim, j->scales + rows[i] * n_scales,
+                            j->dim, j->block, dst);
         }
-        row_dequant(j->weights + row * j->dim, j->scales + row * n_scales, j->dim, j->block,
-                    dst);
     }
 #if defined(__x86_64__)
     _mm_sfence(); /* streaming stores are visible before the caller reads */
