@@ -140,3 +140,11 @@ def test_portable_kernel_path_is_bit_exact_too():
                          text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
+
+
+def test_rows_wider_than_the_staging_buffer_take_the_direct_path():
+    w, s = random_rows(300, 1056, seed=4, raw=True)  # 1056 B > the 1024 B staging row
+    ids = np.random.default_rng(5).integers(-1, 300, size=(70, 1))
+    got = lookup_rows(w, s, ids, head_start=0, bucket_sizes=[300], threads=2)
+    want = reference_lookup(w, s, ids, head_start=0, bucket_sizes=[300])
+    np.testing.assert_array_equal(_bits(got), _bits(want))
