@@ -366,6 +366,27 @@ static void run_lookup(const struct lookup_job *j)
 #endif
 }
 
+/* Run fn on each of n jobs (an array of job_size-byte structs), one thread
+ * each, and join them all.  0, or -1 with errno when a thread cannot start
+ * (the ones started are still joined). */
+static int run_threads(void *(*fn)(void *), void *jobs, size_t job_size, int n)
+{
+    pthread_t threads[256];
+    int started = 0, err = 0;
+    for (; started < n && started < 256; started++) {
+        err = pthread_create(&threads[started], NULL, fn, (char *)jobs + started * job_size);
+        if (err)
+            break;
+    }
+    for (int i = 0; i < started; i++)
+        pthread_join(threads[i], NULL);
+    if (err) {
+        errno = err;
+        return -1;
+    }
+    return 0;
+}
+
 static void *lookup_thread(void *arg)
 {
     struct lookup_job *j = arg;
@@ -391,7 +412,6 @@ int ne_lookup_bf16(const uint8_t *weights, const uint8_t *scales, int64_t dim,
 {
     enum { MAX_THREADS = 256 };
     struct lookup_job jobs[MAX_THREADS];
-    pthread_t threads[MAX_THREADS];
     pthread_once(&lut_once, build_exact_lut);
     if (n_threads < 1)
         n_threads = 1;
@@ -412,19 +432,7 @@ int ne_lookup_bf16(const uint8_t *weights, const uint8_t *scales, int64_t dim,
         run_lookup(&jobs[0]);
         return 0;
     }
-    int started = 0, err = 0;
-    for (; started < n_threads; started++) {
-        err = pthread_create(&threads[started], NULL, lookup_thread, &jobs[started]);
-        if (err)
-            break;
-    }
-    for (int i = 0; i < started; i++)
-        pthread_join(threads[i], NULL);
-    if (err) {
-        errno = err;
-        return -1;
-    }
-    return 0;
+    return run_threads(lookup_thread, jobs, sizeof(jobs[0]), n_threads);
 }
 
 /* ----------------------------------------------------- n-gram hashing --- */
@@ -475,7 +483,6 @@ int ne_ngram_hashes(const int64_t *ids, int64_t n_rows, int64_t t, int64_t pad_i
 {
     enum { MAX_THREADS = 64 };
     struct hash_job jobs[MAX_THREADS];
-    pthread_t threads[MAX_THREADS];
     int64_t total = n_rows * t;
     if (n_threads < 1)
         n_threads = 1;
@@ -494,17 +501,5 @@ int ne_ngram_hashes(const int64_t *ids, int64_t n_rows, int64_t t, int64_t pad_i
         run_hashes(&jobs[0]);
         return 0;
     }
-    int started = 0, err = 0;
-    for (; started < n_threads; started++) {
-        err = pthread_create(&threads[started], NULL, hash_thread, &jobs[started]);
-        if (err)
-            break;
-    }
-    for (int i = 0; i < started; i++)
-        pthread_join(threads[i], NULL);
-    if (err) {
-        errno = err;
-        return -1;
-    }
-    return 0;
+    return run_threads(hash_thread, jobs, sizeof(jobs[0]), n_threads);
 }
