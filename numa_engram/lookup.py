@@ -18,8 +18,6 @@ import numpy as np
 from . import native
 from .fp8 import bf16_out, dequantize_rows
 
-check_ids = native.check_hash_ids
-
 
 def lookup_rows(weights: np.ndarray, scales: np.ndarray, hash_ids, *, head_start: int,
                 bucket_sizes: Sequence[int], head_offsets: Sequence[int] | None = None,

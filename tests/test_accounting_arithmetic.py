@@ -1,4 +1,4 @@
-from numa_engram.accounting import mode_memory, query_payload, shard_bytes
+from numa_engram.accounting import dequantized_bytes, mode_memory, query_payload, shard_bytes
 from numa_engram.sharding import WorldLayout, shard_heads
 from numa_engram.spec import EngramSpec
 
@@ -34,3 +34,4 @@ def test_shard_bytes_and_payload():
     assert shard_bytes(V4, 1, 1, 0) == V4.rows(1) * 264
     assert query_payload(V4, 1) == 24 * 264  # one token reads 24 rows x 264 B per layer
     assert query_payload(V4, 1000, heads=12) == 1000 * 12 * 264
+    assert dequantized_bytes(V4, 1000, heads=12) == 1000 * 12 * 256 * 2  # BF16 rows out
