@@ -60,6 +60,7 @@ class Mapping:
         if ptr == ffi.NULL:
             _raise("mmap", f"fd={fd} length={length} MAP_SHARED writable={writable}")
         self.length = length
+        self.writable = writable
         self.address = int(ffi.cast("uintptr_t", ptr))
         self._state = {"mapped": True}
         state = self._state
@@ -83,7 +84,10 @@ class Mapping:
         if offset < 0 or length < 0 or offset + length > self.length:
             raise ValueError(f"range [{offset}, {offset + length}) is outside the mapping "
                              f"of {self.length} bytes")
-        return np.frombuffer(self._buffer, dtype=np.uint8, count=length, offset=offset)
+        view = np.frombuffer(self._buffer, dtype=np.uint8, count=length, offset=offset)
+        # a PROT_READ mapping: numpy refuses writes instead of the process faulting
+        view.flags.writeable = self.writable
+        return view
 
     def pointer(self, offset: int = 0) -> object:
         self._check_open()

@@ -121,7 +121,14 @@ class Header:
         regions = []
         for i in range(count):
             name, offset, length = _REGION.unpack_from(data, _HEAD.size + i * _REGION.size)
-            regions.append(LayoutRegion(name.rstrip(b"\0").decode(), offset, length))
+            try:
+                text = name.rstrip(b"\0").decode()
+            except UnicodeDecodeError:
+                raise StorageError(f"{where} has a corrupt header (region {i} name)") from None
+            if offset % native.PAGE_SIZE or offset + length > size:
+                raise StorageError(f"{where} has a corrupt header: region {text!r} "
+                                   f"[{offset}, {offset + length}) is not inside {size} bytes")
+            regions.append(LayoutRegion(text, offset, length))
         return cls(version, state, pid, uid, start, boot, fp, Layout(tuple(regions), size))
 
 

@@ -117,9 +117,6 @@ class SharedEngramTable:
         self.backing_bytes = backing.layout.file_size
         self.weights = backing.region("weights").reshape(shard.num_rows, spec.head_dim)
         self.scales = backing.region("scales").reshape(shard.num_rows, spec.scales_per_row)
-        if not leader:  # peers map read-only: make numpy refuse writes instead of faulting
-            self.weights.flags.writeable = False
-            self.scales.flags.writeable = False
         self._bucket_sizes = np.asarray(
             spec.bucket_sizes(layer_id)[shard.head_start:shard.head_end], dtype=np.int64)
         self._device_shard = None

@@ -104,4 +104,6 @@ def test_array_is_a_real_view_across_two_mappings(mapped):
     other = native.Mapping(fd, m.length, writable=False)
     m.array()[100:104] = np.arange(4, dtype=np.uint8) + 7
     assert list(other.array()[100:104]) == [7, 8, 9, 10]
+    with pytest.raises(ValueError, match="read-only"):
+        other.array()[0] = 1  # PROT_READ: refused by numpy, not a SIGSEGV
     other.close()

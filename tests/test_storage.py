@@ -3,6 +3,8 @@ import signal
 import struct
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from numa_engram import native
 from numa_engram.errors import (
@@ -13,7 +15,7 @@ from numa_engram.errors import (
     TopologyError,
 )
 from numa_engram.placement import PlacementPlan, PlacementRange
-from numa_engram.storage import PREFIX, BackingFile, Layout, check_shmem_thp, gc_stale_files
+from numa_engram.storage import MAGIC, PREFIX, BackingFile, Layout, check_shmem_thp, gc_stale_files
 
 from .conftest import run_python, shm_files
 
@@ -184,3 +186,44 @@ def test_gc_removes_file_of_killed_creator_and_keeps_live_ones(backing):
     assert not os.path.exists(dead_path)
     assert entries[backing.path].reason == "kept: creator alive"
     assert os.path.exists(backing.path)
+
+
+def _plausible_header(regions, size):
+    """A header that passes the magic/version/uid/size checks, with fuzzed regions."""
+    head = struct.pack("<8sIIIIQ16s32sQI", MAGIC, 1, 1, 1, os.geteuid(), 0, b"\0" * 16,
+                       b"\0" * 32, size, len(regions))
+    return head + b"".join(struct.pack("<32sQQ", n, o, ln) for n, o, ln in regions)
+
+
+header_bodies = st.one_of(
+    st.binary(max_size=600).map(lambda b: (b, None)),
+    st.builds(lambda regions, pages: (_plausible_header(regions, pages * 4096), pages * 4096),
+              st.lists(st.tuples(st.binary(max_size=32), st.integers(0, 2**64 - 1),
+                                 st.integers(0, 2**64 - 1)), max_size=17),
+              st.integers(1, 4)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(header_bodies, st.integers(0, 3))
+def test_fuzzed_headers_are_refused_cleanly(body, extra_pages):
+    """Whatever bytes a file holds, attach either works or raises StorageError;
+    a region view outside the mapping is refused, never a crash or SIGBUS."""
+    data, size = body
+    path = f"/dev/shm/{PREFIX}test-fuzz"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.ftruncate(fd, size or max(len(data), native.PAGE_SIZE * (1 + extra_pages)))
+        try:
+            f = BackingFile.attach(path)
+        except StorageError:
+            return
+        with f:
+            for region in f.layout.regions:
+                try:
+                    f.region(region.name)[:1].tobytes()
+                except ValueError:
+                    pass
+    finally:
+        os.close(fd)
+        os.unlink(path)
