@@ -39,6 +39,7 @@ _MADV_NAMES = {
 _MPOL_NAMES = {MPOL_DEFAULT: "MPOL_DEFAULT", MPOL_PREFERRED: "MPOL_PREFERRED",
                MPOL_BIND: "MPOL_BIND", MPOL_INTERLEAVE: "MPOL_INTERLEAVE"}
 _BITS_PER_LONG = 64
+MAX_NODE_ID = 1 << 16  # far above CONFIG_NODES_SHIFT=10; bounds the mask we allocate
 
 
 def _raise(call: str, detail: str = "", hint: str = "") -> None:
@@ -129,6 +130,9 @@ def nodemask(nodes: Iterable[int]) -> tuple[object, int]:
         raise ValueError("empty node set: give at least one NUMA node")
     if nodes[0] < 0:
         raise ValueError(f"negative NUMA node {nodes[0]}")
+    if nodes[-1] >= MAX_NODE_ID:
+        raise ValueError(f"NUMA node {nodes[-1]} is beyond any kernel's node ids "
+                         f"(< {MAX_NODE_ID}); name a node the host has")
     words = nodes[-1] // _BITS_PER_LONG + 1
     mask = ffi.new("unsigned long[]", words)
     for node in nodes:

@@ -56,6 +56,10 @@ def test_nodemask_wider_than_64_nodes():
     assert (mask[0], mask[1], mask[2]) == (1 << 1, 1, 1 << 2)
     with pytest.raises(ValueError, match="empty node set"):
         native.nodemask([])
+    with pytest.raises(ValueError, match="beyond any kernel"):
+        native.nodemask([10**9])  # refused before allocating a giant mask
+    with pytest.raises(ValueError, match="negative"):
+        native.nodemask([-1])
 
 
 def test_unaligned_and_out_of_mapping_ranges_refused(mapped):
