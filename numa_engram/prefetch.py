@@ -219,6 +219,10 @@ class PrefetchScheduler:
         self._stream.wait_stream(consumer)  # after the work already queued
         job.event = torch.cuda.Event()
         job.started = time.perf_counter()
+        if torch.is_tensor(job.ids) and job.ids.is_cuda:
+            # made on the consumer stream, read on ours: keep the allocator
+            # from reusing its memory before our lookup has run
+            job.ids.record_stream(self._stream)
         with torch.cuda.stream(self._stream):
             try:
                 self._lookups[job.layer](job.ids, job.out)
