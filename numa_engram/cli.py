@@ -189,7 +189,7 @@ def load_spec(name: str):
 def cmd_plan(args: argparse.Namespace) -> int:
     """Bytes per node and expected remote reads of a table under a policy and
     mode, on this host or a simulated one."""
-    from .accounting import mode_memory
+    from .accounting import mode_memory, shard_bytes
     from .placement import Region, expected_remote_fraction, plan_placement
     from .sharding import WorldLayout, assign
 
@@ -206,7 +206,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         readers = tuple(topo.nearest_node(m % gpn) if topo.gpus else topo.nodes[0].id
                         for m in a.sharing_group)
         for layer in spec.layer_ids:
-            from .accounting import shard_bytes
             size = shard_bytes(spec, layer, a.num_shards, a.shard_index)
             regions.append(Region(f"L{layer}/s{a.shard_index}/r{rank}", offset, size, readers))
             offset += size

@@ -119,6 +119,15 @@ def libnuma_view() -> dict | None:
     }
 
 
+def _read_node(n: int) -> NodeInfo:
+    """One node from sysfs; a kernel without NUMA sysfs is one node holding every cpu."""
+    if not (SYS_NODE / f"node{n}").exists():
+        return NodeInfo(n, tuple(range(os.cpu_count() or 1)), 0, 0, (10,))
+    mem = read_node_meminfo(n)
+    return NodeInfo(n, read_node_cpus(n), mem.get("MemTotal", 0), mem.get("MemFree", 0),
+                    read_node_distances(n))
+
+
 @dataclass(frozen=True)
 class Topology:
     nodes: tuple[NodeInfo, ...]
@@ -130,14 +139,7 @@ class Topology:
     @classmethod
     def detect(cls) -> Topology:
         """The host's topology from sysfs, cross-checked with libnuma."""
-        nodes = []
-        for n in read_online_nodes():
-            mem = read_node_meminfo(n) if (SYS_NODE / f"node{n}").exists() else {}
-            cpus = read_node_cpus(n) if (SYS_NODE / f"node{n}").exists() else tuple(
-                range(os.cpu_count() or 1))
-            distances = read_node_distances(n) if (SYS_NODE / f"node{n}").exists() else (10,)
-            nodes.append(NodeInfo(n, cpus, mem.get("MemTotal", 0), mem.get("MemFree", 0),
-                                  distances))
+        nodes = tuple(_read_node(n) for n in read_online_nodes())
         notes = []
         view = libnuma_view()
         if view is None:
@@ -147,7 +149,7 @@ class Topology:
                 if view["distances"].get(node.id) != node.distances:
                     notes.append(f"libnuma and sysfs disagree on node {node.id} distances: "
                                  f"{view['distances'].get(node.id)} vs {node.distances}")
-        return cls(tuple(nodes), read_nvidia_gpus(), False, tuple(notes))
+        return cls(nodes, read_nvidia_gpus(), False, tuple(notes))
 
     @classmethod
     def from_dict(cls, spec: dict) -> Topology:
