@@ -20,6 +20,7 @@ MEMORY_DECLS = """
     int ne_madvise(void *addr, size_t length, int advice);
     int ne_fallocate(int fd, int64_t offset, int64_t length);
     int ne_statvfs(const char *path, uint64_t *free_bytes, uint64_t *total_bytes);
+    int ne_statfs_type(const char *path, int64_t *fs_type);
     long ne_page_size(void);
 """
 
@@ -38,7 +39,8 @@ KERNEL_DECLS = """
     int ne_lookup_bf16(const uint8_t *weights, const uint8_t *scales, int64_t dim,
                        int64_t block, const int64_t *ids, int64_t n_tokens,
                        int64_t stride, int64_t n_heads, const int64_t *head_offsets,
-                       uint16_t *out, int n_threads, const int *cpus, int n_cpus);
+                       const int64_t *bucket_sizes, uint16_t *out, int n_threads,
+                       const int *cpus, int n_cpus, int64_t *bad);
     int ne_ngram_hashes(const int64_t *ids, int64_t n_rows, int64_t t, int64_t pad_id,
                         const int64_t *multipliers, int64_t max_ngram, const int64_t *primes,
                         int64_t n_head, int64_t *out, int n_threads);

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/statfs.h>
 #include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -92,6 +93,16 @@ int ne_statvfs(const char *path, uint64_t *free_bytes, uint64_t *total_bytes)
         return -1;
     *free_bytes = (uint64_t)st.f_bavail * st.f_frsize;
     *total_bytes = (uint64_t)st.f_blocks * st.f_frsize;
+    return 0;
+}
+
+/* The file system's magic number (TMPFS_MAGIC, HUGETLBFS_MAGIC, ...). */
+int ne_statfs_type(const char *path, int64_t *fs_type)
+{
+    struct statfs st;
+    if (statfs(path, &st) != 0)
+        return -1;
+    *fs_type = (int64_t)st.f_type;
     return 0;
 }
 
@@ -211,10 +222,13 @@ struct lookup_job {
     int64_t dim, block;
     const int64_t *ids;
     int64_t stride, n_heads;
-    const int64_t *head_offsets;
+    const int64_t *head_offsets, *bucket_sizes;
     uint16_t *out;
     int64_t t_begin, t_end;
     int cpu;
+    /* ids outside their head's buckets (neither DEAD nor valid): written
+     * as zero rows, counted, the first one (flat index, value) kept */
+    int64_t bad_count, first_bad, first_bad_id;
 };
 
 /* Rows a few lookups ahead are prefetched: random 264-byte rows are
@@ -226,10 +240,24 @@ struct cursor {
     int64_t t, h;
 };
 
-static inline int64_t cursor_row(const struct lookup_job *j, const struct cursor *c)
+/* The table row of the cursor's id, or -1 (DEAD or bad: a zero row).  The
+ * id is read exactly once, checked and used from a local: a caller thread
+ * that changes the ids meanwhile can get wrong rows, never a read outside
+ * the table.  *id_out is the value that was read. */
+static inline int64_t cursor_row(const struct lookup_job *j, const struct cursor *c,
+                                 int64_t *id_out)
 {
-    int64_t id = j->ids[c->t * j->stride + c->h];
-    return id < 0 ? -1 : id + j->head_offsets[c->h];
+    int64_t id = __atomic_load_n(&j->ids[c->t * j->stride + c->h], __ATOMIC_RELAXED);
+    *id_out = id;
+    return id >= 0 && id < j->bucket_sizes[c->h] ? id + j->head_offsets[c->h] : -1;
+}
+
+static void note_bad(struct lookup_job *j, int64_t flat, int64_t id)
+{
+    if (j->bad_count++ == 0) {
+        j->first_bad = flat;
+        j->first_bad_id = id;
+    }
 }
 
 static inline void cursor_next(const struct lookup_job *j, struct cursor *c)
@@ -317,7 +345,7 @@ static row_fn pick_row_fn(void)
  * out-of-order window of memory parallelism. */
 enum { STAGE_ROWS = 64, MAX_STAGE_BYTES = 1024 };
 
-static void run_lookup(const struct lookup_job *j)
+static void run_lookup(struct lookup_job *j)
 {
     const row_fn row_dequant = pick_row_fn();
     const int64_t n_scales = j->dim / j->block;
@@ -333,8 +361,9 @@ static void run_lookup(const struct lookup_job *j)
     for (int64_t k0 = k_begin; k0 < k_end; k0 += STAGE_ROWS) {
         int64_t n = k_end - k0 < STAGE_ROWS ? k_end - k0 : STAGE_ROWS;
         for (int64_t i = 0; i < n; i++, cursor_next(j, &cur)) {
+            int64_t id;
             if (k0 + i + PREFETCH_AHEAD < k_end) {
-                int64_t next = cursor_row(j, &ahead);
+                int64_t next = cursor_row(j, &ahead, &id);
                 cursor_next(j, &ahead);
                 if (next >= 0) {
                     const char *p = (const char *)(j->weights + next * j->dim);
@@ -343,7 +372,9 @@ static void run_lookup(const struct lookup_job *j)
                     __builtin_prefetch(j->scales + next * n_scales, 0, 0);
                 }
             }
-            rows[i] = cursor_row(j, &cur);
+            rows[i] = cursor_row(j, &cur, &id);
+            if (rows[i] < 0 && id != -1)
+                note_bad(j, k0 + i, id);
             if (staged && rows[i] >= 0) {
                 memcpy(w_stage + i * j->dim, j->weights + rows[i] * j->dim, (size_t)j->dim);
                 memcpy(s_stage + i * n_scales, j->scales + rows[i] * n_scales,
@@ -401,15 +432,19 @@ static void *lookup_thread(void *arg)
 }
 
 /* Gather + dequantise the rows of n_heads heads for n_tokens tokens into
- * out[n_tokens][n_heads][dim] (bf16 bits).  ids must have been checked with
- * ne_first_bad_id.  Work is split by token over n_threads threads, thread i
- * pinned to cpus[i % n_cpus] when n_cpus > 0.  Returns 0, or -1 with errno
- * when a thread cannot be started. */
+ * out[n_tokens][n_heads][dim] (bf16 bits).  Each id is checked against its
+ * head's bucket_sizes as it is read; bad ones give zero rows and are
+ * reported in bad[0..2] = (count, first flat index t*n_heads+h, its value).
+ * Work is split by token over n_threads threads, thread i pinned to
+ * cpus[i % n_cpus] when n_cpus > 0.  Returns 0, or -1 with errno when a
+ * thread cannot be started. */
 int ne_lookup_bf16(const uint8_t *weights, const uint8_t *scales, int64_t dim,
                    int64_t block, const int64_t *ids, int64_t n_tokens,
                    int64_t stride, int64_t n_heads, const int64_t *head_offsets,
-                   uint16_t *out, int n_threads, const int *cpus, int n_cpus)
+                   const int64_t *bucket_sizes, uint16_t *out, int n_threads,
+                   const int *cpus, int n_cpus, int64_t *bad)
 {
+    int rc = 0;
     enum { MAX_THREADS = 256 };
     struct lookup_job jobs[MAX_THREADS];
     pthread_once(&lut_once, build_exact_lut);
@@ -422,17 +457,27 @@ int ne_lookup_bf16(const uint8_t *weights, const uint8_t *scales, int64_t dim,
     int64_t per = (n_tokens + n_threads - 1) / n_threads;
     for (int i = 0; i < n_threads; i++) {
         jobs[i] = (struct lookup_job){weights, scales, dim, block, ids, stride, n_heads,
-                                      head_offsets, out, i * per,
+                                      head_offsets, bucket_sizes, out, i * per,
                                       (i + 1) * per < n_tokens ? (i + 1) * per : n_tokens,
-                                      n_cpus > 0 ? cpus[i % n_cpus] : -1};
+                                      n_cpus > 0 ? cpus[i % n_cpus] : -1, 0, -1, 0};
         if (jobs[i].t_begin > jobs[i].t_end)
             jobs[i].t_begin = jobs[i].t_end;
     }
-    if (n_threads == 1 && n_cpus == 0) {
+    if (n_threads == 1 && n_cpus == 0)
         run_lookup(&jobs[0]);
-        return 0;
-    }
-    return run_threads(lookup_thread, jobs, sizeof(jobs[0]), n_threads);
+    else
+        rc = run_threads(lookup_thread, jobs, sizeof(jobs[0]), n_threads);
+    bad[0] = 0;
+    bad[1] = -1;
+    for (int i = 0; i < n_threads; i++)   /* jobs are in token order */
+        if (jobs[i].bad_count) {
+            if (bad[0] == 0) {
+                bad[1] = jobs[i].first_bad;
+                bad[2] = jobs[i].first_bad_id;
+            }
+            bad[0] += jobs[i].bad_count;
+        }
+    return rc;
 }
 
 /* ----------------------------------------------------- n-gram hashing --- */

@@ -11,9 +11,14 @@ from importlib import import_module
 from .errors import (
     CapacityError,
     CheckpointError,
+    CudaError,
+    CudaUnavailable,
+    GroupTimeout,
     LookupIdError,
+    MemberFailure,
     NumaEngramError,
     PlacementError,
+    PrefetchError,
     SpecError,
     SpecMismatchError,
     StorageError,
@@ -44,9 +49,10 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "DEAD_ID", "CapacityError", "CheckpointError", "EngramSpec", "LookupIdError",
-    "NumaEngramError", "PlacementError", "PlacementPlan", "PlacementRange", "PlacementReport",
-    "ShardInfo", "SpecError", "SpecMismatchError", "StorageError", "SyscallError", "Topology",
+    "DEAD_ID", "CapacityError", "CheckpointError", "CudaError", "CudaUnavailable", "EngramSpec",
+    "GroupTimeout", "LookupIdError", "MemberFailure", "NumaEngramError", "PlacementError",
+    "PlacementPlan", "PlacementRange", "PlacementReport", "PrefetchError", "ShardInfo",
+    "SpecError", "SpecMismatchError", "StorageError", "SyscallError", "Topology",
     "TopologyError", "WorldLayout", "compress_ids", "ngram_hashes", "plan_placement",
     "shard_heads", "shard_rows", *_LAZY,
 ]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import native
+from .errors import CapacityError
 from .topology import read_node_meminfo, read_online_nodes
 
 
@@ -100,6 +101,123 @@ def pids_of_users(pattern: str) -> list[int]:
             if pattern in cmd and int(entry) != os.getpid():
                 out.append(int(entry))
     return out
+
+
+# ---------------------------------------------------------- memory room --
+# Checked before a table is allocated, so a table that does not fit is a
+# CapacityError naming the numbers, never the OOM killer.
+
+UNLIMITED = 1 << 60  # cgroup "max" / v1's page-rounded LONG_MAX
+
+
+def read_meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
+    """/proc/meminfo in bytes."""
+    out: dict[str, int] = {}
+    for line in Path(path).read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 2:
+            out[parts[0].rstrip(":")] = int(parts[1]) * (1024 if parts[-1] == "kB" else 1)
+    return out
+
+
+def node_free_bytes(node: int) -> int:
+    """Memory a node can give: MemFree + Inactive(file) (page cache, e.g. the
+    checkpoint being read, is reclaimable)."""
+    info = read_node_meminfo(node)
+    return info.get("MemFree", 0) + info.get("Inactive(file)", 0)
+
+
+@dataclass(frozen=True)
+class CgroupRoom:
+    path: str   # the cgroup directory whose limit this is
+    limit: int
+    usage: int
+
+    @property
+    def free(self) -> int:
+        return max(0, self.limit - self.usage)
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return UNLIMITED if text == "max" else int(text)
+
+
+def _cgroup_dirs(proc_cgroup: str = "/proc/self/cgroup",
+                 mountinfo: str = "/proc/self/mountinfo") -> list[tuple[Path, Path, str]]:
+    """(this process's memory cgroup dir, its mount point, 'v1'|'v2') for
+    each memory hierarchy mounted here."""
+    mine = {}
+    for line in Path(proc_cgroup).read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            mine["v2"] = path
+        elif "memory" in controllers.split(","):
+            mine["v1"] = path
+    out = []
+    for line in Path(mountinfo).read_text().splitlines():
+        fields = line.split()
+        sep = fields.index("-")
+        fstype, options = fields[sep + 1], fields[-1]
+        kind = ("v2" if fstype == "cgroup2" else
+                "v1" if fstype == "cgroup" and "memory" in options.split(",") else None)
+        if kind is None or kind not in mine:
+            continue
+        root, mount = fields[3], Path(fields[4])
+        rel = os.path.relpath(mine[kind], root) if mine[kind].startswith(root) else "."
+        out.append((mount / rel if (mount / rel).is_dir() else mount, mount, kind))
+    return out
+
+
+def cgroup_memory_room() -> list[CgroupRoom]:
+    """The memory limit and usage of this process's cgroup and every
+    ancestor that sets one (v2 memory.max/current, v1 limit/usage_in_bytes)."""
+    names = {"v2": ("memory.max", "memory.current"),
+             "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes")}
+    out = []
+    for cgroup, mount, kind in _cgroup_dirs():
+        limit_name, usage_name = names[kind]
+        d = cgroup
+        while True:
+            limit, usage = _read_int(d / limit_name), _read_int(d / usage_name)
+            if limit is not None and usage is not None and limit < UNLIMITED:
+                out.append(CgroupRoom(str(d), limit, usage))
+            if d == mount or mount not in d.parents:
+                break
+            d = d.parent
+    return out
+
+
+def check_memory(size: int, bytes_per_node: dict[int, int] | None = None,
+                 what: str = "the table") -> None:
+    """Refuse (CapacityError naming the numbers) when ``size`` bytes do not
+    fit the host's MemAvailable, a planned node's free memory, or the
+    memory limit of this process's cgroup or any ancestor."""
+    gib = 2**30
+    available = read_meminfo().get("MemAvailable")
+    if available is not None and size > available:
+        raise CapacityError(
+            f"{what} needs {size / gib:.2f} GiB but the host has {available / gib:.2f} GiB "
+            "available (MemAvailable); free memory, use a smaller table or more shards")
+    for node, planned in sorted((bytes_per_node or {}).items()):
+        try:
+            free = node_free_bytes(node)
+        except OSError:
+            continue  # a simulated node: nothing to measure
+        if planned > free:
+            raise CapacityError(
+                f"{what} puts {planned / gib:.2f} GiB on NUMA node {node}, which has "
+                f"{free / gib:.2f} GiB free (MemFree + Inactive(file)); choose another "
+                "placement (e.g. interleave) or free memory on that node")
+    for room in cgroup_memory_room():
+        if size > room.free:
+            raise CapacityError(
+                f"{what} needs {size / gib:.2f} GiB but the memory cgroup {room.path} allows "
+                f"{room.free / gib:.2f} GiB more (limit {room.limit / gib:.2f} GiB, used "
+                f"{room.usage / gib:.2f} GiB); raise its limit or use a smaller table")
 
 
 # ------------------------------------------------------------ arithmetic --

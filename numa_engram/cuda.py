@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 from cffi import FFI
 
-from .errors import LookupIdError, NumaEngramError
+from .errors import CudaError, CudaUnavailable, LookupIdError
 
 CHUNK_BYTES = 64 << 30  # one call of >= 512 GiB fails on recent drivers
 HOST_REGISTER_DEFAULT, HOST_REGISTER_PORTABLE, HOST_REGISTER_MAPPED = 0, 1, 2
@@ -38,14 +38,6 @@ _ffi.cdef("""
 """)
 _lib = None
 _why_not = ""
-
-
-class CudaUnavailable(NumaEngramError):
-    """No CUDA runtime or no GPU on this host."""
-
-
-class CudaError(NumaEngramError):
-    """A CUDA runtime call failed."""
 
 
 def _candidates() -> list[str]:

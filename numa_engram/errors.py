@@ -9,6 +9,18 @@ import os
 class NumaEngramError(Exception):
     """Base class of every error this library raises on purpose."""
 
+    #: (member, world rank, step, type name, message) of every member that
+    #: failed, when the error ends a collective protocol; else empty.
+    failures: list[tuple[int, int, str, str, str]] = []
+
+    @classmethod
+    def from_message(cls, message: str) -> NumaEngramError:
+        """The same class built from a message alone (another member's
+        error, re-raised here): no subclass __init__ is called."""
+        exc = cls.__new__(cls, message)
+        Exception.__init__(exc, message)
+        return exc
+
 
 class TopologyError(NumaEngramError, ValueError):
     """A node, GPU, shard count or world layout that the host or the model cannot have."""
@@ -48,7 +60,7 @@ class SyscallError(NumaEngramError, OSError):
         super().__init__(err, message)
 
     def __str__(self) -> str:
-        return self.strerror or ""
+        return self.strerror or super().__str__()
 
 
 class SpecError(NumaEngramError, ValueError):
@@ -57,3 +69,24 @@ class SpecError(NumaEngramError, ValueError):
 
 class CheckpointError(NumaEngramError):
     """A checkpoint tensor that is missing or has the wrong name, dtype or shape."""
+
+
+class GroupTimeout(NumaEngramError, TimeoutError):
+    """A member did not arrive at a collective in time (or died)."""
+
+
+class MemberFailure(NumaEngramError):
+    """Members of a group failed with exceptions that are not ours;
+    ``failures`` lists (member, world rank, step, type name, message) of each."""
+
+
+class PrefetchError(NumaEngramError):
+    """Misuse of the prefetch scheduler (unknown layer, double submit, closed)."""
+
+
+class CudaUnavailable(NumaEngramError):
+    """No CUDA runtime or GPU here: the CUDA path cannot run."""
+
+
+class CudaError(NumaEngramError):
+    """A CUDA runtime call failed."""

@@ -14,14 +14,10 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
-from .errors import NumaEngramError
+from .errors import GroupTimeout, NumaEngramError
 from .sharding import WorldLayout
 
 log = logging.getLogger(__name__)
-
-
-class GroupTimeout(NumaEngramError, TimeoutError):
-    """A member did not arrive at a collective in time (or died)."""
 
 
 class Group(Protocol):

@@ -212,6 +212,17 @@ def statvfs(path: str) -> tuple[int, int]:
     return int(free[0]), int(total[0])
 
 
+TMPFS_MAGIC, HUGETLBFS_MAGIC = 0x01021994, 0x958458F6
+
+
+def statfs_type(path: str) -> int:
+    """The magic number of the file system holding path (TMPFS_MAGIC, ...)."""
+    fs_type = ffi.new("int64_t *")
+    if lib.ne_statfs_type(path.encode(), fs_type) != 0:
+        _raise("statfs", f"path={path}")
+    return int(fs_type[0]) & 0xFFFFFFFF
+
+
 # ------------------------------------------------------------- kernels --
 
 def check_hash_ids(hash_ids, n_cols: int | None = None) -> np.ndarray:
@@ -276,31 +287,41 @@ def gather_dequant(weights: np.ndarray, scales: np.ndarray, hash_ids: np.ndarray
     if out.dtype != np.uint16 or out.shape != shape or not out.flags.c_contiguous:
         raise ValueError(f"out must be C-contiguous uint16 {list(shape)}, got {out.dtype} "
                          f"{list(out.shape)}")
-    _check_ids_in_range(ids, head_start, sizes)
     if ids.shape[0] == 0:
         return
     if dedup:  # read each distinct row once, then copy it where it repeats
+        _check_ids_in_range(ids, head_start, sizes)  # np.unique reads a copy, checked here
         cols = ids[:, head_start:head_start + len(sizes)]
         unique, inverse = np.unique(np.where(cols >= 0, cols + offsets, -1),
                                     return_inverse=True)
         staged = np.empty((len(unique), 1, weights.shape[1]), dtype=np.uint16)
         _run_lookup(weights, scales, np.ascontiguousarray(unique.reshape(-1, 1)), 0,
-                    np.zeros(1, np.int64), staged, threads, cpus, block)
+                    np.zeros(1, np.int64), np.array([weights.shape[0]], np.int64), staged,
+                    threads, cpus, block)
         np.take(staged.reshape(len(unique), -1), inverse.reshape(-1), axis=0,
                 out=out.reshape(-1, weights.shape[1]), mode="clip")
         return
-    _run_lookup(weights, scales, ids, head_start, offsets, out, threads, cpus, block)
+    _run_lookup(weights, scales, ids, head_start, offsets, sizes, out, threads, cpus, block)
 
 
-def _run_lookup(weights, scales, ids, col0, offsets, out, threads, cpus, block) -> None:
+def _run_lookup(weights, scales, ids, col0, offsets, sizes, out, threads, cpus, block) -> None:
+    """The kernel checks every id as it reads it (once): ids another thread
+    changes meanwhile can never make it read outside the table."""
     cpu_arr = np.asarray(list(cpus), dtype=np.int32)
+    bad = ffi.new("int64_t[3]")
     rc = lib.ne_lookup_bf16(
         _ptr(weights, "uint8_t *"), _ptr(scales, "uint8_t *"), weights.shape[1], block,
         _ptr(ids, "int64_t *") + col0, ids.shape[0], ids.shape[1], len(offsets),
-        _ptr(offsets, "int64_t *"), _ptr(out, "uint16_t *"), threads,
-        _ptr(cpu_arr, "int *") if len(cpu_arr) else ffi.NULL, len(cpu_arr))
+        _ptr(offsets, "int64_t *"), _ptr(sizes, "int64_t *"), _ptr(out, "uint16_t *"), threads,
+        _ptr(cpu_arr, "int *") if len(cpu_arr) else ffi.NULL, len(cpu_arr), bad)
     if rc != 0:
         _raise("pthread_create", f"lookup with {threads} threads")
+    if bad[0]:
+        t, h = divmod(int(bad[1]), len(sizes))
+        raise LookupIdError(
+            f"hash id {int(bad[2])} at token {t}, column {col0 + h} is outside head "
+            f"{col0 + h}'s buckets [0, {int(sizes[h])}) ({int(bad[0])} bad id(s) in all); "
+            "use -1 (DEAD_ID) for padding")
 
 
 def ngram_hashes(rows: np.ndarray, pad_id: int, multipliers: np.ndarray, max_ngram: int,

@@ -23,13 +23,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import NumaEngramError
+from .errors import PrefetchError
 
 LookupFn = Callable[[Any, Any], Any]  # (hash_ids, out) -> out
-
-
-class PrefetchError(NumaEngramError):
-    """Misuse of the scheduler (unknown layer, double submit, too many tokens)."""
 
 
 @dataclass

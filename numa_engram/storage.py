@@ -7,6 +7,7 @@ sequence; ``attach`` is what a peer does in step 8.  No torch here.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import secrets
@@ -21,6 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from . import native
+from .accounting import check_memory
 from .errors import CapacityError, SpecMismatchError, StorageError
 from .topology import Topology
 
@@ -28,7 +30,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "numa-engram-"
 MAGIC = b"NUMAENGR"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 DEFAULT_DIRECTORY = "/dev/shm"
 SHMEM_THP = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 STATE_CREATING, STATE_READY, STATE_FAILED = 0, 1, 2
@@ -36,10 +38,16 @@ STATE_NAMES = {STATE_CREATING: "CREATING", STATE_READY: "READY", STATE_FAILED: "
 MAX_REGIONS = 16
 
 # magic, version, state, creator pid, creator uid, creator start time (ticks),
-# boot id, fingerprint (32 raw bytes), file size, region count
-_HEAD = struct.Struct("<8sIIIIQ16s32sQI")
+# boot id, fingerprint (32 raw bytes), file size, region count, then the
+# shard key: layer id, head start, head end, row start, row end
+_HEAD = struct.Struct("<8sIIIIQ16s32sQIiIIQQ")
 _REGION = struct.Struct("<32sQQ")
 _STATE_OFFSET = 12
+# Each loading member's progress (a counter it bumps as it goes) lives in its
+# own 8-byte slot, so the others can tell a slow load from a dead loader.
+PROGRESS_OFFSET = 2048
+MAX_LOADERS = 64
+_SLOT = struct.Struct("<Q")
 
 
 class RangePolicy(Protocol):
@@ -48,6 +56,23 @@ class RangePolicy(Protocol):
 
     def validate(self, file_size: int, topology: Topology | None = None) -> None: ...
     def apply(self, mapping: native.Mapping, topology: Topology | None = None) -> None: ...
+
+
+@dataclass(frozen=True)
+class ShardKey:
+    """Which rows a table file holds: a layer, a head range and its rows.
+    Checked at join and attach, so a member that asks for other rows with
+    the same row count fails instead of reading the wrong ones."""
+
+    layer_id: int = -1
+    head_start: int = 0
+    head_end: int = 0
+    row_start: int = 0
+    row_end: int = 0
+
+    def __str__(self) -> str:
+        return (f"layer {self.layer_id}, heads [{self.head_start}, {self.head_end}), "
+                f"rows [{self.row_start}, {self.row_end})")
 
 
 @dataclass(frozen=True)
@@ -83,7 +108,8 @@ class Layout:
         for r in self.regions:
             if r.name == name:
                 return r
-        raise KeyError(f"no region {name!r}; regions are {[r.name for r in self.regions]}")
+        raise StorageError(f"the backing file has no region {name!r}; its regions are "
+                           f"{[r.name for r in self.regions]}: not a table of this kind")
 
 
 @dataclass(frozen=True)
@@ -96,11 +122,14 @@ class Header:
     boot_id: bytes
     fingerprint: bytes
     layout: Layout
+    key: ShardKey = ShardKey()
 
     def pack(self) -> bytes:
+        k = self.key
         head = _HEAD.pack(MAGIC, self.version, self.state, self.creator_pid, self.creator_uid,
                           self.creator_start, self.boot_id, self.fingerprint,
-                          self.layout.file_size, len(self.layout.regions))
+                          self.layout.file_size, len(self.layout.regions), k.layer_id,
+                          k.head_start, k.head_end, k.row_start, k.row_end)
         regions = b"".join(_REGION.pack(r.name.encode(), r.offset, r.length)
                            for r in self.layout.regions)
         return head + regions
@@ -110,14 +139,23 @@ class Header:
         if len(data) < _HEAD.size:
             raise StorageError(f"{where} is too short ({len(data)} bytes) to be a numa_engram "
                                "backing file")
-        (magic, version, state, pid, uid, start, boot, fp, size, count) = _HEAD.unpack_from(data)
+        if data[:8] != MAGIC:
+            raise StorageError(f"{where} is not a numa_engram backing file (magic {data[:8]!r})")
+        version = struct.unpack_from("<I", data, 8)[0]
+        if version != FORMAT_VERSION:
+            raise StorageError(f"{where} has format version {version}, this library reads "
+                               f"{FORMAT_VERSION}; recreate the table with this version")
+        (magic, version, state, pid, uid, start, boot, fp, size, count,
+         *key) = _HEAD.unpack_from(data)
         if magic != MAGIC:
             raise StorageError(f"{where} is not a numa_engram backing file (magic {magic!r})")
         if version != FORMAT_VERSION:
             raise StorageError(f"{where} has format version {version}, this library reads "
                                f"{FORMAT_VERSION}; recreate the table with this version")
-        if count > MAX_REGIONS:
-            raise StorageError(f"{where} header claims {count} regions (max {MAX_REGIONS})")
+        if not 0 < count <= MAX_REGIONS:
+            raise StorageError(f"{where} header claims {count} regions (1 to {MAX_REGIONS})")
+        if len(data) < _HEAD.size + count * _REGION.size:
+            raise StorageError(f"{where} is too short ({len(data)} bytes) for its header")
         regions = []
         for i in range(count):
             name, offset, length = _REGION.unpack_from(data, _HEAD.size + i * _REGION.size)
@@ -129,7 +167,8 @@ class Header:
                 raise StorageError(f"{where} has a corrupt header: region {text!r} "
                                    f"[{offset}, {offset + length}) is not inside {size} bytes")
             regions.append(LayoutRegion(text, offset, length))
-        return cls(version, state, pid, uid, start, boot, fp, Layout(tuple(regions), size))
+        return cls(version, state, pid, uid, start, boot, fp, Layout(tuple(regions), size),
+                   ShardKey(*key))
 
 
 # ---------------------------------------------------------------- checks --
@@ -159,10 +198,27 @@ def check_shmem_thp(path: Path = SHMEM_THP) -> None:
             f"placement cannot verify; run 'echo never > {path}' (or 'advise') as root")
 
 
-def check_space(directory: str, size: int) -> None:
-    if not os.path.isdir(directory):
+def check_directory(directory: str) -> None:
+    """A table directory must be a real directory on tmpfs or hugetlbfs:
+    anywhere else the table would be written back to a disk."""
+    if os.path.islink(directory):
+        raise StorageError(f"directory {directory!r} is a symlink; pass the directory it "
+                           f"points to ({os.path.realpath(directory)!r}) if you trust it")
+    if not os.path.exists(directory):
         raise StorageError(f"directory {directory!r} does not exist; mount a tmpfs there or "
                            "pass directory= another tmpfs")
+    if not os.path.isdir(directory):
+        raise StorageError(f"directory {directory!r} is not a directory (a regular file?); "
+                           "pass the tmpfs directory the table should live in, e.g. /dev/shm")
+    fs_type = native.statfs_type(directory)
+    if fs_type not in (native.TMPFS_MAGIC, native.HUGETLBFS_MAGIC):
+        raise StorageError(f"directory {directory!r} is not on tmpfs or hugetlbfs (file system "
+                           f"magic {fs_type:#x}): a table there would be written to disk; "
+                           "use /dev/shm or mount a tmpfs (mount -t tmpfs -o size=... tmpfs DIR)")
+
+
+def check_space(directory: str, size: int) -> None:
+    check_directory(directory)
     free, total = native.statvfs(directory)
     if size > free:
         raise CapacityError(
@@ -190,21 +246,26 @@ class BackingFile:
     @classmethod
     def create(cls, layout: Layout, fingerprint: bytes, *,
                directory: str | None = DEFAULT_DIRECTORY, placement: RangePolicy | None = None,
-               topology: Topology | None = None, populate: bool = True) -> BackingFile:
+               topology: Topology | None = None, populate: bool = True,
+               key: ShardKey = ShardKey()) -> BackingFile:
         """Steps 1-7: check, create exclusively, header, size, map, no THP,
         bind, populate.  Any failure removes the file before raising.
 
         ``directory=None`` makes a private table on an anonymous memfd: the
         same shmem pages and policies, but no path at all (nothing to leak,
-        not limited by the size of /dev/shm)."""
+        not limited by the size of /dev/shm, but by memory like any table:
+        both are checked against MemAvailable, the planned nodes' free memory
+        and the cgroup limits before anything is allocated)."""
         check_shmem_thp()                                            # 1
         if directory is not None:
             check_space(directory, layout.file_size)
         if placement is not None:
             placement.validate(layout.file_size, topology or Topology.detect())
+        check_memory(layout.file_size,
+                     placement.bytes_per_node() if hasattr(placement, "bytes_per_node") else None)
         path, fd = _create_exclusive(directory)                      # 2
         try:
-            header = _new_header(layout, fingerprint)
+            header = _new_header(layout, fingerprint, key)
             os.pwrite(fd, header.pack(), 0)
             os.ftruncate(fd, layout.file_size)                       # 3
             mapping = native.Mapping(fd, layout.file_size)
@@ -223,10 +284,11 @@ class BackingFile:
     @classmethod
     def attach(cls, path: str | None = None, *, fd: int | None = None,
                fingerprint: bytes | None = None, file_size: int | None = None,
-               writable: bool = False) -> BackingFile:
+               writable: bool = False, key: ShardKey | None = None) -> BackingFile:
         """Map an existing file (by path or an open fd) after checking that
         it is ours: no symlink, our uid, our magic and version, the expected
-        fingerprint and size."""
+        fingerprint, size and shard key.  Holds a shared lock on the file
+        while attached (gc's liveness test)."""
         if (path is None) == (fd is None):
             raise ValueError("give exactly one of path= or fd=")
         where = path if path is not None else f"fd {fd}"
@@ -235,7 +297,8 @@ class BackingFile:
         else:
             fd = os.dup(fd)
         try:
-            header = _check_file(fd, where, fingerprint, file_size)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            header = _check_file(fd, where, fingerprint, file_size, key)
             mapping = native.Mapping(fd, header.layout.file_size, writable)
         except BaseException:
             os.close(fd)
@@ -251,6 +314,16 @@ class BackingFile:
 
     def mark_ready(self) -> None:
         self.set_state(STATE_READY)
+
+    def write_progress(self, slot: int, value: int) -> None:
+        """This loader's progress counter (the others watch it advance)."""
+        if not 0 <= slot < MAX_LOADERS:
+            raise StorageError(f"loader slot {slot} is outside 0..{MAX_LOADERS - 1}")
+        os.pwrite(self.fd, _SLOT.pack(value), PROGRESS_OFFSET + slot * _SLOT.size)
+
+    def read_progress(self) -> tuple[int, ...]:
+        data = os.pread(self.fd, MAX_LOADERS * _SLOT.size, PROGRESS_OFFSET)
+        return tuple(v for (v,) in _SLOT.iter_unpack(data))
 
     @property
     def state(self) -> int:
@@ -296,17 +369,21 @@ def _create_exclusive(directory: str | None) -> tuple[str, int]:
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     path = os.path.join(directory, PREFIX + secrets.token_hex(8))
     try:
-        return path, os.open(path, flags, 0o600)
+        fd = os.open(path, flags, 0o600)
     except OSError as exc:
         raise StorageError(f"cannot create {path}: {exc.strerror}") from exc
+    # held for the creator's life (and by every attached member): gc tells a
+    # live table from a dead one by this lock, whatever pid namespace holds it
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return path, fd
 
 
-def _new_header(layout: Layout, fingerprint: bytes) -> Header:
+def _new_header(layout: Layout, fingerprint: bytes, key: ShardKey) -> Header:
     if len(fingerprint) != 32:
         raise ValueError(f"fingerprint must be 32 bytes, got {len(fingerprint)}")
     pid = os.getpid()
     return Header(FORMAT_VERSION, STATE_CREATING, pid, os.geteuid(),
-                  process_start_time(pid) or 0, boot_id(), fingerprint, layout)
+                  process_start_time(pid) or 0, boot_id(), fingerprint, layout, key)
 
 
 def _remove(path: str, fd: int) -> None:
@@ -332,7 +409,7 @@ def _open_existing(path: str, writable: bool) -> int:
 
 
 def _check_file(fd: int, where: str, fingerprint: bytes | None,
-                file_size: int | None) -> Header:
+                file_size: int | None, key: ShardKey | None = None) -> Header:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise StorageError(f"{where} is not a regular file")
@@ -352,6 +429,9 @@ def _check_file(fd: int, where: str, fingerprint: bytes | None,
         raise SpecMismatchError(f"{where} was built for spec {header.fingerprint.hex()[:16]}, "
                                 f"this process has spec {fingerprint.hex()[:16]}; both sides "
                                 "must use the same EngramSpec")
+    if key is not None and header.key != key:
+        raise SpecMismatchError(f"{where} holds {header.key}, but {key} was asked for; pass "
+                                "the layer and shard the table was created with")
     return header
 
 
@@ -386,52 +466,87 @@ class GcEntry:
     path: str
     size: int
     creator_pid: int
-    reason: str  # why it is stale, or why it was kept
+    reason: str  # why it is stale, or why it was kept or skipped
     removed: bool
 
 
-def creator_alive(header: Header) -> bool:
-    if header.boot_id != boot_id():
-        return False
-    start = process_start_time(header.creator_pid)
-    return start is not None and start == header.creator_start
+def holders_alive(fd: int) -> bool | None:
+    """Does any process hold the file open as a table (its creator or an
+    attached member: each keeps a shared lock for its life)?  None when the
+    lock cannot be tested.  Works across pid namespaces, unlike a pid."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
 
 
-def gc_stale_files(directory: str = DEFAULT_DIRECTORY, dry_run: bool = False) -> list[GcEntry]:
-    """Remove backing files (by prefix and header) whose creator is dead or
-    from another boot.  Files of live creators, of other users and files
-    with our prefix but not our header are reported and left alone."""
+def gc_stale_files(directory: str = DEFAULT_DIRECTORY, dry_run: bool = False,
+                   all_users: bool = False) -> list[GcEntry]:
+    """Remove backing files (by prefix and header) that no process holds
+    (the creator's lock is gone) or from another boot.  Files in use, files
+    of other users (unless ``all_users``, for root), files whose liveness
+    cannot be decided and entries that are not our regular files are
+    reported with the reason and left alone."""
+    if not os.path.isdir(directory):
+        raise StorageError(f"directory {directory!r} does not exist or is not a directory")
     entries = []
     for name in sorted(os.listdir(directory)):
-        if not name.startswith(PREFIX):
-            continue
-        path = os.path.join(directory, name)
-        entries.append(_gc_one(path, dry_run))
+        if name.startswith(PREFIX):
+            entries.append(_gc_one(os.path.join(directory, name), dry_run, all_users))
     return entries
 
 
-def _gc_one(path: str, dry_run: bool) -> GcEntry:
+def _gc_one(path: str, dry_run: bool, all_users: bool) -> GcEntry:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        st = os.lstat(path)  # never open a FIFO, device or directory
     except OSError as exc:
-        return GcEntry(path, 0, 0, f"kept: cannot open ({exc.strerror})", False)
+        return GcEntry(path, 0, 0, f"skipped: {exc.strerror}", False)
+    if not stat.S_ISREG(st.st_mode):
+        return GcEntry(path, 0, 0, f"skipped: not a regular file ({_file_kind(st.st_mode)})",
+                       False)
+    if st.st_uid != os.geteuid() and not all_users:
+        return GcEntry(path, st.st_size, 0, f"kept: owned by uid {st.st_uid} (root may pass "
+                       "--all-users to include other users' files)", False)
     try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid() and os.geteuid() != 0:
-            return GcEntry(path, st.st_size, 0, f"kept: owned by uid {st.st_uid}", False)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        return GcEntry(path, st.st_size, 0, f"kept: cannot open ({exc.strerror})", False)
+    try:
+        now = os.fstat(fd)
+        if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev) or not stat.S_ISREG(now.st_mode):
+            return GcEntry(path, st.st_size, 0, "skipped: replaced while being checked", False)
         try:
             header = Header.unpack(os.pread(fd, native.PAGE_SIZE, 0), path)
-        except StorageError as exc:
-            return GcEntry(path, st.st_size, 0, f"kept: {exc}", False)
+        except (StorageError, struct.error) as exc:
+            return GcEntry(path, st.st_size, 0, f"skipped: {exc}", False)
+        pid = header.creator_pid
+        if header.boot_id == boot_id():
+            alive = holders_alive(fd)
+            if alive is None:
+                return GcEntry(path, st.st_size, pid, "kept: liveness cannot be decided (the "
+                               "file system refuses locks)", False)
+            if alive:
+                return GcEntry(path, st.st_size, pid, "kept: in use (a process holds its "
+                               "lock)", False)
+            reason = f"stale: no process holds it (creator pid {pid} is dead)"
+        else:
+            reason = "stale: creator from another boot"
+        if not dry_run:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
     finally:
         os.close(fd)
-    if creator_alive(header):
-        return GcEntry(path, st.st_size, header.creator_pid, "kept: creator alive", False)
-    reason = ("stale: creator from another boot" if header.boot_id != boot_id()
-              else f"stale: creator pid {header.creator_pid} is dead")
-    if not dry_run:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-    return GcEntry(path, st.st_size, header.creator_pid, reason, not dry_run)
+    return GcEntry(path, st.st_size, pid, reason, not dry_run)
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISLNK, "a symlink"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "not a file")

@@ -15,7 +15,15 @@ from numa_engram.errors import (
     TopologyError,
 )
 from numa_engram.placement import PlacementPlan, PlacementRange
-from numa_engram.storage import MAGIC, PREFIX, BackingFile, Layout, check_shmem_thp, gc_stale_files
+from numa_engram.storage import (
+    FORMAT_VERSION,
+    MAGIC,
+    PREFIX,
+    BackingFile,
+    Layout,
+    check_shmem_thp,
+    gc_stale_files,
+)
 
 from .conftest import run_python, shm_files
 
@@ -184,14 +192,14 @@ def test_gc_removes_file_of_killed_creator_and_keeps_live_ones(backing):
     entries = {e.path: e for e in gc_stale_files()}
     assert entries[dead_path].removed and "dead" in entries[dead_path].reason
     assert not os.path.exists(dead_path)
-    assert entries[backing.path].reason == "kept: creator alive"
+    assert entries[backing.path].reason.startswith("kept: in use")
     assert os.path.exists(backing.path)
 
 
 def _plausible_header(regions, size):
     """A header that passes the magic/version/uid/size checks, with fuzzed regions."""
-    head = struct.pack("<8sIIIIQ16s32sQI", MAGIC, 1, 1, 1, os.geteuid(), 0, b"\0" * 16,
-                       b"\0" * 32, size, len(regions))
+    head = struct.pack("<8sIIIIQ16s32sQIiIIQQ", MAGIC, FORMAT_VERSION, 1, 1, os.geteuid(), 0,
+                       b"\0" * 16, b"\0" * 32, size, len(regions), 1, 0, 1, 0, 1)
     return head + b"".join(struct.pack("<32sQQ", n, o, ln) for n, o, ln in regions)
 
 
