@@ -17,6 +17,7 @@ MEMORY_DECLS = """
     #define MADV_HUGEPAGE ...
     void *ne_map_shared(int fd, size_t length, int writable);
     int ne_unmap(void *addr, size_t length);
+    int ne_protect_read(void *addr, size_t length);
     int ne_madvise(void *addr, size_t length, int advice);
     int ne_fallocate(int fd, int64_t offset, int64_t length);
     int ne_statvfs(const char *path, uint64_t *free_bytes, uint64_t *total_bytes);

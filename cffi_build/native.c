@@ -40,6 +40,8 @@ void *ne_map_shared(int fd, size_t length, int writable)
 
 int ne_unmap(void *addr, size_t length) { return munmap(addr, length); }
 
+int ne_protect_read(void *addr, size_t length) { return mprotect(addr, length, PROT_READ); }
+
 int ne_madvise(void *addr, size_t length, int advice)
 {
     return madvise(addr, length, advice);

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,12 +55,20 @@ class TensorLocation:
     data_offset: int  # absolute byte offset of element 0 in the file
 
 
-def _as_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+def checkpoint_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     out = [str(p) for p in paths]
     if not out:
         raise CheckpointError("no checkpoint files given")
+    for path in out:  # before any open: opening a FIFO would block forever
+        try:
+            mode = os.stat(path).st_mode
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {path}: {exc.strerror}") from exc
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(f"checkpoint {path} is not a regular file (a FIFO, device or "
+                                  "directory); pass the safetensors file itself")
     return out
 
 
@@ -79,7 +88,7 @@ def locate(paths, name: str) -> TensorLocation:
     """Find a tensor among the files, checking its metadata with safetensors."""
     from safetensors import safe_open
 
-    for path in _as_paths(paths):
+    for path in checkpoint_paths(paths):
         header, base = read_header(path)
         if name not in header:
             continue
@@ -88,8 +97,8 @@ def locate(paths, name: str) -> TensorLocation:
             shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
         begin, _ = header[name]["data_offsets"]
         return TensorLocation(path, name, dtype, shape, base + begin)
-    raise CheckpointError(f"tensor {name!r} is in none of {_as_paths(paths)}; check the layer id "
-                          "and the TensorNames pattern")
+    raise CheckpointError(f"tensor {name!r} is in none of {checkpoint_paths(paths)}; check the "
+                          "layer id and the TensorNames pattern")
 
 
 def _check_tensor(loc: TensorLocation, rows: int, width: int, dtypes: tuple[str, ...]) -> None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from .errors import GroupTimeout, NumaEngramError
 from .sharding import WorldLayout
@@ -20,10 +21,16 @@ from .sharding import WorldLayout
 log = logging.getLogger(__name__)
 
 
+@runtime_checkable
 class Group(Protocol):
+    """What the sharing protocol needs of a group; any object with these
+    members works (a serving stack can pass its own).  ``process_group`` is
+    the torch ProcessGroup behind it, or None."""
+
     rank: int  # in the group; 0 leads
     size: int
     ranks: tuple[int, ...]  # world ranks of the members, in group order
+    process_group: Any
 
     def broadcast(self, obj: Any, step: str) -> Any: ...
     def all_gather(self, obj: Any, step: str) -> list[Any]: ...
@@ -35,6 +42,7 @@ class SingleProcessGroup:
 
     rank = 0
     size = 1
+    process_group = None
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -76,6 +84,32 @@ class TorchGroup:
         self.ranks = tuple(dist.get_process_group_ranks(process_group)) if process_group \
             else tuple(range(self.size))
         self.leader_global_rank = self.ranks[0]
+
+    @property
+    def process_group(self):
+        return self.pg
+
+    @contextmanager
+    def bounded(self, timeout_s: float):
+        """Every collective of the group bounded by ``timeout_s`` while
+        inside (the process group's own timeout is restored after)."""
+        import torch
+        from torch.distributed import distributed_c10d as c10d
+
+        pg = self.pg or self._dist.group.WORLD
+        try:
+            before = pg._get_backend(torch.device("cpu")).options._timeout
+        except (AttributeError, RuntimeError):  # not a gloo group: its own bound stands
+            yield
+            return
+        saved = self.timeout_s
+        c10d._set_pg_timeout(timedelta(seconds=timeout_s), pg)
+        self.timeout_s = timeout_s
+        try:
+            yield
+        finally:
+            c10d._set_pg_timeout(before, pg)
+            self.timeout_s = saved
 
     def _run(self, step: str, fn, *args, **kwargs):
         try:

@@ -90,6 +90,14 @@ class Mapping:
         view.flags.writeable = self.writable
         return view
 
+    def seal(self) -> None:
+        """Make the mapping read-only (views made after this are read-only
+        too; a write through an older view would fault, so seal first)."""
+        self._check_open()
+        if lib.ne_protect_read(self._ptr, self.length) != 0:
+            _raise("mprotect", f"PROT_READ length={self.length}")
+        self.writable = False
+
     def pointer(self, offset: int = 0) -> object:
         self._check_open()
         return ffi.cast("char *", self._ptr) + offset

@@ -315,6 +315,10 @@ class BackingFile:
     def mark_ready(self) -> None:
         self.set_state(STATE_READY)
 
+    def seal(self) -> None:
+        """Read-only from now on (a loaded table is never written again)."""
+        self.mapping.seal()
+
     def write_progress(self, slot: int, value: int) -> None:
         """This loader's progress counter (the others watch it advance)."""
         if not 0 <= slot < MAX_LOADERS:

@@ -11,24 +11,39 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import threading
+import time
 from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from . import errors, native
-from .checkpoint import DEFAULT_NAMES, Progress, TensorNames, load_rows
-from .errors import NumaEngramError, SpecMismatchError, StorageError, TopologyError
+from .accounting import check_memory
+from .checkpoint import DEFAULT_NAMES, Progress, TensorNames, checkpoint_paths, load_rows
+from .errors import (
+    GroupTimeout,
+    NumaEngramError,
+    PlacementError,
+    SpecMismatchError,
+    StorageError,
+    TopologyError,
+)
 from .group import Group, SingleProcessGroup, TorchGroup
 from .placement import PlacementPlan, PlacementReport, Region, plan_placement, verify
 from .sharding import ShardInfo
 from .spec import EngramSpec
 from .storage import (
     DEFAULT_DIRECTORY,
+    STATE_FAILED,
     STATE_READY,
     BackingFile,
     Layout,
+    ShardKey,
+    boot_id,
     check_shmem_thp,
     check_space,
 )
@@ -37,9 +52,15 @@ from .topology import Topology, current_node, read_pci_numa_node
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "dp_shared", "independent")
-# Test hook: called with the name of each protocol step (e.g. to kill the
-# leader between create and unlink in a failure test).  None in production.
+# The protocol's named steps, in order.  Test hook: called with
+# "before-<step>" and "after-<step>" of each (e.g. to kill the leader between
+# create and unlink in a failure test).  None in production.
+STEPS = ("join", "decide", "create", "map", "unlink", "load", "ready")
 _STEP_HOOK: Callable[[str], None] | None = None
+# The last step is a short all-gather that every member reaches at once
+# (after the load): bounded by this, so a member lost there costs little.
+ACK_TIMEOUT_S = 10.0
+LOAD_POLL_S = 0.05
 
 
 def _step(name: str) -> None:
@@ -55,11 +76,17 @@ class MemberInfo:
     node: int
     device: int | None
     fingerprint: bytes
+    key: ShardKey = ShardKey()
+    mode: str = "auto"
+    boot_id: bytes = b""
+    directory_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the table directory
+    hostname: str = ""
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one member reports after a step: ok, or the error to re-raise."""
+    """What one member reports after a step: ok (with a value), or its
+    error as (type name, message)."""
 
     ok: bool
     error_type: str = ""
@@ -68,25 +95,71 @@ class Outcome:
 
 
 def _attempt(fn: Callable[[], Any]) -> tuple[Any, Outcome]:
+    """Run one member's part of a step; every Exception becomes an Outcome
+    the others see (KeyboardInterrupt and SystemExit still propagate)."""
     try:
         return fn(), Outcome(True)
-    except (NumaEngramError, OSError, ValueError) as exc:
+    except Exception as exc:
+        log.debug("member step failed", exc_info=True)
         return None, Outcome(False, type(exc).__name__, str(exc))
 
 
-def _raise_first_failure(outcomes: list[Outcome], step: str) -> None:
-    for rank, o in enumerate(outcomes):
-        if not o.ok:
-            cls = getattr(errors, o.error_type, None)
-            if not (isinstance(cls, type) and issubclass(cls, NumaEngramError)):
-                cls = StorageError
-            raise cls(f"sharing group failed at step '{step}' on member {rank}: {o.message}")
+def _error_class(type_name: str) -> type[NumaEngramError] | None:
+    cls = getattr(errors, type_name, None)
+    return cls if isinstance(cls, type) and issubclass(cls, NumaEngramError) else None
+
+
+def _raise_failures(outcomes: list[Outcome], ranks: tuple[int, ...], step: str) -> None:
+    """The same exception in every member: our own classes as themselves,
+    anything else as MemberFailure; the message names every failing member."""
+    failures = [(member, ranks[member] if member < len(ranks) else member, step,
+                 o.error_type, o.message) for member, o in enumerate(outcomes) if not o.ok]
+    if not failures:
+        return
+    cls = _error_class(failures[0][3]) or errors.MemberFailure
+    if len(failures) == 1:
+        member, rank, _, type_name, message = failures[0]
+        text = (f"sharing group failed at step '{step}' on member {member} (rank {rank}): "
+                f"{message}")
+    else:
+        text = f"sharing group failed at step '{step}' on {len(failures)} members: " + "; ".join(
+            f"member {m} (rank {r}) {t}: {msg}" for m, r, _, t, msg in failures)
+    exc = cls.from_message(text)
+    exc.failures = failures
+    raise exc
+
+
+def _lead(grp: Group, step: str, fn: Callable[[], Any]) -> Any:
+    """A step only the leader works in: its outcome (and value) broadcast;
+    every member raises alike when it failed."""
+    _step(f"before-{step}")
+    outcome = None
+    if grp.rank == 0:
+        value, outcome = _attempt(fn)
+        outcome = Outcome(True, value=value) if outcome.ok else outcome
+    outcome = grp.broadcast(outcome, step)
+    _step(f"after-{step}")
+    _raise_failures([outcome], grp.ranks[:1], step)
+    return outcome.value
+
+
+def _all(grp: Group, step: str, fn: Callable[[], Any]) -> tuple[Any, list[Outcome]]:
+    """A step every member works in: outcomes all-gathered, every member
+    raises alike when any failed (then what this member made is cleaned up
+    by ``on_fail`` in the caller)."""
+    _step(f"before-{step}")
+    value, outcome = _attempt(fn)
+    outcomes = grp.all_gather(Outcome(True, value=value) if outcome.ok else outcome, step)
+    _step(f"after-{step}")
+    return value, outcomes
 
 
 def _as_group(group: Any, timeout_s: float) -> Group:
     if group is None:
         return SingleProcessGroup()
     if isinstance(group, (SingleProcessGroup, TorchGroup)):
+        return group
+    if isinstance(group, Group):  # a serving stack's own group object
         return group
     return TorchGroup(group, timeout_s)  # a torch.distributed ProcessGroup
 
@@ -121,6 +194,9 @@ class SharedEngramTable:
             spec.bucket_sizes(layer_id)[shard.head_start:shard.head_end], dtype=np.int64)
         self._device_shard = None
         self._closed = False
+        # lookups in flight: close() waits for them (they finish normally)
+        self._active = 0
+        self._idle = threading.Condition()
 
     # ------------------------------------------------------------ create --
     @classmethod
@@ -135,21 +211,38 @@ class SharedEngramTable:
 
         mode: ``dp_shared`` (one copy for the group; fails loudly when it
         cannot share), ``independent`` (each member its own copy) or ``auto``
-        (shares when the group has > 1 member and the tmpfs has room, else
-        falls back to independent with a warning)."""
+        (shares when the group has > 1 member, its members can map one file
+        and the tmpfs has room, else falls back to independent copies, when
+        those fit in memory, with a warning).  Every member must pass the
+        same layer, shard and mode.  Every collective is bounded by
+        ``timeout_s``; a load waits as long as the loader makes progress.
+        Every member ends the same way: all return a table, or all raise the
+        same class (our own, or MemberFailure) naming every failing member."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         _check_shard(spec, layer_id, shard)
         grp = _as_group(group, timeout_s)
+        bounded = grp.bounded(timeout_s) if hasattr(grp, "bounded") else nullcontext()
+        with bounded:
+            return cls._create(spec, layer_id, shard, grp, placement=placement,
+                               directory=directory, checkpoint=checkpoint,
+                               register_device=register_device, timeout_s=timeout_s, mode=mode,
+                               topology=topology, names=names, progress=progress,
+                               lookup_threads=lookup_threads)
+
+    @classmethod
+    def _create(cls, spec, layer_id, shard, grp: Group, *, placement, directory, checkpoint,
+                register_device, timeout_s, mode, topology, names, progress,
+                lookup_threads) -> SharedEngramTable:
         topo = topology or Topology.detect()
         layout = table_layout(spec, shard)
-        me = MemberInfo(grp.ranks[grp.rank], os.getpid(), os.geteuid(),
-                        _member_node(topo, register_device), register_device, spec.fingerprint)
-        members = grp.all_gather(me, "join")                                      # everyone here
-        decision = grp.broadcast(
-            _decide(mode, members, layout, directory) if grp.rank == 0 else None, "decide")
-        _raise_first_failure([decision], "decide")
-        actual, reason = decision.value
+        key = shard_key(layer_id, shard)
+        me, joined = _attempt(lambda: _member_info(grp, topo, register_device, spec, key, mode,
+                                                   directory))
+        _, outcomes = _all(grp, "join", lambda: _raise_unless(joined) or me)     # everyone here
+        _raise_failures(outcomes, grp.ranks, "join")
+        members = [o.value for o in outcomes]
+        actual, reason = _lead(grp, "decide", lambda: _decide(mode, members, layout, directory))
         if actual == "independent":
             if reason and grp.size > 1:
                 log.warning("Engram layer %d: sharing falls back to independent copies: %s",
@@ -158,7 +251,7 @@ class SharedEngramTable:
             grp, members, directory = SingleProcessGroup(), [me], None
         args = dict(placement=placement, directory=directory, checkpoint=checkpoint,
                     register_device=register_device, topology=topo, names=names,
-                    progress=progress)
+                    progress=progress, timeout_s=timeout_s, key=key)
         table = cls._share(spec, layer_id, shard, grp, members, layout, **args)
         table.mode, table.requested_mode, table.fallback_reason = actual, mode, reason
         table.lookup_threads = lookup_threads
@@ -168,62 +261,70 @@ class SharedEngramTable:
 
     @classmethod
     def _share(cls, spec, layer_id, shard, grp: Group, members, layout, *, placement, directory,
-               checkpoint, register_device, topology, names, progress) -> SharedEngramTable:
+               checkpoint, register_device, topology, names, progress, timeout_s,
+               key) -> SharedEngramTable:
         """DESIGN.md section 3, steps 1-10, for a group that shares one file."""
         leader = grp.rank == 0
-        plan = _plan(placement, layout, members, topology)
-        backing = report = registration = None
+        state: dict[str, Any] = {"backing": None, "registration": None, "report": None}
         try:
-            # steps 1-7 (leader): check, create, size, map, no THP, bind, populate, verify
+            # steps 1-7 (leader): plan, check, create, size, map, no THP, bind, populate, verify
+            path, plan = _lead(grp, "create", lambda: _leader_create(
+                state, layout, spec.fingerprint, directory, placement, members, topology,
+                checkpoint, key))
+            # step 8: every member maps the file (by the leader's path) and registers it
+            _, outcomes = _all(grp, "map", lambda: _member_map(
+                state, leader, path, spec, layout, key, register_device))
+            _raise_failures(outcomes, grp.ranks, "map")
+            # step 9: all mapped, so the path can go; step 10: the leader loads
+            _step("before-unlink")
             if leader:
-                created, made = _attempt(lambda: _leader_create(
-                    layout, spec.fingerprint, directory, plan, topology))
-                backing, report = created if made.ok else (None, None)
-                _step("after-create")
-            made = grp.broadcast(made if leader else None, "create")
-            _raise_first_failure([made], "create")
-            path = grp.broadcast(backing.path if leader else None, "path")         # step 8
-            if not leader:
-                backing, mapped = _attempt(lambda: _peer_attach(path, spec, layout))
+                state["backing"].unlink()
+            _step("after-unlink")
+            _step("before-load")
+            if leader:
+                _, loaded = _attempt(lambda: _leader_load(
+                    state["backing"], spec, layer_id, shard, checkpoint, names, progress))
             else:
-                mapped = Outcome(True)
-            if mapped.ok and register_device is not None:
-                registration, mapped = _attempt(lambda: _register(backing, register_device))
-            _raise_first_failure(grp.all_gather(mapped, "mapped"), "map")          # step 9
-            if leader:
-                backing.unlink()
-                _step("after-unlink")
-                _, loaded = _attempt(lambda: _leader_load(backing, spec, layer_id, shard,   # 10
-                                                          checkpoint, names, progress))
-            loaded = grp.broadcast(loaded if leader else None, "ready")
-            _raise_first_failure([loaded], "load")
-            if not leader and backing.state != STATE_READY:
-                raise StorageError(f"table {path} is not READY after the leader's barrier")
+                _, loaded = _attempt(lambda: _wait_for_load(state["backing"], timeout_s))
+            _step("after-load")
+            # the last step is acknowledged by everyone: all end the same way
+            bounded = grp.bounded(min(timeout_s, ACK_TIMEOUT_S)) \
+                if hasattr(grp, "bounded") else nullcontext()
+            with bounded:
+                _, outcomes = _all(grp, "ready", lambda: _raise_unless(loaded))
+            _raise_failures(outcomes, grp.ranks, "ready")
         except BaseException:
-            _cleanup(backing, registration)
+            _cleanup(state["backing"], state["registration"])
             raise
+        backing = state["backing"]
+        if leader and checkpoint is not None:
+            backing.seal()  # loaded: read-only from now on, as the peers' mappings
         return cls(spec, layer_id, shard, backing, mode="dp_shared" if grp.size > 1 else
                    "independent", requested_mode="", members=list(members), leader=leader,
-                   plan=plan, report=report, registration=registration)
+                   plan=plan, report=state["report"], registration=state["registration"])
 
     @classmethod
     def attach(cls, spec: EngramSpec, layer_id: int, shard: ShardInfo, *,
                path: str | None = None, fd: int | None = None) -> SharedEngramTable:
         """Map a READY table handed over outside a group (its path before the
         unlink, or an fd passed over a Unix socket), read-only, after the
-        same checks a peer makes."""
+        same checks a peer makes (spec, size, layer and shard)."""
         _check_shard(spec, layer_id, shard)
         layout = table_layout(spec, shard)
         backing = BackingFile.attach(path, fd=fd, fingerprint=spec.fingerprint,
-                                     file_size=layout.file_size)
-        if backing.state != STATE_READY:
-            backing.close()
-            raise StorageError(f"table {backing.path} is not READY (its creator has not "
-                               "finished loading it); attach after create() returned")
-        me = MemberInfo(0, os.getpid(), os.geteuid(), current_node(Topology.detect()), None,
-                        spec.fingerprint)
-        return cls(spec, layer_id, shard, backing, mode="attached", requested_mode="attach",
-                   members=[me], leader=False, plan=None, report=None)
+                                     file_size=layout.file_size, key=shard_key(layer_id, shard))
+        try:
+            if backing.state != STATE_READY:
+                raise StorageError(f"table {backing.path} is not READY (its creator has not "
+                                   "finished loading it); attach after create() returned")
+            me = MemberInfo(0, os.getpid(), os.geteuid(), current_node(Topology.detect()), None,
+                            spec.fingerprint, shard_key(layer_id, shard), "attach")
+            return cls(spec, layer_id, shard, backing, mode="attached",
+                       requested_mode="attach", members=[me], leader=False, plan=None,
+                       report=None)
+        except BaseException:
+            backing.close()  # a failed attach keeps no descriptor
+            raise
 
     # ------------------------------------------------------------ lookup --
     def lookup(self, hash_ids, out=None, *, dedup: bool = False):
@@ -231,14 +332,16 @@ class SharedEngramTable:
         [T, n_hash_cols]``; DEAD_ID (-1) gives zero rows."""
         from .fp8 import bf16_out
 
-        self._check_open()
-        ids = native.check_hash_ids(hash_ids, self.spec.n_hash_cols)
-        result, bits = bf16_out(out, (ids.shape[0], self.shard.num_heads, self.spec.head_dim))
-        native.gather_dequant(self.weights, self.scales, ids, head_start=self.shard.head_start,
-                              bucket_sizes=self._bucket_sizes, out=bits, dedup=dedup,
-                              threads=self.lookup_threads, cpus=self.lookup_cpus,
-                              block=self.spec.block)
-        return result
+        with self._in_use():
+            ids = native.check_hash_ids(hash_ids, self.spec.n_hash_cols)
+            shape = (ids.shape[0], self.shard.num_heads, self.spec.head_dim)
+            result, bits = bf16_out(out, shape)
+            native.gather_dequant(self.weights, self.scales, ids,
+                                  head_start=self.shard.head_start,
+                                  bucket_sizes=self._bucket_sizes, out=bits, dedup=dedup,
+                                  threads=self.lookup_threads, cpus=self.lookup_cpus,
+                                  block=self.spec.block)
+            return result
 
     def device_view(self):
         """Zero-copy CUDA views of this shard (needs register_device=)."""
@@ -257,7 +360,8 @@ class SharedEngramTable:
     def lookup_cuda(self, hash_ids, out=None, *, validate: bool = True):
         """The lookup on the GPU that registered the table: a zero-copy gather
         over PCIe plus dequantisation on the device."""
-        return self.device_view().lookup(hash_ids, out=out, validate=validate)
+        with self._in_use():
+            return self.device_view().lookup(hash_ids, out=out, validate=validate)
 
     # ----------------------------------------------------------- reports --
     def placement_report(self, refresh: bool = True) -> PlacementReport | None:
@@ -291,17 +395,33 @@ class SharedEngramTable:
 
     # ------------------------------------------------------------- close --
     def close(self) -> None:
-        """Unregister, unmap (idempotent).  Views handed out stay valid until
-        they are dropped."""
-        if self._closed:
-            return
-        self._closed = True
+        """Unregister, unmap (idempotent).  Waits for lookups already
+        running (they finish normally); a lookup after close() raises
+        StorageError.  Views handed out stay valid until they are dropped."""
+        with self._idle:
+            if self._closed:
+                return
+            self._closed = True
+            self._idle.wait_for(lambda: self._active == 0)
         self.weights = self.scales = self._device_shard = None
         _cleanup(self._backing, self.registration)
 
     def _check_open(self) -> None:
         if self._closed:
             raise StorageError("the table is closed")
+
+    @contextmanager
+    def _in_use(self):
+        """A lookup: refused once closed; close() waits until it is done."""
+        with self._idle:
+            self._check_open()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._active -= 1
+                self._idle.notify_all()
 
     def __enter__(self) -> SharedEngramTable:
         return self
@@ -350,37 +470,97 @@ def _cuda_bus_id(device: int) -> str:
         return ""
 
 
+def shard_key(layer_id: int, shard: ShardInfo) -> ShardKey:
+    return ShardKey(layer_id, shard.head_start, shard.head_end, shard.row_start, shard.row_end)
+
+
+def _member_info(grp: Group, topo: Topology, device: int | None, spec: EngramSpec,
+                 key: ShardKey, mode: str, directory: str) -> MemberInfo:
+    try:
+        st = os.stat(directory)
+        directory_id = (st.st_dev, st.st_ino)
+    except OSError:
+        directory_id = None
+    return MemberInfo(grp.ranks[grp.rank], os.getpid(), os.geteuid(), _member_node(topo, device),
+                      device, spec.fingerprint, key, mode, boot_id(), directory_id,
+                      socket.gethostname())
+
+
+def _check_agreement(members: list[MemberInfo]) -> None:
+    """Every member must ask for the same table: spec, layer and shard, mode."""
+    first = members[0]
+    odd = [m.rank for m in members if m.fingerprint != first.fingerprint]
+    if odd:
+        raise SpecMismatchError(f"members {odd} have another Engram spec than the leader; every "
+                                "member must build the same EngramSpec")
+    for m in members[1:]:
+        if m.key != first.key:
+            raise SpecMismatchError(f"rank {m.rank} asked for {m.key}, the leader (rank "
+                                    f"{first.rank}) for {first.key}; every member of a sharing "
+                                    "group must pass the same layer and shard (same TP rank)")
+        if m.mode != first.mode:
+            raise TopologyError(f"rank {m.rank} asked for mode {m.mode!r}, the leader (rank "
+                                f"{first.rank}) for {first.mode!r}; every member must pass the "
+                                "same mode")
+
+
+def _identity_difference(members: list[MemberInfo]) -> str:
+    """Why these members cannot map one file ('' if they can): the same
+    boot (host), user and table directory (device and inode) are needed."""
+    first = members[0]
+    for m in members[1:]:
+        if m.boot_id != first.boot_id:
+            return (f"rank {m.rank} runs on another host (boot id differs; host "
+                    f"{m.hostname!r} vs {first.hostname!r})")
+        if m.uid != first.uid:
+            return f"rank {m.rank} runs as uid {m.uid}, the leader as uid {first.uid}"
+        if m.directory_id != first.directory_id:
+            return (f"rank {m.rank} has another table directory "
+                    f"({_dev(m.directory_id)} vs {_dev(first.directory_id)})")
+    return ""
+
+
+def _dev(directory_id: tuple[int, int] | None) -> str:
+    if directory_id is None:
+        return "missing"
+    dev, ino = directory_id
+    return f"dev {os.major(dev)}:{os.minor(dev)} inode {ino}"
+
+
 def _decide(mode: str, members: list[MemberInfo], layout: Layout,
-            directory: str) -> Outcome:
+            directory: str) -> tuple[str, str]:
     """Leader: which mode really runs, and why (or why not)."""
-    fingerprints = {m.fingerprint for m in members}
-    if len(fingerprints) > 1:
-        odd = [m.rank for m in members if m.fingerprint != members[0].fingerprint]
-        return Outcome(False, "SpecMismatchError",
-                       f"members {odd} have another Engram spec than the leader; every member "
-                       "must build the same EngramSpec")
+    _check_agreement(members)
     if mode == "independent":
-        return Outcome(True, value=("independent", ""))
-    reason, error_type = "", "StorageError"
+        return "independent", ""
+    reason, error = "", StorageError
     if len(members) < 2:
         reason = "the sharing group has one member"
     else:
-        try:
-            check_shmem_thp()
-            check_space(directory, layout.file_size)
-        except StorageError as exc:
-            reason, error_type = str(exc), type(exc).__name__
+        reason = _identity_difference(members)
+        if not reason:
+            try:
+                check_shmem_thp()
+                check_space(directory, layout.file_size)
+            except StorageError as exc:
+                reason, error = str(exc), type(exc)
     if not reason:
-        return Outcome(True, value=("dp_shared", ""))
+        return "dp_shared", ""
     if mode == "dp_shared":
-        return Outcome(False, error_type, f"dp_shared requested but {reason}")
-    return Outcome(True, value=("independent", reason))
+        raise error(f"dp_shared requested but {reason}")
+    here = sum(m.boot_id == members[0].boot_id for m in members)
+    check_memory(here * layout.file_size, what=f"{here} independent copies (the fallback)")
+    return "independent", reason
 
 
 def _plan(placement, layout: Layout, members: list[MemberInfo],
           topology: Topology) -> PlacementPlan | None:
     if isinstance(placement, PlacementPlan):
         return placement
+    if placement is not None and not isinstance(placement, str):
+        raise PlacementError(f"placement must be a policy string (e.g. 'gpu-local', 'node:0', "
+                             f"'interleave') or a PlacementPlan, got {type(placement).__name__} "
+                             f"{placement!r}")
     policy = placement or "gpu-local"
     readers = tuple(m.node for m in members)
     regions = [Region(r.name, r.offset, r.length, readers) for r in layout.regions]
@@ -399,19 +579,30 @@ def _reader_cpus(plan: PlacementPlan | None, topology: Topology) -> tuple[int, .
     return tuple(c for c in topology.node(weights.nodes[0]).cpus if c in allowed)
 
 
-def _leader_create(layout, fingerprint, directory, plan, topology):
+def _leader_create(state: dict, layout, fingerprint, directory, placement, members, topology,
+                   checkpoint, key) -> tuple[str, PlacementPlan | None]:
+    if checkpoint is not None:
+        checkpoint_paths(checkpoint)  # not a regular file: refused before anything exists
+    plan = _plan(placement, layout, members, topology)
     backing = BackingFile.create(layout, fingerprint, directory=directory, placement=plan,
-                                 topology=topology)
-    try:
-        report = verify(backing.mapping, plan) if plan is not None else None
-    except BaseException:
-        backing.close()
-        raise
-    return backing, report
+                                 topology=topology, key=key)
+    state["backing"] = backing
+    state["report"] = verify(backing.mapping, plan) if plan is not None else None
+    return backing.path, plan
 
 
-def _peer_attach(path: str, spec: EngramSpec, layout: Layout) -> BackingFile:
-    backing = BackingFile.attach(path, fingerprint=spec.fingerprint, file_size=layout.file_size)
+def _member_map(state: dict, leader: bool, path: str, spec: EngramSpec, layout: Layout,
+                key: ShardKey, device: int | None) -> None:
+    if not leader:
+        # by basename in our own directory: a container may mount the tmpfs elsewhere
+        state["backing"] = _peer_attach(path, spec, layout, key)
+    if device is not None:
+        state["registration"] = _register(state["backing"], device)
+
+
+def _peer_attach(path: str, spec: EngramSpec, layout: Layout, key: ShardKey) -> BackingFile:
+    backing = BackingFile.attach(path, fingerprint=spec.fingerprint, file_size=layout.file_size,
+                                 key=key)
     # map the pages now (cheap, no copy) so reads do not fault one by one
     native.madvise(backing.mapping, native.MADV_POPULATE_READ)
     return backing
@@ -426,12 +617,52 @@ def _register(backing: BackingFile, device: int):
 
 
 def _leader_load(backing: BackingFile, spec, layer_id, shard, checkpoint, names, progress):
-    if checkpoint is not None:
-        w = backing.region("weights").reshape(shard.num_rows, spec.head_dim)
-        s = backing.region("scales").reshape(shard.num_rows, spec.scales_per_row)
-        load_rows(checkpoint, spec, layer_id, shard.row_start, shard.row_end, w, s, names=names,
-                  progress=progress or _log_progress(layer_id))
+    """Load the rows (bumping the leader's progress slot as it goes, so the
+    peers wait as long as it advances), then READY; FAILED on any error."""
+    beats = [0]
+    user = progress or _log_progress(layer_id)
+
+    def report(done: int, total: int) -> None:
+        beats[0] += 1
+        backing.write_progress(0, beats[0])
+        _step("load-progress")
+        user(done, total)
+    try:
+        if checkpoint is not None:
+            w = backing.region("weights").reshape(shard.num_rows, spec.head_dim)
+            s = backing.region("scales").reshape(shard.num_rows, spec.scales_per_row)
+            load_rows(checkpoint, spec, layer_id, shard.row_start, shard.row_end, w, s,
+                      names=names, progress=report)
+    except BaseException:
+        backing.set_state(STATE_FAILED)
+        raise
     backing.mark_ready()
+
+
+def _wait_for_load(backing: BackingFile, timeout_s: float) -> None:
+    """Peer: wait until the leader marks the table READY, as long as its
+    progress slot keeps advancing; no progress for timeout_s is an error."""
+    last, deadline = None, time.monotonic() + timeout_s
+    while True:
+        state = backing.state
+        if state == STATE_READY:
+            return
+        if state == STATE_FAILED:
+            raise StorageError("the leader failed to load the table (its error follows from "
+                               "the leader)")
+        progress = backing.read_progress()
+        if progress != last:
+            last, deadline = progress, time.monotonic() + timeout_s
+        elif time.monotonic() > deadline:
+            raise GroupTimeout(f"step 'load': the leader made no progress loading the table "
+                               f"for {timeout_s:.0f} s (stopped, hung or dead)")
+        time.sleep(LOAD_POLL_S)
+
+
+def _raise_unless(outcome: Outcome) -> None:
+    if not outcome.ok:
+        raise (_error_class(outcome.error_type) or errors.MemberFailure).from_message(
+            outcome.message)
 
 
 def _log_progress(layer_id: int) -> Progress:
