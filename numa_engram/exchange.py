@@ -86,7 +86,16 @@ class DPShardedLookup:
         import torch
 
         ids = native.check_hash_ids(hash_ids, self.table.spec.n_hash_cols)
-        counts = self._gather_counts(ids.shape[0])
+        # every member checks its ids against all of its TP rank's heads
+        # before any exchange, so a bad id fails all members alike, at once,
+        # and the group stays in step for the next lookup
+        problem = self._check_ids(ids)
+        counts, oks = self._gather_counts(ids.shape[0], problem is None)
+        if not all(oks):
+            bad = [e for e, ok in enumerate(oks) if not ok]
+            mine = f": {problem}" if problem else ""
+            raise LookupIdError(f"EDP member(s) {bad} of TP rank {self.heads.tp_rank} passed hash "
+                                f"ids outside their heads' buckets; no rows were exchanged{mine}")
         slot = max(counts)
         if self.max_tokens is not None and slot > self.max_tokens:
             raise LookupIdError(f"EDP members have {counts} tokens; the slot limit is "
@@ -113,13 +122,22 @@ class DPShardedLookup:
     def _tp_heads(self) -> int:
         return self.heads.head_end - self.heads.head_start
 
-    def _gather_counts(self, count: int) -> list[int]:
+    def _check_ids(self, ids: np.ndarray) -> str | None:
+        sizes = np.asarray(self.table.spec.bucket_sizes(self.table.layer_id)[
+            self.heads.head_start:self.heads.head_end], dtype=np.int64)
+        try:
+            native.check_ids_in_range(ids, self.heads.head_start, sizes)
+        except LookupIdError as exc:
+            return str(exc)
+        return None
+
+    def _gather_counts(self, count: int, ok: bool) -> tuple[list[int], list[bool]]:
         import torch
 
-        mine = torch.tensor([count], dtype=torch.int64)
-        out = [torch.empty(1, dtype=torch.int64) for _ in range(self.heads.edp)]
+        mine = torch.tensor([count, int(ok)], dtype=torch.int64)
+        out = [torch.empty(2, dtype=torch.int64) for _ in range(self.heads.edp)]
         self._dist.all_gather(out, mine, group=self.pg)
-        return [int(t) for t in out]
+        return [int(t[0]) for t in out], [bool(t[1]) for t in out]
 
     def _gather_ids(self, padded: np.ndarray) -> np.ndarray:
         import torch

@@ -11,6 +11,8 @@ paths disagree on NaN bits, the reference must not).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 BF16_NAN_BITS = 0x7FC0
@@ -47,7 +49,14 @@ def bf16_out(out, shape: tuple[int, ...]):
     one) and a uint16 numpy view of its bits for the native kernel."""
     torch = _torch()
     if out is None:
-        out = torch.empty(shape, dtype=torch.bfloat16)
+        try:
+            out = torch.empty(shape, dtype=torch.bfloat16)
+        except (RuntimeError, MemoryError) as exc:
+            from .errors import CapacityError
+
+            raise CapacityError(f"the output of {list(shape)} BF16 values ({2 * math.prod(shape)}"
+                                f" bytes) cannot be allocated ({str(exc).splitlines()[0][:120]});"
+                                " look up fewer tokens per call") from exc
     elif out.dtype != torch.bfloat16 or tuple(out.shape) != tuple(shape) \
             or not out.is_contiguous() or out.device.type != "cpu":
         raise ValueError(f"out must be a contiguous CPU bfloat16 tensor of shape {list(shape)}, "

@@ -257,7 +257,7 @@ def _ptr(array: np.ndarray, ctype: str):
     return ffi.cast(ctype, ffi.from_buffer(array))
 
 
-def _check_ids_in_range(ids: np.ndarray, head_start: int, sizes: np.ndarray) -> None:
+def check_ids_in_range(ids: np.ndarray, head_start: int, sizes: np.ndarray) -> None:
     if ids.shape[0] == 0:
         return
     bad = lib.ne_first_bad_id(_ptr(ids, "int64_t *") + head_start, ids.shape[0], ids.shape[1],
@@ -298,7 +298,7 @@ def gather_dequant(weights: np.ndarray, scales: np.ndarray, hash_ids: np.ndarray
     if ids.shape[0] == 0:
         return
     if dedup:  # read each distinct row once, then copy it where it repeats
-        _check_ids_in_range(ids, head_start, sizes)  # np.unique reads a copy, checked here
+        check_ids_in_range(ids, head_start, sizes)  # np.unique reads a copy, checked here
         cols = ids[:, head_start:head_start + len(sizes)]
         unique, inverse = np.unique(np.where(cols >= 0, cols + offsets, -1),
                                     return_inverse=True)

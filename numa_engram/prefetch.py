@@ -12,6 +12,12 @@ rows) and reused every step, so a CUDA graph can be captured around them.
 
 Backends: ``cpu`` (a worker thread and threading events; the fully tested
 contract) and ``cuda`` (a side stream and CUDA events).
+
+Threads: ``submit``, ``wait``, ``reset`` and ``close`` may be called from any
+thread; every state change happens under one lock.  A layer has at most one
+lookup in flight (a second ``submit`` of it, from any thread, raises), and
+``close()`` wakes every thread blocked in ``submit`` or ``wait`` with
+PrefetchError.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class _Job:
     finished: float = 0.0
     error: BaseException | None = None
     cancelled: bool = False
+    slot: bool = False  # holds one of the scheduler's `depth` slots
     event: Any = None  # CUDA event
 
 
@@ -86,9 +93,8 @@ class PrefetchScheduler:
                         for layer in self._lookups}
         self.metrics = {layer: LayerMetrics() for layer in self._lookups}
         self._inflight: dict[Any, _Job] = {}
-        self._order: list[_Job] = []
-        self._slots = threading.Semaphore(depth)
-        self._lock = threading.Lock()
+        self._outstanding = 0  # jobs holding one of the `depth` slots
+        self._lock = threading.Condition()
         self._closed = False
         if backend == "cpu":
             self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -109,24 +115,32 @@ class PrefetchScheduler:
         if n > self.max_tokens:
             raise PrefetchError(f"{n} tokens for layer {layer!r} exceed max_tokens "
                                 f"{self.max_tokens} of the static staging buffer")
-        with self._lock:
+        job = _Job(layer, hash_ids, self.staging[layer][:n], time.perf_counter())
+        with self._lock:  # check and claim the layer in one step
+            self._check_open()
             if layer in self._inflight:
                 raise PrefetchError(f"layer {layer!r} already has a lookup in flight; wait() "
                                     "for it or reset() first")
-        self._slots.acquire()  # backpressure: at most `depth` lookups outstanding
-        job = _Job(layer, hash_ids, self.staging[layer][:n], time.perf_counter())
-        with self._lock:
             self._inflight[layer] = job
-            self._order.append(job)
-        if self.backend == "cpu":
-            self._queue.put(job)
-        else:
+            # backpressure: at most `depth` lookups outstanding
+            self._lock.wait_for(lambda: self._outstanding < self.depth or self._closed
+                                or job.cancelled)
+            if self._closed or job.cancelled:
+                del self._inflight[layer]
+                raise PrefetchError(f"the scheduler was closed or reset while layer {layer!r} "
+                                    "waited for a slot")
+            self._outstanding += 1
+            job.slot = True
+            if self.backend == "cpu":  # under the lock: close() queues its stop after it
+                self._queue.put(job)
+        if self.backend == "cuda":
             self._launch_cuda(job)
 
     def wait(self, layer: Any):
         """The layer's staged rows ``[T, heads, head_dim]`` once its lookup is
         done (CPU) or ordered before the consumer's next work (CUDA)."""
         with self._lock:
+            self._check_open()
             job = self._inflight.get(layer)
         if job is None:
             raise PrefetchError(f"wait({layer!r}) without a submit({layer!r}) this step")
@@ -136,6 +150,9 @@ class PrefetchScheduler:
                 job.done.wait()
             else:
                 self._torch.cuda.current_stream(job.out.device).wait_event(job.event)
+            if job.cancelled:
+                raise PrefetchError(f"the lookup of layer {layer!r} was dropped: the scheduler "
+                                    "was closed or reset while it was awaited")
             ready = time.perf_counter()
             self._account(job, called, ready)
             if job.error is not None:
@@ -148,9 +165,10 @@ class PrefetchScheduler:
         """Drop every lookup not yet waited for (e.g. between steps after an
         abort); a running one finishes but its rows are discarded."""
         with self._lock:
-            pending = list(self._inflight.values())
-        for job in pending:
-            job.cancelled = True
+            for job in self._inflight.values():
+                job.cancelled = True
+            pending = [job for job in self._inflight.values() if job.slot]
+            self._lock.notify_all()  # submitters waiting for a slot give up
         for job in pending:
             if self.backend == "cpu":
                 job.done.wait()
@@ -159,13 +177,18 @@ class PrefetchScheduler:
             self._retire(job)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self.reset()
-        self._closed = True
+        """Drop what is queued, let a running lookup finish, wake every
+        waiter (PrefetchError) and stop the worker.  Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for job in self._inflight.values():
+                job.cancelled = True
+            self._lock.notify_all()  # submitters waiting for a slot
         if self.backend == "cpu":
             self._queue.put(None)
-            self._worker.join()
+            self._worker.join()  # skipped jobs and the running one set `done`
 
     def metrics_report(self) -> dict:
         return {str(layer): m.as_dict() for layer, m in self.metrics.items()}
@@ -185,8 +208,10 @@ class PrefetchScheduler:
         with self._lock:
             if self._inflight.get(job.layer) is job:
                 del self._inflight[job.layer]
-                self._order.remove(job)
-                self._slots.release()
+            if job.slot:
+                job.slot = False
+                self._outstanding -= 1
+                self._lock.notify_all()
 
     def _account(self, job: _Job, called: float, ready: float) -> None:
         m = self.metrics[job.layer]

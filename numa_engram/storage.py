@@ -427,15 +427,15 @@ def _check_file(fd: int, where: str, fingerprint: bytes | None,
     if st.st_size != header.layout.file_size:
         raise StorageError(f"{where} is {st.st_size} bytes but its header says "
                            f"{header.layout.file_size}: truncated or not finished")
+    if key is not None and header.key != key:
+        raise SpecMismatchError(f"{where} holds {header.key}, but {key} was asked for; pass "
+                                "the layer and shard the table was created with")
     if file_size is not None and header.layout.file_size != file_size:
         raise StorageError(f"{where} is {header.layout.file_size} bytes, expected {file_size}")
     if fingerprint is not None and header.fingerprint != fingerprint:
         raise SpecMismatchError(f"{where} was built for spec {header.fingerprint.hex()[:16]}, "
                                 f"this process has spec {fingerprint.hex()[:16]}; both sides "
                                 "must use the same EngramSpec")
-    if key is not None and header.key != key:
-        raise SpecMismatchError(f"{where} holds {header.key}, but {key} was asked for; pass "
-                                "the layer and shard the table was created with")
     return header
 
 

@@ -40,6 +40,7 @@ def _worker(rank, world, port, scenario, kwargs, conn, pg_timeout_s):
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=pg_timeout_s))
+        t0 = time.monotonic()  # the scenario's time, not the world's start-up
         result.update(getattr(dist_scenarios, scenario)(rank, world, **kwargs) or {})
         result["ok"] = True
     except BaseException as exc:  # report, do not hang
@@ -53,7 +54,19 @@ def _worker(rank, world, port, scenario, kwargs, conn, pg_timeout_s):
     os._exit(0)  # skip gloo teardown, which can block when a peer is gone
 
 
-def run_world(world, scenario, timeout_s=180, pg_timeout_s=60, **kwargs):
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
+def run_world(world, scenario, timeout_s=180, pg_timeout_s=60, resume_stopped=False, **kwargs):
+    """Each rank's result dict (ok, error_type, message, seconds, exitcode).
+    ``resume_stopped``: once every rank that has not reported is stopped
+    (SIGSTOP), they get SIGCONT and their results are collected too
+    (marked ``resumed``)."""
     ctx = mp.get_context("spawn")
     port = free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
@@ -64,13 +77,23 @@ def run_world(world, scenario, timeout_s=180, pg_timeout_s=60, **kwargs):
     for _, child_end in pipes:
         child_end.close()  # so a rank that dies shows up as EOF, not as silence
     deadline = time.monotonic() + timeout_s
-    received = {}
-    for r, p in enumerate(procs):
-        if pipes[r][0].poll(max(0.1, deadline - time.monotonic())):
-            try:
-                received[r] = json.loads(pipes[r][0].recv())
-            except EOFError:
-                pass
+    received, resumed, gone = {}, set(), set()
+    while time.monotonic() < deadline:
+        for r in range(world):
+            if r not in received and r not in gone and pipes[r][0].poll():
+                try:
+                    received[r] = json.loads(pipes[r][0].recv())
+                except EOFError:  # died without a word
+                    gone.add(r)
+        pending = [r for r in range(world) if r not in received and r not in gone]
+        if not pending:
+            break
+        if resume_stopped and not resumed and all(_stopped(procs[r].pid) for r in pending):
+            for r in pending:
+                os.kill(procs[r].pid, signal.SIGCONT)
+            resumed = set(pending)
+        time.sleep(0.05)
+    for p in procs:
         p.join(max(0.1, deadline - time.monotonic()))
     results = []
     for r, p in enumerate(procs):
@@ -80,5 +103,6 @@ def run_world(world, scenario, timeout_s=180, pg_timeout_s=60, **kwargs):
         res = received.get(r, {"rank": r, "ok": False, "error_type": "NoResult",
                                 "message": "no result"})
         res["exitcode"] = p.exitcode
+        res["resumed"] = r in resumed
         results.append(res)
     return results

@@ -174,3 +174,129 @@ def dp_sharded(rank, world, *, tp, dp, counts, n_head_per_ngram, max_ngram, max_
     table.close()
     return {"exact": bool(exact), "shape": list(got.shape), "report": report, "owned": [
         m.num_heads for m in heads.members]}
+
+
+# ------------------------------------------------- reliability scenarios --
+
+def _hook(rank, victim, point, action):
+    """Step hook: at `point` of the protocol, `victim` kills or stops itself."""
+    import numa_engram.table as table_mod
+
+    if rank != victim:
+        return
+
+    def hook(step):
+        if step == point:
+            os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGSTOP)
+    table_mod._STEP_HOOK = hook
+
+
+def fault(rank, world, *, victim, point, action, bound_s, checkpoint):
+    """The fault matrix: one member killed or stopped at one protocol step."""
+    _hook(rank, victim, point, action)
+    spec = make_spec(1000)
+    t = _whole_table_on_world(spec, bound_s, checkpoint=checkpoint)
+    exact = bool(np.array_equal(t.weights, synthetic_layer(spec, LAYER)[0]))
+    t.close()
+    return {"exact": exact}
+
+
+def other_shard(rank, world):
+    """Rank 1 asks for another TP shard than the leader (same spec)."""
+    spec = make_spec(200)
+    shard = shard_heads(spec.bucket_sizes(LAYER), 2, 1 if rank == 1 else 0)
+    SharedEngramTable.create(spec, LAYER, shard, group=TorchGroup(None, 30), mode="dp_shared")
+    return {}
+
+
+def other_mode(rank, world):
+    _whole_table_on_world(make_spec(200), 30, mode="independent" if rank == 2 else "dp_shared")
+    return {}
+
+
+def peer_raises(rank, world, *, error):
+    """Members fail while mapping: a SyscallError on one, RuntimeErrors on two."""
+    import errno
+
+    import numa_engram.table as table_mod
+    from numa_engram.errors import SyscallError
+
+    def boom(*args, **kwargs):
+        if error == "syscall":
+            raise SyscallError("mmap", errno.ENOMEM, "length=1")
+        raise RuntimeError(f"not ours, rank {rank}")
+    if (error == "syscall" and rank == 1) or (error == "foreign" and rank in (1, 2)):
+        table_mod._peer_attach = boom
+    try:
+        _whole_table_on_world(make_spec(200), 30)
+    except Exception as exc:
+        return {"raised": type(exc).__name__, "text": str(exc),
+                "failures": [list(f) for f in getattr(exc, "failures", [])]}
+    return {"raised": None}
+
+
+def peer_stops_itself(rank, world, *, bound_s):
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    _whole_table_on_world(make_spec(200), bound_s)
+    return {}
+
+
+def slow_load(rank, world, *, bound_s, checkpoint, pause_s):
+    """A healthy load longer than timeout_s: the leader makes progress."""
+    import numa_engram.table as table_mod
+
+    if rank == 0:
+        table_mod._STEP_HOOK = lambda step: time.sleep(pause_s) if step == "load-progress" \
+            else None
+    t0 = time.monotonic()
+    t = _whole_table_on_world(make_spec(4000), bound_s, checkpoint=checkpoint)
+    took = time.monotonic() - t0
+    writable = bool(t.weights.flags.writeable)
+    t.close()
+    return {"took": took, "writable": writable}
+
+
+def load_from(rank, world, *, checkpoint):
+    _whole_table_on_world(make_spec(200), 30, checkpoint=checkpoint)
+    return {}
+
+
+def memory_fallback(rank, world, *, directory, room):
+    """auto on a too-small tmpfs: independent copies only if they fit."""
+    rows_per_head = int(room * 0.6) // (8 * 132)
+    t = _whole_table_on_world(make_spec(rows_per_head), 60, mode="auto", directory=directory)
+    t.close()
+    return {}
+
+
+def dp_sharded_bad_id(rank, world):
+    """One member passes a bad id: all raise at once; the next lookup works."""
+    from numa_engram.errors import LookupIdError
+    from numa_engram.exchange import DPShardedLookup, ShardedHeads
+
+    spec = EngramSpec.small(rows_per_head=96, n_head_per_ngram=4, head_dim=64)
+    heads = ShardedHeads.of(spec, LAYER, 1, world, 0)
+    table = SharedEngramTable.create(spec, LAYER, heads.members[rank], mode="independent")
+    w_all, s_all = synthetic_layer(spec, LAYER, raw=True)
+    mine = heads.members[rank]
+    np.copyto(table.weights, w_all[mine.row_start:mine.row_end])
+    np.copyto(table.scales, s_all[mine.row_start:mine.row_end])
+    sharded = DPShardedLookup(table, heads, rank, None)
+    ids = ngram_hashes(spec, np.random.default_rng(rank).integers(0, 1000, 50), LAYER)
+    bad = ids.copy()
+    if rank == 1:
+        bad[7, 3] = 10**9
+    t0 = time.monotonic()
+    try:
+        sharded.lookup(bad)
+        first = None
+    except LookupIdError as exc:
+        first = str(exc)
+    took = time.monotonic() - t0
+    got = sharded.lookup(ids)
+    want = reference_lookup(w_all, s_all, ids, head_start=0,
+                            bucket_sizes=spec.bucket_sizes(LAYER))
+    exact = bool(np.array_equal(got.view(torch.int16).numpy(), want.view(torch.int16).numpy()))
+    table.close()
+    return {"first": first, "took": took, "exact": exact}
