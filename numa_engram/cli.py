@@ -169,11 +169,12 @@ def cmd_mem(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     from .storage import gc_stale_files
 
-    entries = gc_stale_files(args.directory, dry_run=args.dry_run)
+    entries = gc_stale_files(args.directory, dry_run=args.dry_run, all_users=args.all_users)
+
     def verdict(e) -> str:
         if e.removed:
             return "removed"
-        return "would remove" if e.reason.startswith("stale") else "kept"
+        return "would remove" if e.reason.startswith("stale") else e.reason.split(":")[0]
 
     lines = [f"{verdict(e):<13}{e.path}  {e.size / 2**20:.1f} MiB  {e.reason}" for e in entries]
     emit(args, [vars(e) for e in entries], "\n".join(lines) or "no numa_engram files")
@@ -342,9 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--tokens", type=int, default=4096)
     sp.add_argument("--policy", default="gpu-local")
     sp.add_argument("--directory", default="/dev/shm")
-    sp = add("gc", cmd_gc, "remove table files whose creator died")
-    sp.add_argument("--directory", default="/dev/shm")
-    sp.add_argument("--dry-run", action="store_true")
+    sp = add("gc", cmd_gc, "remove table files no live process holds")
+    sp.add_argument("--directory", default="/dev/shm", help="where to look (default /dev/shm)")
+    sp.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    sp.add_argument("--all-users", action="store_true",
+                    help="root only: include other users' files (default: only your own)")
     return p
 
 

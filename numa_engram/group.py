@@ -10,6 +10,7 @@ node-local sharing (EDP) groups of a world, per the rule in sharding.py.
 from __future__ import annotations
 
 import logging
+import pickle
 from collections.abc import Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -65,10 +66,9 @@ class SingleProcessGroup:
 class TorchGroup:
     """A torch.distributed gloo group.  A collective that does not complete
     (a peer that never joins, a leader that died) raises GroupTimeout naming
-    the protocol step.  gloo bounds every collective by the process group's
-    own timeout (``init_process_group(timeout=)`` / ``new_group(timeout=)``;
-    ``sharing_groups`` creates its groups with ``timeout_s``); barriers also
-    use ``timeout_s`` directly."""
+    the protocol step.  Every collective is started asynchronously and
+    waited for at most ``timeout_s`` (gloo's own timeout does not fire when a
+    member is stopped); after a timeout the group is broken: make a new one."""
 
     def __init__(self, process_group=None, timeout_s: float = 300.0) -> None:
         import torch.distributed as dist
@@ -91,49 +91,57 @@ class TorchGroup:
 
     @contextmanager
     def bounded(self, timeout_s: float):
-        """Every collective of the group bounded by ``timeout_s`` while
-        inside (the process group's own timeout is restored after)."""
-        import torch
-        from torch.distributed import distributed_c10d as c10d
-
-        pg = self.pg or self._dist.group.WORLD
-        try:
-            before = pg._get_backend(torch.device("cpu")).options._timeout
-        except (AttributeError, RuntimeError):  # not a gloo group: its own bound stands
-            yield
-            return
-        saved = self.timeout_s
-        c10d._set_pg_timeout(timedelta(seconds=timeout_s), pg)
-        self.timeout_s = timeout_s
+        """Every collective of the group bounded by ``timeout_s`` while inside."""
+        saved, self.timeout_s = self.timeout_s, timeout_s
         try:
             yield
         finally:
-            c10d._set_pg_timeout(before, pg)
             self.timeout_s = saved
 
-    def _run(self, step: str, fn, *args, **kwargs):
+    def _run(self, step: str, start):
+        """Start an async collective and wait at most timeout_s for it: a
+        member that is stopped (SIGSTOP) or hung never answers, and gloo's
+        own timeout does not fire then; the wait's does."""
         try:
-            return fn(*args, **kwargs)
+            start().wait(timeout=timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:  # gloo: timeout, or a peer's socket closed
             raise GroupTimeout(
                 f"step '{step}': the sharing group {list(self.ranks)} did not complete within "
                 f"{self.timeout_s:.0f} s or a member died ({str(exc).splitlines()[0][:200]})"
             ) from exc
 
+    def _bytes(self, step: str, data: bytes | None, src: int | None) -> list[bytes]:
+        """All members' byte strings (src=None), or the src member's."""
+        import torch
+
+        dist, size = self._dist, torch.tensor([len(data or b"")], dtype=torch.int64)
+        if src is None:
+            sizes = [torch.empty(1, dtype=torch.int64) for _ in range(self.size)]
+            self._run(step, lambda: dist.all_gather(sizes, size, group=self.pg, async_op=True))
+        else:
+            self._run(step, lambda: dist.broadcast(size, src=src, group=self.pg, async_op=True))
+            sizes = [size]
+        longest = max(int(n) for n in sizes)
+        buf = torch.zeros(max(1, longest), dtype=torch.uint8)
+        if data:
+            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if src is None:
+            outs = [torch.empty_like(buf) for _ in range(self.size)]
+            self._run(step, lambda: dist.all_gather(outs, buf, group=self.pg, async_op=True))
+        else:
+            self._run(step, lambda: dist.broadcast(buf, src=src, group=self.pg, async_op=True))
+            outs = [buf]
+        return [o[:int(n)].numpy().tobytes() for o, n in zip(outs, sizes)]
+
     def broadcast(self, obj: Any, step: str) -> Any:
-        box = [obj if self.rank == 0 else None]
-        self._run(step, self._dist.broadcast_object_list, box, src=self.leader_global_rank,
-                  group=self.pg)
-        return box[0]
+        data = pickle.dumps(obj) if self.rank == 0 else None
+        return pickle.loads(self._bytes(step, data, self.leader_global_rank)[0])
 
     def all_gather(self, obj: Any, step: str) -> list[Any]:
-        out: list[Any] = [None] * self.size
-        self._run(step, self._dist.all_gather_object, out, obj, group=self.pg)
-        return out
+        return [pickle.loads(b) for b in self._bytes(step, pickle.dumps(obj), None)]
 
     def barrier(self, step: str) -> None:
-        self._run(step, self._dist.monitored_barrier, group=self.pg,
-                  timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
+        self.all_gather(None, step)
 
 
 def sharing_groups(layout: WorldLayout, timeout_s: float = 300.0,

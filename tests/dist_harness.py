@@ -88,13 +88,16 @@ def run_world(world, scenario, timeout_s=180, pg_timeout_s=60, resume_stopped=Fa
         pending = [r for r in range(world) if r not in received and r not in gone]
         if not pending:
             break
-        if resume_stopped and not resumed and all(_stopped(procs[r].pid) for r in pending):
+        if not resumed and all(_stopped(procs[r].pid) for r in pending):
+            if not resume_stopped:
+                break  # nothing more will come: killed below
             for r in pending:
                 os.kill(procs[r].pid, signal.SIGCONT)
             resumed = set(pending)
         time.sleep(0.05)
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
+    for r, p in enumerate(procs):
+        if r in received or r in gone:  # it has said its word: let it exit
+            p.join(max(0.1, deadline - time.monotonic()))
     results = []
     for r, p in enumerate(procs):
         if p.is_alive():  # only processes this harness started, by pid

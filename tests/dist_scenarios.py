@@ -80,7 +80,7 @@ def _whole_table_on_world(spec, timeout_s, mode="dp_shared", **kwargs):
     """One shard holding every head, shared by the whole world group."""
     shard = shard_heads(spec.bucket_sizes(LAYER), 1, 0)
     return SharedEngramTable.create(spec, LAYER, shard, group=TorchGroup(None, timeout_s),
-                                    mode=mode, **kwargs)
+                                    mode=mode, timeout_s=timeout_s, **kwargs)
 
 
 def peer_never_joins(rank, world):
