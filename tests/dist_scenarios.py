@@ -185,8 +185,11 @@ def _hook(rank, victim, point, action):
     if rank != victim:
         return
 
+    fired = []
+
     def hook(step):
-        if step == point:
+        if step == point and not fired:  # once: a resumed member goes on
+            fired.append(step)
             os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGSTOP)
     table_mod._STEP_HOOK = hook
 
