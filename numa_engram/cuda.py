@@ -13,13 +13,15 @@ from __future__ import annotations
 import ctypes.util
 import glob
 import importlib.util
+import logging
 import os
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
 from cffi import FFI
 
-from .errors import CudaError, CudaUnavailable, LookupIdError
+from .errors import CudaError, CudaUnavailable, LookupIdError, NumaEngramError
 
 CHUNK_BYTES = 64 << 30  # one call of >= 512 GiB fails on recent drivers
 HOST_REGISTER_DEFAULT, HOST_REGISTER_PORTABLE, HOST_REGISTER_MAPPED = 0, 1, 2
@@ -143,6 +145,43 @@ def register(address: int, length: int, device: int, read_only: bool = False,
     return Registration(address, length, device, tuple(done), time.perf_counter() - t0)
 
 
+class RegistrationLease:
+    """Keeps a registration, and the host memory under it, alive: the table
+    holds one reference and every device view another; when the last one is
+    gone the memory is unregistered (then unmapped), so ``close()`` with live
+    views defers the unregister and a table dropped without ``close()``
+    unregisters when its views die.  A captured CUDA graph holds raw
+    pointers into the table and no reference: it must not outlive the
+    table's views."""
+
+    def __init__(self, registration: Registration, keepalive: object = None) -> None:
+        self.registration = registration
+        self._finalizer = weakref.finalize(self, _unregister_quietly, registration, keepalive)
+
+    @property
+    def device(self) -> int:
+        return self.registration.device
+
+    @property
+    def seconds(self) -> float:
+        return self.registration.seconds
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive
+
+    def release(self) -> None:
+        """Unregister now (only when no device view can exist yet)."""
+        self._finalizer()
+
+
+def _unregister_quietly(reg: Registration, keepalive: object) -> None:
+    try:
+        unregister(reg)
+    except NumaEngramError as exc:  # at interpreter exit or from a finalizer: log, go on
+        logging.getLogger(__name__).warning("unregistering the table failed: %s", exc)
+
+
 def unregister(reg: Registration) -> None:
     lib = runtime()
     for a, size in reg.chunks:
@@ -163,8 +202,10 @@ class DeviceView:
     ``torch.as_tensor(view, device=f"cuda:{view.device}")``, with exactly
     that device, or torch copies the whole table."""
 
-    def __init__(self, address: int, shape: tuple[int, ...], device: int) -> None:
+    def __init__(self, address: int, shape: tuple[int, ...], device: int,
+                 lease: RegistrationLease | None = None) -> None:
         self.device = device
+        self.lease = lease  # the tensor torch makes holds this view, so the registration
         self.pointer = device_pointer(address)
         self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": "|u1",
                                          "data": (self.pointer, True), "version": 3,
@@ -178,9 +219,11 @@ class DeviceShard:
     device; the constructor checks that torch did not copy the table."""
 
     def __init__(self, weights: np.ndarray, scales: np.ndarray, device: int, head_start: int,
-                 bucket_sizes: np.ndarray, block: int = 32) -> None:
+                 bucket_sizes: np.ndarray, block: int = 32,
+                 lease: RegistrationLease | None = None) -> None:
         import torch
 
+        self.lease = lease
         self.device = torch.device(f"cuda:{device}")
         self.weights = self._view(weights, device)
         self.scales = self._view(scales, device)
@@ -193,7 +236,7 @@ class DeviceShard:
     def _view(self, array: np.ndarray, device: int):
         import torch
 
-        view = DeviceView(array.ctypes.data, array.shape, device)
+        view = DeviceView(array.ctypes.data, array.shape, device, self.lease)
         tensor = torch.as_tensor(view, device=self.device)
         if tensor.data_ptr() != view.pointer:
             raise RuntimeError("torch copied the host table instead of viewing it; the device "

@@ -62,12 +62,24 @@ class DPShardedLookup:
     """Lookup of a TP rank's heads in the DP-sharded mode.
 
     ``table`` holds this member's head slice (``heads.members[edp_rank]``);
-    ``process_group`` is the node-local EDP group (gloo or NCCL) in EDP-rank
-    order."""
+    ``process_group`` is the node-local EDP group in EDP-rank order: a torch
+    ProcessGroup (gloo or NCCL), or any Group whose ``process_group`` is set
+    (what ``sharing_groups`` returns, or an adapted serving-stack group)."""
 
     def __init__(self, table, heads: ShardedHeads, edp_rank: int, process_group=None, *,
                  max_tokens: int | None = None) -> None:
         import torch.distributed as dist
+
+        from .group import Group
+
+        if isinstance(process_group, Group):
+            if process_group.process_group is None and process_group.size > 1:
+                raise TopologyError("DP-sharded lookups need tensor all-gather and all-to-all: "
+                                    "pass a group whose process_group is a torch ProcessGroup")
+            if process_group.rank != edp_rank:
+                raise TopologyError(f"edp_rank {edp_rank} is not this member's rank "
+                                    f"{process_group.rank} in the group")
+            process_group = process_group.process_group
 
         if dist.get_world_size(process_group) != heads.edp:
             raise TopologyError(f"the EDP group has {dist.get_world_size(process_group)} members,"

@@ -10,13 +10,15 @@ node-local sharing (EDP) groups of a world, per the rule in sharding.py.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 from collections.abc import Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
-from .errors import GroupTimeout, NumaEngramError
+from .errors import GroupTimeout, NumaEngramError, TopologyError
 from .sharding import WorldLayout
 
 log = logging.getLogger(__name__)
@@ -144,22 +146,158 @@ class TorchGroup:
         self.all_gather(None, step)
 
 
-def sharing_groups(layout: WorldLayout, timeout_s: float = 300.0,
+def as_group(group: Any, timeout_s: float = 300.0) -> Group:
+    """Adapt what a serving stack has to a Group: our groups and any object
+    with the Group surface as they are; an object with vLLM's
+    GroupCoordinator surface (``rank_in_group``, ``world_size``,
+    ``cpu_group``) runs over its CPU process group, so our timeouts bound
+    it; a torch.distributed ProcessGroup (or None: the world) is wrapped."""
+    if isinstance(group, Group):  # ours, or any object with the Group surface
+        return group
+    if all(hasattr(group, a) for a in ("rank_in_group", "world_size", "cpu_group")):
+        wrapped = TorchGroup(group.cpu_group, timeout_s)
+        if (wrapped.rank, wrapped.size) != (group.rank_in_group, group.world_size):
+            raise TopologyError(f"the coordinator says rank {group.rank_in_group} of "
+                                f"{group.world_size}, its cpu_group rank {wrapped.rank} of "
+                                f"{wrapped.size}")
+        return wrapped
+    return TorchGroup(group, timeout_s)
+
+
+@dataclass(frozen=True)
+class RankIdentity:
+    """Where a rank really is: ranks can map one table file iff their boot
+    id (host), uid and table directory (st_dev, st_ino) are equal.  The
+    hostname and mount namespace are only logged."""
+
+    rank: int
+    tp_rank: int
+    boot_id: str
+    uid: int
+    directory: tuple[int, int] | None
+    socket: int | None
+    hostname: str
+    mount_ns: str
+
+    def key(self, per_socket: bool) -> tuple:
+        return (self.tp_rank, self.boot_id, self.uid, self.directory,
+                self.socket if per_socket else None)
+
+    def describe(self, per_socket: bool) -> str:
+        where = "no directory" if self.directory is None else \
+            f"dev {os.major(self.directory[0])}:{os.minor(self.directory[0])}"
+        text = f"tp_rank {self.tp_rank}, boot {self.boot_id[:8]}, uid {self.uid}, {where}"
+        return text + (f", socket {self.socket}" if per_socket else "")
+
+
+def local_identity(rank: int, tp_rank: int, directory: str,
+                   socket: int | None = None) -> RankIdentity:
+    from pathlib import Path
+
+    try:
+        st = os.stat(directory)
+        dir_id = (st.st_dev, st.st_ino)
+    except OSError:
+        dir_id = None
+    try:
+        mount_ns = os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        mount_ns = ""
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return RankIdentity(rank, tp_rank, boot, os.geteuid(), dir_id, socket, socket_hostname(),
+                        mount_ns)
+
+
+def socket_hostname() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+def identity_groups(identities: Sequence[RankIdentity],
+                    per_socket: bool = False) -> list[tuple[int, ...]]:
+    """The sharing groups: ranks with the same identity key, in rank order,
+    groups ordered by their first rank.  Any rank order works."""
+    groups: dict[tuple, list[int]] = {}
+    for ident in sorted(identities, key=lambda i: i.rank):
+        groups.setdefault(ident.key(per_socket), []).append(ident.rank)
+    return sorted((tuple(g) for g in groups.values()), key=lambda g: g[0])
+
+
+def sharing_groups(world_group: Any = None, *, tp_rank: int | None = None,
+                   device: int | None = None, per_socket: bool = False,
+                   directory: str = "/dev/shm", timeout_s: float = 300.0,
                    socket_of: Sequence[int] | None = None) -> TorchGroup:
-    """Form every node-local sharing group of the world (a collective: all
-    ranks call it) and return this rank's.  ``socket_of`` (NUMA node of each
-    rank's GPU) splits groups per socket: one copy per socket, read locally.
-    Logs the membership."""
+    """Form every sharing group of the world from where the ranks really are
+    (a collective: every rank of ``world_group``, default the whole world,
+    calls it) and return this rank's: the ranks with the same ``tp_rank``
+    that can map one file (same host boot id, uid and table directory).
+    ``per_socket`` splits them by the NUMA node of each rank's GPU
+    (``device``): one copy per socket, the replicate-per-node layout.
+
+    A ``WorldLayout`` passed first is still accepted (tp from it, the TP
+    rank from the world rank, ``socket_of`` the node of each rank's GPU);
+    where its arithmetic and the measured identities disagree, the measured
+    ones win and the difference is logged."""
     import torch.distributed as dist
 
+    layout = world_group if isinstance(world_group, WorldLayout) else None
+    if layout is not None:
+        world_group = None
     me = dist.get_rank()
+    if layout is not None and tp_rank is None:
+        tp_rank = layout.coords(me)[0]
+    if tp_rank is None:
+        raise TopologyError("sharing_groups needs tp_rank= (this rank's tensor-parallel rank)")
+    socket = None
+    if socket_of is not None:
+        per_socket, socket = True, int(socket_of[me])
+    elif per_socket:
+        socket = gpu_node(device)
+    world = TorchGroup(world_group, timeout_s)
+    identities = world.all_gather(local_identity(me, tp_rank, directory, socket), "identity")
+    groups = identity_groups(identities, per_socket)
     mine = None
-    for ranks in layout.edp_groups(socket_of):
-        pg = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout_s), backend="gloo")
+    for ranks in groups:
+        if world_group is None:  # every world rank creates every group, in one order
+            pg = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout_s),
+                                backend="gloo")
+        elif me in ranks:
+            pg = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout_s),
+                                backend="gloo", use_local_synchronization=True)
+        else:
+            continue
         if me in ranks:
             mine = TorchGroup(pg, timeout_s)
-    log.info("rank %d: sharing group %s (EDP size %d of tp=%d dp=%d, %d GPUs per node%s)", me,
-             list(layout.edp_group(me, socket_of)), layout.edp_size(), layout.tp, layout.dp,
-             layout.gpus_per_node, ", split per socket" if socket_of is not None else "")
     assert mine is not None  # every rank is in exactly one group
+    ident = next(i for i in identities if i.rank == me)
+    mine.identity = ident.describe(per_socket)
+    if layout is not None:
+        planned = layout.edp_group(me, socket_of)
+        if tuple(planned) != tuple(mine.ranks):
+            log.warning("rank %d: the layout's arithmetic gives sharing group %s, the measured "
+                        "identities %s; using the measured one", me, list(planned),
+                        list(mine.ranks))
+    log.info("rank %d: sharing group %s (%s; host %s, mount ns %s)", me, list(mine.ranks),
+             mine.identity, ident.hostname, ident.mount_ns)
     return mine
+
+
+def gpu_node(device: int | None) -> int | None:
+    """The NUMA node of a CUDA device (by the PCI bus id CUDA reports; CUDA
+    and PCI order may differ), or None when it cannot be told."""
+    if device is None:
+        return None
+    from .topology import read_pci_numa_node
+
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        p = torch.cuda.get_device_properties(device)
+        bus_id = f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+    except (ImportError, RuntimeError, AttributeError, AssertionError):
+        return None
+    node = read_pci_numa_node(bus_id)
+    return node if node >= 0 else None

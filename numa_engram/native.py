@@ -98,6 +98,13 @@ class Mapping:
             _raise("mprotect", f"PROT_READ length={self.length}")
         self.writable = False
 
+    def keepalive(self) -> object:
+        """An object that keeps the memory mapped while referenced (for
+        holders that outlive this Mapping's close(), e.g. a CUDA
+        registration)."""
+        self._check_open()
+        return self._ptr
+
     def pointer(self, offset: int = 0) -> object:
         self._check_open()
         return ffi.cast("char *", self._ptr) + offset

@@ -32,7 +32,7 @@ from .errors import (
     StorageError,
     TopologyError,
 )
-from .group import Group, SingleProcessGroup, TorchGroup
+from .group import Group, SingleProcessGroup, as_group, gpu_node
 from .placement import PlacementPlan, PlacementReport, Region, plan_placement, verify
 from .sharding import ShardInfo
 from .spec import EngramSpec
@@ -47,7 +47,7 @@ from .storage import (
     check_shmem_thp,
     check_space,
 )
-from .topology import Topology, current_node, read_pci_numa_node
+from .topology import Topology, current_node
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class MemberInfo:
     boot_id: bytes = b""
     directory_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the table directory
     hostname: str = ""
+    directory: str = ""
 
 
 @dataclass(frozen=True)
@@ -155,13 +156,8 @@ def _all(grp: Group, step: str, fn: Callable[[], Any]) -> tuple[Any, list[Outcom
 
 
 def _as_group(group: Any, timeout_s: float) -> Group:
-    if group is None:
-        return SingleProcessGroup()
-    if isinstance(group, (SingleProcessGroup, TorchGroup)):
-        return group
-    if isinstance(group, Group):  # a serving stack's own group object
-        return group
-    return TorchGroup(group, timeout_s)  # a torch.distributed ProcessGroup
+    """None: a private table; anything else adapted by ``as_group``."""
+    return SingleProcessGroup() if group is None else as_group(group, timeout_s)
 
 
 def table_layout(spec: EngramSpec, shard: ShardInfo) -> Layout:
@@ -273,7 +269,7 @@ class SharedEngramTable:
                 checkpoint, key))
             # step 8: every member maps the file (by the leader's path) and registers it
             _, outcomes = _all(grp, "map", lambda: _member_map(
-                state, leader, path, spec, layout, key, register_device))
+                state, leader, path, directory, spec, layout, key, register_device))
             _raise_failures(outcomes, grp.ranks, "map")
             # step 9: all mapped, so the path can go; step 10: the leader loads
             _step("before-unlink")
@@ -354,7 +350,7 @@ class SharedEngramTable:
         if self._device_shard is None:
             self._device_shard = DeviceShard(self.weights, self.scales, self.registration.device,
                                              self.shard.head_start, self._bucket_sizes,
-                                             self.spec.block)
+                                             self.spec.block, self.registration)
         return self._device_shard
 
     def lookup_cuda(self, hash_ids, out=None, *, validate: bool = True):
@@ -391,6 +387,7 @@ class SharedEngramTable:
             "registered_device": None if self.registration is None else
             self.registration.device,
             "lookup_threads": self.lookup_threads, "lookup_cpus": list(self.lookup_cpus),
+            "identity": _identity_key(self.members[0]),
         }
 
     # ------------------------------------------------------------- close --
@@ -404,7 +401,10 @@ class SharedEngramTable:
             self._closed = True
             self._idle.wait_for(lambda: self._active == 0)
         self.weights = self.scales = self._device_shard = None
-        _cleanup(self._backing, self.registration)
+        # device views still alive keep the registration (and the memory)
+        # until they are dropped; without any, this unregisters now
+        self.registration = None
+        _cleanup(self._backing, None)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -444,30 +444,22 @@ def _check_shard(spec: EngramSpec, layer_id: int, shard: ShardInfo) -> None:
 
 
 def _member_node(topo: Topology, device: int | None) -> int:
-    """The node this member reads from: its GPU's (by the PCI bus id CUDA
-    reports, so CUDA and PCI order may differ), else the CPU it runs on."""
+    """The node this member reads from: its GPU's, else the CPU it runs on."""
     if device is None:
         return current_node(topo)
-    bus_id = _cuda_bus_id(device)
-    if bus_id:
-        node = read_pci_numa_node(bus_id)
-        if node >= 0:
-            return node
+    node = gpu_node(device)
+    if node is not None:
+        return node
     if topo.gpus:
         return topo.nearest_node(device)
     return current_node(topo)
 
 
-def _cuda_bus_id(device: int) -> str:
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return ""
-        p = torch.cuda.get_device_properties(device)
-        return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
-    except (ImportError, RuntimeError, AttributeError, AssertionError):
-        return ""
+def _identity_key(m: MemberInfo) -> dict:
+    """What the sharing group's members have in common (the leader's)."""
+    return {"boot_id": m.boot_id.hex(), "uid": m.uid, "directory": m.directory or None,
+            "directory_device": None if m.directory_id is None else _dev(m.directory_id),
+            "host": m.hostname}
 
 
 def shard_key(layer_id: int, shard: ShardInfo) -> ShardKey:
@@ -483,7 +475,7 @@ def _member_info(grp: Group, topo: Topology, device: int | None, spec: EngramSpe
         directory_id = None
     return MemberInfo(grp.ranks[grp.rank], os.getpid(), os.geteuid(), _member_node(topo, device),
                       device, spec.fingerprint, key, mode, boot_id(), directory_id,
-                      socket.gethostname())
+                      socket.gethostname(), directory)
 
 
 def _check_agreement(members: list[MemberInfo]) -> None:
@@ -515,16 +507,16 @@ def _identity_difference(members: list[MemberInfo]) -> str:
         if m.uid != first.uid:
             return f"rank {m.rank} runs as uid {m.uid}, the leader as uid {first.uid}"
         if m.directory_id != first.directory_id:
-            return (f"rank {m.rank} has another table directory "
+            return (f"rank {m.rank} has another {m.directory} "
                     f"({_dev(m.directory_id)} vs {_dev(first.directory_id)})")
     return ""
 
 
 def _dev(directory_id: tuple[int, int] | None) -> str:
     if directory_id is None:
-        return "missing"
+        return "none: it does not exist there"
     dev, ino = directory_id
-    return f"dev {os.major(dev)}:{os.minor(dev)} inode {ino}"
+    return f"dev {os.major(dev)}:{os.minor(dev)}" + (f" inode {ino}" if ino > 2 else "")
 
 
 def _decide(mode: str, members: list[MemberInfo], layout: Layout,
@@ -591,11 +583,12 @@ def _leader_create(state: dict, layout, fingerprint, directory, placement, membe
     return backing.path, plan
 
 
-def _member_map(state: dict, leader: bool, path: str, spec: EngramSpec, layout: Layout,
-                key: ShardKey, device: int | None) -> None:
+def _member_map(state: dict, leader: bool, path: str, directory: str, spec: EngramSpec,
+                layout: Layout, key: ShardKey, device: int | None) -> None:
     if not leader:
         # by basename in our own directory: a container may mount the tmpfs elsewhere
-        state["backing"] = _peer_attach(path, spec, layout, key)
+        mine = os.path.join(directory, os.path.basename(path))
+        state["backing"] = _peer_attach(mine, spec, layout, key)
     if device is not None:
         state["registration"] = _register(state["backing"], device)
 
@@ -612,8 +605,9 @@ def _register(backing: BackingFile, device: int):
     from . import cuda
 
     # peers map the table read-only; CUDA must be told, or pinning it fails
-    return cuda.register(backing.mapping.address, backing.mapping.length, device,
-                         read_only=not backing.owner)
+    reg = cuda.register(backing.mapping.address, backing.mapping.length, device,
+                        read_only=not backing.owner)
+    return cuda.RegistrationLease(reg, backing.mapping.keepalive())
 
 
 def _leader_load(backing: BackingFile, spec, layer_id, shard, checkpoint, names, progress):
@@ -676,13 +670,10 @@ def _log_progress(layer_id: int) -> Progress:
     return report
 
 
-def _cleanup(backing: BackingFile | None, registration) -> None:
-    if registration is not None:
-        from . import cuda
-        try:
-            cuda.unregister(registration)
-        except NumaEngramError as exc:
-            log.warning("unregistering the table failed: %s", exc)
+def _cleanup(backing: BackingFile | None, lease) -> None:
+    """A failed create: unregister (no device view exists yet), unmap."""
+    if lease is not None:
+        lease.release()
     if backing is not None:
         backing.close()
 

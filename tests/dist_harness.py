@@ -27,7 +27,30 @@ class _Collect(logging.Handler):
         self.records.append(f"{record.levelname}: {record.getMessage()}")
 
 
-def _worker(rank, world, port, scenario, kwargs, conn, pg_timeout_s):
+def enter_host(source: str, hostname: str, mount_at: str = "/dev/shm") -> None:
+    """Become a process of a simulated host: own mount and UTS namespaces,
+    ``source`` (that host's tmpfs) mounted at ``mount_at``, own hostname.
+    Called before torch starts any thread (a mount namespace is per task)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newns, clone_newuts = 0x00020000, 0x04000000
+    ms_rec, ms_private, ms_bind = 0x4000, 0x40000, 0x1000
+
+    def check(rc, what):
+        if rc != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what}: {os.strerror(err)}")
+    check(libc.unshare(clone_newns | clone_newuts), "unshare")
+    check(libc.mount(None, b"/", None, ms_rec | ms_private, None), "mount --make-rprivate /")
+    os.makedirs(mount_at, exist_ok=True)
+    check(libc.mount(source.encode(), mount_at.encode(), None, ms_bind, None), "bind mount")
+    check(libc.sethostname(hostname.encode(), len(hostname)), "sethostname")
+
+
+def _worker(rank, world, port, scenario, kwargs, conn, pg_timeout_s, host=None):
+    if host is not None:
+        enter_host(*host)
     import torch.distributed as dist
 
     from tests import dist_scenarios
@@ -62,16 +85,19 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-def run_world(world, scenario, timeout_s=180, pg_timeout_s=60, resume_stopped=False, **kwargs):
+def run_world(world, scenario, timeout_s=180, pg_timeout_s=60, resume_stopped=False,
+              hosts=None, **kwargs):
     """Each rank's result dict (ok, error_type, message, seconds, exitcode).
     ``resume_stopped``: once every rank that has not reported is stopped
     (SIGSTOP), they get SIGCONT and their results are collected too
-    (marked ``resumed``)."""
+    (marked ``resumed``).  ``hosts``: for each rank, (tmpfs dir, hostname,
+    mount point) of the simulated host it runs on (see ``enter_host``)."""
     ctx = mp.get_context("spawn")
     port = free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
     procs = [ctx.Process(target=_worker, args=(r, world, port, scenario, kwargs, pipes[r][1],
-                                               pg_timeout_s)) for r in range(world)]
+                                               pg_timeout_s, hosts[r] if hosts else None))
+             for r in range(world)]
     for p in procs:
         p.start()
     for _, child_end in pipes:

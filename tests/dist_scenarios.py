@@ -303,3 +303,81 @@ def dp_sharded_bad_id(rank, world):
     exact = bool(np.array_equal(got.view(torch.int16).numpy(), want.view(torch.int16).numpy()))
     table.close()
     return {"first": first, "took": took, "exact": exact}
+
+
+# ------------------------------------------------- deployment scenarios --
+
+def share_on_hosts(rank, world, *, tp, mode, checkpoint, rows_per_head, directory="/dev/shm"):
+    """Groups formed from measured identities on simulated hosts."""
+    spec = make_spec(rows_per_head)
+    tp_rank = rank % tp
+    group = sharing_groups(tp_rank=tp_rank, directory=directory, timeout_s=60)
+    shard = shard_heads(spec.bucket_sizes(LAYER), tp, tp_rank)
+    table = SharedEngramTable.create(spec, LAYER, shard, group=group, mode=mode,
+                                     checkpoint=checkpoint, directory=directory, timeout_s=60)
+    w_all, s_all = synthetic_layer(spec, LAYER)
+    exact = bool(np.array_equal(table.weights, w_all[shard.row_start:shard.row_end]) and
+                 np.array_equal(table.scales, s_all[shard.row_start:shard.row_end]))
+    dist.barrier()
+    pss, _ = read_mapping_memory("self", "numa-engram-")
+    report = table.mode_report()
+    dist.barrier()
+    table.close()
+    return {"group": list(group.ranks), "identity": group.identity, "report": report,
+            "pss": pss, "exact": exact, "backing_bytes": table.backing_bytes,
+            "hostname": os.uname().nodename}
+
+
+def world_group_across_hosts(rank, world, *, mode):
+    """One group over the whole world although ranks sit on two hosts."""
+    t = _whole_table_on_world(make_spec(200), 30, mode=mode)
+    report = t.mode_report()
+    t.close()
+    return {"report": report}
+
+
+class FakeCoordinator:
+    """vLLM's GroupCoordinator surface over a real gloo group."""
+
+    def __init__(self, ranks):
+        self.cpu_group = dist.new_group(list(ranks), backend="gloo")
+        self.ranks = list(ranks)
+        self.rank_in_group = self.ranks.index(dist.get_rank())
+        self.world_size = len(self.ranks)
+
+    def broadcast_object(self, obj, src=0):
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.ranks[src], group=self.cpu_group)
+        return box[0]
+
+    def all_gather_object(self, obj):
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
+
+def coordinator_group(rank, world):
+    """A serving stack's coordinator passed as the group; then DP-sharded
+    lookups over what sharing_groups returns."""
+    from numa_engram.exchange import DPShardedLookup, ShardedHeads
+
+    coord = FakeCoordinator(range(world))
+    spec = make_spec(200)
+    shard = shard_heads(spec.bucket_sizes(LAYER), 1, 0)
+    t = SharedEngramTable.create(spec, LAYER, shard, group=coord, mode="dp_shared", timeout_s=30)
+    report = t.mode_report()
+    t.close()
+    group = sharing_groups(tp_rank=0, timeout_s=30)
+    heads = ShardedHeads.of(spec, LAYER, 1, group.size, 0)
+    own = SharedEngramTable.create(spec, LAYER, heads.members[group.rank], mode="independent")
+    w_all, s_all = synthetic_layer(spec, LAYER, raw=True)
+    mine = heads.members[group.rank]
+    np.copyto(own.weights, w_all[mine.row_start:mine.row_end])
+    np.copyto(own.scales, s_all[mine.row_start:mine.row_end])
+    ids = ngram_hashes(spec, np.random.default_rng(rank).integers(0, 1000, 40), LAYER)
+    got = DPShardedLookup(own, heads, group.rank, group).lookup(ids)
+    want = reference_lookup(w_all, s_all, ids, head_start=0,
+                            bucket_sizes=spec.bucket_sizes(LAYER))
+    own.close()
+    return {"report": report, "exact": bool(np.array_equal(
+        got.view(torch.int16).numpy(), want.view(torch.int16).numpy()))}
