@@ -5,11 +5,15 @@ prebuilt is committed.  Declarations are grouped by topic; the C source is
 native.c beside this file.
 """
 
+import re
 from pathlib import Path
 
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
+# the package version, compiled in: native.py refuses a core built for another
+VERSION = re.search(r'__version__ = "([^"]+)"',
+                    (HERE.parent / "numa_engram" / "_version.py").read_text()).group(1)
 
 MEMORY_DECLS = """
     #define MADV_DONTNEED ...
@@ -23,6 +27,7 @@ MEMORY_DECLS = """
     int ne_statvfs(const char *path, uint64_t *free_bytes, uint64_t *total_bytes);
     int ne_statfs_type(const char *path, int64_t *fs_type);
     long ne_page_size(void);
+    const char *ne_core_version(void);
 """
 
 NUMA_DECLS = """
@@ -36,15 +41,24 @@ NUMA_DECLS = """
 KERNEL_DECLS = """
     uint16_t ne_dequant_one(uint8_t weight, uint8_t scale);
     int64_t ne_first_bad_id(const int64_t *ids, int64_t n_tokens, int64_t stride,
-                            int64_t n_heads, const int64_t *bucket_sizes);
+                            int64_t n_heads, const int64_t *bucket_sizes,
+                            const int64_t *id_base);
     int ne_lookup_bf16(const uint8_t *weights, const uint8_t *scales, int64_t dim,
                        int64_t block, const int64_t *ids, int64_t n_tokens,
                        int64_t stride, int64_t n_heads, const int64_t *head_offsets,
-                       const int64_t *bucket_sizes, uint16_t *out, int n_threads,
-                       const int *cpus, int n_cpus, int64_t *bad);
+                       const int64_t *bucket_sizes, const int64_t *id_base, uint16_t *out,
+                       int n_threads, const int *cpus, int n_cpus, int64_t *bad);
     int ne_ngram_hashes(const int64_t *ids, int64_t n_rows, int64_t t, int64_t pad_id,
                         const int64_t *multipliers, int64_t max_ngram, const int64_t *primes,
                         int64_t n_head, int64_t *out, int n_threads);
+    int64_t ne_hash_windows(const int64_t *ids, const int64_t *slots, const int64_t *positions,
+                            const uint8_t *commit, int64_t n_tokens, int64_t n_slots,
+                            int64_t n1, int64_t *hist, int64_t *next_pos, int64_t *cur,
+                            int64_t *cur_next, int64_t *last, int64_t *win, int64_t *why);
+    int ne_hash_window_batch(const int64_t *win, int64_t n_tokens, int64_t n, int64_t pad_id,
+                             const int64_t *multipliers, const int64_t *primes,
+                             const int64_t *offsets, int64_t n_layers, int64_t n_head,
+                             int64_t *out, int n_threads);
 """
 
 ffibuilder = FFI()
@@ -53,6 +67,7 @@ ffibuilder.set_source(
     "numa_engram._native",
     '#include <sys/mman.h>\n#include "native.c"',
     include_dirs=[str(HERE)],
+    define_macros=[("NE_CORE_VERSION", f'"{VERSION}"')],
     # -O3 lets GCC vectorise the branch-free dequant loop for the baseline
     # ISA; nothing here assumes the build host's CPU (no -march=native).
     extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-unused-function"],

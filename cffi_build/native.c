@@ -110,6 +110,9 @@ int ne_statfs_type(const char *path, int64_t *fs_type)
 
 long ne_page_size(void) { return sysconf(_SC_PAGESIZE); }
 
+/* The package version this core was built for (checked at import). */
+const char *ne_core_version(void) { return NE_CORE_VERSION; }
+
 /* ---------------------------------------------- FP8 rows -> BF16 rows --- */
 
 /* bf16 of fp8_e4m3fn(w) * 2^(s - 127) for every (s, w): the exact value,
@@ -205,15 +208,17 @@ static inline void dequant_block(const uint8_t *restrict w, uint8_t s, int64_t n
 }
 
 /* Every id in ids[t * stride + h] (t < n_tokens, h < n_heads) must be -1
- * (DEAD) or in [0, bucket_sizes[h]).  Returns the flat index t*n_heads+h of
- * the first that is not, or -1 when all are good. */
+ * (DEAD) or in [0, bucket_sizes[h]) after subtracting id_base[h] (the
+ * head's first global row; NULL for bucket ids).  Returns the flat index
+ * t*n_heads+h of the first that is not, or -1 when all are good. */
 int64_t ne_first_bad_id(const int64_t *ids, int64_t n_tokens, int64_t stride,
-                        int64_t n_heads, const int64_t *bucket_sizes)
+                        int64_t n_heads, const int64_t *bucket_sizes, const int64_t *id_base)
 {
     for (int64_t t = 0; t < n_tokens; t++)
         for (int64_t h = 0; h < n_heads; h++) {
             int64_t id = ids[t * stride + h];
-            if (id < -1 || id >= bucket_sizes[h])
+            int64_t bucket = id_base ? id - id_base[h] : id;
+            if (id != -1 && (bucket < 0 || bucket >= bucket_sizes[h]))
                 return t * n_heads + h;
         }
     return -1;
@@ -224,7 +229,7 @@ struct lookup_job {
     int64_t dim, block;
     const int64_t *ids;
     int64_t stride, n_heads;
-    const int64_t *head_offsets, *bucket_sizes;
+    const int64_t *head_offsets, *bucket_sizes, *id_base;
     uint16_t *out;
     int64_t t_begin, t_end;
     int cpu;
@@ -251,7 +256,12 @@ static inline int64_t cursor_row(const struct lookup_job *j, const struct cursor
 {
     int64_t id = __atomic_load_n(&j->ids[c->t * j->stride + c->h], __ATOMIC_RELAXED);
     *id_out = id;
-    return id >= 0 && id < j->bucket_sizes[c->h] ? id + j->head_offsets[c->h] : -1;
+    if (id == -1)
+        return -1;
+    /* global rows (id_base = the head's first row in the layer's table) or
+     * bucket ids (id_base NULL): the bucket is checked either way */
+    int64_t bucket = j->id_base ? id - j->id_base[c->h] : id;
+    return bucket >= 0 && bucket < j->bucket_sizes[c->h] ? bucket + j->head_offsets[c->h] : -1;
 }
 
 static void note_bad(struct lookup_job *j, int64_t flat, int64_t id)
@@ -435,7 +445,9 @@ static void *lookup_thread(void *arg)
 
 /* Gather + dequantise the rows of n_heads heads for n_tokens tokens into
  * out[n_tokens][n_heads][dim] (bf16 bits).  Each id is checked against its
- * head's bucket_sizes as it is read; bad ones give zero rows and are
+ * head's bucket_sizes as it is read (after subtracting id_base[h], the
+ * head's first global row, when ids are global rows; NULL for bucket ids);
+ * -1 is DEAD; bad ones give zero rows and are
  * reported in bad[0..2] = (count, first flat index t*n_heads+h, its value).
  * Work is split by token over n_threads threads, thread i pinned to
  * cpus[i % n_cpus] when n_cpus > 0.  Returns 0, or -1 with errno when a
@@ -443,8 +455,8 @@ static void *lookup_thread(void *arg)
 int ne_lookup_bf16(const uint8_t *weights, const uint8_t *scales, int64_t dim,
                    int64_t block, const int64_t *ids, int64_t n_tokens,
                    int64_t stride, int64_t n_heads, const int64_t *head_offsets,
-                   const int64_t *bucket_sizes, uint16_t *out, int n_threads,
-                   const int *cpus, int n_cpus, int64_t *bad)
+                   const int64_t *bucket_sizes, const int64_t *id_base, uint16_t *out,
+                   int n_threads, const int *cpus, int n_cpus, int64_t *bad)
 {
     int rc = 0;
     enum { MAX_THREADS = 256 };
@@ -459,7 +471,7 @@ int ne_lookup_bf16(const uint8_t *weights, const uint8_t *scales, int64_t dim,
     int64_t per = (n_tokens + n_threads - 1) / n_threads;
     for (int i = 0; i < n_threads; i++) {
         jobs[i] = (struct lookup_job){weights, scales, dim, block, ids, stride, n_heads,
-                                      head_offsets, bucket_sizes, out, i * per,
+                                      head_offsets, bucket_sizes, id_base, out, i * per,
                                       (i + 1) * per < n_tokens ? (i + 1) * per : n_tokens,
                                       n_cpus > 0 ? cpus[i % n_cpus] : -1, 0, -1, 0};
         if (jobs[i].t_begin > jobs[i].t_end)
@@ -549,4 +561,139 @@ int ne_ngram_hashes(const int64_t *ids, int64_t n_rows, int64_t t, int64_t pad_i
         return 0;
     }
     return run_threads(hash_thread, jobs, sizeof(jobs[0]), n_threads);
+}
+
+/* ---------------------------------------- serving hash state (V4.1) --- */
+
+/* Raw look-back windows of a packed batch, in batch order.  Token i of
+ * request slot slots[i] at positions[i] gets win[i][0] = ids[i] and
+ * win[i][k] = the id k positions back in its own sequence (from earlier
+ * tokens of this call or the slot's history hist[slot][n1 - k]), -1 where
+ * that is before the sequence start or DEAD.  Position 0 restarts a slot;
+ * any other must be the slot's next.  cur/cur_next/last are scratch of R
+ * rows.  On success the slots' history and next position become those
+ * after their last committed token (others unchanged) and -1 is
+ * returned; else the index of the first bad token, with *why = 1 (slot out
+ * of range) or 2 (position not the slot's next), and nothing changed. */
+int64_t ne_hash_windows(const int64_t *ids, const int64_t *slots, const int64_t *positions,
+                        const uint8_t *commit, int64_t n_tokens, int64_t n_slots, int64_t n1,
+                        int64_t *hist, int64_t *next_pos, int64_t *cur, int64_t *cur_next,
+                        int64_t *last, int64_t *win, int64_t *why)
+{
+    const int64_t n = n1 + 1;
+    memcpy(cur, hist, (size_t)(n_slots * n1) * sizeof(int64_t));
+    memcpy(cur_next, next_pos, (size_t)n_slots * sizeof(int64_t));
+    for (int64_t s = 0; s < n_slots; s++)
+        last[s] = -1;
+    for (int64_t i = 0; i < n_tokens; i++) {
+        int64_t s = slots[i], p = positions[i];
+        if (s < 0 || s >= n_slots) {
+            *why = 1;
+            return i;
+        }
+        int64_t *h = cur + s * n1; /* h[n1 - 1] is the most recent */
+        if (p == 0) {
+            for (int64_t k = 0; k < n1; k++)
+                h[k] = -1;
+        } else if (p != cur_next[s]) {
+            *why = 2;
+            return i;
+        }
+        int64_t *w = win + i * n;
+        w[0] = ids[i] < 0 ? -1 : ids[i];
+        for (int64_t k = 1; k < n; k++)
+            w[k] = h[n1 - k];
+        if (n1 > 0) {
+            memmove(h, h + 1, (size_t)(n1 - 1) * sizeof(int64_t));
+            h[n1 - 1] = w[0];
+        }
+        cur_next[s] = p + 1;
+        if (commit[i])
+            last[s] = i;
+    }
+    for (int64_t s = 0; s < n_slots; s++) {
+        int64_t i = last[s];
+        if (i < 0)
+            continue;
+        const int64_t *w = win + i * n; /* the history after token i: w[n1-1] .. w[0] */
+        for (int64_t k = 0; k < n1; k++)
+            hist[s * n1 + k] = w[n1 - 1 - k];
+        next_pos[s] = positions[i] + 1;
+    }
+    return -1;
+}
+
+struct window_job {
+    const int64_t *win;
+    int64_t n, pad_id, n_layers, n_head, n_cols;
+    const int64_t *multipliers, *primes, *offsets;
+    int64_t *out;
+    int64_t begin, end;
+};
+
+/* V4.1's rule on a raw window: the look-back is blocked from the first
+ * negative (before the start, or DEAD) on, and blocked ids are pad_id. */
+static void run_window_hashes(const struct window_job *j)
+{
+    for (int64_t t = j->begin; t < j->end; t++) {
+        const int64_t *w = j->win + t * j->n;
+        int64_t tok[64];
+        int blocked = 0;
+        for (int64_t k = 0; k < j->n; k++) {
+            blocked |= w[k] < 0;
+            tok[k] = blocked ? j->pad_id : w[k];
+        }
+        for (int64_t l = 0; l < j->n_layers; l++) {
+            const int64_t *m = j->multipliers + l * j->n;
+            const int64_t *primes = j->primes + l * j->n_cols;
+            const int64_t *off = j->offsets ? j->offsets + l * j->n_cols : NULL;
+            int64_t *dst = j->out + (t * j->n_layers + l) * j->n_cols;
+            uint64_t mix = (uint64_t)tok[0] * (uint64_t)m[0];
+            for (int64_t k = 1; k < j->n; k++) {
+                mix ^= (uint64_t)tok[k] * (uint64_t)m[k];
+                int64_t smix = (int64_t)mix;
+                for (int64_t h = 0; h < j->n_head; h++) {
+                    int64_t c = (k - 1) * j->n_head + h;
+                    int64_t r = smix % primes[c];
+                    r = r < 0 ? r + primes[c] : r;
+                    dst[c] = off ? r + off[c] : r;
+                }
+            }
+        }
+    }
+}
+
+static void *window_thread(void *arg)
+{
+    run_window_hashes(arg);
+    return NULL;
+}
+
+/* Hash ids of raw windows win[T][n] for n_layers layers at once:
+ * out[T][n_layers][n_cols] (bucket ids, or global rows when offsets is not
+ * NULL).  n <= 64.  Returns 0, or -1 with errno when a thread cannot start. */
+int ne_hash_window_batch(const int64_t *win, int64_t n_tokens, int64_t n, int64_t pad_id,
+                         const int64_t *multipliers, const int64_t *primes,
+                         const int64_t *offsets, int64_t n_layers, int64_t n_head,
+                         int64_t *out, int n_threads)
+{
+    enum { MAX_THREADS = 256 };
+    struct window_job jobs[MAX_THREADS];
+    if (n_threads < 1)
+        n_threads = 1;
+    if (n_threads > MAX_THREADS)
+        n_threads = MAX_THREADS;
+    if (n_threads > n_tokens)
+        n_threads = n_tokens > 0 ? (int)n_tokens : 1;
+    int64_t per = (n_tokens + n_threads - 1) / n_threads;
+    for (int i = 0; i < n_threads; i++) {
+        int64_t b = i * per, e = (i + 1) * per < n_tokens ? (i + 1) * per : n_tokens;
+        jobs[i] = (struct window_job){win, n, pad_id, n_layers, n_head, (n - 1) * n_head,
+                                      multipliers, primes, offsets, out, b < e ? b : e, e};
+    }
+    if (n_threads == 1) {
+        run_window_hashes(&jobs[0]);
+        return 0;
+    }
+    return run_threads(window_thread, jobs, sizeof(jobs[0]), n_threads);
 }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from importlib import import_module
 
+from ._version import __version__
 from .errors import (
     CapacityError,
     CheckpointError,
@@ -38,6 +39,8 @@ _LAZY = {
     "PrefetchScheduler": "prefetch",
     "lookup_rows": "lookup",
     "DPShardedLookup": "exchange",
+    "HashState": "hashstate",
+    "build_token_map": "tokenmap",
     "ShardedHeads": "exchange",
 }
 
@@ -49,7 +52,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "DEAD_ID", "CapacityError", "CheckpointError", "CudaError", "CudaUnavailable", "EngramSpec",
+    "__version__", "DEAD_ID", "CapacityError", "CheckpointError", "CudaError", "CudaUnavailable",
+    "EngramSpec",
     "GroupTimeout", "LookupIdError", "MemberFailure", "NumaEngramError", "PlacementError",
     "PlacementPlan", "PlacementRange", "PlacementReport", "PrefetchError", "ShardInfo",
     "SpecError", "SpecMismatchError", "StorageError", "SyscallError", "Topology",

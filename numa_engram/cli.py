@@ -296,7 +296,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- main --
 
 def build_parser() -> argparse.ArgumentParser:
+    from ._version import __version__
+
     p = argparse.ArgumentParser(prog="numa-engram", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"numa-engram {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def add(name: str, func, help_text: str) -> argparse.ArgumentParser:

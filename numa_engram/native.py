@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from ._version import __version__
 from .errors import CapacityError, LookupIdError, SyscallError
 
 try:
@@ -21,6 +22,19 @@ except ImportError as exc:  # pragma: no cover - only on a broken install
         "numa_engram's C core is not built; install the package with "
         "'pip install -e .' (needs a C compiler and cffi)"
     ) from exc
+
+
+def _core_version() -> str:
+    try:
+        return ffi.string(lib.ne_core_version()).decode()
+    except AttributeError:  # a core from before the version was compiled in
+        return "unknown (older)"
+
+
+if _core_version() != __version__:
+    raise ImportError(f"numa_engram's C core was built for version {_core_version()}, the "
+                      f"package is {__version__}: a stale build; reinstall the package "
+                      "('pip install -e .' in a checkout) so the core is rebuilt")
 
 PAGE_SIZE: int = int(lib.ne_page_size())
 
@@ -241,49 +255,79 @@ def statfs_type(path: str) -> int:
 # ------------------------------------------------------------- kernels --
 
 def check_hash_ids(hash_ids, n_cols: int | None = None) -> np.ndarray:
-    """int64, C-contiguous, 2-D ``[T, n_cols]`` hash ids as a numpy array
-    without a copy (a CPU torch tensor is viewed through ``__array__``);
+    """2-D ``[T, n_cols]`` int64 hash ids as a numpy array, without a copy (a
+    CPU torch tensor is viewed through ``__array__``; rows may be strided,
+    e.g. ``out[:, layer]`` of ``HashState.hash``; columns must be adjacent).
+    int32 ids (as vLLM passes global rows) are widened, which copies.
     ``n_cols=None`` accepts any column count."""
     device = getattr(hash_ids, "device", None)
     if device is not None and getattr(device, "type", "cpu") != "cpu":
         raise LookupIdError(f"hash ids are on {device}; the CPU lookup needs them on the CPU")
     ids = hash_ids if isinstance(hash_ids, np.ndarray) else np.asarray(hash_ids)
+    if ids.dtype == np.int32:
+        ids = ids.astype(np.int64)
     if ids.dtype != np.int64:
-        raise LookupIdError(f"hash ids have dtype {ids.dtype}; pass int64 (ids.astype(np.int64))"
-                            " so no id can be truncated")
+        raise LookupIdError(f"hash ids have dtype {ids.dtype}; pass int64 or int32 "
+                            "(ids.astype(np.int64)) so no id can be truncated")
     if ids.ndim != 2 or (n_cols is not None and ids.shape[1] != n_cols):
         raise LookupIdError(f"hash ids have shape {list(ids.shape)}; expected "
                             f"[T, {n_cols or 'n_hash_cols'}] (one bucket index per hash column)")
-    if not ids.flags.c_contiguous:
-        raise LookupIdError("hash ids are not C-contiguous; call np.ascontiguousarray (or "
-                            ".contiguous() on a tensor) first")
+    if ids.size and (ids.shape[0] > 1 and (ids.strides[0] % 8 or
+                                           ids.strides[0] < 8 * ids.shape[1]) or
+                     ids.shape[1] > 1 and ids.strides[1] != 8):
+        raise LookupIdError(f"hash ids have strides {ids.strides}: a token's columns must be "
+                            "adjacent and tokens must not overlap; call np.ascontiguousarray "
+                            "(or .contiguous() on a tensor) first")
     return ids
+
+
+def _row_stride(ids: np.ndarray) -> int:
+    return ids.strides[0] // 8 if ids.shape[0] > 1 else ids.shape[1]
+
+
+def _ids_ptr(ids: np.ndarray):
+    """The ids' first element (a strided view is not a contiguous buffer)."""
+    return ffi.cast("int64_t *", ids.ctypes.data)
 
 
 def _ptr(array: np.ndarray, ctype: str):
     return ffi.cast(ctype, ffi.from_buffer(array))
 
 
-def check_ids_in_range(ids: np.ndarray, head_start: int, sizes: np.ndarray) -> None:
+def check_ids_in_range(ids: np.ndarray, head_start: int, sizes: np.ndarray,
+                       id_base: np.ndarray | None = None) -> None:
+    """Every id of heads ``head_start ..`` is -1 (DEAD) or in its head's
+    buckets (global rows: in ``[id_base[h], id_base[h] + sizes[h])``)."""
     if ids.shape[0] == 0:
         return
-    bad = lib.ne_first_bad_id(_ptr(ids, "int64_t *") + head_start, ids.shape[0], ids.shape[1],
-                              len(sizes), _ptr(sizes, "int64_t *"))
+    bad = lib.ne_first_bad_id(_ids_ptr(ids) + head_start, ids.shape[0], _row_stride(ids),
+                              len(sizes), _ptr(sizes, "int64_t *"),
+                              ffi.NULL if id_base is None else _ptr(id_base, "int64_t *"))
     if bad >= 0:
         t, h = divmod(int(bad), len(sizes))
-        raise LookupIdError(
-            f"hash id {int(ids[t, head_start + h])} at token {t}, column {head_start + h} is "
-            f"outside head {head_start + h}'s buckets [0, {int(sizes[h])}); use -1 (DEAD_ID) "
-            "for padding")
+        raise LookupIdError(_bad_id_text(int(ids[t, head_start + h]), t, head_start + h,
+                                         int(sizes[h]), id_base, h))
+
+
+def _bad_id_text(value: int, token: int, column: int, size: int, id_base, h: int,
+                 count: int = 1) -> str:
+    low = 0 if id_base is None else int(id_base[h])
+    what = "buckets" if id_base is None else "global rows"
+    more = f" ({count} bad ids in all)" if count > 1 else ""
+    return (f"hash id {value} at token {token}, column {column} is outside head {column}'s "
+            f"{what} [{low}, {low + size}){more}; use -1 (DEAD_ID) for padding")
 
 
 def gather_dequant(weights: np.ndarray, scales: np.ndarray, hash_ids: np.ndarray, *,
                    head_start: int, bucket_sizes, out: np.ndarray, head_offsets=None,
-                   threads: int = 1, cpus=(), block: int = 32, dedup: bool = False) -> None:
+                   threads: int = 1, cpus=(), block: int = 32, dedup: bool = False,
+                   id_base: np.ndarray | None = None) -> None:
     """The fused kernel: rows of heads ``head_start .. +len(bucket_sizes)`` of
     ``hash_ids [T, cols]`` gathered from uint8 ``weights``/``scales`` and
     written as BF16 bits into ``out`` (uint16 ``[T, heads, head_dim]``).
-    Every id is checked first (-1 gives a zero row); GIL released."""
+    Every id is checked as it is read (-1 gives a zero row); ``id_base``
+    (each head's first global row) when the ids are global rows; GIL
+    released."""
     ids = check_hash_ids(hash_ids)
     sizes = np.ascontiguousarray(bucket_sizes, dtype=np.int64)
     offsets = np.ascontiguousarray(
@@ -305,38 +349,42 @@ def gather_dequant(weights: np.ndarray, scales: np.ndarray, hash_ids: np.ndarray
     if ids.shape[0] == 0:
         return
     if dedup:  # read each distinct row once, then copy it where it repeats
-        check_ids_in_range(ids, head_start, sizes)  # np.unique reads a copy, checked here
+        check_ids_in_range(ids, head_start, sizes, id_base)  # np.unique reads a copy
         cols = ids[:, head_start:head_start + len(sizes)]
+        if id_base is not None:
+            cols = np.where(cols >= 0, cols - id_base, -1)
         unique, inverse = np.unique(np.where(cols >= 0, cols + offsets, -1),
                                     return_inverse=True)
         staged = np.empty((len(unique), 1, weights.shape[1]), dtype=np.uint16)
         _run_lookup(weights, scales, np.ascontiguousarray(unique.reshape(-1, 1)), 0,
-                    np.zeros(1, np.int64), np.array([weights.shape[0]], np.int64), staged,
-                    threads, cpus, block)
+                    np.zeros(1, np.int64), np.array([weights.shape[0]], np.int64), None,
+                    staged, threads, cpus, block)
         np.take(staged.reshape(len(unique), -1), inverse.reshape(-1), axis=0,
                 out=out.reshape(-1, weights.shape[1]), mode="clip")
         return
-    _run_lookup(weights, scales, ids, head_start, offsets, sizes, out, threads, cpus, block)
+    base = None if id_base is None else np.ascontiguousarray(id_base, dtype=np.int64)
+    _run_lookup(weights, scales, ids, head_start, offsets, sizes, base, out, threads, cpus,
+                block)
 
 
-def _run_lookup(weights, scales, ids, col0, offsets, sizes, out, threads, cpus, block) -> None:
+def _run_lookup(weights, scales, ids, col0, offsets, sizes, id_base, out, threads, cpus,
+                block) -> None:
     """The kernel checks every id as it reads it (once): ids another thread
     changes meanwhile can never make it read outside the table."""
     cpu_arr = np.asarray(list(cpus), dtype=np.int32)
     bad = ffi.new("int64_t[3]")
     rc = lib.ne_lookup_bf16(
         _ptr(weights, "uint8_t *"), _ptr(scales, "uint8_t *"), weights.shape[1], block,
-        _ptr(ids, "int64_t *") + col0, ids.shape[0], ids.shape[1], len(offsets),
-        _ptr(offsets, "int64_t *"), _ptr(sizes, "int64_t *"), _ptr(out, "uint16_t *"), threads,
-        _ptr(cpu_arr, "int *") if len(cpu_arr) else ffi.NULL, len(cpu_arr), bad)
+        _ids_ptr(ids) + col0, ids.shape[0], _row_stride(ids), len(offsets),
+        _ptr(offsets, "int64_t *"), _ptr(sizes, "int64_t *"),
+        ffi.NULL if id_base is None else _ptr(id_base, "int64_t *"), _ptr(out, "uint16_t *"),
+        threads, _ptr(cpu_arr, "int *") if len(cpu_arr) else ffi.NULL, len(cpu_arr), bad)
     if rc != 0:
         _raise("pthread_create", f"lookup with {threads} threads")
     if bad[0]:
         t, h = divmod(int(bad[1]), len(sizes))
-        raise LookupIdError(
-            f"hash id {int(bad[2])} at token {t}, column {col0 + h} is outside head "
-            f"{col0 + h}'s buckets [0, {int(sizes[h])}) ({int(bad[0])} bad id(s) in all); "
-            "use -1 (DEAD_ID) for padding")
+        raise LookupIdError(_bad_id_text(int(bad[2]), t, col0 + h, int(sizes[h]), id_base, h,
+                                         int(bad[0])))
 
 
 def ngram_hashes(rows: np.ndarray, pad_id: int, multipliers: np.ndarray, max_ngram: int,
@@ -357,3 +405,35 @@ def ngram_hashes(rows: np.ndarray, pad_id: int, multipliers: np.ndarray, max_ngr
             _ptr(out, "int64_t *"), threads) != 0:
         _raise("pthread_create", f"hashing with {threads} threads")
     return out
+
+
+def hash_windows(ids: np.ndarray, slots: np.ndarray, positions: np.ndarray,
+                 commit: np.ndarray, hist: np.ndarray, next_pos: np.ndarray,
+                 scratch: dict[str, np.ndarray], win: np.ndarray) -> tuple[int, int]:
+    """The serving hash state's sequential pass (see native.c): raw windows
+    into ``win [T, n]``, history updated in place on success.  Returns
+    (-1, 0), or (index of the first bad token, 1 slot / 2 position)."""
+    why = ffi.new("int64_t *")
+    bad = lib.ne_hash_windows(
+        _ptr(ids, "int64_t *"), _ptr(slots, "int64_t *"), _ptr(positions, "int64_t *"),
+        _ptr(commit, "uint8_t *"), len(ids), hist.shape[0], hist.shape[1],
+        _ptr(hist, "int64_t *"), _ptr(next_pos, "int64_t *"), _ptr(scratch["cur"], "int64_t *"),
+        _ptr(scratch["cur_next"], "int64_t *"), _ptr(scratch["last"], "int64_t *"),
+        _ptr(win, "int64_t *"), why)
+    return int(bad), int(why[0])
+
+
+def hash_window_batch(win: np.ndarray, pad_id: int, multipliers: np.ndarray,
+                      primes: np.ndarray, offsets: np.ndarray | None, n_head: int,
+                      out: np.ndarray, threads: int = 1) -> None:
+    """Hash ids of raw windows ``win [T, n]`` for every layer at once into
+    ``out [T, layers, cols]`` (global rows when ``offsets`` is given)."""
+    n_tokens, n = win.shape
+    if n > 64:
+        raise ValueError(f"max_ngram_size {n} is above the kernel's 64")
+    if n_tokens and lib.ne_hash_window_batch(
+            _ptr(win, "int64_t *"), n_tokens, n, pad_id, _ptr(multipliers, "int64_t *"),
+            _ptr(primes, "int64_t *"),
+            ffi.NULL if offsets is None else _ptr(offsets, "int64_t *"), multipliers.shape[0],
+            n_head, _ptr(out, "int64_t *"), threads) != 0:
+        _raise("pthread_create", f"hashing with {threads} threads")

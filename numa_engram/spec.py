@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from .errors import SpecError
+from .errors import SpecError, SpecMismatchError
 
 LAYER_SEED_PRIME = 10007
 FINGERPRINT_VERSION = 1
@@ -203,6 +206,52 @@ class EngramSpec:
                 "pad_id": self.pad_id, "seed": self.seed, "block": self.block}
 
     @classmethod
+    def from_config(cls, config: dict | str | os.PathLike, token_map: Any) -> EngramSpec:
+        """The spec of a DeepSeek V4.1 ``config.json`` (a dict or its path):
+        engram fields at the top level or under ``text_config``.  The pad id
+        is mapped through ``token_map`` (``build_token_map``'s result, or the
+        map array), whose compressed size must equal the config's; each
+        layer's ``engram_num_embeddings`` must equal the sum of its primes
+        (else SpecMismatchError: the vocab size is wrong and every hash
+        would be)."""
+        doc = config if isinstance(config, dict) else json.loads(Path(config).read_text())
+        if "engram_layer_ids" not in doc and isinstance(doc.get("text_config"), dict):
+            doc = doc["text_config"]
+        if token_map is None:
+            raise SpecError("from_config needs token_map (build_token_map(tokenizer)): the "
+                            "config's pad id is a tokenizer id and must be mapped")
+        table, size = token_map if isinstance(token_map, tuple) else (
+            token_map, int(np.max(token_map)) + 1)
+        table = np.asarray(table, dtype=np.int64)
+        field = _config_field(doc)
+        compressed = int(field("engram_compressed_vocab_size"))
+        if size != compressed:
+            raise SpecMismatchError(f"the token map has {size} compressed ids, the config's "
+                                    f"engram_compressed_vocab_size is {compressed}: another "
+                                    "tokenizer or normaliser")
+        pad = int(field("engram_pad_id"))
+        if not 0 <= pad < len(table):
+            raise SpecError(f"engram_pad_id {pad} is outside the token map of {len(table)} ids")
+        max_ngram = int(field("engram_max_ngram_size"))
+        vocab = field("engram_vocab_size")
+        vocab = [int(v) for v in vocab] if isinstance(vocab, (list, tuple)) else \
+            [int(vocab)] * (max_ngram - 1)
+        spec = cls(layer_ids=tuple(field("engram_layer_ids")), engram_vocab_sizes=tuple(vocab),
+                   max_ngram_size=max_ngram, n_head_per_ngram=int(field("engram_n_heads")),
+                   head_dim=int(field("engram_head_dim")), compressed_vocab_size=compressed,
+                   pad_id=int(table[pad]))
+        rows = doc.get("engram_num_embeddings")
+        if rows is not None:
+            rows = list(rows) if isinstance(rows, (list, tuple)) else [rows] * len(spec.layer_ids)
+            for layer, want in zip(spec.layer_ids, rows):
+                if spec.rows(layer) != int(want):
+                    raise SpecMismatchError(
+                        f"layer {layer}: engram_num_embeddings is {int(want)} but its primes "
+                        f"sum to {spec.rows(layer)}: the config's engram_vocab_size does not "
+                        "describe this checkpoint's table")
+        return spec
+
+    @classmethod
     def from_dict(cls, doc: dict) -> EngramSpec:
         try:
             return cls(**doc)
@@ -214,3 +263,12 @@ class EngramSpec:
         """32 bytes that change when anything deciding the table's bytes changes."""
         doc = json.dumps({"v": FINGERPRINT_VERSION, **self.to_dict()}, sort_keys=True)
         return hashlib.sha256(doc.encode()).digest()
+
+
+def _config_field(doc: dict):
+    def field(name: str):
+        if name not in doc:
+            raise SpecError(f"the config has no {name!r}; is it a DeepSeek V4.1 config.json "
+                            "with Engram layers?")
+        return doc[name]
+    return field

@@ -323,9 +323,13 @@ class SharedEngramTable:
             raise
 
     # ------------------------------------------------------------ lookup --
-    def lookup(self, hash_ids, out=None, *, dedup: bool = False):
+    def lookup(self, hash_ids, out=None, *, dedup: bool = False, id_format: str = "bucket"):
         """BF16 ``[T, heads_in_shard, head_dim]`` rows for ``hash_ids
-        [T, n_hash_cols]``; DEAD_ID (-1) gives zero rows."""
+        [T, n_hash_cols]`` (int64 or int32; rows may be strided, e.g.
+        ``out[:, i]`` of ``HashState.hash``); DEAD_ID (-1) gives zero rows.
+        ``id_format="global"``: ids are rows of the layer's whole table, as
+        V4.1's model code and vLLM pass them; each column of this shard must
+        be -1 or inside its head's global rows."""
         from .fp8 import bf16_out
 
         with self._in_use():
@@ -336,8 +340,17 @@ class SharedEngramTable:
                                   head_start=self.shard.head_start,
                                   bucket_sizes=self._bucket_sizes, out=bits, dedup=dedup,
                                   threads=self.lookup_threads, cpus=self.lookup_cpus,
-                                  block=self.spec.block)
+                                  block=self.spec.block, id_base=self.id_base(id_format))
             return result
+
+    def id_base(self, id_format: str) -> np.ndarray | None:
+        """Each shard head's first global row (None for bucket ids)."""
+        if id_format == "bucket":
+            return None
+        if id_format != "global":
+            raise ValueError(f"id_format must be 'bucket' or 'global', got {id_format!r}")
+        offsets = self.spec.head_offsets(self.layer_id)
+        return np.ascontiguousarray(offsets[self.shard.head_start:self.shard.head_end])
 
     def device_view(self):
         """Zero-copy CUDA views of this shard (needs register_device=)."""

@@ -78,11 +78,11 @@ def test_bad_ids_are_refused_before_any_read(bad):
 def test_dtype_layout_and_shape_errors():
     sizes, w, s = _shard(0, 8)
     ids = _ids(10)
-    with pytest.raises(LookupIdError, match="dtype int32"):
-        lookup_rows(w, s, ids.astype(np.int32), head_start=0, bucket_sizes=sizes)
-    with pytest.raises(LookupIdError, match="not C-contiguous"):
+    with pytest.raises(LookupIdError, match="dtype float32"):
+        lookup_rows(w, s, ids.astype(np.float32), head_start=0, bucket_sizes=sizes)
+    with pytest.raises(LookupIdError, match="columns must be adjacent"):
         lookup_rows(w, s, np.asfortranarray(ids), head_start=0, bucket_sizes=sizes)
-    with pytest.raises(LookupIdError, match=r"not C-contiguous.*\.contiguous\(\)"):
+    with pytest.raises(LookupIdError, match=r"columns must be adjacent.*\.contiguous\(\)"):
         lookup_rows(w, s, torch.from_numpy(ids).t().contiguous().t(), head_start=0,
                     bucket_sizes=sizes)
     with pytest.raises(LookupIdError, match="not columns of hash ids with 5 columns"):
@@ -91,6 +91,20 @@ def test_dtype_layout_and_shape_errors():
         lookup_rows(w, s, ids.reshape(-1), head_start=0, bucket_sizes=sizes)
     with pytest.raises(LookupIdError, match="not columns"):
         lookup_rows(w, s, ids, head_start=4, bucket_sizes=sizes)
+
+
+def test_int32_and_token_strided_ids_read_the_same_rows_without_a_copy():
+    sizes, w, s = _shard(0, 8)
+    ids = _ids(40)
+    want = lookup_rows(w, s, ids, head_start=0, bucket_sizes=sizes)
+    got = lookup_rows(w, s, ids.astype(np.int32), head_start=0, bucket_sizes=sizes)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    wide = np.full((40, 3, 8), 7, np.int64)  # like out[:, layer] of HashState.hash
+    wide[:, 1] = ids
+    strided = wide[:, 1]
+    assert not strided.flags.c_contiguous
+    got = lookup_rows(w, s, strided, head_start=0, bucket_sizes=sizes)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 def test_empty_batch():

@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 "$PY" -m ruff check numa_engram tests tools cffi_build
 "$PY" -m pytest -q -rs "$@"
+PYTHON="$PY" tools/check_package.sh
 nodes=$(ls -d /sys/devices/system/node/node[0-9]* 2>/dev/null | wc -l)
 if [ "${NUMA_ENGRAM_SKIP_VM:-0}" = 1 ]; then
   echo "test.sh: NUMA_ENGRAM_SKIP_VM=1: placement tests in the VM skipped" >&2
