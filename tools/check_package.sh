@@ -10,7 +10,8 @@ trap 'rm -rf "$work"' EXIT
 "$PY" -m build --sdist --outdir "$work/dist" . >"$work/build.log" 2>&1 ||
   { cat "$work/build.log"; exit 1; }
 sdist=$(ls "$work"/dist/numa_engram-*.tar.gz)
-tar -tzf "$sdist" | grep -q 'cffi_build/native.c' ||
+listing=$(tar -tzf "$sdist")  # (not piped to grep -q: pipefail would see tar's SIGPIPE)
+grep -q 'cffi_build/native.c' <<<"$listing" ||
   { echo "check_package: the sdist lacks cffi_build/native.c" >&2; exit 1; }
 "$PY" -m venv "$work/venv"
 "$work/venv/bin/pip" install -q --upgrade pip
