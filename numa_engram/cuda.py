@@ -220,7 +220,8 @@ class DeviceShard:
 
     def __init__(self, weights: np.ndarray, scales: np.ndarray, device: int, head_start: int,
                  bucket_sizes: np.ndarray, block: int = 32,
-                 lease: RegistrationLease | None = None) -> None:
+                 lease: RegistrationLease | None = None,
+                 global_base: np.ndarray | None = None) -> None:
         import torch
 
         self.lease = lease
@@ -232,6 +233,9 @@ class DeviceShard:
         self.sizes = torch.from_numpy(sizes).to(self.device)
         self.offsets = torch.from_numpy(
             np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)).to(self.device)
+        # each head's first row in the layer's whole table (global ids)
+        self.global_base = None if global_base is None else torch.from_numpy(
+            np.ascontiguousarray(global_base, dtype=np.int64)).to(self.device)
 
     def _view(self, array: np.ndarray, device: int):
         import torch
@@ -243,27 +247,34 @@ class DeviceShard:
                                f"must be the registering one (cuda:{device})")
         return tensor
 
-    def lookup(self, hash_ids, out=None, *, validate: bool = True):
-        """BF16 ``[T, heads, head_dim]`` on the device for CUDA int64 ids
-        ``[T, n_hash_cols]``; ``validate`` checks ids on the device (one sync)."""
+    def lookup(self, hash_ids, out=None, *, validate: bool = True, id_format: str = "bucket"):
+        """BF16 ``[T, heads, head_dim]`` on the device for CUDA int64 or
+        int32 ids ``[T, n_hash_cols]`` (bucket ids, or global rows of the
+        layer's table); ``validate`` checks ids on the device (one sync)."""
         import torch
 
         from .fp8 import dequantize_rows
 
-        if hash_ids.dtype != torch.int64 or hash_ids.dim() != 2:
-            raise LookupIdError(f"hash ids must be int64 [T, n_hash_cols], got {hash_ids.dtype} "
-                                f"{list(hash_ids.shape)}")
-        ids = hash_ids.to(self.device, non_blocking=True)
+        if hash_ids.dtype not in (torch.int64, torch.int32) or hash_ids.dim() != 2:
+            raise LookupIdError(f"hash ids must be int64 or int32 [T, n_hash_cols], got "
+                                f"{hash_ids.dtype} {list(hash_ids.shape)}")
+        if id_format not in ("bucket", "global") or (id_format == "global" and
+                                                     self.global_base is None):
+            raise ValueError(f"id_format must be 'bucket' or 'global' (with the layer's head "
+                             f"offsets), got {id_format!r}")
+        ids = hash_ids.to(self.device, non_blocking=True).long()
         heads = len(self.sizes)
-        cols = ids[:, self.head_start:self.head_start + heads]
+        raw = ids[:, self.head_start:self.head_start + heads]
+        dead = raw == -1
+        cols = raw - self.global_base if id_format == "global" else raw
         if validate:
-            bad = (cols < -1) | (cols >= self.sizes)
+            bad = ~dead & ((cols < 0) | (cols >= self.sizes))
             if bool(bad.any()):
                 t, h = (int(x) for x in bad.nonzero()[0])
-                raise LookupIdError(f"hash id {int(cols[t, h])} at token {t}, column "
-                                    f"{self.head_start + h} is outside its head's buckets "
-                                    f"[0, {int(self.sizes[h])})")
-        dead = cols < 0
+                raise LookupIdError(f"hash id {int(raw[t, h])} at token {t}, column "
+                                    f"{self.head_start + h} is outside its head's {id_format} "
+                                    "range")
+        dead = dead | (cols < 0)
         rows = torch.where(dead, 0, cols + self.offsets).reshape(-1)
         w = self.weights.index_select(0, rows)  # zero-copy reads over PCIe
         s = self.scales.index_select(0, rows)

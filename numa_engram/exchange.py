@@ -92,16 +92,19 @@ class DPShardedLookup:
         self.table, self.heads, self.edp_rank = table, heads, edp_rank
         self.pg, self.max_tokens, self._dist = process_group, max_tokens, dist
 
-    def lookup(self, hash_ids):
+    def lookup(self, hash_ids, *, id_format: str = "bucket"):
         """BF16 ``[T, tp_heads, head_dim]`` for this member's ``hash_ids [T, n_hash_cols]``
-        (T may be 0: an idle replica still takes part)."""
+        (T may be 0: an idle replica still takes part); ``id_format="global"``
+        for rows of the layer's whole table."""
         import torch
 
+        if id_format not in ("bucket", "global"):
+            raise ValueError(f"id_format must be 'bucket' or 'global', got {id_format!r}")
         ids = native.check_hash_ids(hash_ids, self.table.spec.n_hash_cols)
         # every member checks its ids against all of its TP rank's heads
         # before any exchange, so a bad id fails all members alike, at once,
         # and the group stays in step for the next lookup
-        problem = self._check_ids(ids)
+        problem = self._check_ids(ids, id_format)
         counts, oks = self._gather_counts(ids.shape[0], problem is None)
         if not all(oks):
             bad = [e for e, ok in enumerate(oks) if not ok]
@@ -116,7 +119,7 @@ class DPShardedLookup:
             return torch.zeros((0, self._tp_heads(), self.table.spec.head_dim),
                                dtype=torch.bfloat16)
         gathered = self._gather_ids(pad_hash_ids(ids, slot))             # [edp * slot, cols]
-        rows = self.table.lookup(gathered)                                # [edp*slot, own, d]
+        rows = self.table.lookup(gathered, id_format=id_format)           # [edp*slot, own, d]
         received = self._exchange(rows, slot)
         return received[: ids.shape[0]]
 
@@ -134,11 +137,14 @@ class DPShardedLookup:
     def _tp_heads(self) -> int:
         return self.heads.head_end - self.heads.head_start
 
-    def _check_ids(self, ids: np.ndarray) -> str | None:
-        sizes = np.asarray(self.table.spec.bucket_sizes(self.table.layer_id)[
-            self.heads.head_start:self.heads.head_end], dtype=np.int64)
+    def _check_ids(self, ids: np.ndarray, id_format: str) -> str | None:
+        spec, layer = self.table.spec, self.table.layer_id
+        heads = slice(self.heads.head_start, self.heads.head_end)
+        sizes = np.asarray(spec.bucket_sizes(layer)[heads], dtype=np.int64)
+        base = None if id_format == "bucket" else np.ascontiguousarray(
+            spec.head_offsets(layer)[heads])
         try:
-            native.check_ids_in_range(ids, self.heads.head_start, sizes)
+            native.check_ids_in_range(ids, self.heads.head_start, sizes, base)
         except LookupIdError as exc:
             return str(exc)
         return None

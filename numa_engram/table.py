@@ -363,14 +363,17 @@ class SharedEngramTable:
         if self._device_shard is None:
             self._device_shard = DeviceShard(self.weights, self.scales, self.registration.device,
                                              self.shard.head_start, self._bucket_sizes,
-                                             self.spec.block, self.registration)
+                                             self.spec.block, self.registration,
+                                             self.id_base("global"))
         return self._device_shard
 
-    def lookup_cuda(self, hash_ids, out=None, *, validate: bool = True):
+    def lookup_cuda(self, hash_ids, out=None, *, validate: bool = True,
+                    id_format: str = "bucket"):
         """The lookup on the GPU that registered the table: a zero-copy gather
         over PCIe plus dequantisation on the device."""
         with self._in_use():
-            return self.device_view().lookup(hash_ids, out=out, validate=validate)
+            return self.device_view().lookup(hash_ids, out=out, validate=validate,
+                                             id_format=id_format)
 
     # ----------------------------------------------------------- reports --
     def placement_report(self, refresh: bool = True) -> PlacementReport | None:

@@ -301,6 +301,9 @@ def dp_sharded_bad_id(rank, world):
     want = reference_lookup(w_all, s_all, ids, head_start=0,
                             bucket_sizes=spec.bucket_sizes(LAYER))
     exact = bool(np.array_equal(got.view(torch.int16).numpy(), want.view(torch.int16).numpy()))
+    global_rows = np.where(ids >= 0, ids + spec.head_offsets(LAYER), -1).astype(np.int32)
+    got = sharded.lookup(global_rows, id_format="global")
+    exact &= bool(np.array_equal(got.view(torch.int16).numpy(), want.view(torch.int16).numpy()))
     table.close()
     return {"first": first, "took": took, "exact": exact}
 

@@ -203,3 +203,26 @@ def test_explicit_dp_shared_without_peers_fails_loudly():
     with pytest.raises(StorageError, match="one member"):
         SharedEngramTable.create(spec, 14, shard_heads(spec.bucket_sizes(14), 1, 0),
                                  mode="dp_shared")
+
+
+def test_lookup_of_global_rows_equals_bucket_ids_and_checks_each_head():
+    from numa_engram.errors import LookupIdError
+    from numa_engram.hashing import ngram_hashes
+
+    spec = EngramSpec.small()
+    shard = shard_heads(spec.bucket_sizes(14), 2, 1)
+    with SharedEngramTable.create(spec, 14, shard) as table:
+        w, s = synthetic_layer(spec, 14, raw=True)
+        np.copyto(table.weights, w[shard.row_start:shard.row_end])
+        np.copyto(table.scales, s[shard.row_start:shard.row_end])
+        ids = ngram_hashes(spec, np.random.default_rng(1).integers(0, 1000, 64), 14)
+        ids[::5, 5] = -1
+        rows = np.where(ids >= 0, ids + spec.head_offsets(14), -1)
+        want = table.lookup(ids)
+        assert torch_equal(table.lookup(rows, id_format="global"), want)
+        assert torch_equal(table.lookup(rows.astype(np.int32), id_format="global"), want)
+        bad = rows.copy()
+        bad[3, 6] = spec.head_offsets(14)[6] - 1  # the previous head's last row
+        with pytest.raises(LookupIdError, match=f"hash id {bad[3, 6]} at token 3, column 6 "
+                                                "is outside head 6's global rows"):
+            table.lookup(bad, id_format="global")
