@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CheckpointError
+from .errors import CheckpointError, NumaEngramError, SpecMismatchError
 from .spec import EngramSpec
 
 log = logging.getLogger(__name__)
@@ -34,16 +34,69 @@ Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 @dataclass(frozen=True)
 class TensorNames:
-    """Names of a layer's tensors; ``{layer}`` is replaced by the layer id."""
+    """Names of a layer's tensors; ``{layer}`` is replaced by the layer id.
+    For checkpoints laid out otherwise than the names ``find_names`` knows."""
 
-    weights: str = "layers.{layer}.engram.embedding.weight"
-    scales: str = "layers.{layer}.engram.embedding.scale"
+    weights: str = "layers.{layer}.engram.embed.weight"
+    scales: str = "layers.{layer}.engram.embed.scale"
 
     def of(self, layer_id: int) -> tuple[str, str]:
         return self.weights.format(layer=layer_id), self.scales.format(layer=layer_id)
 
 
-DEFAULT_NAMES = TensorNames()
+V41_NAMES = TensorNames()
+DEFAULT_NAMES = V41_NAMES  # what the synthetic writer uses
+# Where a layer's tensors may sit: V4.1's module path, with or without a
+# "model." prefix, the scale also as vLLM's weight_scale_inv, and the names
+# this library wrote before it followed V4.1.
+_WEIGHT_CANDIDATES = ("{p}layers.{layer}.engram.embed.weight",
+                      "{p}layers.{layer}.engram.embedding.weight")
+_SCALE_CANDIDATES = ("{p}layers.{layer}.engram.embed.scale",
+                     "{p}layers.{layer}.engram.embed.weight_scale_inv",
+                     "{p}layers.{layer}.engram.embedding.scale")
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_files(paths) -> dict[str, str]:
+    """tensor name -> file of a checkpoint: a directory with
+    model.safetensors.index.json (its weight_map), a directory of
+    .safetensors files, one file, or a list of files."""
+    if isinstance(paths, (str, os.PathLike)) and os.path.isdir(paths):
+        index = os.path.join(paths, INDEX_FILE)
+        if os.path.exists(index):
+            try:
+                weight_map = json.loads(Path(index).read_text())["weight_map"]
+            except (OSError, ValueError, KeyError) as exc:
+                raise CheckpointError(f"{index}: not a safetensors index ({exc})") from exc
+            files = {name: os.path.join(paths, f) for name, f in weight_map.items()}
+            checkpoint_paths(sorted(set(files.values())))  # each a regular file
+            return files
+        paths = sorted(str(p) for p in Path(paths).glob("*.safetensors"))
+    out: dict[str, str] = {}
+    for path in checkpoint_paths(paths):
+        header, _ = read_header(path)
+        out.update({name: path for name in header if name != "__metadata__"})
+    return out
+
+
+def find_names(files: dict[str, str], layer_id: int) -> TensorNames:
+    """The layer's weight and scale tensor names among the checkpoint's:
+    exactly one candidate of each, else CheckpointError listing what was
+    found."""
+    found = []
+    for candidates in (_WEIGHT_CANDIDATES, _SCALE_CANDIDATES):
+        names = [c.format(p=p, layer=layer_id) for c in candidates for p in ("", "model.")]
+        hits = [n for n in names if n in files]
+        if len(hits) != 1:
+            engram = sorted(n for n in files if f"layers.{layer_id}.engram" in n)
+            what = "weights" if candidates is _WEIGHT_CANDIDATES else "scales"
+            raise CheckpointError(
+                f"layer {layer_id}: {'no' if not hits else len(hits)} {what} tensor"
+                f"{'s' if len(hits) > 1 else ''} among the known names {hits or names}; the "
+                f"checkpoint's engram tensors of that layer: {engram or 'none'}; pass "
+                "names=TensorNames(...) for another layout")
+        found.append(hits[0])
+    return TensorNames(*found)
 
 
 @dataclass(frozen=True)
@@ -84,21 +137,38 @@ def read_header(path: str) -> tuple[dict, int]:
         raise CheckpointError(f"{path}: cannot read a safetensors header ({exc})") from exc
 
 
-def locate(paths, name: str) -> TensorLocation:
-    """Find a tensor among the files, checking its metadata with safetensors."""
+def locate(files: dict[str, str], name: str) -> TensorLocation:
+    """Find a tensor in the checkpoint's files (``checkpoint_files``),
+    checking its metadata with safetensors."""
     from safetensors import safe_open
 
-    for path in checkpoint_paths(paths):
-        header, base = read_header(path)
-        if name not in header:
-            continue
-        with safe_open(path, framework="pt") as f:  # the package's own view of it
-            sl = f.get_slice(name)
-            shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
-        begin, _ = header[name]["data_offsets"]
-        return TensorLocation(path, name, dtype, shape, base + begin)
-    raise CheckpointError(f"tensor {name!r} is in none of {checkpoint_paths(paths)}; check the "
-                          "layer id and the TensorNames pattern")
+    path = files.get(name)
+    if path is None:
+        raise CheckpointError(f"tensor {name!r} is in none of {sorted(set(files.values()))}; "
+                              "check the layer id and the TensorNames pattern")
+    header, base = read_header(path)
+    if name not in header:
+        raise CheckpointError(f"the index says {name!r} is in {path}, but it is not there")
+    with safe_open(path, framework="pt") as f:  # the package's own view of it
+        sl = f.get_slice(name)
+        shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+    begin, _ = header[name]["data_offsets"]
+    return TensorLocation(path, name, dtype, shape, base + begin)
+
+
+def check_spec_metadata(path: str, spec: EngramSpec) -> None:
+    """The ``engram_spec`` our writer stores, when present, must be this spec."""
+    header, _ = read_header(path)
+    doc = (header.get("__metadata__") or {}).get("engram_spec")
+    if doc is None:
+        return
+    try:
+        theirs = EngramSpec.from_dict(json.loads(doc))
+    except (ValueError, NumaEngramError) as exc:
+        raise CheckpointError(f"{path}: unreadable engram_spec metadata ({exc})") from exc
+    if theirs.fingerprint != spec.fingerprint:
+        raise SpecMismatchError(f"{path} was written for spec {theirs.to_dict()}, this process "
+                                f"has {spec.to_dict()}; use the checkpoint's spec")
 
 
 def _check_tensor(loc: TensorLocation, rows: int, width: int, dtypes: tuple[str, ...]) -> None:
@@ -112,10 +182,13 @@ def _check_tensor(loc: TensorLocation, rows: int, width: int, dtypes: tuple[str,
 
 def load_rows(paths, spec: EngramSpec, layer_id: int, row_start: int, row_end: int,
               weights_out: np.ndarray, scales_out: np.ndarray, *,
-              names: TensorNames = DEFAULT_NAMES, chunk_bytes: int = 64 << 20,
+              names: TensorNames | None = None, chunk_bytes: int = 64 << 20,
               method: str = "pread", progress: Progress | None = None) -> None:
     """Copy rows [row_start, row_end) of the layer's weights and scales into
-    ``weights_out`` ([n, head_dim] uint8) and ``scales_out`` ([n, head_dim/block])."""
+    ``weights_out`` ([n, head_dim] uint8) and ``scales_out`` ([n, head_dim/block]).
+    ``paths``: a safetensors file, a list of them, or a checkpoint
+    directory (with model.safetensors.index.json).  ``names=None`` finds the
+    layer's two tensors by V4.1's module path (``find_names``)."""
     rows = spec.rows(layer_id)
     n = row_end - row_start
     if not 0 <= row_start <= row_end <= rows:
@@ -124,8 +197,11 @@ def load_rows(paths, spec: EngramSpec, layer_id: int, row_start: int, row_end: i
     if weights_out.shape != (n, spec.head_dim) or scales_out.shape != (n, spec.scales_per_row):
         raise CheckpointError(f"destination shapes {weights_out.shape}, {scales_out.shape} do not "
                               f"hold {n} rows of {spec.head_dim} + {spec.scales_per_row} bytes")
-    w_name, s_name = names.of(layer_id)
-    w_loc, s_loc = locate(paths, w_name), locate(paths, s_name)
+    files = checkpoint_files(paths)
+    w_name, s_name = (names or find_names(files, layer_id)).of(layer_id)
+    w_loc, s_loc = locate(files, w_name), locate(files, s_name)
+    for path in {w_loc.path, s_loc.path}:
+        check_spec_metadata(path, spec)
     _check_tensor(w_loc, rows, spec.head_dim, WEIGHT_DTYPES)
     _check_tensor(s_loc, rows, spec.scales_per_row, SCALE_DTYPES)
     total = n * spec.row_bytes
@@ -185,9 +261,13 @@ def synthetic_layer(spec: EngramSpec, layer_id: int, seed: int = 0,
 
 def write_synthetic_checkpoint(path: str | os.PathLike, spec: EngramSpec, *, seed: int = 0,
                                raw: bool = False, names: TensorNames = DEFAULT_NAMES,
-                               layers: Sequence[int] | None = None) -> Path:
-    """A safetensors file with every layer's weights (float8_e4m3fn) and
-    scales (float8_e8m0fnu), as the real checkpoints store them."""
+                               layers: Sequence[int] | None = None,
+                               shards: int = 1) -> Path:
+    """Every layer's weights (float8_e4m3fn) and scales (float8_e8m0fnu), as
+    the real checkpoints store them, with the spec in the metadata.
+    ``shards=1``: one safetensors file at ``path``; more: a directory
+    ``path`` of that many files and a model.safetensors.index.json, as
+    sharded Hugging Face checkpoints ship (each tensor in one file)."""
     import torch
     from safetensors.torch import save_file
 
@@ -197,5 +277,17 @@ def write_synthetic_checkpoint(path: str | os.PathLike, spec: EngramSpec, *, see
         w_name, s_name = names.of(layer)
         tensors[w_name] = torch.from_numpy(w).view(torch.float8_e4m3fn)
         tensors[s_name] = torch.from_numpy(s).view(torch.float8_e8m0fnu)
-    save_file(tensors, str(path), metadata={"engram_spec": json.dumps(spec.to_dict())})
-    return Path(path)
+    metadata = {"engram_spec": json.dumps(spec.to_dict())}
+    if shards == 1:
+        save_file(tensors, str(path), metadata=metadata)
+        return Path(path)
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for i in range(shards):
+        part = {n: t for j, (n, t) in enumerate(sorted(tensors.items())) if j % shards == i}
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file(part, str(root / name), metadata=metadata)
+        weight_map.update({n: name for n in part})
+    (root / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return root

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import errors, native
 from .accounting import check_memory
-from .checkpoint import DEFAULT_NAMES, Progress, TensorNames, checkpoint_paths, load_rows
+from .checkpoint import Progress, TensorNames, checkpoint_files, load_rows
 from .errors import (
     GroupTimeout,
     NumaEngramError,
@@ -201,7 +201,7 @@ class SharedEngramTable:
                directory: str = DEFAULT_DIRECTORY, checkpoint: Any = None,
                register_device: int | None = None, timeout_s: float = 300.0,
                mode: str = "auto", topology: Topology | None = None,
-               names: TensorNames = DEFAULT_NAMES, progress: Progress | None = None,
+               names: TensorNames | None = None, progress: Progress | None = None,
                lookup_threads: int = 1) -> SharedEngramTable:
         """Collective over ``group`` (its rank 0 leads; None: a private table).
 
@@ -590,7 +590,7 @@ def _reader_cpus(plan: PlacementPlan | None, topology: Topology) -> tuple[int, .
 def _leader_create(state: dict, layout, fingerprint, directory, placement, members, topology,
                    checkpoint, key) -> tuple[str, PlacementPlan | None]:
     if checkpoint is not None:
-        checkpoint_paths(checkpoint)  # not a regular file: refused before anything exists
+        checkpoint_files(checkpoint)  # not a regular file: refused before anything exists
     plan = _plan(placement, layout, members, topology)
     backing = BackingFile.create(layout, fingerprint, directory=directory, placement=plan,
                                  topology=topology, key=key)

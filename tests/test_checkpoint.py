@@ -53,7 +53,7 @@ def test_files_hold_real_fp8_dtypes(ckpt):
 def test_missing_tensor_wrong_shape_and_dtype(tmp_path, ckpt):
     w = np.zeros((10, 64), np.uint8)
     s = np.zeros((10, 2), np.uint8)
-    with pytest.raises(CheckpointError, match="in none of"):
+    with pytest.raises(CheckpointError, match="is in none of"):
         load_rows(ckpt, SPEC, 1, 0, 10, w, s, names=TensorNames("nope.{layer}", "x.{layer}"))
     bad = tmp_path / "bad.safetensors"
     w_name, s_name = TensorNames().of(1)
@@ -69,3 +69,54 @@ def test_missing_tensor_wrong_shape_and_dtype(tmp_path, ckpt):
         load_rows(ckpt, SPEC, 1, 0, SPEC.rows(1) + 1, w, s)
     with pytest.raises(CheckpointError, match="destination shapes"):
         load_rows(ckpt, SPEC, 1, 0, 11, w, s)
+
+
+NAMINGS = {
+    "v4.1": TensorNames("layers.{layer}.engram.embed.weight", "layers.{layer}.engram.embed.scale"),
+    "model-prefix": TensorNames("model.layers.{layer}.engram.embed.weight",
+                                "model.layers.{layer}.engram.embed.scale"),
+    "vllm-scale-inv": TensorNames("model.layers.{layer}.engram.embed.weight",
+                                  "model.layers.{layer}.engram.embed.weight_scale_inv"),
+    "ours-before": TensorNames("layers.{layer}.engram.embedding.weight",
+                               "layers.{layer}.engram.embedding.scale"),
+}
+
+
+@pytest.mark.parametrize("naming", sorted(NAMINGS))
+def test_sharded_checkpoint_with_an_index_loads_bit_exact_under_each_naming(tmp_path, naming):
+    root = write_synthetic_checkpoint(tmp_path / "ckpt", SPEC, names=NAMINGS[naming], shards=3)
+    assert (root / "model.safetensors.index.json").exists()
+    assert len(list(root.glob("*.safetensors"))) == 3
+    for layer in SPEC.layer_ids:
+        info = shard_heads(SPEC.bucket_sizes(layer), 2, 1)
+        w = np.empty((info.num_rows, SPEC.head_dim), np.uint8)
+        s = np.empty((info.num_rows, SPEC.scales_per_row), np.uint8)
+        load_rows(str(root), SPEC, layer, info.row_start, info.row_end, w, s)
+        w_all, s_all = synthetic_layer(SPEC, layer)
+        np.testing.assert_array_equal(w, w_all[info.row_start:info.row_end])
+        np.testing.assert_array_equal(s, s_all[info.row_start:info.row_end])
+
+
+def test_ambiguous_or_missing_tensors_and_spec_mismatch_are_refused(tmp_path):
+    from numa_engram.errors import SpecMismatchError
+
+    w = np.empty((10, SPEC.head_dim), np.uint8)
+    s = np.empty((10, SPEC.scales_per_row), np.uint8)
+    both = tmp_path / "both"
+    both.mkdir()
+    write_synthetic_checkpoint(both / "a.safetensors", SPEC, names=NAMINGS["v4.1"])
+    write_synthetic_checkpoint(both / "b.safetensors", SPEC, names=NAMINGS["model-prefix"])
+    with pytest.raises(CheckpointError, match=r"2 weights tensors among the known names "
+                                              r"\['layers.1.engram.embed.weight', "
+                                              r"'model.layers.1.engram.embed.weight'\]"):
+        load_rows(str(both), SPEC, 1, 0, 10, w, s)
+    other = tmp_path / "other.safetensors"
+    write_synthetic_checkpoint(other, SPEC, names=TensorNames("emb.{layer}.w", "emb.{layer}.s"))
+    with pytest.raises(CheckpointError, match="no weights tensor"):
+        load_rows(str(other), SPEC, 1, 0, 10, w, s)
+    load_rows(str(other), SPEC, 1, 0, 10, w, s, names=TensorNames("emb.{layer}.w",
+                                                                   "emb.{layer}.s"))
+    theirs = tmp_path / "theirs.safetensors"
+    write_synthetic_checkpoint(theirs, EngramSpec.small(seed=5))
+    with pytest.raises(SpecMismatchError, match="was written for spec"):
+        load_rows(str(theirs), EngramSpec.small(), 1, 0, 10, w, s)
