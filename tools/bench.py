@@ -122,6 +122,51 @@ def bench_hashing(tokens: int) -> None:
     print(f"  identical to the reference: {same}")
 
 
+def serving_batch(rng, tokens: int = 8192, requests: int = 64):
+    """A packed batch of `requests` requests: mixed prefill chunks and
+    1-token decode steps, interleaved in a random order."""
+    lengths = rng.multinomial(tokens - requests, np.ones(requests) / requests) + 1
+    lengths[: requests // 2] = 1  # half the requests are decode steps
+    lengths[requests // 2:] += (tokens - lengths.sum()) // (requests - requests // 2)
+    lengths[-1] += tokens - lengths.sum()
+    starts = rng.integers(1, 4000, requests) * (lengths == 1)  # decodes continue a history
+    slots = np.repeat(np.arange(requests), lengths)
+    positions = np.concatenate([s + np.arange(n) for s, n in zip(starts, lengths)])
+    chunks = np.split(np.arange(tokens), np.cumsum(lengths)[:-1])  # each request in order
+    rng.shuffle(chunks)  # requests packed in a random order
+    order = np.concatenate(chunks)
+    return slots[order], positions[order], starts
+
+
+def bench_serving_hashing(tokens: int = 8192, requests: int = 64) -> None:
+    """HashState on a packed batch (all layers) vs ngram_hashes on one row
+    of the same length once per layer, one thread each, turns interleaved."""
+    from numa_engram import EngramSpec, HashState, ngram_hashes
+
+    spec = EngramSpec(layer_ids=[1, 14], engram_vocab_sizes=[16_000_000] * 3, max_ngram_size=4,
+                      n_head_per_ngram=8, head_dim=256, compressed_vocab_size=99092, pad_id=2)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, spec.compressed_vocab_size, tokens)
+    slots, positions, starts = serving_batch(rng, tokens, requests)
+    state = HashState(spec, max_requests=requests)
+
+    def packed():
+        for slot, start in enumerate(starts):  # put decode slots back where they were
+            if start:
+                state.restore(slot, int(start), ids[:3])
+        state.hash(ids, slots, positions, commit=False)
+
+    def whole_rows():
+        for layer in spec.layer_ids:
+            ngram_hashes(spec, ids, layer)
+    best = best_interleaved({"packed": packed, "rows": whole_rows}, 9)
+    print(f"== serving hashes: packed batch of {tokens} tokens, {requests} requests "
+          f"(prefill chunks and decode steps), {len(spec.layer_ids)} layers, 1 thread")
+    print(f"  HashState.hash       : {tokens / best['packed'] / 1e6:6.2f} M tokens/s")
+    print(f"  ngram_hashes per layer: {tokens / best['rows'] / 1e6:6.2f} M tokens/s")
+    print(f"  ratio packed / whole rows: {best['rows'] / best['packed']:.2f} (target >= 0.8)")
+
+
 # ------------------------------------------------------------------ load --
 
 def bench_load(gib: float) -> None:
@@ -208,7 +253,7 @@ def bench_prefetch(lookup_ms: float = 20.0, layer_ms: float = 5.0, layers_before
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("what", nargs="?", default="all",
-                   choices=["all", "lookup", "hashing", "load", "prefetch"])
+                   choices=["all", "lookup", "hashing", "serving-hashing", "load", "prefetch"])
     p.add_argument("--table-gib", type=float, default=2.0)
     p.add_argument("--load-gib", type=float, default=1.0)
     p.add_argument("--tokens", type=int, default=4096)
@@ -221,6 +266,8 @@ def main() -> None:
         bench_lookup(a.table_gib, a.tokens)
     if a.what in ("all", "hashing"):
         bench_hashing(100_000 if a.quick else 1_000_000)
+    if a.what in ("all", "serving-hashing"):
+        bench_serving_hashing()
     if a.what in ("all", "load"):
         bench_load(a.load_gib)
     if a.what in ("all", "prefetch"):
