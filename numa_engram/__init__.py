@@ -6,6 +6,7 @@ need it (fp8, lookup, table, prefetch, cuda), when first used.
 
 from __future__ import annotations
 
+import logging
 from importlib import import_module
 
 from ._version import __version__
@@ -43,6 +44,10 @@ _LAZY = {
     "build_token_map": "tokenmap",
     "ShardedHeads": "exchange",
 }
+
+
+# the library only logs; the application decides where logs go
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 
 def __getattr__(name: str):

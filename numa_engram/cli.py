@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import re
 import sys
 import time
 
@@ -18,12 +20,58 @@ from .errors import NumaEngramError, StorageError
 UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+SIMULATE = re.compile(r"^(\d+)x(\d+)$", re.IGNORECASE)
+
+
 def parse_size(text: str) -> int:
-    """'64M' -> 67108864; plain numbers are bytes."""
-    t = text.strip().lower().rstrip("ib").rstrip("b") if text[-1:].lower() in "bB" else text.lower()
-    if t and t[-1] in UNITS:
-        return int(float(t[:-1]) * UNITS[t[-1]])
-    return int(t)
+    """'64M' -> 67108864; plain numbers are bytes; > 0."""
+    m = SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"size {text!r} is not a size: write a number of bytes with an optional K, M, G or "
+            "T (e.g. 64M)")
+    value = int(float(m[1]) * UNITS.get(m[2].lower(), 1))
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be > 0 (e.g. 64M)")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer (1, 2, ...)")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
+    return value
+
+
+def simulate_arg(text: str) -> str:
+    """'2x4' (sockets x GPUs per socket) or an existing topology JSON file."""
+    m = SIMULATE.match(text)
+    if os.path.exists(text) or (m and int(m[1]) >= 1):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"--simulate {text!r}: write SOCKETSxGPUS_PER_SOCKET with sockets >= 1 and GPUs >= 0 "
+        "(e.g. 2x4), or the path of a topology JSON file")
+
+
+def check_pid(pid: int) -> int:
+    if not os.path.exists(f"/proc/{pid}"):
+        raise StorageError(f"no process with pid {pid}; give the pid of a running server "
+                           "(e.g. from pgrep)")
+    return pid
 
 
 def load_topology(simulate: str | None):
@@ -72,7 +120,7 @@ def cmd_create(args: argparse.Namespace) -> int:
     from .storage import BackingFile, Layout
 
     topo = load_topology(None)
-    size = parse_size(args.size)
+    size = args.size
     share = size // args.regions
     layout = Layout.of([(f"shard{i}", share) for i in range(args.regions)])
     regions = [Region(r.name, r.offset, r.length, (topo.node_ids[i % len(topo.node_ids)],))
@@ -99,7 +147,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     if args.pid is not None:
         targets = [(f"pid {args.pid} fd {fd} ({name})", open_process_fd(args.pid, fd))
-                   for fd, name in table_fds(args.pid)]
+                   for fd, name in table_fds(check_pid(args.pid))]
         if not targets:
             raise StorageError(f"pid {args.pid} holds no numa_engram table")
     elif args.path:
@@ -136,7 +184,7 @@ def cmd_mem(args: argparse.Namespace) -> int:
     """Per-process PSS/RSS (numastat -p style) and per-node Shmem."""
     from . import accounting, native
 
-    pids = [int(p) for p in args.pids] or accounting.pids_of_users(args.match)
+    pids = [check_pid(p) for p in args.pids] or accounting.pids_of_users(args.match)
     rows = []
     for pid in pids:
         try:
@@ -245,7 +293,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .storage import BackingFile, Layout
 
     topo = load_topology(None)
-    dim, rows = 256, parse_size(args.size) // 264
+    dim, rows = 256, args.size // 264
     layout = Layout.of([("weights", rows * dim), ("scales", rows * dim // 32)])
     plan = plan_placement(args.policy, [Region(r.name, r.offset, r.length)
                                         for r in layout.regions], topo)
@@ -298,8 +346,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from ._version import __version__
 
-    p = argparse.ArgumentParser(prog="numa-engram", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="numa-engram", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"numa-engram {__version__}")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="log what the library does (-vv: debug); errors then show tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
 
     def add(name: str, func, help_text: str) -> argparse.ArgumentParser:
@@ -309,43 +359,59 @@ def build_parser() -> argparse.ArgumentParser:
         return sp
 
     sp = add("topo", cmd_topo, "NUMA nodes, cpus, memory, distances and GPUs")
-    sp.add_argument("--simulate", help="'2x4' (sockets x GPUs per socket) or a topology JSON file")
+    sp.add_argument("--simulate", type=simulate_arg,
+                    help="'2x4' (sockets x GPUs per socket) or a topology JSON file")
     sp = add("create", cmd_create, "create, place, populate and verify a table file")
-    sp.add_argument("--size", default="64M")
-    sp.add_argument("--regions", type=int, default=2, help="equal regions, region i read from "
-                    "node i mod nodes")
-    sp.add_argument("--policy", default="gpu-local")
-    sp.add_argument("--directory", default="/dev/shm")
-    sp.add_argument("--hold", type=float, default=0, help="seconds to keep it before removing")
+    sp.add_argument("--size", type=parse_size, default="64M",
+                    help="bytes, with K, M, G or T (default 64M)")
+    sp.add_argument("--regions", type=positive_int, default=2,
+                    help="equal regions, region i read from node i mod nodes (default 2)")
+    sp.add_argument("--policy", default="gpu-local", help=POLICY_HELP)
+    sp.add_argument("--directory", default="/dev/shm",
+                    help="a tmpfs or hugetlbfs directory (default /dev/shm)")
+    sp.add_argument("--hold", type=float, default=0,
+                    help="seconds to keep it before removing (default 0)")
     sp = add("verify", cmd_verify, "report where a table's pages are (file or live process)")
-    sp.add_argument("path", nargs="?")
-    sp.add_argument("--pid", type=int, help="every table this process holds")
+    sp.add_argument("path", nargs="?", help="a table file")
+    sp.add_argument("--pid", type=positive_int, help="every table this process holds")
     sp = add("mem", cmd_mem, "PSS/RSS per process and Shmem per node")
-    sp.add_argument("pids", nargs="*")
-    sp.add_argument("--match", default="numa_engram", help="pick pids by command line")
-    sp.add_argument("--file-match", default="numa-engram-", help="mappings counted per node")
-    sp.add_argument("--directory", default="/dev/shm")
+    sp.add_argument("pids", nargs="*", type=positive_int,
+                    help="processes (default: those whose command line has --match)")
+    sp.add_argument("--match", default="numa_engram",
+                    help="pick pids by command line (default numa_engram)")
+    sp.add_argument("--file-match", default="numa-engram-",
+                    help="mappings counted per node (default numa-engram-)")
+    sp.add_argument("--directory", default="/dev/shm", help="the tmpfs (default /dev/shm)")
     sp = add("plan", cmd_plan, "bytes per node and remote reads of a placement plan")
-    sp.add_argument("--spec", default="v4-flash", help="demo, v4-flash, small, tiny or a JSON file")
-    sp.add_argument("--tp", type=int, default=2)
-    sp.add_argument("--dp", type=int, default=4)
-    sp.add_argument("--gpus-per-node", type=int, default=0)
+    sp.add_argument("--spec", default="v4-flash",
+                    help="demo, v4-flash, small, tiny or a JSON file (default v4-flash)")
+    sp.add_argument("--tp", type=positive_int, default=2, help="tensor parallel (default 2)")
+    sp.add_argument("--dp", type=positive_int, default=4, help="data parallel (default 4)")
+    sp.add_argument("--gpus-per-node", type=non_negative_int, default=0,
+                    help="GPUs per host (default 0: from the topology)")
     sp.add_argument("--mode", default="dp_shared", choices=["independent", "dp_shared",
-                                                            "dp_sharded"])
-    sp.add_argument("--policy", default="gpu-local")
-    sp.add_argument("--simulate", help="'2x4' or a topology JSON file")
+                                                            "dp_sharded"],
+                    help="who holds rows (default dp_shared)")
+    sp.add_argument("--policy", default="gpu-local", help=POLICY_HELP)
+    sp.add_argument("--simulate", type=simulate_arg, help="'2x4' or a topology JSON file")
     sp = add("bench", cmd_bench, "lookup rows/s on a placed table, per reader node")
-    sp.add_argument("--size", default="1G")
-    sp.add_argument("--policy", default="node:0")
-    sp.add_argument("--tokens", type=int, default=100_000)
-    sp.add_argument("--threads", type=int, default=2)
-    sp.add_argument("--repeat", type=int, default=3)
+    sp.add_argument("--size", type=parse_size, default="1G", help="table bytes (default 1G)")
+    sp.add_argument("--policy", default="node:0", help=POLICY_HELP)
+    sp.add_argument("--tokens", type=positive_int, default=100_000,
+                    help="tokens per lookup (default 100000)")
+    sp.add_argument("--threads", type=positive_int, default=2,
+                    help="lookup threads (default 2)")
+    sp.add_argument("--repeat", type=positive_int, default=3, help="runs per node (default 3)")
     sp = add("demo", cmd_demo, "share, place, load and look up a default table")
-    sp.add_argument("--spec", default="small")
-    sp.add_argument("--procs", type=int, default=2, help="DP replicas sharing the table")
-    sp.add_argument("--tokens", type=int, default=4096)
-    sp.add_argument("--policy", default="gpu-local")
-    sp.add_argument("--directory", default="/dev/shm")
+    sp.add_argument("--spec", default="small",
+                    help="demo, v4-flash, small, tiny or a JSON file (default small)")
+    sp.add_argument("--procs", type=positive_int, default=2,
+                    help="DP replicas sharing the table (default 2)")
+    sp.add_argument("--tokens", type=positive_int, default=4096,
+                    help="tokens per lookup (default 4096)")
+    sp.add_argument("--policy", default="gpu-local", help=POLICY_HELP)
+    sp.add_argument("--directory", default="/dev/shm",
+                    help="a tmpfs directory (default /dev/shm)")
     sp = add("gc", cmd_gc, "remove table files no live process holds")
     sp.add_argument("--directory", default="/dev/shm", help="where to look (default /dev/shm)")
     sp.add_argument("--dry-run", action="store_true", help="only say what would be removed")
@@ -354,13 +420,38 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A wrong command line is one line on stderr and status 2 (argparse
+    would print the usage too)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+POLICY_HELP = ("gpu-local (default), node:N, interleave, replicate-per-node or none")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2), stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except NumaEngramError as exc:
-        print(f"numa-engram {args.command}: {exc}", file=sys.stderr)
+    except (NumaEngramError, OSError, ValueError) as exc:
+        if args.verbose:
+            raise
+        print(f"numa-engram {args.command}: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        if args.verbose:
+            raise
+        print(f"numa-engram {args.command}: unexpected {type(exc).__name__}: {_one_line(exc)}; "
+              "run with -v for the traceback", file=sys.stderr)
+        return 2
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":

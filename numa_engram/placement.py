@@ -111,9 +111,13 @@ def parse_policy(policy: str) -> tuple[str, int | None]:
     """'node:1' -> ('node', 1); 'gpu-local' -> ('gpu-local', None)."""
     if policy.startswith("node:"):
         try:
-            return "node", int(policy.split(":", 1)[1])
+            node = int(policy.split(":", 1)[1])
         except ValueError:
-            raise PlacementError(f"bad policy {policy!r}: write node:N with N a node id") from None
+            node = -1
+        if node < 0:
+            raise PlacementError(f"bad policy {policy!r}: write node:N with N a node id >= 0 "
+                                 "(numa-engram topo lists them)")
+        return "node", node
     if policy in POLICIES:
         return policy, None
     raise PlacementError(f"unknown placement policy {policy!r}; choose one of {list(POLICIES)}")

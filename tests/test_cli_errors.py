@@ -1,0 +1,65 @@
+"""Every wrong command line: one line on stderr naming the wrong value and
+what to do, exit status 2, never a traceback."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "numa_engram", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def _a_file_that_is_not_a_table(tmp_path):
+    path = tmp_path / "not-a-table"
+    path.write_bytes(b"hello" * 1000)
+    return str(path)
+
+
+def _a_dead_pid():
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return str(child.pid)
+
+
+CASES = [
+    (["create", "--size", "1X"], "'1X'"),
+    (["create", "--size=-5M"], "'-5M'"),
+    (["create", "--size", "0"], "'0'"),
+    (["create", "--size", "1M", "--policy", "node:7"], "node 7"),
+    (["create", "--size", "1M", "--policy", "node:-1"], "node:-1"),
+    (["create", "--size", "1M", "--policy", "sideways"], "'sideways'"),
+    (["plan", "--simulate", "9x9x9"], "'9x9x9'"),
+    (["plan", "--simulate", "2x-3"], "'2x-3'"),
+    (["plan", "--tp", "0"], "--tp"),
+    (["plan", "--dp", "-1"], "--dp"),
+    (["demo", "--procs", "0"], "--procs"),
+    (["create", "--size", "1M", "--directory", "/no/such/dir"], "/no/such/dir"),
+    (["gc", "--directory", "/no/such/dir"], "/no/such/dir"),
+    (["create", "--size", "1M", "--directory", "{tmp}"], "not on tmpfs"),
+    (["verify", "/no/such/table"], "/no/such/table"),
+    (["verify", "{not_a_table}"], "not a numa_engram backing file"),
+    (["verify", "--pid", "{dead_pid}"], "no process"),
+    (["mem", "{dead_pid}"], "no process"),
+]
+
+
+@pytest.mark.parametrize("argv, names", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_wrong_input_is_one_clear_line_and_status_2(tmp_path, argv, names):
+    values = {"tmp": str(tmp_path), "not_a_table": _a_file_that_is_not_a_table(tmp_path),
+              "dead_pid": _a_dead_pid()}
+    argv = [a.format(**values) for a in argv]
+    names = names.format(**values)
+    out = cli(*argv)
+    assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert names in lines[0], lines[0]
+
+
+def test_version_and_verbose():
+    out = cli("--version")
+    assert out.returncode == 0 and out.stdout.startswith("numa-engram ")
+    assert cli("-v", "topo").returncode == 0
