@@ -236,6 +236,10 @@ class DeviceShard:
         # each head's first row in the layer's whole table (global ids)
         self.global_base = None if global_base is None else torch.from_numpy(
             np.ascontiguousarray(global_base, dtype=np.int64)).to(self.device)
+        self.zero_base = torch.zeros_like(self.sizes)
+        from .gpu_kernels import new_error_record
+
+        self.errors = new_error_record(self.device)  # static: graph replays update it
 
     def _view(self, array: np.ndarray, device: int):
         import torch
@@ -247,40 +251,96 @@ class DeviceShard:
                                f"must be the registering one (cuda:{device})")
         return tensor
 
-    def lookup(self, hash_ids, out=None, *, validate: bool = True, id_format: str = "bucket"):
-        """BF16 ``[T, heads, head_dim]`` on the device for CUDA int64 or
-        int32 ids ``[T, n_hash_cols]`` (bucket ids, or global rows of the
-        layer's table); ``validate`` checks ids on the device (one sync)."""
+    def lookup(self, hash_ids, out=None, *, id_format: str = "bucket", packed: bool = False,
+               out_scales=None, max_sms: int | None = None, background: bool = False):
+        """BF16 ``[T, heads, head_dim]`` on the device for ids ``[T, n_hash_cols]``
+        already on this GPU (int64 or int32; rows may be strided; bucket ids
+        or global rows), by the fused Triton kernel: no host sync, so a CUDA
+        graph can capture it (give ``out``).  Bad ids give zero rows and a
+        device error record: ``check_errors()`` raises for them.
+        ``packed=True``: the FP8 rows (uint8 ``out``) and scales
+        (``out_scales``) as stored.  ``max_sms`` caps the persistent grid
+        (``background=True``: half the SMs)."""
+        import torch
+
+        from . import gpu_kernels
+
+        ids = self._device_ids(hash_ids)
+        shape = (ids.shape[0], len(self.sizes), self.weights.shape[1])
+        if packed:
+            out = torch.empty(shape, dtype=torch.uint8, device=self.device) if out is None \
+                else out
+            out_scales = torch.empty((*shape[:2], shape[2] // self.block), dtype=torch.uint8,
+                                     device=self.device) if out_scales is None else out_scales
+            bits = out
+        else:
+            out = torch.empty(shape, dtype=torch.bfloat16, device=self.device) if out is None \
+                else out
+            if out.dtype != torch.bfloat16 or tuple(out.shape) != shape or not out.is_contiguous():
+                raise ValueError(f"out must be a contiguous bfloat16 tensor {list(shape)} on "
+                                 f"{self.device}, got {out.dtype} {list(out.shape)}")
+            bits = out.view(torch.int16)
+        gpu_kernels.lookup(self.weights, self.scales, ids, head_start=self.head_start,
+                           sizes=self.sizes, offsets=self.offsets,
+                           base=self._base(id_format), out=bits, err=self.errors,
+                           out_scales=out_scales, block=self.block, max_sms=max_sms,
+                           background=background)
+        return (out, out_scales) if packed else out
+
+    def check_errors(self) -> None:
+        """Read (one sync) and clear the device error record; raise
+        LookupIdError naming the first bad id of the lookups since the last
+        check."""
+        from .gpu_kernels import NO_ERROR
+
+        count, pos, value = (int(x) for x in self.errors.tolist())
+        if not count:
+            return
+        self.errors.copy_(self.errors.new_tensor([0, NO_ERROR, 0]))
+        t, h = divmod(pos, len(self.sizes))
+        raise LookupIdError(f"hash id {value} at token {t}, column {self.head_start + h} is "
+                            f"outside its head's range ({count} bad ids since the last check);"
+                            " their rows were written as zeros")
+
+    def _device_ids(self, hash_ids):
+        import torch
+
+        if not torch.is_tensor(hash_ids) or hash_ids.device != self.device:
+            where = hash_ids.device if torch.is_tensor(hash_ids) else "the host"
+            raise LookupIdError(f"hash ids are on {where}; the GPU lookup needs them on "
+                                f"{self.device} (copy them there once, ahead of the lookup)")
+        if hash_ids.dtype not in (torch.int64, torch.int32) or hash_ids.dim() != 2:
+            raise LookupIdError(f"hash ids must be int64 or int32 [T, n_hash_cols], got "
+                                f"{hash_ids.dtype} {list(hash_ids.shape)}")
+        return hash_ids
+
+    def _base(self, id_format: str):
+        if id_format == "bucket":
+            return self.zero_base
+        if id_format == "global" and self.global_base is not None:
+            return self.global_base
+        raise ValueError(f"id_format must be 'bucket' or 'global' (with the layer's head "
+                         f"offsets), got {id_format!r}")
+
+    def lookup_torch(self, hash_ids, *, id_format: str = "bucket"):
+        """The plain torch path (several kernels, a host sync for bad ids):
+        the reference the fused kernel is tested against."""
         import torch
 
         from .fp8 import dequantize_rows
 
-        if hash_ids.dtype not in (torch.int64, torch.int32) or hash_ids.dim() != 2:
-            raise LookupIdError(f"hash ids must be int64 or int32 [T, n_hash_cols], got "
-                                f"{hash_ids.dtype} {list(hash_ids.shape)}")
-        if id_format not in ("bucket", "global") or (id_format == "global" and
-                                                     self.global_base is None):
-            raise ValueError(f"id_format must be 'bucket' or 'global' (with the layer's head "
-                             f"offsets), got {id_format!r}")
-        ids = hash_ids.to(self.device, non_blocking=True).long()
+        ids = self._device_ids(hash_ids).long()
         heads = len(self.sizes)
         raw = ids[:, self.head_start:self.head_start + heads]
         dead = raw == -1
-        cols = raw - self.global_base if id_format == "global" else raw
-        if validate:
-            bad = ~dead & ((cols < 0) | (cols >= self.sizes))
-            if bool(bad.any()):
-                t, h = (int(x) for x in bad.nonzero()[0])
-                raise LookupIdError(f"hash id {int(raw[t, h])} at token {t}, column "
-                                    f"{self.head_start + h} is outside its head's {id_format} "
-                                    "range")
-        dead = dead | (cols < 0)
+        cols = raw - self._base(id_format)
+        bad = ~dead & ((cols < 0) | (cols >= self.sizes))
+        if bool(bad.any()):
+            t, h = (int(x) for x in bad.nonzero()[0])
+            raise LookupIdError(f"hash id {int(raw[t, h])} at token {t}, column "
+                                f"{self.head_start + h} is outside its head's range")
         rows = torch.where(dead, 0, cols + self.offsets).reshape(-1)
         w = self.weights.index_select(0, rows)  # zero-copy reads over PCIe
         s = self.scales.index_select(0, rows)
         vals = dequantize_rows(w, s, self.block).view(cols.shape[0], heads, -1)
-        vals.masked_fill_(dead.unsqueeze(-1), 0)
-        if out is None:
-            return vals
-        out.copy_(vals)
-        return out
+        return vals.masked_fill_(dead.unsqueeze(-1), 0)

@@ -367,13 +367,23 @@ class SharedEngramTable:
                                              self.id_base("global"))
         return self._device_shard
 
-    def lookup_cuda(self, hash_ids, out=None, *, validate: bool = True,
-                    id_format: str = "bucket"):
-        """The lookup on the GPU that registered the table: a zero-copy gather
-        over PCIe plus dequantisation on the device."""
+    def lookup_cuda(self, hash_ids, out=None, *, id_format: str = "bucket",
+                    packed: bool = False, max_sms: int | None = None,
+                    background: bool = False):
+        """The lookup on the GPU that registered the table: one fused kernel
+        reading rows over PCIe (zero-copy) and dequantising on the device;
+        ids must already be on that GPU; no host sync (bad ids: zero rows,
+        raised by ``check_device_errors()``).  See ``DeviceShard.lookup``."""
         with self._in_use():
-            return self.device_view().lookup(hash_ids, out=out, validate=validate,
-                                             id_format=id_format)
+            return self.device_view().lookup(hash_ids, out=out, id_format=id_format,
+                                             packed=packed, max_sms=max_sms,
+                                             background=background)
+
+    def check_device_errors(self) -> None:
+        """Raise LookupIdError for bad ids the GPU lookups met since the last
+        check (reads the device record: one sync), and clear it."""
+        if self._device_shard is not None:
+            self._device_shard.check_errors()
 
     # ----------------------------------------------------------- reports --
     def placement_report(self, refresh: bool = True) -> PlacementReport | None:

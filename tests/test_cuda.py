@@ -41,10 +41,31 @@ def test_uva_lookup_is_zero_copy_and_bit_exact(table):
     ids[::5] = -1
     got = t.lookup_cuda(torch.from_numpy(ids).cuda())
     np.testing.assert_array_equal(_bits(got), _bits(t.lookup(ids)))
+    np.testing.assert_array_equal(_bits(view.lookup_torch(torch.from_numpy(ids).cuda())),
+                                  _bits(got))
     bad = torch.from_numpy(ids).cuda()
     bad[3, 5] = 10**9
+    t.lookup_cuda(bad)  # no host sync: recorded on the device
     with pytest.raises(LookupIdError, match="token 3, column 5"):
-        t.lookup_cuda(bad)
+        t.check_device_errors()
+    with pytest.raises(LookupIdError, match="on the host"):
+        t.lookup_cuda(ids)
+
+
+def test_graph_capture_replays_new_ids(table):
+    spec, t = table
+    static_ids = torch.zeros((512, spec.n_hash_cols), dtype=torch.int64, device="cuda")
+    out = torch.empty((512, 4, 128), dtype=torch.bfloat16, device="cuda")
+    t.lookup_cuda(static_ids, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        t.lookup_cuda(static_ids, out=out)
+    for seed in range(3):
+        ids = ngram_hashes(spec, np.random.default_rng(seed).integers(0, 1000, 512), 1)
+        static_ids.copy_(torch.from_numpy(ids))
+        graph.replay()
+        torch.cuda.synchronize()
+        np.testing.assert_array_equal(_bits(out), _bits(t.lookup(ids)))
 
 
 def test_staged_lookup_is_bit_exact(table):
