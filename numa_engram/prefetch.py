@@ -59,10 +59,17 @@ class _Job:
     error: BaseException | None = None
     cancelled: bool = False
     slot: bool = False  # holds one of the scheduler's `depth` slots
-    event: Any = None  # CUDA event
+    event: Any = None  # CUDA event: the lookup is done
+    start_event: Any = None  # CUDA event: the lookup started (timing)
 
 
-def _as_lookup(source: Any) -> LookupFn:
+def _as_lookup(source: Any, backend: str = "cpu", max_sms: int | None = None,
+               background: bool = True) -> LookupFn:
+    if backend == "cuda" and hasattr(source, "lookup_cuda"):
+        # the fused kernel on the side stream, its grid capped so the
+        # consumer's kernels keep SMs (vLLM: half in background mode)
+        return lambda ids, out: source.lookup_cuda(ids, out=out, max_sms=max_sms,
+                                                   background=background)
     if hasattr(source, "lookup"):
         return lambda ids, out: source.lookup(ids, out=out)
     if callable(source):
@@ -77,7 +84,8 @@ class PrefetchScheduler:
 
     def __init__(self, lookups: Mapping[Any, Any], row_shape: Mapping[Any, tuple[int, int]], *,
                  max_tokens: int, depth: int = 2, backend: str = "cpu", device: Any = None,
-                 dtype: Any = None) -> None:
+                 dtype: Any = None, max_sms: int | None = None,
+                 background: bool = True) -> None:
         import torch
 
         if depth < 1:
@@ -86,7 +94,10 @@ class PrefetchScheduler:
             raise PrefetchError(f"backend must be 'cpu' or 'cuda', got {backend!r}")
         self._torch = torch
         self.backend, self.depth, self.max_tokens = backend, depth, max_tokens
-        self._lookups = {layer: _as_lookup(src) for layer, src in lookups.items()}
+        self._sources = dict(lookups)
+        self._lookups = {layer: _as_lookup(src, backend, max_sms, background)
+                         for layer, src in lookups.items()}
+        self._gpu_times: list[tuple[Any, Any, Any]] = []  # (layer, start, end) not yet read
         dev = torch.device("cpu") if backend == "cpu" else torch.device(device or "cuda")
         self.staging = {layer: torch.empty((max_tokens, *row_shape[layer]),
                                            dtype=dtype or torch.bfloat16, device=dev)
@@ -136,9 +147,11 @@ class PrefetchScheduler:
         if self.backend == "cuda":
             self._launch_cuda(job)
 
-    def wait(self, layer: Any):
+    def wait(self, layer: Any, *, check_errors: bool = False):
         """The layer's staged rows ``[T, heads, head_dim]`` once its lookup is
-        done (CPU) or ordered before the consumer's next work (CUDA)."""
+        done (CPU) or ordered before the consumer's next work (CUDA).
+        ``check_errors``: also read the table's device error record (one
+        sync) and raise LookupIdError for bad ids."""
         with self._lock:
             self._check_open()
             job = self._inflight.get(layer)
@@ -157,6 +170,9 @@ class PrefetchScheduler:
             self._account(job, called, ready)
             if job.error is not None:
                 raise job.error
+            source = self._sources[layer]
+            if check_errors and hasattr(source, "check_device_errors"):
+                source.check_device_errors()
             return job.out
         finally:
             self._retire(job)
@@ -191,7 +207,19 @@ class PrefetchScheduler:
             self._worker.join()  # skipped jobs and the running one set `done`
 
     def metrics_report(self) -> dict:
+        self._read_gpu_times()
         return {str(layer): m.as_dict() for layer, m in self.metrics.items()}
+
+    def _read_gpu_times(self) -> None:
+        """CUDA lookup times from their events, for those already done
+        (``query()``, never a sync)."""
+        pending = []
+        for layer, start, end in self._gpu_times:
+            if end.query():
+                self.metrics[layer].lookup_s += start.elapsed_time(end) / 1e3
+            else:
+                pending.append((layer, start, end))
+        self._gpu_times = pending
 
     def __enter__(self) -> PrefetchScheduler:
         return self
@@ -216,7 +244,10 @@ class PrefetchScheduler:
     def _account(self, job: _Job, called: float, ready: float) -> None:
         m = self.metrics[job.layer]
         m.lookups += 1
-        m.lookup_s += max(0.0, job.finished - job.started) if self.backend == "cpu" else 0.0
+        if self.backend == "cpu":
+            m.lookup_s += max(0.0, job.finished - job.started)
+        elif job.start_event is not None:
+            self._gpu_times.append((job.layer, job.start_event, job.event))
         m.lead_s += called - job.submitted
         m.exposed_s += ready - called
 
@@ -238,13 +269,15 @@ class PrefetchScheduler:
         torch = self._torch
         consumer = torch.cuda.current_stream(job.out.device)
         self._stream.wait_stream(consumer)  # after the work already queued
-        job.event = torch.cuda.Event()
+        job.event = torch.cuda.Event(enable_timing=True)
+        job.start_event = torch.cuda.Event(enable_timing=True)
         job.started = time.perf_counter()
         if torch.is_tensor(job.ids) and job.ids.is_cuda:
             # made on the consumer stream, read on ours: keep the allocator
             # from reusing its memory before our lookup has run
             job.ids.record_stream(self._stream)
         with torch.cuda.stream(self._stream):
+            job.start_event.record(self._stream)
             try:
                 self._lookups[job.layer](job.ids, job.out)
             except BaseException as exc:

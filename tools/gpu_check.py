@@ -1,16 +1,19 @@
 #!/usr/bin/env python3
-"""GPU check for a machine with an NVIDIA GPU (< 5 minutes).
+"""GPU check for a machine with an NVIDIA GPU (one run, < 5 minutes).
 
-Prints, each beside a baseline measured in the same run:
-  - cudaHostRegister time per GiB of a placed table;
-  - UVA (zero-copy) gather + dequant and the staged path (CPU kernel into
-    pinned memory + async copy), bit-exact against the CPU reference, and
-    their GB/s of FP8 rows next to a plain host-to-device copy of as many bytes;
-  - exposed wait of the Engram lookup behind a synthetic matmul workload,
-    with prefetch (submitted layers ahead) and without.
-Writes the numbers as JSON to $OUT/gpu_check.json when $OUT is set.
+On one GPU, a registered table (default 16 GiB), each number beside a
+baseline measured in the same run:
+  (a) the fused Triton lookup: rows/s and GB/s of FP8 rows read;
+  (b) the old torch path (index_select + dequant, ~19 kernels);
+  (c) a host-to-device copy of as many bytes (copy engine);
+  (d) the fused lookup with the SM cap (background: half the SMs) on a side
+      stream while a matmul loop runs on the main stream: the matmuls'
+      slowdown and the exposed wait;
+  (e) CUDA graph capture of a lookup and replays with new ids each time;
+every result bit-exact against the CPU kernel; cudaHostRegister seconds per
+GiB.  Writes everything as JSON to --out.
 
-    python tools/gpu_check.py [--table-gib 4] [--tokens 8192]
+    python tools/gpu_check.py --out gpu_check.json [--table-gib 16] [--tokens 8192]
 """
 
 from __future__ import annotations
@@ -26,111 +29,159 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def fill(table, rng) -> None:
+    """Random FP8 rows at memory speed: one random block, copied over."""
+    block_w = rng.integers(0, 256, (1 << 18, table.weights.shape[1]), dtype=np.uint8)
+    block_s = rng.integers(100, 150, (1 << 18, table.scales.shape[1]), dtype=np.uint8)
+    for start in range(0, table.weights.shape[0], 1 << 18):
+        end = min(table.weights.shape[0], start + (1 << 18))
+        table.weights[start:end] = block_w[: end - start]
+        table.scales[start:end] = block_s[: end - start]
+
+
+def timed(fn, n: int = 10) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n
+
+
+def same(a, b) -> bool:
+    import torch
+
+    return torch.equal(a.cpu().view(torch.int16), b.cpu().view(torch.int16))
+
+
 def main() -> int:
     import torch
 
     from numa_engram import EngramSpec, SharedEngramTable, cuda, shard_heads
-    from numa_engram.lookup import staged_lookup
     from numa_engram.prefetch import PrefetchScheduler
 
     p = argparse.ArgumentParser()
-    p.add_argument("--table-gib", type=float, default=4.0)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--table-gib", type=float, default=16.0)
     p.add_argument("--tokens", type=int, default=8192)
     a = p.parse_args()
+    doc: dict = {"ok": False}
+
+    def write() -> None:
+        if a.out:
+            with open(a.out, "w") as fh:
+                json.dump(doc, fh, indent=2)
+
     ok, why = cuda.available()
     if not ok or not torch.cuda.is_available():
-        print(f"gpu_check: no usable GPU: {why or 'torch has no CUDA'}")
+        doc["error"] = f"no usable GPU: {why or 'torch has no CUDA'}"
+        print(f"gpu_check: {doc['error']}")
+        write()
         return 2
     dev = 0
     props = torch.cuda.get_device_properties(dev)
-    print(f"device: {props.name}, {props.total_memory / 2**30:.0f} GiB; torch {torch.__version__}")
+    doc.update(device=props.name, sms=props.multi_processor_count, torch=torch.__version__)
+    print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}")
     per_head = int(a.table_gib * 2**30) // 264 // 24
     spec = EngramSpec(layer_ids=[1], engram_vocab_sizes=[per_head] * 3, max_ngram_size=4,
                       n_head_per_ngram=8, head_dim=256, compressed_vocab_size=99092, pad_id=2)
     shard = shard_heads(spec.bucket_sizes(1), 1, 0)
-    doc: dict = {"device": props.name}
-
     t0 = time.perf_counter()
     table = SharedEngramTable.create(spec, 1, shard, register_device=dev)
     create_s = time.perf_counter() - t0
-    rng = np.random.default_rng(0)
-    for start in range(0, shard.num_rows, 1 << 20):
-        end = min(shard.num_rows, start + (1 << 20))
-        table.weights[start:end] = rng.integers(0, 256, (end - start, 256), dtype=np.uint8)
-        table.scales[start:end] = rng.integers(0, 256, (end - start, 8), dtype=np.uint8)
+    fill(table, np.random.default_rng(0))
     gib = table.backing_bytes / 2**30
     reg_s = table.registration.seconds
-    print(f"table {gib:.2f} GiB: create+place {create_s:.2f} s, cudaHostRegister {reg_s:.2f} s "
-          f"= {reg_s / gib:.3f} s/GiB (vLLM on H200: ~0.1 s/GB)")
-    doc.update(table_gib=gib, register_s_per_gib=reg_s / gib)
+    doc.update(table_gib=gib, create_s=create_s, register_s_per_gib=reg_s / gib)
+    print(f"table {gib:.2f} GiB: create+place {create_s:.1f} s, cudaHostRegister "
+          f"{reg_s / gib:.3f} s/GiB")
+    write()
 
-    ids_np = np.stack([rng.integers(-1, b, a.tokens) for b in spec.bucket_sizes(1)], 1)
-    ids = torch.from_numpy(ids_np).cuda()
-    ref = table.lookup(ids_np)
-    uva = table.lookup_cuda(ids)
-    pinned = torch.empty_like(ref).pin_memory()
-    out = torch.empty_like(ref, device="cuda")
-    staged = staged_lookup(table.weights, table.scales, ids_np, head_start=0,
-                           bucket_sizes=spec.bucket_sizes(1), pinned=pinned, out=out, threads=4)
-    torch.cuda.synchronize()
-    exact_uva = torch.equal(uva.cpu().view(torch.int16), ref.view(torch.int16))
-    exact_staged = torch.equal(staged.cpu().view(torch.int16), ref.view(torch.int16))
-    print(f"bit-exact vs CPU reference: UVA {exact_uva}, staged {exact_staged}")
+    rng = np.random.default_rng(1)
+    id_sets = [np.stack([rng.integers(-1, b, a.tokens) for b in spec.bucket_sizes(1)], 1)
+               for _ in range(8)]  # rotated so no call finds the rows the last one read
+    dev_sets = [torch.from_numpy(x).cuda() for x in id_sets]
+    refs = [table.lookup(x) for x in id_sets[:2]]
+    out = torch.empty((a.tokens, 24, 256), dtype=torch.bfloat16, device="cuda")
+    fused = table.lookup_cuda(dev_sets[0])
+    view = table.device_view()
+    exact = {"fused": same(fused, refs[0]), "torch": same(view.lookup_torch(dev_sets[0]),
+                                                          refs[0])}
+    packed_w, packed_s = table.lookup_cuda(dev_sets[1], packed=True)
+    from numa_engram.fp8 import dequantize_rows
 
-    fp8_bytes = ids_np.size * 264
+    exact["packed"] = same(dequantize_rows(packed_w.reshape(-1, 256), packed_s.reshape(-1, 8))
+                           .view(a.tokens, 24, 256), refs[1])
+    print(f"bit-exact vs the CPU kernel: {exact}")
+
+    fp8_bytes = id_sets[0].size * 264
     host = torch.empty(fp8_bytes, dtype=torch.uint8).pin_memory()
     dst = torch.empty(fp8_bytes, dtype=torch.uint8, device="cuda")
+    turn = [0]
 
-    def timed(fn, n=10):
-        fn()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t) / n
-
+    def next_ids():
+        turn[0] += 1
+        return dev_sets[turn[0] % len(dev_sets)]
     t_copy = timed(lambda: dst.copy_(host, non_blocking=True))
-    t_uva = timed(lambda: table.lookup_cuda(ids, out=out, validate=False))
-    t_staged = timed(lambda: staged_lookup(table.weights, table.scales, ids_np, head_start=0,
-                                           bucket_sizes=spec.bucket_sizes(1), pinned=pinned,
-                                           out=out, threads=4))
-    for name, t in (("plain H2D copy", t_copy), ("UVA gather+dequant", t_uva),
-                    ("staged CPU+H2D", t_staged)):
-        print(f"  {name:<20}: {fp8_bytes / t / 1e9:7.2f} GB/s of FP8 rows "
-              f"({t_copy / t:.2f} of the plain copy)")
-    doc.update(exact_uva=exact_uva, exact_staged=exact_staged, copy_gbs=fp8_bytes / t_copy / 1e9,
-               uva_gbs=fp8_bytes / t_uva / 1e9, staged_gbs=fp8_bytes / t_staged / 1e9)
+    t_fused = timed(lambda: table.lookup_cuda(next_ids(), out=out))
+    t_torch = timed(lambda: view.lookup_torch(next_ids()), 3)
+    rows = id_sets[0].size
+    for name, t in (("H2D copy (copy engine)", t_copy), ("fused Triton lookup", t_fused),
+                    ("torch path", t_torch)):
+        print(f"  {name:<24}: {rows / t / 1e6:8.1f} M rows/s, {fp8_bytes / t / 1e9:6.2f} GB/s "
+              f"({t_copy / t:.2f} of the copy)")
+    doc.update(rows=rows, copy_gbs=fp8_bytes / t_copy / 1e9, fused_gbs=fp8_bytes / t_fused / 1e9,
+               torch_gbs=fp8_bytes / t_torch / 1e9, fused_rows_per_s=rows / t_fused,
+               fused_vs_torch=t_torch / t_fused)
+    write()
 
     x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
 
-    def layer():
-        return x @ x
+    def matmuls(n=4):
+        for _ in range(n):
+            x @ x
+    t_alone = timed(matmuls, 5)
+    with PrefetchScheduler({1: table}, {1: (24, 256)}, max_tokens=a.tokens, backend="cuda",
+                           background=True) as sched:
+        def step():
+            sched.submit(1, next_ids())
+            matmuls()
+            sched.wait(1)
+        t_step = timed(step, 5)
+        report = sched.metrics_report()
+    layer = report["1"]
+    print(f"4 matmuls alone {t_alone * 1e3:.2f} ms; with a background lookup on the side "
+          f"stream {t_step * 1e3:.2f} ms ({t_step / t_alone:.3f}x); exposed wait "
+          f"{layer['mean_exposed_s'] * 1e3:.3f} ms, lookup {layer['mean_lookup_s'] * 1e3:.3f} ms")
+    doc.update(matmul_ms=t_alone * 1e3, matmul_with_lookup_ms=t_step * 1e3,
+               matmul_slowdown=t_step / t_alone, prefetch=report["1"])
+    write()
 
-    with PrefetchScheduler({1: lambda i, o: table.lookup_cuda(i, out=o, validate=False)},
-                           {1: (24, 256)}, max_tokens=a.tokens, backend="cuda") as s:
-        def step(prefetch: bool):
-            if prefetch:
-                s.submit(1, ids)
-            for _ in range(4):
-                layer()
-            if not prefetch:
-                s.submit(1, ids)
-            s.wait(1)
-            layer()
-        t_on = timed(lambda: step(True), 5)
-        t_off = timed(lambda: step(False), 5)
-        t_compute = timed(lambda: [layer() for _ in range(5)], 5)
-    print(f"step with 5 matmul layers: compute alone {t_compute * 1e3:.2f} ms, with lookup: "
-          f"prefetch on {t_on * 1e3:.2f} ms (exposed {max(0, t_on - t_compute) * 1e3:.2f} ms), "
-          f"off {t_off * 1e3:.2f} ms (exposed {max(0, t_off - t_compute) * 1e3:.2f} ms)")
-    doc.update(step_compute_ms=t_compute * 1e3, step_prefetch_on_ms=t_on * 1e3,
-               step_prefetch_off_ms=t_off * 1e3)
+    static_ids = dev_sets[0].clone()
+    graph_out = torch.empty_like(out)
+    table.lookup_cuda(static_ids, out=graph_out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        table.lookup_cuda(static_ids, out=graph_out)
+    replays_exact = True
+    for k in range(3):
+        static_ids.copy_(dev_sets[k + 2])
+        graph.replay()
+        torch.cuda.synchronize()
+        replays_exact &= same(graph_out, table.lookup(id_sets[k + 2]))
+    t_graph = timed(lambda: graph.replay())
+    table.check_device_errors()
+    doc.update(graph_replays_exact=replays_exact, graph_gbs=fp8_bytes / t_graph / 1e9)
+    print(f"graph capture + 3 replays with new ids: bit-exact {replays_exact}, "
+          f"{fp8_bytes / t_graph / 1e9:.2f} GB/s")
     table.close()
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpu_check.json"), "w") as fh:
-            json.dump(doc, fh, indent=2)
-    return 0 if exact_uva and exact_staged else 1
+    doc["exact"] = exact
+    doc["ok"] = all(exact.values()) and replays_exact
+    write()
+    return 0 if doc["ok"] else 1
 
 
 if __name__ == "__main__":
