@@ -11,6 +11,8 @@ else outside its head's bucket range is refused.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -53,6 +55,50 @@ def reference_lookup(weights: np.ndarray, scales: np.ndarray, hash_ids, *, head_
 
 
 # ------------------------------------------------------------------ CUDA --
+
+class OutputPool:
+    """BF16 output buffers reused across lookups, so ``lookup(ids)`` without
+    ``out=`` costs what ``lookup(ids, out=buf)`` does (a fresh 48 MiB tensor
+    is a new mmap and ~12 k zero-fill faults per call).
+
+    A buffer goes back to the pool only when its storage is freed: each
+    call hands out a new numpy view of pooled memory, wrapped by
+    ``torch.from_numpy`` (which keeps the view alive as long as the tensor
+    or any view of it), and a ``weakref.finalize`` on that numpy view
+    returns the memory.  So a returned tensor is never overwritten while
+    alive.  Thread-safe; at most ``max_free`` idle buffers are kept."""
+
+    def __init__(self, max_free: int = 4) -> None:
+        self.max_free = max_free
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...]):
+        """(BF16 tensor of ``shape``, uint16 numpy view of its bits)."""
+        import torch
+
+        n = int(np.prod(shape, dtype=np.int64))
+        memory = self._reuse(n)
+        bits = memory[:n].reshape(shape)
+        weakref.finalize(bits, self._give_back, memory)
+        return torch.from_numpy(bits).view(torch.bfloat16), bits
+
+    def _reuse(self, n: int) -> np.ndarray:
+        with self._lock:
+            fits = [i for i, m in enumerate(self._free) if n <= len(m) <= 2 * n]
+            if fits:
+                return self._free.pop(fits[0])
+        import torch
+
+        # torch's allocator, like a caller's out=: it asks for huge pages
+        # (MADV_HUGEPAGE) on large buffers, which a 48 MiB output needs
+        return torch.empty(max(n, 1), dtype=torch.int16).numpy().view(np.uint16)
+
+    def _give_back(self, memory: np.ndarray) -> None:
+        with self._lock:
+            self._free.append(memory)
+            del self._free[:-self.max_free]
+
 
 def staged_lookup(weights: np.ndarray, scales: np.ndarray, hash_ids, *, head_start: int,
                   bucket_sizes: Sequence[int], pinned, out, threads: int = 1,

@@ -33,6 +33,7 @@ from .errors import (
     TopologyError,
 )
 from .group import Group, SingleProcessGroup, as_group, gpu_node
+from .lookup import OutputPool
 from .placement import PlacementPlan, PlacementReport, Region, plan_placement, verify
 from .sharding import ShardInfo
 from .spec import EngramSpec
@@ -193,6 +194,7 @@ class SharedEngramTable:
         # lookups in flight: close() waits for them (they finish normally)
         self._active = 0
         self._idle = threading.Condition()
+        self._outputs = OutputPool()  # lookup(ids) without out= reuses freed outputs
 
     # ------------------------------------------------------------ create --
     @classmethod
@@ -335,7 +337,7 @@ class SharedEngramTable:
         with self._in_use():
             ids = native.check_hash_ids(hash_ids, self.spec.n_hash_cols)
             shape = (ids.shape[0], self.shard.num_heads, self.spec.head_dim)
-            result, bits = bf16_out(out, shape)
+            result, bits = bf16_out(out, shape) if out is not None else self._outputs.take(shape)
             native.gather_dequant(self.weights, self.scales, ids,
                                   head_start=self.shard.head_start,
                                   bucket_sizes=self._bucket_sizes, out=bits, dedup=dedup,

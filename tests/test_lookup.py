@@ -162,3 +162,44 @@ def test_rows_wider_than_the_staging_buffer_take_the_direct_path():
     got = lookup_rows(w, s, ids, head_start=0, bucket_sizes=[300], threads=2)
     want = reference_lookup(w, s, ids, head_start=0, bucket_sizes=[300])
     np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def test_default_output_reuses_freed_buffers_and_never_a_live_one():
+    import gc
+    import threading
+
+    from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+
+    spec = EngramSpec.small(rows_per_head=500)
+    with SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0)) as table:
+        table.weights[:] = np.random.default_rng(0).integers(0, 256, table.weights.shape,
+                                                             dtype=np.uint8)
+        table.scales[:] = 120
+        ids_a = np.zeros((64, spec.n_hash_cols), np.int64)
+        ids_b = np.ones((64, spec.n_hash_cols), np.int64)
+        a = table.lookup(ids_a)
+        keep = a.clone()
+        view = a[3:9]
+        ptr = a.data_ptr()
+        del a
+        gc.collect()
+        b = table.lookup(ids_b)  # the view keeps a's storage: b must not reuse it
+        assert b.data_ptr() != ptr
+        assert torch.equal(view.view(torch.int16), keep[3:9].view(torch.int16))
+        freed = {ptr, b.data_ptr()}
+        del view, b
+        gc.collect()
+        assert table.lookup(ids_a).data_ptr() in freed, "a freed buffer is reused"
+        results = []
+
+        def worker(ids):
+            for _ in range(50):
+                r = table.lookup(ids)
+                results.append(bool((r.view(torch.int16) == table.lookup(ids)
+                                     .view(torch.int16)).all()))
+        threads = [threading.Thread(target=worker, args=(x,)) for x in (ids_a, ids_b)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert all(results) and len(results) == 100

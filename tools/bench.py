@@ -97,6 +97,41 @@ def bench_lookup(table_gib: float, tokens: int, heads: int = 24, head_dim: int =
         print(f"  bit-exact vs reference on a sample: {exact}")
 
 
+def bench_default_out(table_gib: float, tokens: int, id_sets: int = 16) -> None:
+    """table.lookup(ids) (pooled output) vs lookup(ids, out=buf), turns
+    interleaved, each call on the next of many id sets (no row cached by
+    the previous call)."""
+    import torch
+
+    from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+
+    per_head = int(table_gib * 2**30) // 264 // 24
+    spec = EngramSpec(layer_ids=[1], engram_vocab_sizes=[per_head] * 3, max_ngram_size=4,
+                      n_head_per_ngram=8, head_dim=256, compressed_vocab_size=99092, pad_id=2)
+    rng = np.random.default_rng(0)
+    with SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0)) as table:
+        block = rng.integers(0, 256, (1 << 16, 256), dtype=np.uint8)
+        for a in range(0, table.weights.shape[0], 1 << 16):
+            b = min(table.weights.shape[0], a + (1 << 16))
+            table.weights[a:b] = block[: b - a]
+        table.scales[:] = 120
+        sets = [np.stack([rng.integers(0, n, tokens) for n in spec.bucket_sizes(1)], 1)
+                for _ in range(id_sets)]
+        out = torch.empty((tokens, 24, 256), dtype=torch.bfloat16)
+        turn = [0]
+
+        def ids():
+            turn[0] += 1
+            return sets[turn[0] % id_sets]
+        best = best_interleaved({"default": lambda: table.lookup(ids()),
+                                 "out": lambda: table.lookup(ids(), out=out)}, 15)
+    print(f"== lookup output: {tokens} tokens x 24 heads, {table_gib:.1f} GiB table, "
+          f"{id_sets} rotating id sets")
+    print(f"  lookup(ids)          : {best['default'] * 1e3:7.2f} ms")
+    print(f"  lookup(ids, out=buf) : {best['out'] * 1e3:7.2f} ms")
+    print(f"  default / out= time  : {best['default'] / best['out']:.2f} (target <= 1.10)")
+
+
 # --------------------------------------------------------------- hashing --
 
 def bench_hashing(tokens: int) -> None:
@@ -253,7 +288,8 @@ def bench_prefetch(lookup_ms: float = 20.0, layer_ms: float = 5.0, layers_before
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("what", nargs="?", default="all",
-                   choices=["all", "lookup", "hashing", "serving-hashing", "load", "prefetch"])
+                   choices=["all", "lookup", "default-out", "hashing", "serving-hashing", "load",
+                            "prefetch"])
     p.add_argument("--table-gib", type=float, default=2.0)
     p.add_argument("--load-gib", type=float, default=1.0)
     p.add_argument("--tokens", type=int, default=4096)
@@ -264,6 +300,8 @@ def main() -> None:
     print(f"page size {native.PAGE_SIZE}, {os.cpu_count()} cpus")
     if a.what in ("all", "lookup"):
         bench_lookup(a.table_gib, a.tokens)
+    if a.what in ("all", "default-out"):
+        bench_default_out(a.table_gib, a.tokens)
     if a.what in ("all", "hashing"):
         bench_hashing(100_000 if a.quick else 1_000_000)
     if a.what in ("all", "serving-hashing"):
