@@ -110,3 +110,20 @@ def test_topology_sees_every_node(numa_nodes):
     assert topo.node_ids == numa_nodes
     assert all(len(n.distances) == len(numa_nodes) for n in topo.nodes)
     assert not any("disagree" in note for note in topo.notes), topo.notes
+
+
+def test_a_table_larger_than_its_nodes_free_memory_is_refused_before_allocating(numa_nodes):
+    from numa_engram.accounting import node_free_bytes, read_meminfo
+    from numa_engram.errors import CapacityError
+
+    node = numa_nodes[-1]
+    size = (node_free_bytes(node) + (64 << 20)) // native.PAGE_SIZE * native.PAGE_SIZE
+    if size >= read_meminfo()["MemAvailable"]:
+        pytest.skip(f"node {node}'s free memory is most of the guest's: the host-wide check "
+                    "would answer first")
+    layout = Layout.of([("w", size)])
+    plan = _bind_each_region(layout, [node])
+    before = read_meminfo()["MemFree"]
+    with pytest.raises(CapacityError, match=f"on NUMA node {node}, which has"):
+        BackingFile.create(layout, FP, placement=plan, directory=None)
+    assert read_meminfo()["MemFree"] > before - (32 << 20), "nothing was allocated"
