@@ -34,6 +34,16 @@ from .errors import PrefetchError
 LookupFn = Callable[[Any, Any], Any]  # (hash_ids, out) -> out
 
 
+@dataclass(frozen=True)
+class LayerStats:
+    """Totals of one layer's lookups (``scheduler.stats()``)."""
+
+    lookups: int
+    lookup_seconds: float        # the lookups themselves (CUDA: from events, when done)
+    lead_seconds: float          # submit -> wait: how far ahead they were issued
+    exposed_wait_seconds: float  # wait -> rows ready: what the consumer lost
+
+
 @dataclass
 class LayerMetrics:
     lookups: int = 0
@@ -205,6 +215,13 @@ class PrefetchScheduler:
         if self.backend == "cpu":
             self._queue.put(None)
             self._worker.join()  # skipped jobs and the running one set `done`
+
+    def stats(self) -> dict[Any, LayerStats]:
+        """Per layer totals since the scheduler started (no sync: CUDA
+        lookup times are counted once their events have completed)."""
+        self._read_gpu_times()
+        return {layer: LayerStats(m.lookups, m.lookup_s, m.lead_s, m.exposed_s)
+                for layer, m in self.metrics.items()}
 
     def metrics_report(self) -> dict:
         self._read_gpu_times()

@@ -70,6 +70,25 @@ def _step(name: str) -> None:
 
 
 @dataclass(frozen=True)
+class TableStats:
+    """What a serving stack exports about one table (``table.stats()``).
+    Placement figures are those of the last ``placement_report()`` (a page
+    walk of a 190 GiB table is ~50 M pages: never done per call)."""
+
+    layer_id: int
+    head_start: int
+    head_end: int
+    mode: str
+    table_bytes: int
+    lookups: int            # calls, CPU and GPU
+    rows: int               # rows asked for (DEAD ones included)
+    bytes_read: int         # rows x row bytes
+    lookup_seconds: float   # CPU lookups' wall time (GPU time: the scheduler's CUDA events)
+    fraction_on_plan: float | None
+    bytes_per_node: dict[int, int]
+
+
+@dataclass(frozen=True)
 class MemberInfo:
     rank: int  # world rank
     pid: int
@@ -195,6 +214,7 @@ class SharedEngramTable:
         self._active = 0
         self._idle = threading.Condition()
         self._outputs = OutputPool()  # lookup(ids) without out= reuses freed outputs
+        self._counts = {"lookups": 0, "rows": 0, "seconds": 0.0}
 
     # ------------------------------------------------------------ create --
     @classmethod
@@ -335,6 +355,7 @@ class SharedEngramTable:
         from .fp8 import bf16_out
 
         with self._in_use():
+            started = time.perf_counter()
             ids = native.check_hash_ids(hash_ids, self.spec.n_hash_cols)
             shape = (ids.shape[0], self.shard.num_heads, self.spec.head_dim)
             result, bits = bf16_out(out, shape) if out is not None else self._outputs.take(shape)
@@ -343,6 +364,7 @@ class SharedEngramTable:
                                   bucket_sizes=self._bucket_sizes, out=bits, dedup=dedup,
                                   threads=self.lookup_threads, cpus=self.lookup_cpus,
                                   block=self.spec.block, id_base=self.id_base(id_format))
+            self._count(shape[0] * shape[1], time.perf_counter() - started)
             return result
 
     def id_base(self, id_format: str) -> np.ndarray | None:
@@ -377,9 +399,11 @@ class SharedEngramTable:
         ids must already be on that GPU; no host sync (bad ids: zero rows,
         raised by ``check_device_errors()``).  See ``DeviceShard.lookup``."""
         with self._in_use():
-            return self.device_view().lookup(hash_ids, out=out, id_format=id_format,
-                                             packed=packed, max_sms=max_sms,
-                                             background=background)
+            result = self.device_view().lookup(hash_ids, out=out, id_format=id_format,
+                                               packed=packed, max_sms=max_sms,
+                                               background=background)
+            self._count(hash_ids.shape[0] * self.shard.num_heads, 0.0)
+            return result
 
     def check_device_errors(self) -> None:
         """Raise LookupIdError for bad ids the GPU lookups met since the last
@@ -396,6 +420,25 @@ class SharedEngramTable:
         if refresh or self._report is None:
             self._report = verify(self._backing.mapping, self.plan)
         return self._report
+
+    def stats(self) -> TableStats:
+        """Counters since creation and the last placement report's figures."""
+        report = self._report
+        with self._idle:
+            counts = dict(self._counts)
+        pages = report.pages_per_node() if report is not None else {}
+        return TableStats(self.layer_id, self.shard.head_start, self.shard.head_end, self.mode,
+                          self.backing_bytes, counts["lookups"], counts["rows"],
+                          counts["rows"] * self.spec.row_bytes, counts["seconds"],
+                          None if report is None else report.fraction_on_plan,
+                          {int(n): int(p) * native.PAGE_SIZE for n, p in pages.items()
+                           if int(n) >= 0})
+
+    def _count(self, rows: int, seconds: float) -> None:
+        with self._idle:
+            self._counts["lookups"] += 1
+            self._counts["rows"] += rows
+            self._counts["seconds"] += seconds
 
     def mode_report(self) -> dict:
         report = self._report
