@@ -48,6 +48,11 @@ KERNEL_DECLS = """
                        int64_t stride, int64_t n_heads, const int64_t *head_offsets,
                        const int64_t *bucket_sizes, const int64_t *id_base, uint16_t *out,
                        int n_threads, const int *cpus, int n_cpus, int64_t *bad);
+    int ne_gather_fp8(const uint8_t *weights, const uint8_t *scales, int64_t dim, int64_t block,
+                      const int64_t *ids, int64_t n_tokens, int64_t stride, int64_t n_heads,
+                      const int64_t *head_offsets, const int64_t *bucket_sizes,
+                      const int64_t *id_base, uint8_t *out_w, uint8_t *out_s, int n_threads,
+                      const int *cpus, int n_cpus, int64_t *bad);
     int ne_ngram_hashes(const int64_t *ids, int64_t n_rows, int64_t t, int64_t pad_id,
                         const int64_t *multipliers, int64_t max_ngram, const int64_t *primes,
                         int64_t n_head, int64_t *out, int n_threads);

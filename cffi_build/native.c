@@ -231,6 +231,7 @@ struct lookup_job {
     int64_t stride, n_heads;
     const int64_t *head_offsets, *bucket_sizes, *id_base;
     uint16_t *out;
+    uint8_t *raw_w, *raw_s; /* packed output instead of out: the rows as stored */
     int64_t t_begin, t_end;
     int cpu;
     /* ids outside their head's buckets (neither DEAD nor valid): written
@@ -430,6 +431,38 @@ static int run_threads(void *(*fn)(void *), void *jobs, size_t job_size, int n)
     return 0;
 }
 
+/* The packed variant: each row's FP8 bytes and scale bytes copied as they
+ * are stored (zeros for DEAD and bad ids), prefetched ahead like the lookup. */
+static void run_gather(struct lookup_job *j)
+{
+    const int64_t n_scales = j->dim / j->block;
+    const int64_t k_begin = j->t_begin * j->n_heads, k_end = j->t_end * j->n_heads;
+    struct cursor cur = {j->t_begin, 0}, ahead = {j->t_begin, 0};
+    for (int64_t k = k_begin; k < k_begin + PREFETCH_AHEAD && k < k_end; k++)
+        cursor_next(j, &ahead);
+    for (int64_t k = k_begin; k < k_end; k++, cursor_next(j, &cur)) {
+        int64_t id;
+        if (k + PREFETCH_AHEAD < k_end) {
+            int64_t next = cursor_row(j, &ahead, &id);
+            cursor_next(j, &ahead);
+            if (next >= 0)
+                for (int64_t off = 0; off < j->dim; off += 64)
+                    __builtin_prefetch(j->weights + next * j->dim + off, 0, 0);
+        }
+        int64_t row = cursor_row(j, &cur, &id);
+        uint8_t *w = j->raw_w + k * j->dim, *sc = j->raw_s + k * n_scales;
+        if (row < 0) {
+            if (id != -1)
+                note_bad(j, k, id);
+            memset(w, 0, (size_t)j->dim);
+            memset(sc, 0, (size_t)n_scales);
+        } else {
+            memcpy(w, j->weights + row * j->dim, (size_t)j->dim);
+            memcpy(sc, j->scales + row * n_scales, (size_t)n_scales);
+        }
+    }
+}
+
 static void *lookup_thread(void *arg)
 {
     struct lookup_job *j = arg;
@@ -439,8 +472,50 @@ static void *lookup_thread(void *arg)
         CPU_SET(j->cpu, &set);
         pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
     }
-    run_lookup(j);
+    if (j->raw_w)
+        run_gather(j);
+    else
+        run_lookup(j);
     return NULL;
+}
+
+/* Split proto's tokens over n_threads jobs (thread i pinned to
+ * cpus[i % n_cpus] when n_cpus > 0), run them, and report bad ids in
+ * bad[0..2] = (count, first flat index t*n_heads+h, its value). */
+static int run_lookup_jobs(const struct lookup_job *proto, int64_t n_tokens, int n_threads,
+                           const int *cpus, int n_cpus, int64_t *bad)
+{
+    enum { MAX_THREADS = 256 };
+    struct lookup_job jobs[MAX_THREADS];
+    int rc = 0;
+    if (n_threads < 1)
+        n_threads = 1;
+    if (n_threads > MAX_THREADS)
+        n_threads = MAX_THREADS;
+    if (n_threads > n_tokens)
+        n_threads = n_tokens > 0 ? (int)n_tokens : 1;
+    int64_t per = (n_tokens + n_threads - 1) / n_threads;
+    for (int i = 0; i < n_threads; i++) {
+        jobs[i] = *proto;
+        jobs[i].t_begin = i * per < n_tokens ? i * per : n_tokens;
+        jobs[i].t_end = (i + 1) * per < n_tokens ? (i + 1) * per : n_tokens;
+        jobs[i].cpu = n_cpus > 0 ? cpus[i % n_cpus] : -1;
+    }
+    if (n_threads == 1 && n_cpus == 0)
+        lookup_thread(&jobs[0]);
+    else
+        rc = run_threads(lookup_thread, jobs, sizeof(jobs[0]), n_threads);
+    bad[0] = 0;
+    bad[1] = -1;
+    for (int i = 0; i < n_threads; i++)   /* jobs are in token order */
+        if (jobs[i].bad_count) {
+            if (bad[0] == 0) {
+                bad[1] = jobs[i].first_bad;
+                bad[2] = jobs[i].first_bad_id;
+            }
+            bad[0] += jobs[i].bad_count;
+        }
+    return rc;
 }
 
 /* Gather + dequantise the rows of n_heads heads for n_tokens tokens into
@@ -458,40 +533,25 @@ int ne_lookup_bf16(const uint8_t *weights, const uint8_t *scales, int64_t dim,
                    const int64_t *bucket_sizes, const int64_t *id_base, uint16_t *out,
                    int n_threads, const int *cpus, int n_cpus, int64_t *bad)
 {
-    int rc = 0;
-    enum { MAX_THREADS = 256 };
-    struct lookup_job jobs[MAX_THREADS];
     pthread_once(&lut_once, build_exact_lut);
-    if (n_threads < 1)
-        n_threads = 1;
-    if (n_threads > MAX_THREADS)
-        n_threads = MAX_THREADS;
-    if (n_threads > n_tokens)
-        n_threads = n_tokens > 0 ? (int)n_tokens : 1;
-    int64_t per = (n_tokens + n_threads - 1) / n_threads;
-    for (int i = 0; i < n_threads; i++) {
-        jobs[i] = (struct lookup_job){weights, scales, dim, block, ids, stride, n_heads,
-                                      head_offsets, bucket_sizes, id_base, out, i * per,
-                                      (i + 1) * per < n_tokens ? (i + 1) * per : n_tokens,
-                                      n_cpus > 0 ? cpus[i % n_cpus] : -1, 0, -1, 0};
-        if (jobs[i].t_begin > jobs[i].t_end)
-            jobs[i].t_begin = jobs[i].t_end;
-    }
-    if (n_threads == 1 && n_cpus == 0)
-        run_lookup(&jobs[0]);
-    else
-        rc = run_threads(lookup_thread, jobs, sizeof(jobs[0]), n_threads);
-    bad[0] = 0;
-    bad[1] = -1;
-    for (int i = 0; i < n_threads; i++)   /* jobs are in token order */
-        if (jobs[i].bad_count) {
-            if (bad[0] == 0) {
-                bad[1] = jobs[i].first_bad;
-                bad[2] = jobs[i].first_bad_id;
-            }
-            bad[0] += jobs[i].bad_count;
-        }
-    return rc;
+    struct lookup_job proto = {weights, scales, dim, block, ids, stride, n_heads, head_offsets,
+                               bucket_sizes, id_base, out, NULL, NULL, 0, 0, -1, 0, -1, 0};
+    return run_lookup_jobs(&proto, n_tokens, n_threads, cpus, n_cpus, bad);
+}
+
+/* The same rows as ne_lookup_bf16, packed: out_w[n_tokens][n_heads][dim]
+ * FP8 bytes and out_s[n_tokens][n_heads][dim / block] scale bytes, as the
+ * table stores them (half the output bytes; dequantised later, e.g. on the
+ * GPU after the copy).  Same checks, threads and return values. */
+int ne_gather_fp8(const uint8_t *weights, const uint8_t *scales, int64_t dim, int64_t block,
+                  const int64_t *ids, int64_t n_tokens, int64_t stride, int64_t n_heads,
+                  const int64_t *head_offsets, const int64_t *bucket_sizes,
+                  const int64_t *id_base, uint8_t *out_w, uint8_t *out_s, int n_threads,
+                  const int *cpus, int n_cpus, int64_t *bad)
+{
+    struct lookup_job proto = {weights, scales, dim, block, ids, stride, n_heads, head_offsets,
+                               bucket_sizes, id_base, NULL, out_w, out_s, 0, 0, -1, 0, -1, 0};
+    return run_lookup_jobs(&proto, n_tokens, n_threads, cpus, n_cpus, bad);
 }
 
 /* ----------------------------------------------------- n-gram hashing --- */

@@ -324,7 +324,9 @@ def gather_dequant(weights: np.ndarray, scales: np.ndarray, hash_ids: np.ndarray
                    id_base: np.ndarray | None = None) -> None:
     """The fused kernel: rows of heads ``head_start .. +len(bucket_sizes)`` of
     ``hash_ids [T, cols]`` gathered from uint8 ``weights``/``scales`` and
-    written as BF16 bits into ``out`` (uint16 ``[T, heads, head_dim]``).
+    written as BF16 bits into ``out`` (uint16 ``[T, heads, head_dim]``), or,
+    packed, as stored into ``out = (rows uint8 [T, heads, head_dim], scales
+    uint8 [T, heads, head_dim/block])``.
     Every id is checked as it is read (-1 gives a zero row); ``id_base``
     (each head's first global row) when the ids are global rows; GIL
     released."""
@@ -343,11 +345,11 @@ def gather_dequant(weights: np.ndarray, scales: np.ndarray, hash_ids: np.ndarray
         raise ValueError(f"weights {weights.shape} and scales {scales.shape} do not match with "
                          f"{block} values per scale")
     shape = (ids.shape[0], len(sizes), weights.shape[1])
-    if out.dtype != np.uint16 or out.shape != shape or not out.flags.c_contiguous:
-        raise ValueError(f"out must be C-contiguous uint16 {list(shape)}, got {out.dtype} "
-                         f"{list(out.shape)}")
+    _check_out(out, shape, block)
     if ids.shape[0] == 0:
         return
+    if dedup and isinstance(out, tuple):
+        raise ValueError("dedup=True needs the dequantised output (dequantize=True)")
     if dedup:  # read each distinct row once, then copy it where it repeats
         check_ids_in_range(ids, head_start, sizes, id_base)  # np.unique reads a copy
         cols = ids[:, head_start:head_start + len(sizes)]
@@ -367,18 +369,34 @@ def gather_dequant(weights: np.ndarray, scales: np.ndarray, hash_ids: np.ndarray
                 block)
 
 
+def _check_out(out, shape: tuple[int, ...], block: int) -> None:
+    """uint16 BF16 bits ``shape``, or (uint8 rows ``shape``, uint8 scales)."""
+    want = [(np.uint16, shape)] if not isinstance(out, tuple) else [
+        (np.uint8, shape), (np.uint8, (*shape[:2], shape[2] // block))]
+    arrays = out if isinstance(out, tuple) else (out,)
+    for arr, (dtype, dims) in zip(arrays, want):
+        if arr.dtype != dtype or arr.shape != dims or not arr.flags.c_contiguous:
+            raise ValueError(f"out must be C-contiguous {np.dtype(dtype).name} {list(dims)}, got "
+                             f"{arr.dtype} {list(arr.shape)}")
+
+
 def _run_lookup(weights, scales, ids, col0, offsets, sizes, id_base, out, threads, cpus,
                 block) -> None:
     """The kernel checks every id as it reads it (once): ids another thread
-    changes meanwhile can never make it read outside the table."""
+    changes meanwhile can never make it read outside the table.  ``out``:
+    BF16 bits, or (FP8 rows, scales) for the packed gather."""
     cpu_arr = np.asarray(list(cpus), dtype=np.int32)
     bad = ffi.new("int64_t[3]")
-    rc = lib.ne_lookup_bf16(
-        _ptr(weights, "uint8_t *"), _ptr(scales, "uint8_t *"), weights.shape[1], block,
-        _ids_ptr(ids) + col0, ids.shape[0], _row_stride(ids), len(offsets),
-        _ptr(offsets, "int64_t *"), _ptr(sizes, "int64_t *"),
-        ffi.NULL if id_base is None else _ptr(id_base, "int64_t *"), _ptr(out, "uint16_t *"),
-        threads, _ptr(cpu_arr, "int *") if len(cpu_arr) else ffi.NULL, len(cpu_arr), bad)
+    args = (_ptr(weights, "uint8_t *"), _ptr(scales, "uint8_t *"), weights.shape[1], block,
+            _ids_ptr(ids) + col0, ids.shape[0], _row_stride(ids), len(offsets),
+            _ptr(offsets, "int64_t *"), _ptr(sizes, "int64_t *"),
+            ffi.NULL if id_base is None else _ptr(id_base, "int64_t *"))
+    cpu_args = (threads, _ptr(cpu_arr, "int *") if len(cpu_arr) else ffi.NULL, len(cpu_arr), bad)
+    if isinstance(out, tuple):
+        rc = lib.ne_gather_fp8(*args, _ptr(out[0], "uint8_t *"), _ptr(out[1], "uint8_t *"),
+                               *cpu_args)
+    else:
+        rc = lib.ne_lookup_bf16(*args, _ptr(out, "uint16_t *"), *cpu_args)
     if rc != 0:
         _raise("pthread_create", f"lookup with {threads} threads")
     if bad[0]:

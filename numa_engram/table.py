@@ -345,20 +345,29 @@ class SharedEngramTable:
             raise
 
     # ------------------------------------------------------------ lookup --
-    def lookup(self, hash_ids, out=None, *, dedup: bool = False, id_format: str = "bucket"):
+    def lookup(self, hash_ids, out=None, *, dedup: bool = False, id_format: str = "bucket",
+               dequantize: bool = True):
         """BF16 ``[T, heads_in_shard, head_dim]`` rows for ``hash_ids
         [T, n_hash_cols]`` (int64 or int32; rows may be strided, e.g.
         ``out[:, i]`` of ``HashState.hash``); DEAD_ID (-1) gives zero rows.
         ``id_format="global"``: ids are rows of the layer's whole table, as
         V4.1's model code and vLLM pass them; each column of this shard must
-        be -1 or inside its head's global rows."""
+        be -1 or inside its head's global rows.  ``dequantize=False``: the
+        rows as stored, ``(weights uint8 [T, heads, head_dim], scales uint8
+        [T, heads, head_dim/block])`` (half the output bytes; for a GPU
+        that dequantises after the copy; ``out`` a pair of such tensors)."""
         from .fp8 import bf16_out
 
         with self._in_use():
             started = time.perf_counter()
             ids = native.check_hash_ids(hash_ids, self.spec.n_hash_cols)
             shape = (ids.shape[0], self.shard.num_heads, self.spec.head_dim)
-            result, bits = bf16_out(out, shape) if out is not None else self._outputs.take(shape)
+            if not dequantize:
+                result, bits = _packed_out(out, shape, self.spec.block)
+            elif out is not None:
+                result, bits = bf16_out(out, shape)
+            else:
+                result, bits = self._outputs.take(shape)
             native.gather_dequant(self.weights, self.scales, ids,
                                   head_start=self.shard.head_start,
                                   bucket_sizes=self._bucket_sizes, out=bits, dedup=dedup,
@@ -524,6 +533,21 @@ def _member_node(topo: Topology, device: int | None) -> int:
     if topo.gpus:
         return topo.nearest_node(device)
     return current_node(topo)
+
+
+def _packed_out(out, shape: tuple[int, ...], block: int):
+    """(rows, scales) uint8 CPU tensors for a packed lookup, and their numpy views."""
+    import torch
+
+    if out is None:
+        out = (torch.empty(shape, dtype=torch.uint8),
+               torch.empty((*shape[:2], shape[2] // block), dtype=torch.uint8))
+    if not (isinstance(out, tuple) and len(out) == 2 and all(
+            torch.is_tensor(t) and t.dtype == torch.uint8 and t.device.type == "cpu"
+            for t in out)):
+        raise ValueError("out must be a (rows, scales) pair of uint8 CPU tensors for "
+                         "dequantize=False")
+    return out, (out[0].numpy(), out[1].numpy())
 
 
 def _identity_key(m: MemberInfo) -> dict:

@@ -203,3 +203,32 @@ def test_default_output_reuses_freed_buffers_and_never_a_live_one():
         for th in threads:
             th.join()
         assert all(results) and len(results) == 100
+
+
+def test_packed_fp8_output_dequantises_to_the_lookup():
+    from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+    from numa_engram.fp8 import dequantize_rows
+
+    spec = EngramSpec.small(rows_per_head=500)
+    shard = shard_heads(spec.bucket_sizes(1), 2, 1)
+    with SharedEngramTable.create(spec, 1, shard) as table:
+        rng = np.random.default_rng(3)
+        table.weights[:] = rng.integers(0, 256, table.weights.shape, dtype=np.uint8)
+        table.scales[:] = rng.integers(0, 256, table.scales.shape, dtype=np.uint8)
+        ids = np.stack([rng.integers(-1, n, 300) for n in spec.bucket_sizes(1)], 1)
+        rows, scales = table.lookup(ids, dequantize=False)
+        assert rows.shape == (300, 4, 64) and scales.shape == (300, 4, 2)
+        got = dequantize_rows(rows.reshape(-1, 64), scales.reshape(-1, 2)).view(300, 4, 64)
+        want = table.lookup(ids)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        dead = ids[:, 4:8] == -1
+        assert not rows.numpy()[dead].any() and not scales.numpy()[dead].any()
+        first = rows.clone()
+        with pytest.raises(LookupIdError, match="column 5"):
+            bad = ids.copy()
+            bad[7, 5] = 10**6
+            table.lookup(bad, dequantize=False, out=(rows, scales))
+        for threads in (1, 2):
+            table.lookup_threads = threads
+            again = table.lookup(ids, dequantize=False)
+            assert torch.equal(again[0], first)
