@@ -410,6 +410,16 @@ static void run_lookup(struct lookup_job *j)
 #endif
 }
 
+/* Threads to use: at least 1, at most max_threads and one per item. */
+static int clamp_threads(int n_threads, int max_threads, int64_t n_items)
+{
+    if (n_threads > max_threads)
+        n_threads = max_threads;
+    if (n_threads > n_items)
+        n_threads = (int)n_items;
+    return n_threads < 1 ? 1 : n_threads;
+}
+
 /* Run fn on each of n jobs (an array of job_size-byte structs), one thread
  * each, and join them all.  0, or -1 with errno when a thread cannot start
  * (the ones started are still joined). */
@@ -488,12 +498,7 @@ static int run_lookup_jobs(const struct lookup_job *proto, int64_t n_tokens, int
     enum { MAX_THREADS = 256 };
     struct lookup_job jobs[MAX_THREADS];
     int rc = 0;
-    if (n_threads < 1)
-        n_threads = 1;
-    if (n_threads > MAX_THREADS)
-        n_threads = MAX_THREADS;
-    if (n_threads > n_tokens)
-        n_threads = n_tokens > 0 ? (int)n_tokens : 1;
+    n_threads = clamp_threads(n_threads, MAX_THREADS, n_tokens);
     int64_t per = (n_tokens + n_threads - 1) / n_threads;
     for (int i = 0; i < n_threads; i++) {
         jobs[i] = *proto;
@@ -739,12 +744,7 @@ int ne_hash_window_batch(const int64_t *win, int64_t n_tokens, int64_t n, int64_
 {
     enum { MAX_THREADS = 256 };
     struct window_job jobs[MAX_THREADS];
-    if (n_threads < 1)
-        n_threads = 1;
-    if (n_threads > MAX_THREADS)
-        n_threads = MAX_THREADS;
-    if (n_threads > n_tokens)
-        n_threads = n_tokens > 0 ? (int)n_tokens : 1;
+    n_threads = clamp_threads(n_threads, MAX_THREADS, n_tokens);
     int64_t per = (n_tokens + n_threads - 1) / n_threads;
     for (int i = 0; i < n_threads; i++) {
         int64_t b = i * per, e = (i + 1) * per < n_tokens ? (i + 1) * per : n_tokens;
