@@ -561,6 +561,37 @@ int ne_gather_fp8(const uint8_t *weights, const uint8_t *scales, int64_t dim, in
 
 /* ----------------------------------------------------- n-gram hashing --- */
 
+/* Division by an invariant integer (Granlund-Montgomery, round-up
+ * multiplier): the hashes take 24 remainders per token by the same primes,
+ * and a 64-bit hardware division is the bulk of their cost. */
+struct fastdiv {
+    uint64_t d, m;
+    int sh1, sh2;
+};
+
+static struct fastdiv fastdiv_of(uint64_t d) /* d >= 1 */
+{
+    int l = d > 1 ? 64 - __builtin_clzll(d - 1) : 0; /* ceil(log2 d) */
+    unsigned __int128 num = ((unsigned __int128)1 << 64) * (((unsigned __int128)1 << l) - d);
+    return (struct fastdiv){d, (uint64_t)(num / d) + 1, l < 1 ? l : 1, l > 1 ? l - 1 : 0};
+}
+
+static inline uint64_t fast_umod(uint64_t a, const struct fastdiv *f)
+{
+    uint64_t t = (uint64_t)(((unsigned __int128)a * f->m) >> 64);
+    uint64_t q = (t + ((a - t) >> f->sh1)) >> f->sh2;
+    return a - q * f->d;
+}
+
+/* numpy's floor modulo: in [0, d) for negative x too (~x = -x - 1 >= 0). */
+static inline int64_t floor_mod(int64_t x, const struct fastdiv *f)
+{
+    return x >= 0 ? (int64_t)fast_umod((uint64_t)x, f)
+                  : (int64_t)(f->d - 1 - fast_umod(~(uint64_t)x, f));
+}
+
+enum { MAX_FAST_COLS = 512 };
+
 struct hash_job {
     const int64_t *ids;
     int64_t t, pad_id, max_ngram, n_head, n_cols;
@@ -574,6 +605,10 @@ struct hash_job {
  * head taking the floor modulo of its prime (C's % truncates: fix negatives). */
 static void run_hashes(const struct hash_job *j)
 {
+    struct fastdiv div[MAX_FAST_COLS];
+    const int fast = j->n_cols <= MAX_FAST_COLS;
+    for (int64_t c = 0; fast && c < j->n_cols; c++)
+        div[c] = fastdiv_of((uint64_t)j->primes[c]);
     for (int64_t f = j->begin; f < j->end; f++) {
         int64_t row = f / j->t, pos = f % j->t;
         const int64_t *seq = j->ids + row * j->t;
@@ -586,8 +621,14 @@ static void run_hashes(const struct hash_job *j)
             int64_t smix = (int64_t)mix;
             const int64_t *p = j->primes + (n - 2) * j->n_head;
             for (int64_t h = 0; h < j->n_head; h++) {
-                int64_t r = smix % p[h];
-                dst[(n - 2) * j->n_head + h] = r < 0 ? r + p[h] : r;
+                int64_t c = (n - 2) * j->n_head + h, r;
+                if (fast) {
+                    r = floor_mod(smix, &div[c]);
+                } else {
+                    r = smix % p[h];
+                    r = r < 0 ? r + p[h] : r;
+                }
+                dst[c] = r;
             }
         }
     }
@@ -700,6 +741,10 @@ struct window_job {
  * negative (before the start, or DEAD) on, and blocked ids are pad_id. */
 static void run_window_hashes(const struct window_job *j)
 {
+    struct fastdiv div[MAX_FAST_COLS];
+    const int fast = j->n_layers * j->n_cols <= MAX_FAST_COLS;
+    for (int64_t c = 0; fast && c < j->n_layers * j->n_cols; c++)
+        div[c] = fastdiv_of((uint64_t)j->primes[c]);
     for (int64_t t = j->begin; t < j->end; t++) {
         const int64_t *w = j->win + t * j->n;
         int64_t tok[64];
@@ -718,9 +763,13 @@ static void run_window_hashes(const struct window_job *j)
                 mix ^= (uint64_t)tok[k] * (uint64_t)m[k];
                 int64_t smix = (int64_t)mix;
                 for (int64_t h = 0; h < j->n_head; h++) {
-                    int64_t c = (k - 1) * j->n_head + h;
-                    int64_t r = smix % primes[c];
-                    r = r < 0 ? r + primes[c] : r;
+                    int64_t c = (k - 1) * j->n_head + h, r;
+                    if (fast) {
+                        r = floor_mod(smix, &div[l * j->n_cols + c]);
+                    } else {
+                        r = smix % primes[c];
+                        r = r < 0 ? r + primes[c] : r;
+                    }
                     dst[c] = off ? r + off[c] : r;
                 }
             }

@@ -134,3 +134,14 @@ def test_fingerprint_changes_with_what_decides_bytes():
     for other in (EngramSpec.small(seed=1), EngramSpec.small(head_dim=128),
                   EngramSpec.small(rows_per_head=1001), EngramSpec.small(layer_ids=(1, 15))):
         assert other.fingerprint != base.fingerprint
+
+
+@pytest.mark.parametrize("vocab", [(2, 3), (1 << 20, 7), (1 << 40, (1 << 33) + 5)])
+def test_native_floor_modulo_by_invariant_primes_is_exact(vocab):
+    """Tiny primes (2, 3, 5), mid-size and ~2^40 ones: the multiply-shift
+    remainders equal numpy's floor modulo over the whole int64 range."""
+    spec = EngramSpec(layer_ids=[3], engram_vocab_sizes=vocab, max_ngram_size=3,
+                      n_head_per_ngram=3, head_dim=64, compressed_vocab_size=7, pad_id=1)
+    rng = np.random.default_rng(sum(vocab))
+    ids = np.concatenate([rng.integers(0, 1 << 62, 4000), [0, 1, (1 << 63) - 1, -1, -(1 << 63)]])
+    np.testing.assert_array_equal(ngram_hashes(spec, ids, 3), ngram_hashes_numpy(spec, ids, 3))

@@ -188,10 +188,11 @@ def bench_serving_hashing(tokens: int = 8192, requests: int = 64) -> None:
     slots, positions, starts = serving_batch(rng, tokens, requests)
     state = HashState(spec, max_requests=requests)
 
-    def packed():
-        for slot, start in enumerate(starts):  # put decode slots back where they were
-            if start:
-                state.restore(slot, int(start), ids[:3])
+    for slot, start in enumerate(starts):  # decode steps continue a history
+        if start:
+            state.restore(slot, int(start), ids[:3])
+
+    def packed():  # commit=False: the state is the same for every turn
         state.hash(ids, slots, positions, commit=False)
 
     def whole_rows():
