@@ -424,7 +424,8 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-POLICY_HELP = ("gpu-local (default), node:N, interleave, replicate-per-node or none")
+POLICY_HELP = ("gpu-local, node:N, bind:NODES (e.g. 0-1), preferred:N, interleave, "
+               "interleave:NODES (e.g. 0,2), replicate-per-node or none")
 
 
 def main(argv: list[str] | None = None) -> int:

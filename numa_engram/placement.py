@@ -9,6 +9,7 @@ bound locally) and ``none`` (first touch).  No torch here.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,11 +18,15 @@ import numpy as np
 
 from . import native
 from .errors import PlacementError, TopologyError
-from .topology import Topology
+from .topology import Topology, parse_cpulist
 
 MODES = {"bind": native.MPOL_BIND, "preferred": native.MPOL_PREFERRED,
          "interleave": native.MPOL_INTERLEAVE, "default": native.MPOL_DEFAULT}
-POLICIES = ("gpu-local", "node:N", "interleave", "replicate-per-node", "none")
+POLICIES = ("gpu-local", "node:N", "bind:NODES", "preferred:N", "interleave",
+            "interleave:NODES", "replicate-per-node", "none")
+NODE_LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")  # numactl's 0-1,3
+NODE_LIST_POLICIES = {"node": "bind", "bind": "bind", "preferred": "preferred",
+                      "interleave": "interleave"}
 
 
 @dataclass(frozen=True)
@@ -107,18 +112,20 @@ def _round_up(value: int, align: int) -> int:
     return (value + align - 1) // align * align
 
 
-def parse_policy(policy: str) -> tuple[str, int | None]:
-    """'node:1' -> ('node', 1); 'gpu-local' -> ('gpu-local', None)."""
-    if policy.startswith("node:"):
-        try:
-            node = int(policy.split(":", 1)[1])
-        except ValueError:
-            node = -1
-        if node < 0:
-            raise PlacementError(f"bad policy {policy!r}: write node:N with N a node id >= 0 "
-                                 "(numa-engram topo lists them)")
-        return "node", node
-    if policy in POLICIES:
+def parse_policy(policy: str) -> tuple[str, tuple[int, ...] | None]:
+    """Policies as numactl takes them: 'node:1' and 'bind:0-1' -> ('bind',
+    nodes), 'preferred:1', 'interleave:0,2' (bare 'interleave': every node,
+    nodes None); 'gpu-local' -> ('gpu-local', None)."""
+    kind, sep, nodes_text = policy.partition(":")
+    if sep and kind in NODE_LIST_POLICIES:
+        nodes = parse_cpulist(nodes_text) if NODE_LIST.match(nodes_text) else ()
+        if not nodes or min(nodes) < 0 or (kind in ("node", "preferred") and len(nodes) != 1):
+            one = kind in ("node", "preferred")
+            raise PlacementError(f"bad policy {policy!r}: write {kind}:N with N a node id >= 0"
+                                 + ("" if one else " or a list like 0-1,3")
+                                 + " (numa-engram topo lists them)")
+        return NODE_LIST_POLICIES[kind], nodes
+    if policy in ("gpu-local", "interleave", "replicate-per-node", "none"):
         return policy, None
     raise PlacementError(f"unknown placement policy {policy!r}; choose one of {list(POLICIES)}")
 
@@ -129,15 +136,16 @@ def plan_placement(policy: str, regions: Sequence[Region], topology: Topology) -
     gpu-local binds each region to the node most of its readers sit on;
     without readers it falls back to node 0 of the topology (the caller
     passes the leader's node as reader in that case)."""
-    kind, node = parse_policy(policy)
+    kind, nodes = parse_policy(policy)
+    if nodes is not None:
+        topology.check_nodes(nodes)
     ranges = []
     for reg in regions:
-        if kind == "node":
-            topology.node(node)
-            ranges.append(PlacementRange(reg.name, reg.offset, reg.length, "bind", (node,)))
+        if kind in ("bind", "preferred"):
+            ranges.append(PlacementRange(reg.name, reg.offset, reg.length, kind, nodes))
         elif kind == "interleave":
             ranges.append(PlacementRange(reg.name, reg.offset, reg.length, "interleave",
-                                         topology.node_ids))
+                                         nodes or topology.node_ids))
         elif kind == "none":
             ranges.append(PlacementRange(reg.name, reg.offset, reg.length, "default", ()))
         else:  # gpu-local, replicate-per-node (each copy's readers are node-local)

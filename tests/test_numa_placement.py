@@ -127,3 +127,16 @@ def test_a_table_larger_than_its_nodes_free_memory_is_refused_before_allocating(
     with pytest.raises(CapacityError, match=f"on NUMA node {node}, which has"):
         BackingFile.create(layout, FP, placement=plan, directory=None)
     assert read_meminfo()["MemFree"] > before - (32 << 20), "nothing was allocated"
+
+
+def test_interleave_over_a_node_list_uses_only_those_nodes(numa_nodes):
+    chosen = numa_nodes[-2:]
+    layout = Layout.of([("w", SIZE)])
+    regions = [Region(r.name, r.offset, r.length, ()) for r in layout.regions]
+    plan = plan_placement(f"interleave:{chosen[0]},{chosen[1]}", regions, Topology.detect())
+    with BackingFile.create(layout, FP, placement=plan) as table:
+        report = verify(table.mapping, plan)
+        assert report.ok, report.format()
+        pages = report.ranges[0].pages_per_node
+        assert set(pages) == set(chosen), pages
+        assert abs(pages[chosen[0]] - pages[chosen[1]]) <= 1, pages
