@@ -164,6 +164,7 @@ def _verify_one(label: str, path: str | None, fd: int | None) -> tuple[dict, str
     from .placement import plan_of_mapping, verify
     from .storage import STATE_NAMES, BackingFile
 
+    holder = "in use by that process" if fd is not None else _holder_status(path)
     try:
         with BackingFile.attach(path, fd=fd) as f:
             ranges = [(r.name, r.offset, r.length) for r in f.layout.regions]
@@ -172,8 +173,25 @@ def _verify_one(label: str, path: str | None, fd: int | None) -> tuple[dict, str
     finally:
         if fd is not None:
             os.close(fd)
-    return ({"table": label, "state": state, "report": report.to_dict()},
-            f"{label} [{state}]\n{report.format()}")
+    return ({"table": label, "state": state, "holder": holder, "report": report.to_dict()},
+            f"{label} [{state}; {holder}]\n{report.format()}")
+
+
+def _holder_status(path: str) -> str:
+    """Whether a live process holds the table (each holder keeps a lock on
+    it for its life, whatever pid namespace it runs in)."""
+    from .storage import holders_alive
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return "holder unknown"
+    try:
+        alive = holders_alive(fd)
+    finally:
+        os.close(fd)
+    return {True: "in use", None: "liveness unknown",
+            False: "creator dead: no process holds it (numa-engram gc removes it)"}[alive]
 
 
 def cmd_mem(args: argparse.Namespace) -> int:

@@ -60,7 +60,7 @@ def test_verify_a_live_table_file_from_another_process():
     plan = PlacementPlan((PlacementRange("w", layout.regions[0].offset, 1 << 20, "bind", (0,)),))
     with BackingFile.create(layout, bytes(32), placement=plan) as f:
         doc = json.loads(cli("verify", f.path, "--json").stdout)
-        assert doc["state"] == "CREATING" and doc["report"]["ok"]
+        assert doc["state"] == "CREATING" and doc["report"]["ok"] and doc["holder"] == "in use"
         assert doc["report"]["ranges"][0]["pages_per_node"] == {"0": 256}
 
 
@@ -90,6 +90,7 @@ def test_gc_and_mem():
         "os.kill(os.getpid(), signal.SIGKILL)")], capture_output=True, text=True)
     path = dead.stdout.strip()
     assert os.path.exists(path)
+    assert "creator dead: no process holds it" in cli("verify", path).stdout
     dry = json.loads(cli("gc", "--dry-run", "--json").stdout)
     assert any(e["path"] == path and not e["removed"] for e in dry)
     assert "removed" in cli("gc").stdout and not os.path.exists(path)
