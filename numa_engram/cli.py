@@ -360,14 +360,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from ._version import __version__
 
-    p = OneLineParser(prog="numa-engram", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="numa-engram", description=__doc__.splitlines()[0],
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--version", action="version", version=f"numa-engram {__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0,
                    help="log what the library does (-vv: debug); errors then show tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
 
     def add(name: str, func, help_text: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help_text, description=help_text)
+        # every option's help ends with its default, from the default itself
+        sp = sub.add_parser(name, help=help_text, description=help_text,
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         sp.add_argument("--json", action="store_true", help="print JSON for scripts")
         sp.set_defaults(func=func)
         return sp
@@ -377,60 +380,60 @@ def build_parser() -> argparse.ArgumentParser:
                     help="'2x4' (sockets x GPUs per socket) or a topology JSON file")
     sp = add("create", cmd_create, "create, place, populate and verify a table file")
     sp.add_argument("--size", type=parse_size, default="64M",
-                    help="bytes, with K, M, G or T (default 64M)")
+                    help="bytes, with K, M, G or T")
     sp.add_argument("--regions", type=positive_int, default=2,
-                    help="equal regions, region i read from node i mod nodes (default 2)")
+                    help="equal regions, region i read from node i mod nodes")
     sp.add_argument("--policy", default="gpu-local", help=POLICY_HELP)
     sp.add_argument("--directory", default="/dev/shm",
-                    help="a tmpfs or hugetlbfs directory (default /dev/shm)")
+                    help="a tmpfs or hugetlbfs directory")
     sp.add_argument("--hold", type=float, default=0,
-                    help="seconds to keep it before removing (default 0)")
+                    help="seconds to keep it before removing")
     sp = add("verify", cmd_verify, "report where a table's pages are (file or live process)")
     sp.add_argument("path", nargs="?", help="a table file")
     sp.add_argument("--pid", type=positive_int, help="every table this process holds")
     sp = add("mem", cmd_mem, "PSS/RSS per process and Shmem per node")
     sp.add_argument("pids", nargs="*", type=positive_int,
-                    help="processes (default: those whose command line has --match)")
+                    help="processes (none given: those whose command line has --match)")
     sp.add_argument("--match", default="numa_engram",
-                    help="pick pids by command line (default numa_engram)")
+                    help="pick pids by command line")
     sp.add_argument("--file-match", default="numa-engram-",
-                    help="mappings counted per node (default numa-engram-)")
-    sp.add_argument("--directory", default="/dev/shm", help="the tmpfs (default /dev/shm)")
+                    help="mappings counted per node")
+    sp.add_argument("--directory", default="/dev/shm", help="the tmpfs")
     sp = add("plan", cmd_plan, "bytes per node and remote reads of a placement plan")
     sp.add_argument("--spec", default="v4-flash",
-                    help="demo, v4-flash, small, tiny or a JSON file (default v4-flash)")
-    sp.add_argument("--tp", type=positive_int, default=2, help="tensor parallel (default 2)")
-    sp.add_argument("--dp", type=positive_int, default=4, help="data parallel (default 4)")
+                    help="demo, v4-flash, small, tiny or a JSON file")
+    sp.add_argument("--tp", type=positive_int, default=2, help="tensor parallel")
+    sp.add_argument("--dp", type=positive_int, default=4, help="data parallel")
     sp.add_argument("--gpus-per-node", type=non_negative_int, default=0,
-                    help="GPUs per host (default 0: from the topology)")
+                    help="GPUs per host (0: from the topology)")
     sp.add_argument("--mode", default="dp_shared", choices=["independent", "dp_shared",
                                                             "dp_sharded"],
-                    help="who holds rows (default dp_shared)")
+                    help="who holds rows")
     sp.add_argument("--policy", default="gpu-local", help=POLICY_HELP)
     sp.add_argument("--simulate", type=simulate_arg, help="'2x4' or a topology JSON file")
     sp = add("bench", cmd_bench, "lookup rows/s on a placed table, per reader node")
-    sp.add_argument("--size", type=parse_size, default="1G", help="table bytes (default 1G)")
+    sp.add_argument("--size", type=parse_size, default="1G", help="table bytes")
     sp.add_argument("--policy", default="node:0", help=POLICY_HELP)
     sp.add_argument("--tokens", type=positive_int, default=100_000,
-                    help="tokens per lookup (default 100000)")
+                    help="tokens per lookup")
     sp.add_argument("--threads", type=positive_int, default=2,
-                    help="lookup threads (default 2)")
-    sp.add_argument("--repeat", type=positive_int, default=3, help="runs per node (default 3)")
+                    help="lookup threads")
+    sp.add_argument("--repeat", type=positive_int, default=3, help="runs per node")
     sp = add("demo", cmd_demo, "share, place, load and look up a default table")
     sp.add_argument("--spec", default="small",
-                    help="demo, v4-flash, small, tiny or a JSON file (default small)")
+                    help="demo, v4-flash, small, tiny or a JSON file")
     sp.add_argument("--procs", type=positive_int, default=2,
-                    help="DP replicas sharing the table (default 2)")
+                    help="DP replicas sharing the table")
     sp.add_argument("--tokens", type=positive_int, default=4096,
-                    help="tokens per lookup (default 4096)")
+                    help="tokens per lookup")
     sp.add_argument("--policy", default="gpu-local", help=POLICY_HELP)
     sp.add_argument("--directory", default="/dev/shm",
-                    help="a tmpfs directory (default /dev/shm)")
+                    help="a tmpfs directory")
     sp = add("gc", cmd_gc, "remove table files no live process holds")
-    sp.add_argument("--directory", default="/dev/shm", help="where to look (default /dev/shm)")
+    sp.add_argument("--directory", default="/dev/shm", help="where to look")
     sp.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     sp.add_argument("--all-users", action="store_true",
-                    help="root only: include other users' files (default: only your own)")
+                    help="root only: include other users' files (else only your own)")
     return p
 
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from . import native
 from .errors import LookupIdError, TopologyError
+from .lookup import id_base
 from .sharding import DEAD_ID, ShardInfo, shard_heads
 from .spec import EngramSpec
 
@@ -98,8 +99,6 @@ class DPShardedLookup:
         for rows of the layer's whole table."""
         import torch
 
-        if id_format not in ("bucket", "global"):
-            raise ValueError(f"id_format must be 'bucket' or 'global', got {id_format!r}")
         ids = native.check_hash_ids(hash_ids, self.table.spec.n_hash_cols)
         # every member checks its ids against all of its TP rank's heads
         # before any exchange, so a bad id fails all members alike, at once,
@@ -139,10 +138,9 @@ class DPShardedLookup:
 
     def _check_ids(self, ids: np.ndarray, id_format: str) -> str | None:
         spec, layer = self.table.spec, self.table.layer_id
-        heads = slice(self.heads.head_start, self.heads.head_end)
-        sizes = np.asarray(spec.bucket_sizes(layer)[heads], dtype=np.int64)
-        base = None if id_format == "bucket" else np.ascontiguousarray(
-            spec.head_offsets(layer)[heads])
+        first, end = self.heads.head_start, self.heads.head_end
+        sizes = np.asarray(spec.bucket_sizes(layer)[first:end], dtype=np.int64)
+        base = id_base(spec, layer, first, end, id_format)  # refuses an unknown format
         try:
             native.check_ids_in_range(ids, self.heads.head_start, sizes, base)
         except LookupIdError as exc:

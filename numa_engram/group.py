@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import socket
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from .errors import GroupTimeout, NumaEngramError, TopologyError
 from .sharding import WorldLayout
+from .storage import boot_id, describe_device, directory_id
 
 log = logging.getLogger(__name__)
 
@@ -184,34 +186,19 @@ class RankIdentity:
                 self.socket if per_socket else None)
 
     def describe(self, per_socket: bool) -> str:
-        where = "no directory" if self.directory is None else \
-            f"dev {os.major(self.directory[0])}:{os.minor(self.directory[0])}"
-        text = f"tp_rank {self.tp_rank}, boot {self.boot_id[:8]}, uid {self.uid}, {where}"
+        text = (f"tp_rank {self.tp_rank}, boot {self.boot_id[:8]}, uid {self.uid}, "
+                f"directory {describe_device(self.directory)}")
         return text + (f", socket {self.socket}" if per_socket else "")
 
 
 def local_identity(rank: int, tp_rank: int, directory: str,
-                   socket: int | None = None) -> RankIdentity:
-    from pathlib import Path
-
-    try:
-        st = os.stat(directory)
-        dir_id = (st.st_dev, st.st_ino)
-    except OSError:
-        dir_id = None
+                   numa_socket: int | None = None) -> RankIdentity:
     try:
         mount_ns = os.readlink("/proc/self/ns/mnt")
     except OSError:
         mount_ns = ""
-    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    return RankIdentity(rank, tp_rank, boot, os.geteuid(), dir_id, socket, socket_hostname(),
-                        mount_ns)
-
-
-def socket_hostname() -> str:
-    import socket
-
-    return socket.gethostname()
+    return RankIdentity(rank, tp_rank, boot_id().hex(), os.geteuid(), directory_id(directory),
+                        numa_socket, socket.gethostname(), mount_ns)
 
 
 def identity_groups(identities: Sequence[RankIdentity],
@@ -249,13 +236,13 @@ def sharing_groups(world_group: Any = None, *, tp_rank: int | None = None,
         tp_rank = layout.coords(me)[0]
     if tp_rank is None:
         raise TopologyError("sharing_groups needs tp_rank= (this rank's tensor-parallel rank)")
-    socket = None
+    numa_socket = None
     if socket_of is not None:
-        per_socket, socket = True, int(socket_of[me])
+        per_socket, numa_socket = True, int(socket_of[me])
     elif per_socket:
-        socket = gpu_node(device)
+        numa_socket = gpu_node(device)
     world = TorchGroup(world_group, timeout_s)
-    identities = world.all_gather(local_identity(me, tp_rank, directory, socket), "identity")
+    identities = world.all_gather(local_identity(me, tp_rank, directory, numa_socket), "identity")
     groups = identity_groups(identities, per_socket)
     mine = None
     for ranks in groups:

@@ -56,6 +56,20 @@ def reference_lookup(weights: np.ndarray, scales: np.ndarray, hash_ids, *, head_
 
 # ------------------------------------------------------------------ CUDA --
 
+ID_FORMATS = ("bucket", "global")
+
+
+def id_base(spec, layer_id: int, head_start: int, head_end: int,
+            id_format: str) -> np.ndarray | None:
+    """What a head's ids are relative to: None for bucket ids; for global
+    rows (rows of the layer's whole table) each head's first row."""
+    if id_format not in ID_FORMATS:
+        raise ValueError(f"id_format must be one of {ID_FORMATS}, got {id_format!r}")
+    if id_format == "bucket":
+        return None
+    return np.ascontiguousarray(spec.head_offsets(layer_id)[head_start:head_end])
+
+
 class OutputPool:
     """BF16 output buffers reused across lookups, so ``lookup(ids)`` without
     ``out=`` costs what ``lookup(ids, out=buf)`` does (a fresh 48 MiB tensor

@@ -191,10 +191,7 @@ class PrefetchScheduler:
         """Drop every lookup not yet waited for (e.g. between steps after an
         abort); a running one finishes but its rows are discarded."""
         with self._lock:
-            for job in self._inflight.values():
-                job.cancelled = True
-            pending = [job for job in self._inflight.values() if job.slot]
-            self._lock.notify_all()  # submitters waiting for a slot give up
+            pending = self._cancel_all()
         for job in pending:
             if self.backend == "cpu":
                 job.done.wait()
@@ -209,9 +206,7 @@ class PrefetchScheduler:
             if self._closed:
                 return
             self._closed = True
-            for job in self._inflight.values():
-                job.cancelled = True
-            self._lock.notify_all()  # submitters waiting for a slot
+            self._cancel_all()
         if self.backend == "cpu":
             self._queue.put(None)
             self._worker.join()  # skipped jobs and the running one set `done`
@@ -248,6 +243,15 @@ class PrefetchScheduler:
     def _check_open(self) -> None:
         if self._closed:
             raise PrefetchError("the scheduler is closed")
+
+    def _cancel_all(self) -> list[_Job]:
+        """Under the lock: mark every lookup not yet waited for dropped, wake
+        submitters waiting for a slot; the ones holding a slot (queued or
+        running) are returned."""
+        for job in self._inflight.values():
+            job.cancelled = True
+        self._lock.notify_all()
+        return [job for job in self._inflight.values() if job.slot]
 
     def _retire(self, job: _Job) -> None:
         with self._lock:

@@ -177,6 +177,25 @@ def boot_id() -> bytes:
     return uuid.UUID(Path("/proc/sys/kernel/random/boot_id").read_text().strip()).bytes
 
 
+def directory_id(directory: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of a table directory, None where it does not exist:
+    processes can share a table file iff this (and host and uid) are equal."""
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def describe_device(dir_id: tuple[int, int] | None) -> str:
+    """'dev 0:39 inode 5' for a ``directory_id`` (the inode of a mount's
+    root, 1 or 2, is left out)."""
+    if dir_id is None:
+        return "none: it does not exist there"
+    dev, ino = dir_id
+    return f"dev {os.major(dev)}:{os.minor(dev)}" + (f" inode {ino}" if ino > 2 else "")
+
+
 def process_start_time(pid: int) -> int | None:
     """Start time of pid in clock ticks since boot (None if no such process)."""
     try:

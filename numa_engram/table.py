@@ -33,7 +33,7 @@ from .errors import (
     TopologyError,
 )
 from .group import Group, SingleProcessGroup, as_group, gpu_node
-from .lookup import OutputPool
+from .lookup import OutputPool, id_base
 from .placement import PlacementPlan, PlacementReport, Region, plan_placement, verify
 from .sharding import ShardInfo
 from .spec import EngramSpec
@@ -47,16 +47,17 @@ from .storage import (
     boot_id,
     check_shmem_thp,
     check_space,
+    describe_device,
+    directory_id,
 )
 from .topology import Topology, current_node
 
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "dp_shared", "independent")
-# The protocol's named steps, in order.  Test hook: called with
-# "before-<step>" and "after-<step>" of each (e.g. to kill the leader between
-# create and unlink in a failure test).  None in production.
-STEPS = ("join", "decide", "create", "map", "unlink", "load", "ready")
+# Test hook: called with "before-<step>" and "after-<step>" of each protocol
+# step (join, decide, create, map, unlink, load, ready; and "load-progress")
+# e.g. to kill the leader between create and unlink.  None in production.
 _STEP_HOOK: Callable[[str], None] | None = None
 # The last step is a short all-gather that every member reaches at once
 # (after the load): bounded by this, so a member lost there costs little.
@@ -165,14 +166,19 @@ def _lead(grp: Group, step: str, fn: Callable[[], Any]) -> Any:
 
 
 def _all(grp: Group, step: str, fn: Callable[[], Any]) -> tuple[Any, list[Outcome]]:
-    """A step every member works in: outcomes all-gathered, every member
-    raises alike when any failed (then what this member made is cleaned up
-    by ``on_fail`` in the caller)."""
+    """A step every member works in: its value, and every member's outcome
+    (the caller raises alike from them with ``_raise_failures``)."""
     _step(f"before-{step}")
     value, outcome = _attempt(fn)
     outcomes = grp.all_gather(Outcome(True, value=value) if outcome.ok else outcome, step)
     _step(f"after-{step}")
     return value, outcomes
+
+
+def _bounded(grp: Group, timeout_s: float):
+    """Our groups' collectives bounded by timeout_s while inside; a serving
+    stack's own Group bounds its collectives itself."""
+    return grp.bounded(timeout_s) if hasattr(grp, "bounded") else nullcontext()
 
 
 def _as_group(group: Any, timeout_s: float) -> Group:
@@ -240,8 +246,7 @@ class SharedEngramTable:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         _check_shard(spec, layer_id, shard)
         grp = _as_group(group, timeout_s)
-        bounded = grp.bounded(timeout_s) if hasattr(grp, "bounded") else nullcontext()
-        with bounded:
+        with _bounded(grp, timeout_s):
             return cls._create(spec, layer_id, shard, grp, placement=placement,
                                directory=directory, checkpoint=checkpoint,
                                register_device=register_device, timeout_s=timeout_s, mode=mode,
@@ -306,9 +311,7 @@ class SharedEngramTable:
                 _, loaded = _attempt(lambda: _wait_for_load(state["backing"], timeout_s))
             _step("after-load")
             # the last step is acknowledged by everyone: all end the same way
-            bounded = grp.bounded(min(timeout_s, ACK_TIMEOUT_S)) \
-                if hasattr(grp, "bounded") else nullcontext()
-            with bounded:
+            with _bounded(grp, min(timeout_s, ACK_TIMEOUT_S)):
                 _, outcomes = _all(grp, "ready", lambda: _raise_unless(loaded))
             _raise_failures(outcomes, grp.ranks, "ready")
         except BaseException:
@@ -378,12 +381,8 @@ class SharedEngramTable:
 
     def id_base(self, id_format: str) -> np.ndarray | None:
         """Each shard head's first global row (None for bucket ids)."""
-        if id_format == "bucket":
-            return None
-        if id_format != "global":
-            raise ValueError(f"id_format must be 'bucket' or 'global', got {id_format!r}")
-        offsets = self.spec.head_offsets(self.layer_id)
-        return np.ascontiguousarray(offsets[self.shard.head_start:self.shard.head_end])
+        return id_base(self.spec, self.layer_id, self.shard.head_start, self.shard.head_end,
+                       id_format)
 
     def device_view(self):
         """Zero-copy CUDA views of this shard (needs register_device=)."""
@@ -553,7 +552,8 @@ def _packed_out(out, shape: tuple[int, ...], block: int):
 def _identity_key(m: MemberInfo) -> dict:
     """What the sharing group's members have in common (the leader's)."""
     return {"boot_id": m.boot_id.hex(), "uid": m.uid, "directory": m.directory or None,
-            "directory_device": None if m.directory_id is None else _dev(m.directory_id),
+            "directory_device": None if m.directory_id is None else
+            describe_device(m.directory_id),
             "host": m.hostname}
 
 
@@ -563,13 +563,8 @@ def shard_key(layer_id: int, shard: ShardInfo) -> ShardKey:
 
 def _member_info(grp: Group, topo: Topology, device: int | None, spec: EngramSpec,
                  key: ShardKey, mode: str, directory: str) -> MemberInfo:
-    try:
-        st = os.stat(directory)
-        directory_id = (st.st_dev, st.st_ino)
-    except OSError:
-        directory_id = None
     return MemberInfo(grp.ranks[grp.rank], os.getpid(), os.geteuid(), _member_node(topo, device),
-                      device, spec.fingerprint, key, mode, boot_id(), directory_id,
+                      device, spec.fingerprint, key, mode, boot_id(), directory_id(directory),
                       socket.gethostname(), directory)
 
 
@@ -602,16 +597,9 @@ def _identity_difference(members: list[MemberInfo]) -> str:
         if m.uid != first.uid:
             return f"rank {m.rank} runs as uid {m.uid}, the leader as uid {first.uid}"
         if m.directory_id != first.directory_id:
-            return (f"rank {m.rank} has another {m.directory} "
-                    f"({_dev(m.directory_id)} vs {_dev(first.directory_id)})")
+            return (f"rank {m.rank} has another {m.directory} ({describe_device(m.directory_id)}"
+                    f" vs {describe_device(first.directory_id)})")
     return ""
-
-
-def _dev(directory_id: tuple[int, int] | None) -> str:
-    if directory_id is None:
-        return "none: it does not exist there"
-    dev, ino = directory_id
-    return f"dev {os.major(dev)}:{os.minor(dev)}" + (f" inode {ino}" if ino > 2 else "")
 
 
 def _decide(mode: str, members: list[MemberInfo], layout: Layout,
