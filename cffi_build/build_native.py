@@ -15,10 +15,17 @@ HERE = Path(__file__).resolve().parent
 VERSION = re.search(r'__version__ = "([^"]+)"',
                     (HERE.parent / "numa_engram" / "_version.py").read_text()).group(1)
 
+# constants come from the system headers (the values the kernel uses), not
+# from numbers typed in Python
 MEMORY_DECLS = """
     #define MADV_DONTNEED ...
     #define MADV_NOHUGEPAGE ...
     #define MADV_HUGEPAGE ...
+    #define MADV_POPULATE_READ ...
+    #define MADV_POPULATE_WRITE ...
+    #define MFD_CLOEXEC ...
+    #define MFD_HUGETLB ...
+    #define MFD_HUGE_SHIFT ...
     void *ne_map_shared(int fd, size_t length, int writable);
     int ne_unmap(void *addr, size_t length);
     int ne_protect_read(void *addr, size_t length);
@@ -31,6 +38,16 @@ MEMORY_DECLS = """
 """
 
 NUMA_DECLS = """
+    static const int MPOL_DEFAULT;
+    static const int MPOL_PREFERRED;
+    static const int MPOL_BIND;
+    static const int MPOL_INTERLEAVE;
+    static const int MPOL_LOCAL;
+    #define MPOL_MF_STRICT ...
+    #define MPOL_MF_MOVE ...
+    #define MPOL_MF_MOVE_ALL ...
+    #define MPOL_F_NODE ...
+    #define MPOL_F_ADDR ...
     long ne_mbind(void *addr, size_t length, int mode, const unsigned long *nodemask,
                   unsigned long maxnode, unsigned int flags);
     long ne_get_mempolicy(int *mode, unsigned long *nodemask, unsigned long maxnode,
@@ -70,7 +87,8 @@ ffibuilder = FFI()
 ffibuilder.cdef(MEMORY_DECLS + NUMA_DECLS + KERNEL_DECLS)
 ffibuilder.set_source(
     "numa_engram._native",
-    '#include <sys/mman.h>\n#include "native.c"',
+    '#include <sys/mman.h>\n#include <linux/memfd.h>\n#include <linux/mempolicy.h>\n'
+    '#include "native.c"',
     include_dirs=[str(HERE)],
     define_macros=[("NE_CORE_VERSION", f'"{VERSION}"')],
     # -O3 lets GCC vectorise the branch-free dequant loop for the baseline

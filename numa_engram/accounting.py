@@ -1,7 +1,7 @@
 """Capacity and memory accounting.
 
-Measured part: one reader per kernel file (smaps_rollup, numa_maps, per-node
-meminfo, statvfs of a tmpfs) and a sum over a set of pids.  PSS, not RSS, is
+Measured part (the /proc readers are procfs's): per-node Shmem, statvfs of a
+tmpfs, and a sum over a set of pids.  PSS, not RSS, is
 what tells one shared copy from N private ones.  No torch here.
 """
 
@@ -13,68 +13,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import native
+from . import native, procfs
 from .errors import CapacityError
 from .topology import read_node_meminfo, read_online_nodes
 
 
-@dataclass(frozen=True)
-class ProcessMemory:
-    pid: int
-    rss: int
-    pss: int
-    pss_shmem: int
-    shared: int  # Shared_Clean + Shared_Dirty
-
-
-def read_smaps_rollup(pid: int) -> ProcessMemory:
-    """/proc/<pid>/smaps_rollup in bytes."""
-    fields: dict[str, int] = {}
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
-        parts = line.split()
-        if len(parts) >= 3 and parts[2] == "kB":
-            fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
-    return ProcessMemory(pid, fields.get("Rss", 0), fields.get("Pss", 0),
-                         fields.get("Pss_Shmem", 0),
-                         fields.get("Shared_Clean", 0) + fields.get("Shared_Dirty", 0))
-
-
-def read_mapping_memory(pid: int | str, match: str) -> tuple[int, int]:
-    """(Pss, Rss) bytes of pid's mappings whose smaps header line contains
-    ``match`` (e.g. the table prefix): what one table costs one process."""
-    pss = rss = 0
-    take = False
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        first = line.split(maxsplit=1)[0] if line else ""
-        if "-" in first and not first.endswith(":"):
-            take = match in line
-        elif take and first == "Pss:":
-            pss += int(line.split()[1]) * 1024
-        elif take and first == "Rss:":
-            rss += int(line.split()[1]) * 1024
-    return pss, rss
-
-
-def sum_memory(pids: Iterable[int]) -> ProcessMemory:
+def sum_memory(pids: Iterable[int]) -> procfs.ProcessMemory:
     """Totals over pids: summed RSS counts a shared table once per process,
     summed PSS counts it once."""
-    rows = [read_smaps_rollup(p) for p in pids]
-    return ProcessMemory(-1, sum(r.rss for r in rows), sum(r.pss for r in rows),
+    rows = [procfs.smaps_rollup(p) for p in pids]
+    return procfs.ProcessMemory(-1, sum(r.rss for r in rows), sum(r.pss for r in rows),
                          sum(r.pss_shmem for r in rows), sum(r.shared for r in rows))
-
-
-def read_numa_maps(pid: int, match: str | None = None) -> dict[int, int]:
-    """Pages per node of pid's mappings (only pages it has mapped), from
-    /proc/<pid>/numa_maps; ``match`` keeps lines containing that text."""
-    pages: Counter[int] = Counter()
-    for line in Path(f"/proc/{pid}/numa_maps").read_text().splitlines():
-        if match is not None and match not in line:
-            continue
-        for tok in line.split():
-            if tok[:1] == "N" and "=" in tok and tok[1:tok.index("=")].isdigit():
-                node, count = tok[1:].split("=")
-                pages[int(node)] += int(count)
-    return dict(sorted(pages.items()))
 
 
 def node_shmem() -> dict[int, int]:
@@ -89,35 +38,11 @@ def tmpfs_usage(directory: str = "/dev/shm") -> tuple[int, int]:
     return total - free, total
 
 
-def pids_of_users(pattern: str) -> list[int]:
-    """Pids whose command line contains pattern (for `numa-engram mem`)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if pattern in cmd and int(entry) != os.getpid():
-                out.append(int(entry))
-    return out
-
-
 # ---------------------------------------------------------- memory room --
 # Checked before a table is allocated, so a table that does not fit is a
 # CapacityError naming the numbers, never the OOM killer.
 
 UNLIMITED = 1 << 60  # cgroup "max" / v1's page-rounded LONG_MAX
-
-
-def read_meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
-    """/proc/meminfo in bytes."""
-    out: dict[str, int] = {}
-    for line in Path(path).read_text().splitlines():
-        parts = line.split()
-        if len(parts) >= 2:
-            out[parts[0].rstrip(":")] = int(parts[1]) * (1024 if parts[-1] == "kB" else 1)
-    return out
 
 
 def node_free_bytes(node: int) -> int:
@@ -197,7 +122,7 @@ def check_memory(size: int, bytes_per_node: dict[int, int] | None = None,
     fit the host's MemAvailable, a planned node's free memory, or the
     memory limit of this process's cgroup or any ancestor."""
     gib = 2**30
-    available = read_meminfo().get("MemAvailable")
+    available = procfs.meminfo().get("MemAvailable")
     if available is not None and size > available:
         raise CapacityError(
             f"{what} needs {size / gib:.2f} GiB but the host has {available / gib:.2f} GiB "

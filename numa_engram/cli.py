@@ -53,6 +53,15 @@ def int_at_least(minimum: int):
 positive_int, non_negative_int = int_at_least(1), int_at_least(0)
 
 
+def page_size_arg(text: str) -> int:
+    from . import hugepages
+
+    try:
+        return hugepages.parse_page_size(text)
+    except NumaEngramError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def simulate_arg(text: str) -> str:
     """'2x4' (sockets x GPUs per socket) or an existing topology JSON file."""
     m = SIMULATE.match(text)
@@ -61,13 +70,6 @@ def simulate_arg(text: str) -> str:
     raise argparse.ArgumentTypeError(
         f"--simulate {text!r}: write SOCKETSxGPUS_PER_SOCKET with sockets >= 1 and GPUs >= 0 "
         "(e.g. 2x4), or the path of a topology JSON file")
-
-
-def check_pid(pid: int) -> int:
-    if not os.path.exists(f"/proc/{pid}"):
-        raise StorageError(f"no process with pid {pid}; give the pid of a running server "
-                           "(e.g. from pgrep)")
-    return pid
 
 
 def load_topology(simulate: str | None):
@@ -112,38 +114,70 @@ def cmd_topo(args: argparse.Namespace) -> int:
 def cmd_create(args: argparse.Namespace) -> int:
     """Create a table file, place it, populate, verify, report; then remove it
     (or keep it mapped for --hold seconds so other tools can look at it)."""
+    from . import hugepages
+    from .fileformat import DEFAULT_DIRECTORY, Layout
     from .placement import Region, plan_placement, verify
-    from .storage import BackingFile, Layout
+    from .storage import BackingFile
+    from .units import fmt_bytes
 
     topo = load_topology(None)
-    size = args.size
-    share = size // args.regions
-    layout = Layout.of([(f"shard{i}", share) for i in range(args.regions)])
+    page = args.page_size
+    directory = hugepages.resolve_directory(args.directory, page, DEFAULT_DIRECTORY)
+    share = args.size // args.regions
+    layout = Layout.of([(f"shard{i}", share) for i in range(args.regions)], page)
     regions = [Region(r.name, r.offset, r.length, (topo.node_ids[i % len(topo.node_ids)],))
                for i, r in enumerate(layout.regions)]
     plan = plan_placement(args.policy, regions, topo)
     t0 = time.perf_counter()
-    with BackingFile.create(layout, bytes(32), directory=args.directory, placement=plan) as f:
+    with BackingFile.create(layout, bytes(32), directory=directory, placement=plan,
+                            progress=progress_bar(args, "populate"),
+                            threads=args.threads) as f:
         created = time.perf_counter() - t0
         report = verify(f.mapping, plan)
-        doc = {"path": f.path, "bytes": layout.file_size, "create_s": created,
-               "plan": plan.to_dict(), "report": report.to_dict()}
-        emit(args, doc, f"{f.path}: {layout.file_size / 2**20:.1f} MiB, policy {args.policy}, "
-                        f"created in {created:.3f} s\n{report.format()}")
+        doc = {"path": f.path, "bytes": layout.file_size, "page_size": page,
+               "create_s": created, "plan": plan.to_dict(), "report": report.to_dict()}
+        emit(args, doc, f"{f.path}: {fmt_bytes(layout.file_size)} on "
+                        f"{hugepages.name_of(page)} pages, policy {args.policy}, created in "
+                        f"{created:.3f} s\n{report.format()}")
         if args.hold:
             time.sleep(args.hold)
     return 0 if report.ok else 1
+
+
+def progress_bar(args: argparse.Namespace, label: str):
+    """A progress(done, total) callback drawing a bar with rate and ETA on
+    stderr, or None: only for a terminal, never with --json."""
+    if args.json or not sys.stderr.isatty():
+        return None
+    from .units import fmt_bytes
+
+    start = time.monotonic()
+
+    def draw(done: int, total: int) -> None:
+        elapsed = max(time.monotonic() - start, 1e-9)
+        rate = done / elapsed
+        eta = (total - done) / rate if rate else 0.0
+        filled = int(30 * done / total) if total else 30
+        sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (30 - filled)}] "
+                         f"{fmt_bytes(done)} of {fmt_bytes(total)}, {fmt_bytes(int(rate))}/s, "
+                         f"ETA {eta:4.0f} s")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+    return draw
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Where the pages of table files are, against the policy stored on each:
     a file by path, or every table a running process holds (--pid), unlinked
     and memfd ones included."""
-    from .storage import open_process_fd, table_fds
+    from . import procfs
+    from .fileformat import PREFIX
 
     if args.pid is not None:
-        targets = [(f"pid {args.pid} fd {fd} ({name})", open_process_fd(args.pid, fd))
-                   for fd, name in table_fds(check_pid(args.pid))]
+        targets = [(f"pid {args.pid} fd {fd} ({name})", procfs.open_fd(args.pid, fd))
+                   for fd, name in procfs.fd_targets(procfs.check_pid(args.pid))
+                   if PREFIX in name]
         if not targets:
             raise StorageError(f"pid {args.pid} holds no numa_engram table")
     elif args.path:
@@ -161,14 +195,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _verify_one(label: str, path: str | None, fd: int | None) -> tuple[dict, str]:
-    from .placement import plan_of_mapping, verify
-    from .storage import STATE_NAMES, BackingFile
+    from .fileformat import STATE_NAMES
+    from .placement import PlacementPlan, plan_of_mapping, verify
+    from .storage import BackingFile
 
     holder = "in use by that process" if fd is not None else _holder_status(path)
     try:
         with BackingFile.attach(path, fd=fd) as f:
+            # the creator's plan from the header (a hugetlb file keeps no policy
+            # of its own); else the policy the kernel stores on the file
             ranges = [(r.name, r.offset, r.length) for r in f.layout.regions]
-            report = verify(f.mapping, plan_of_mapping(f.mapping, ranges))
+            plan = (PlacementPlan.from_dict(f.header.plan) if f.header.plan
+                    else plan_of_mapping(f.mapping, ranges))
+            report = verify(f.mapping, plan)
             state = STATE_NAMES.get(f.state, "?")
     finally:
         if fd is not None:
@@ -180,7 +219,7 @@ def _verify_one(label: str, path: str | None, fd: int | None) -> tuple[dict, str
 def _holder_status(path: str) -> str:
     """Whether a live process holds the table (each holder keeps a lock on
     it for its life, whatever pid namespace it runs in)."""
-    from .storage import holders_alive
+    from .gc import holders_alive
 
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -195,41 +234,50 @@ def _holder_status(path: str) -> str:
 
 
 def cmd_mem(args: argparse.Namespace) -> int:
-    """Per-process PSS/RSS (numastat -p style) and per-node Shmem."""
-    from . import accounting, native
+    """numastat -p style: per process RSS, PSS and the table mappings' bytes
+    per node (hugetlb ones counted in their own page size), a Total row;
+    then Shmem and huge pages in use per node."""
+    from . import accounting, hugepages, procfs
+    from .units import text_table, unit_for
 
-    pids = [check_pid(p) for p in args.pids] or accounting.pids_of_users(args.match)
+    pids = ([procfs.check_pid(p) for p in args.pids]
+            or procfs.pids_with_cmdline(args.match))
     rows = []
     for pid in pids:
         try:
-            m = accounting.read_smaps_rollup(pid)
-        except OSError:
-            continue
+            m = procfs.smaps_rollup(pid)
+            per_node = procfs.numa_maps(pid, match=args.file_match)
+        except procfs.NoSuchProcess:
+            continue  # exited since it was listed
         rows.append({"pid": pid, "rss": m.rss, "pss": m.pss, "pss_shmem": m.pss_shmem,
-                     "numa_pages": accounting.read_numa_maps(pid, match=args.file_match)})
+                     "bytes_per_node": per_node})
     shmem = accounting.node_shmem()
+    huge = {n: sum((hugepages.pool_pages(size, n, "nr_hugepages")
+                    - hugepages.pool_pages(size, n)) * size
+                   for size in hugepages.SIZES.values() if hugepages.is_huge(size))
+            for n in shmem}
     used, total = accounting.tmpfs_usage(args.directory)
     nodes = sorted(shmem)
-    lines = [f"{'pid':>8}{'RSS MiB':>12}{'PSS MiB':>12}{'PssShm MiB':>12}"
-             + "".join(f"{'N' + str(n) + ' MiB':>10}" for n in nodes)]
-    page_mib = native.PAGE_SIZE / 2**20
-    for r in rows:
-        lines.append(f"{r['pid']:>8}{r['rss'] / 2**20:>12.1f}{r['pss'] / 2**20:>12.1f}"
-                     f"{r['pss_shmem'] / 2**20:>12.1f}"
-                     + "".join(f"{r['numa_pages'].get(n, 0) * page_mib:>10.1f}" for n in nodes))
-    lines.append(f"{'Total':>8}{sum(r['rss'] for r in rows) / 2**20:>12.1f}"
-                 f"{sum(r['pss'] for r in rows) / 2**20:>12.1f}"
-                 f"{sum(r['pss_shmem'] for r in rows) / 2**20:>12.1f}")
-    lines.append("Shmem per node (MiB): " + "  ".join(f"N{n}={shmem[n] / 2**20:.1f}"
-                                                       for n in nodes))
-    lines.append(f"{args.directory}: {used / 2**20:.1f} MiB used of {total / 2**20:.1f} MiB")
-    emit(args, {"processes": rows, "node_shmem": shmem, "tmpfs_used": used,
-                "tmpfs_total": total}, "\n".join(lines))
+    name, scale = unit_for(*(r["rss"] for r in rows), *shmem.values(), *huge.values())
+    header = ["pid", "RSS", "PSS", "PSS shmem"] + [f"Node {n}" for n in nodes]
+    table = [[r["pid"]] + [f"{r[k] / scale:.2f}" for k in ("rss", "pss", "pss_shmem")]
+             + [f"{r['bytes_per_node'].get(n, 0) / scale:.2f}" for n in nodes] for r in rows]
+    table.append(["Total"] + [f"{sum(r[k] for r in rows) / scale:.2f}"
+                              for k in ("rss", "pss", "pss_shmem")]
+                 + [f"{sum(r['bytes_per_node'].get(n, 0) for r in rows) / scale:.2f}"
+                    for n in nodes])
+    table.append(["Shmem", "", "", ""] + [f"{shmem[n] / scale:.2f}" for n in nodes])
+    table.append(["Hugetlb", "", "", ""] + [f"{huge[n] / scale:.2f}" for n in nodes])
+    text = (f"memory in {name} (table mappings per node: --file-match {args.file_match!r})\n"
+            + text_table(header, table)
+            + f"\n{args.directory}: {used / scale:.2f} of {total / scale:.2f} {name} used")
+    emit(args, {"processes": rows, "node_shmem": shmem, "node_hugetlb": huge,
+                "tmpfs_used": used, "tmpfs_total": total}, text)
     return 0
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from .storage import gc_stale_files
+    from .gc import gc_stale_files
 
     entries = gc_stale_files(args.directory, dry_run=args.dry_run, all_users=args.all_users)
 
@@ -302,9 +350,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     the local/remote cost an operator pays for a placement."""
     import numpy as np
 
+    from .fileformat import Layout
     from .lookup import lookup_rows
     from .placement import Region, plan_placement, verify
-    from .storage import BackingFile, Layout
+    from .storage import BackingFile
 
     topo = load_topology(None)
     dim, rows = 256, args.size // 264
@@ -385,7 +434,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="equal regions, region i read from node i mod nodes")
     sp.add_argument("--policy", default="gpu-local", help=POLICY_HELP)
     sp.add_argument("--directory", default="/dev/shm",
-                    help="a tmpfs or hugetlbfs directory")
+                    help="a tmpfs, or a hugetlbfs mount for --page-size 2M/1G (the default "
+                         "then means: the mount of that page size found in /proc/self/mounts)")
+    sp.add_argument("--page-size", type=page_size_arg, default="4K",
+                    help="4K (shmem), 2M or 1G (hugetlb: needs a reserved pool per node)")
+    sp.add_argument("--threads", type=positive_int, default=1,
+                    help="threads populating huge pages")
     sp.add_argument("--hold", type=float, default=0,
                     help="seconds to keep it before removing")
     sp = add("verify", cmd_verify, "report where a table's pages are (file or live process)")

@@ -28,10 +28,10 @@ def _replica(rank: int, procs: int, port: int, spec_doc: dict, ckpt: str, direct
     import torch
     import torch.distributed as dist
 
-    from .accounting import read_mapping_memory
     from .group import TorchGroup
     from .hashing import ngram_hashes
     from .lookup import reference_lookup
+    from .procfs import smaps
     from .sharding import shard_heads
     from .spec import EngramSpec
     from .table import SharedEngramTable
@@ -64,8 +64,9 @@ def _replica(rank: int, procs: int, port: int, spec_doc: dict, ckpt: str, direct
             exact &= torch.equal(out[sample].view(torch.int16), want.view(torch.int16))
         if procs > 1:
             dist.barrier()
+        memory = smaps("self", LAYER_MATCH)
         result.update(exact=bool(exact), rows_per_s=float(np.mean(rate)),
-                      pss_rss=read_mapping_memory("self", LAYER_MATCH),
+                      pss_rss=(memory.pss, memory.rss),
                       modes=[t.mode_report() for t in tables.values()],
                       placement=[t.placement_report().to_dict() for t in tables.values()],
                       ok=True)

@@ -38,6 +38,10 @@ class CapacityError(StorageError):
     """Not enough room (tmpfs, memory) for what was asked."""
 
 
+class NoSuchProcess(StorageError, LookupError):
+    """A pid that does not exist (or exited while being read)."""
+
+
 class SpecMismatchError(StorageError):
     """A table or checkpoint built for another Engram spec."""
 

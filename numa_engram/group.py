@@ -20,8 +20,9 @@ from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
 from .errors import GroupTimeout, NumaEngramError, TopologyError
+from .procfs import boot_id
 from .sharding import WorldLayout
-from .storage import boot_id, describe_device, directory_id
+from .storage import describe_device, directory_id
 
 log = logging.getLogger(__name__)
 

@@ -38,12 +38,15 @@ if _core_version() != __version__:
 
 PAGE_SIZE: int = int(lib.ne_page_size())
 
-MPOL_DEFAULT, MPOL_PREFERRED, MPOL_BIND, MPOL_INTERLEAVE, MPOL_LOCAL = 0, 1, 2, 3, 4
-MPOL_MF_STRICT, MPOL_MF_MOVE, MPOL_MF_MOVE_ALL = 1, 2, 4
-MPOL_F_NODE, MPOL_F_ADDR = 1, 2
-MADV_DONTNEED = int(lib.MADV_DONTNEED)
-MADV_NOHUGEPAGE = int(lib.MADV_NOHUGEPAGE)
-MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23
+# the kernel's values, compiled in from <linux/mempolicy.h> and <sys/mman.h>
+MPOL_DEFAULT, MPOL_PREFERRED, MPOL_BIND = lib.MPOL_DEFAULT, lib.MPOL_PREFERRED, lib.MPOL_BIND
+MPOL_INTERLEAVE, MPOL_LOCAL = lib.MPOL_INTERLEAVE, lib.MPOL_LOCAL
+MPOL_MF_STRICT, MPOL_MF_MOVE, MPOL_MF_MOVE_ALL = (lib.MPOL_MF_STRICT, lib.MPOL_MF_MOVE,
+                                                  lib.MPOL_MF_MOVE_ALL)
+MPOL_F_NODE, MPOL_F_ADDR = lib.MPOL_F_NODE, lib.MPOL_F_ADDR
+MADV_DONTNEED, MADV_NOHUGEPAGE = lib.MADV_DONTNEED, lib.MADV_NOHUGEPAGE
+MADV_POPULATE_READ, MADV_POPULATE_WRITE = lib.MADV_POPULATE_READ, lib.MADV_POPULATE_WRITE
+MFD_CLOEXEC, MFD_HUGETLB, MFD_HUGE_SHIFT = lib.MFD_CLOEXEC, lib.MFD_HUGETLB, lib.MFD_HUGE_SHIFT
 _MADV_NAMES = {
     MADV_DONTNEED: "MADV_DONTNEED",
     MADV_NOHUGEPAGE: "MADV_NOHUGEPAGE",
@@ -68,14 +71,19 @@ class Mapping:
     kept past ``close()`` never points into unmapped memory.
     """
 
-    def __init__(self, fd: int, length: int, writable: bool = True) -> None:
+    def __init__(self, fd: int, length: int, writable: bool = True,
+                 page_size: int = PAGE_SIZE) -> None:
         if length <= 0:
             raise ValueError(f"mapping length must be > 0, got {length}")
+        if length % page_size:
+            raise ValueError(f"mapping length {length} is not a multiple of the page size "
+                             f"{page_size}")
         ptr = lib.ne_map_shared(fd, length, 1 if writable else 0)
         if ptr == ffi.NULL:
             _raise("mmap", f"fd={fd} length={length} MAP_SHARED writable={writable}")
         self.length = length
         self.writable = writable
+        self.page_size = page_size  # 4 KiB, or the huge page size of a hugetlb file
         self.address = int(ffi.cast("uintptr_t", ptr))
         self._state = {"mapped": True}
         state = self._state
@@ -134,10 +142,11 @@ class Mapping:
 
 
 def _check_range(mapping: Mapping, offset: int, length: int, call: str) -> None:
-    if offset % PAGE_SIZE or offset < 0 or length <= 0 or offset + length > mapping.length:
+    page = mapping.page_size
+    if offset % page or offset < 0 or length <= 0 or offset + length > mapping.length:
         raise ValueError(
             f"{call}: range [{offset}, {offset + length}) must be page-aligned "
-            f"({PAGE_SIZE}) and inside the mapping of {mapping.length} bytes"
+            f"({page}) and inside the mapping of {mapping.length} bytes"
         )
 
 
@@ -147,8 +156,13 @@ def madvise(mapping: Mapping, advice: int, offset: int = 0, length: int | None =
     if lib.ne_madvise(mapping.pointer(offset), length, advice) != 0:
         name = _MADV_NAMES.get(advice, str(advice))
         hint = "MADV_POPULATE_* needs Linux >= 5.14" if ffi.errno == errno.EINVAL else ""
-        if ffi.errno == errno.ENOMEM and advice == MADV_POPULATE_WRITE:
-            raise CapacityError(f"populating {length} bytes failed: out of memory")
+        if ffi.errno in (errno.ENOMEM, errno.EFAULT) and advice == MADV_POPULATE_WRITE:
+            # a hugetlb pool that runs dry fails populate with EFAULT (a later
+            # touch would be SIGBUS): never let the caller get that far
+            where = (f"the {mapping.page_size >> 20} MiB huge page pool is exhausted"
+                     if mapping.page_size > PAGE_SIZE else "out of memory")
+            raise CapacityError(f"populating {length} bytes at offset {offset} failed: "
+                                f"{where}; reserve more pages or use a smaller table")
         _raise("madvise", f"{name} offset={offset} length={length}", hint)
 
 
@@ -212,10 +226,11 @@ def policy_of_address(mapping: Mapping, offset: int,
 def page_nodes(mapping: Mapping, offset: int, length: int) -> np.ndarray:
     """move_pages query: node of each page in the range (negative errno if unmapped)."""
     _check_range(mapping, offset, length, "move_pages")
-    count = (length + PAGE_SIZE - 1) // PAGE_SIZE
+    page = mapping.page_size
+    count = (length + page - 1) // page
     status = np.empty(count, dtype=np.int32)
     ptr = ffi.cast("int *", ffi.from_buffer(status))
-    if lib.ne_page_nodes(mapping.pointer(offset), length, PAGE_SIZE, ptr) != 0:
+    if lib.ne_page_nodes(mapping.pointer(offset), length, page, ptr) != 0:
         _raise("move_pages", f"query offset={offset} length={length}")
     return status
 

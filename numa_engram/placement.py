@@ -19,6 +19,7 @@ import numpy as np
 from . import native
 from .errors import PlacementError, TopologyError
 from .topology import Topology, parse_cpulist
+from .units import fmt_bytes, node_list, text_table, unit_for
 
 MODES = {"bind": native.MPOL_BIND, "preferred": native.MPOL_PREFERRED,
          "interleave": native.MPOL_INTERLEAVE, "default": native.MPOL_DEFAULT}
@@ -56,10 +57,12 @@ class PlacementPlan:
     policy: str = "custom"
     copies: int = 1  # replicate-per-node: one copy of the table per node
 
-    def validate(self, file_size: int, topology: Topology | None = None) -> None:
+    def validate(self, file_size: int, topology: Topology | None = None,
+                 page_size: int = native.PAGE_SIZE) -> None:
         """Refuse unaligned, overlapping or out-of-file ranges and unknown nodes
-        before any syscall is made."""
-        page = native.PAGE_SIZE
+        before any syscall is made (a hugetlb file's ranges start on its
+        huge page boundaries: mbind refuses anything else)."""
+        page = page_size
         spans = []
         for r in self.ranges:
             if r.mode not in MODES:
@@ -83,16 +86,14 @@ class PlacementPlan:
             if start < end:
                 raise PlacementError(f"ranges {a!r} and {b!r} overlap; give disjoint ranges")
 
-    def apply(self, mapping: native.Mapping, topology: Topology | None = None,
-              move: bool = False) -> None:
+    def apply(self, mapping: native.Mapping, topology: Topology | None = None) -> None:
         """mbind every range.  On tmpfs the policy is stored on the file, so
-        every later fault by any process obeys it.  ``move`` also migrates
-        pages already there (only pages this process alone maps)."""
-        self.validate(mapping.length, topology or Topology.detect())
-        flags = native.MPOL_MF_MOVE | native.MPOL_MF_STRICT if move else 0
+        every later fault by any process obeys it; on hugetlbfs it stays on
+        this mapping, so the creator populates every page through it."""
+        self.validate(mapping.length, topology or Topology.detect(), mapping.page_size)
         for r in self.ranges:
-            length = min(_round_up(r.length, native.PAGE_SIZE), mapping.length - r.offset)
-            native.mbind(mapping, r.offset, length, MODES[r.mode], r.nodes, flags)
+            length = min(_round_up(r.length, mapping.page_size), mapping.length - r.offset)
+            native.mbind(mapping, r.offset, length, MODES[r.mode], r.nodes)
 
     def bytes_per_node(self) -> dict[int, int]:
         """Planned bytes on each node (interleave split evenly)."""
@@ -106,6 +107,17 @@ class PlacementPlan:
         return {"policy": self.policy, "copies": self.copies,
                 "ranges": [vars(r) | {"nodes": list(r.nodes)} for r in self.ranges],
                 "bytes_per_node": self.bytes_per_node()}
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> PlacementPlan:
+        """The plan ``to_dict`` wrote (e.g. the one stored in a table's header)."""
+        try:
+            ranges = tuple(PlacementRange(r["name"], int(r["offset"]), int(r["length"]),
+                                          r["mode"], tuple(int(n) for n in r["nodes"]))
+                           for r in doc["ranges"])
+            return cls(ranges, str(doc.get("policy", "custom")), int(doc.get("copies", 1)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlacementError(f"not a placement plan: {exc!r} in {doc!r}") from None
 
 
 def _round_up(value: int, align: int) -> int:
@@ -194,6 +206,7 @@ class RangeReport:
     pages: int
     pages_per_node: dict[int, int] = field(default_factory=dict)
     unmapped_pages: int = 0
+    page_size: int = native.PAGE_SIZE
 
     @property
     def pages_on_plan(self) -> int:
@@ -215,7 +228,7 @@ class RangeReport:
         return {"name": self.name, "offset": self.offset, "length": self.length,
                 "mode": self.mode, "planned_nodes": list(self.planned_nodes),
                 "pages": self.pages, "pages_per_node": dict(self.pages_per_node),
-                "unmapped_pages": self.unmapped_pages,
+                "unmapped_pages": self.unmapped_pages, "page_size": self.page_size,
                 "fraction_on_plan": self.fraction_on_plan}
 
 
@@ -238,22 +251,38 @@ class PlacementReport:
             total.update(r.pages_per_node)
         return dict(sorted(total.items()))
 
+    def bytes_per_node(self) -> dict[int, int]:
+        total: Counter[int] = Counter()
+        for r in self.ranges:
+            total.update({n: c * r.page_size for n, c in r.pages_per_node.items() if n >= 0})
+        return dict(sorted(total.items()))
+
     def to_dict(self) -> dict:
         return {"ok": self.ok, "fraction_on_plan": self.fraction_on_plan,
                 "pages_per_node": self.pages_per_node(),
+                "bytes_per_node": self.bytes_per_node(),
                 "ranges": [r.to_dict() for r in self.ranges]}
 
     def format(self) -> str:
+        """numastat-like: one row per range, a column per node in one unit,
+        the pages (and their size) under it."""
         nodes = sorted({n for r in self.ranges for n in r.pages_per_node})
-        head = f"{'range':<16}{'mode':<12}{'plan':<10}" + "".join(f"{'N' + str(n):>10}"
-                                                                   for n in nodes)
-        lines = [head + f"{'on plan':>10}"]
+        unit = unit_for(*(r.length for r in self.ranges))
+        rows = []
         for r in self.ranges:
-            plan = ",".join(map(str, r.planned_nodes)) or "-"
-            cells = "".join(f"{r.pages_per_node.get(n, 0):>10}" for n in nodes)
-            lines.append(f"{r.name:<16}{r.mode:<12}{plan:<10}{cells}"
-                         f"{r.fraction_on_plan:>10.1%}")
-        return "\n".join(lines)
+            rows.append([r.name, r.mode, node_list(r.planned_nodes)]
+                        + [f"{r.pages_per_node.get(n, 0) * r.page_size / unit[1]:.2f}"
+                           for n in nodes] + [f"{r.fraction_on_plan:.1%}"])
+        total = self.bytes_per_node()
+        rows.append(["Total", "", ""] + [f"{total.get(n, 0) / unit[1]:.2f}" for n in nodes]
+                    + [f"{self.fraction_on_plan:.1%}"])
+        header = (["range", "mode", "plan"] + [f"Node {n} ({unit[0]})" for n in nodes]
+                  + ["on plan"])
+        pages = self.pages_per_node()
+        sizes = sorted({r.page_size for r in self.ranges})
+        note = ("pages of " + ", ".join(fmt_bytes(s, digits=0) for s in sizes) + ": "
+                + "  ".join(f"Node {n}={pages[n]}" for n in nodes if n >= 0))
+        return text_table(header, rows, left=3) + "\n" + note
 
 
 def verify(mapping: native.Mapping, plan: PlacementPlan) -> PlacementReport:
@@ -264,13 +293,13 @@ def verify(mapping: native.Mapping, plan: PlacementPlan) -> PlacementReport:
     table sees the same report as the creator."""
     reports = []
     for r in plan.ranges:
-        length = min(_round_up(r.length, native.PAGE_SIZE), mapping.length - r.offset)
+        length = min(_round_up(r.length, mapping.page_size), mapping.length - r.offset)
         native.madvise(mapping, native.MADV_POPULATE_READ, r.offset, length)
         status = native.page_nodes(mapping, r.offset, length)
         counts = np.bincount(status[status >= 0])
         per_node = {node: int(c) for node, c in enumerate(counts) if c}
         reports.append(RangeReport(r.name, r.offset, r.length, r.mode, r.nodes, len(status),
-                                   per_node, int((status < 0).sum())))
+                                   per_node, int((status < 0).sum()), mapping.page_size))
     return PlacementReport(tuple(reports))
 
 

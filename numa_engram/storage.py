@@ -1,5 +1,5 @@
-"""Backing-file lifecycle on tmpfs: header, create, place, populate, attach,
-unlink, close, and gc of files whose creator died.
+"""Backing-file lifecycle on tmpfs or hugetlbfs: check, create, place,
+populate, attach, unlink, close (the format is fileformat's, gc is gc's).
 
 ``BackingFile.create`` is DESIGN.md section 3 steps 1-7 in one visible
 sequence; ``attach`` is what a peer does in step 8.  No torch here.
@@ -13,169 +13,53 @@ import os
 import secrets
 import stat
 import struct
-import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
-from . import native
+from . import hugepages, native, procfs
 from .accounting import check_memory
 from .errors import CapacityError, SpecMismatchError, StorageError
+from .fileformat import (
+    DEFAULT_DIRECTORY,
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    MAX_LOADERS,
+    PREFIX,
+    PROGRESS_OFFSET,
+    SLOT,
+    STATE_CREATING,
+    STATE_OFFSET,
+    STATE_READY,
+    Header,
+    Layout,
+    ShardKey,
+)
 from .topology import Topology
 
 log = logging.getLogger(__name__)
 
-PREFIX = "numa-engram-"
-MAGIC = b"NUMAENGR"
-FORMAT_VERSION = 2
-DEFAULT_DIRECTORY = "/dev/shm"
+NO_KEY = ShardKey()
+POPULATE_CHUNK = 64 << 20  # progress granularity of populate
 SHMEM_THP = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
-STATE_CREATING, STATE_READY, STATE_FAILED = 0, 1, 2
-STATE_NAMES = {STATE_CREATING: "CREATING", STATE_READY: "READY", STATE_FAILED: "FAILED"}
-MAX_REGIONS = 16
-
-# magic, version, state, creator pid, creator uid, creator start time (ticks),
-# boot id, fingerprint (32 raw bytes), file size, region count, then the
-# shard key: layer id, head start, head end, row start, row end
-_HEAD = struct.Struct("<8sIIIIQ16s32sQIiIIQQ")
-_REGION = struct.Struct("<32sQQ")
-_STATE_OFFSET = 12
-# Each loading member's progress (a counter it bumps as it goes) lives in its
-# own 8-byte slot, so the others can tell a slow load from a dead loader.
-PROGRESS_OFFSET = 2048
-MAX_LOADERS = 64
-_SLOT = struct.Struct("<Q")
 
 
 class RangePolicy(Protocol):
     """What create() needs of a placement plan (placement.PlacementPlan is
     one): refuse bad ranges before anything exists, then bind them."""
 
-    def validate(self, file_size: int, topology: Topology | None = None) -> None: ...
+    def validate(self, file_size: int, topology: Topology | None = None,
+                 page_size: int = native.PAGE_SIZE) -> None: ...
     def apply(self, mapping: native.Mapping, topology: Topology | None = None) -> None: ...
-
-
-@dataclass(frozen=True)
-class ShardKey:
-    """Which rows a table file holds: a layer, a head range and its rows.
-    Checked at join and attach, so a member that asks for other rows with
-    the same row count fails instead of reading the wrong ones."""
-
-    layer_id: int = -1
-    head_start: int = 0
-    head_end: int = 0
-    row_start: int = 0
-    row_end: int = 0
-
-    def __str__(self) -> str:
-        return (f"layer {self.layer_id}, heads [{self.head_start}, {self.head_end}), "
-                f"rows [{self.row_start}, {self.row_end})")
-
-
-@dataclass(frozen=True)
-class LayoutRegion:
-    name: str
-    offset: int
-    length: int
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Header page, then each region page-aligned, in order."""
-
-    regions: tuple[LayoutRegion, ...]
-    file_size: int
-
-    @classmethod
-    def of(cls, sizes: Sequence[tuple[str, int]]) -> Layout:
-        if not sizes or len(sizes) > MAX_REGIONS:
-            raise StorageError(f"a backing file holds 1 to {MAX_REGIONS} regions, got {len(sizes)}")
-        page = native.PAGE_SIZE
-        offset, regions = page, []
-        for name, length in sizes:
-            if length <= 0:
-                raise StorageError(f"region {name!r} has size {length}; sizes must be > 0")
-            if len(name.encode()) > 32:
-                raise StorageError(f"region name {name!r} is longer than 32 bytes")
-            regions.append(LayoutRegion(name, offset, int(length)))
-            offset += (int(length) + page - 1) // page * page
-        return cls(tuple(regions), offset)
-
-    def region(self, name: str) -> LayoutRegion:
-        for r in self.regions:
-            if r.name == name:
-                return r
-        raise StorageError(f"the backing file has no region {name!r}; its regions are "
-                           f"{[r.name for r in self.regions]}: not a table of this kind")
-
-
-@dataclass(frozen=True)
-class Header:
-    version: int
-    state: int
-    creator_pid: int
-    creator_uid: int
-    creator_start: int
-    boot_id: bytes
-    fingerprint: bytes
-    layout: Layout
-    key: ShardKey = ShardKey()
-
-    def pack(self) -> bytes:
-        k = self.key
-        head = _HEAD.pack(MAGIC, self.version, self.state, self.creator_pid, self.creator_uid,
-                          self.creator_start, self.boot_id, self.fingerprint,
-                          self.layout.file_size, len(self.layout.regions), k.layer_id,
-                          k.head_start, k.head_end, k.row_start, k.row_end)
-        regions = b"".join(_REGION.pack(r.name.encode(), r.offset, r.length)
-                           for r in self.layout.regions)
-        return head + regions
-
-    @classmethod
-    def unpack(cls, data: bytes, where: str) -> Header:
-        if len(data) < _HEAD.size:
-            raise StorageError(f"{where} is too short ({len(data)} bytes) to be a numa_engram "
-                               "backing file")
-        if data[:8] != MAGIC:
-            raise StorageError(f"{where} is not a numa_engram backing file (magic {data[:8]!r})")
-        version = struct.unpack_from("<I", data, 8)[0]
-        if version != FORMAT_VERSION:
-            raise StorageError(f"{where} has format version {version}, this library reads "
-                               f"{FORMAT_VERSION}; recreate the table with this version")
-        (magic, version, state, pid, uid, start, boot, fp, size, count,
-         *key) = _HEAD.unpack_from(data)
-        if magic != MAGIC:
-            raise StorageError(f"{where} is not a numa_engram backing file (magic {magic!r})")
-        if version != FORMAT_VERSION:
-            raise StorageError(f"{where} has format version {version}, this library reads "
-                               f"{FORMAT_VERSION}; recreate the table with this version")
-        if not 0 < count <= MAX_REGIONS:
-            raise StorageError(f"{where} header claims {count} regions (1 to {MAX_REGIONS})")
-        if len(data) < _HEAD.size + count * _REGION.size:
-            raise StorageError(f"{where} is too short ({len(data)} bytes) for its header")
-        regions = []
-        for i in range(count):
-            name, offset, length = _REGION.unpack_from(data, _HEAD.size + i * _REGION.size)
-            try:
-                text = name.rstrip(b"\0").decode()
-            except UnicodeDecodeError:
-                raise StorageError(f"{where} has a corrupt header (region {i} name)") from None
-            if offset % native.PAGE_SIZE or offset + length > size:
-                raise StorageError(f"{where} has a corrupt header: region {text!r} "
-                                   f"[{offset}, {offset + length}) is not inside {size} bytes")
-            regions.append(LayoutRegion(text, offset, length))
-        return cls(version, state, pid, uid, start, boot, fp, Layout(tuple(regions), size),
-                   ShardKey(*key))
+    def bytes_per_node(self) -> dict[int, int]: ...
+    def to_dict(self) -> dict: ...
 
 
 # ---------------------------------------------------------------- checks --
-
-def boot_id() -> bytes:
-    return uuid.UUID(Path("/proc/sys/kernel/random/boot_id").read_text().strip()).bytes
-
 
 def directory_id(directory: str) -> tuple[int, int] | None:
     """(st_dev, st_ino) of a table directory, None where it does not exist:
@@ -194,15 +78,6 @@ def describe_device(dir_id: tuple[int, int] | None) -> str:
         return "none: it does not exist there"
     dev, ino = dir_id
     return f"dev {os.major(dev)}:{os.minor(dev)}" + (f" inode {ino}" if ino > 2 else "")
-
-
-def process_start_time(pid: int) -> int | None:
-    """Start time of pid in clock ticks since boot (None if no such process)."""
-    try:
-        stat_line = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat_line.rsplit(")", 1)[1].split()[19])
 
 
 def check_shmem_thp(path: Path = SHMEM_THP) -> None:
@@ -266,37 +141,40 @@ class BackingFile:
     def create(cls, layout: Layout, fingerprint: bytes, *,
                directory: str | None = DEFAULT_DIRECTORY, placement: RangePolicy | None = None,
                topology: Topology | None = None, populate: bool = True,
-               key: ShardKey = ShardKey()) -> BackingFile:
-        """Steps 1-7: check, create exclusively, header, size, map, no THP,
+               key: ShardKey = NO_KEY, progress: Callable[[int, int], None] | None = None,
+               threads: int = 1) -> BackingFile:
+        """Steps 1-7: check, create exclusively, size, map, header, no THP,
         bind, populate.  Any failure removes the file before raising.
 
         ``directory=None`` makes a private table on an anonymous memfd: the
-        same shmem pages and policies, but no path at all (nothing to leak,
-        not limited by the size of /dev/shm, but by memory like any table:
-        both are checked against MemAvailable, the planned nodes' free memory
-        and the cgroup limits before anything is allocated)."""
-        check_shmem_thp()                                            # 1
-        if directory is not None:
-            check_space(directory, layout.file_size)
-        if placement is not None:
-            placement.validate(layout.file_size, topology or Topology.detect())
-        check_memory(layout.file_size,
-                     placement.bytes_per_node() if hasattr(placement, "bytes_per_node") else None)
-        path, fd = _create_exclusive(directory)                      # 2
+        same pages and policies, but no path at all (nothing to leak, not
+        limited by the size of /dev/shm, but by memory like any table: both
+        are checked against MemAvailable, the planned nodes' free memory and
+        the cgroup limits before anything is allocated).  A layout with huge
+        pages lives on hugetlbfs (``directory`` must be such a mount) or an
+        MFD_HUGETLB memfd, and is checked against the huge page pool of
+        each planned node instead.  ``progress(done, total)`` follows the
+        populate; ``threads`` populate huge pages in parallel."""
+        page = layout.page_size
+        _check_room(layout, directory, placement, topology)          # 1
+        path, fd = _create_exclusive(directory, page)                # 2
         try:
-            header = _new_header(layout, fingerprint, key)
-            os.pwrite(fd, header.pack(), 0)
             os.ftruncate(fd, layout.file_size)                       # 3
-            mapping = native.Mapping(fd, layout.file_size)
-            native.madvise(mapping, native.MADV_NOHUGEPAGE)          # 4
+            mapping = native.Mapping(fd, layout.file_size, page_size=page)
+            header = _new_header(layout, fingerprint, key, placement)
+            # through the mapping: hugetlbfs refuses write(2) (EINVAL)
+            mapping.array(0, HEADER_BYTES)[:] = np.frombuffer(header.pack(), np.uint8)
+            if not hugepages.is_huge(page):
+                native.madvise(mapping, native.MADV_NOHUGEPAGE)      # 4
             if placement is not None:
                 placement.apply(mapping, topology)                   # 5
-            if populate:
-                native.fallocate(fd, 0, layout.file_size, path)      # 6
+            if populate:                                             # 6
+                _populate(fd, mapping, path, progress, threads)
         except BaseException:
             _remove(path, fd)
             raise
-        log.debug("created %s (%d bytes)", path, layout.file_size)
+        log.debug("created %s (%d bytes, %s pages)", path, layout.file_size,
+                  hugepages.name_of(page))
         return cls(path, fd, header, mapping, owner=True)
 
     # ---------------------------------------------------------- attach --
@@ -318,7 +196,8 @@ class BackingFile:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             header = _check_file(fd, where, fingerprint, file_size, key)
-            mapping = native.Mapping(fd, header.layout.file_size, writable)
+            mapping = native.Mapping(fd, header.layout.file_size, writable,
+                                     page_size=header.layout.page_size)
         except BaseException:
             os.close(fd)
             raise
@@ -326,10 +205,18 @@ class BackingFile:
 
     # ------------------------------------------------------------ state --
     def read_header(self) -> Header:
-        return Header.unpack(os.pread(self.fd, native.PAGE_SIZE, 0), self.path)
+        return Header.unpack(os.pread(self.fd, HEADER_BYTES, 0), self.path)
+
+    def _write(self, offset: int, data: bytes) -> None:
+        """Header bytes through a writable mapping (hugetlbfs refuses
+        write(2)), else with pwrite (a sealed or read-only tmpfs mapping)."""
+        if self.mapping is not None and self.mapping.writable:
+            self.mapping.array(offset, len(data))[:] = np.frombuffer(data, np.uint8)
+        else:
+            os.pwrite(self.fd, data, offset)
 
     def set_state(self, state: int) -> None:
-        os.pwrite(self.fd, struct.pack("<I", state), _STATE_OFFSET)
+        self._write(STATE_OFFSET, struct.pack("<I", state))
 
     def mark_ready(self) -> None:
         self.set_state(STATE_READY)
@@ -342,11 +229,11 @@ class BackingFile:
         """This loader's progress counter (the others watch it advance)."""
         if not 0 <= slot < MAX_LOADERS:
             raise StorageError(f"loader slot {slot} is outside 0..{MAX_LOADERS - 1}")
-        os.pwrite(self.fd, _SLOT.pack(value), PROGRESS_OFFSET + slot * _SLOT.size)
+        self._write(PROGRESS_OFFSET + slot * SLOT.size, SLOT.pack(value))
 
     def read_progress(self) -> tuple[int, ...]:
-        data = os.pread(self.fd, MAX_LOADERS * _SLOT.size, PROGRESS_OFFSET)
-        return tuple(v for (v,) in _SLOT.iter_unpack(data))
+        data = os.pread(self.fd, MAX_LOADERS * SLOT.size, PROGRESS_OFFSET)
+        return tuple(v for (v,) in SLOT.iter_unpack(data))
 
     @property
     def state(self) -> int:
@@ -385,10 +272,81 @@ class BackingFile:
         self.close()
 
 
-def _create_exclusive(directory: str | None) -> tuple[str, int]:
+def _check_room(layout: Layout, directory: str | None, placement: RangePolicy | None,
+                topology: Topology | None) -> None:
+    """Step 1: the directory, the plan and the memory (or the huge page
+    pool) are checked before anything is allocated."""
+    page = layout.page_size
+    if directory is not None:
+        check_directory_room(directory, layout)
+    elif not hugepages.is_huge(page):
+        check_shmem_thp()
+    if placement is not None:
+        placement.validate(layout.file_size, topology or Topology.detect(), page)
+    per_node = placement.bytes_per_node() if placement is not None else None
+    if hugepages.is_huge(page):
+        hugepages.check_pool(layout.file_size, page, per_node)
+    else:
+        check_memory(layout.file_size, per_node)
+
+
+def check_directory_room(directory: str, layout: Layout) -> None:
+    """The directory can hold this table: tmpfs with room (and shmem THP not
+    forced) for 4 KiB pages, a hugetlbfs mount of the layout's page size
+    for huge pages (their pool is checked by check_pool)."""
+    page = layout.page_size
+    if not hugepages.is_huge(page):
+        check_shmem_thp()
+        check_space(directory, layout.file_size)
+        return
+    check_directory(directory)
+    if hugepages.mount_page_size(directory) != page:
+        raise StorageError(f"{directory} is not a hugetlbfs mount of {hugepages.name_of(page)} "
+                           "pages; pass one, or leave the default directory and the mount "
+                           "is found")
+
+
+def _populate(fd: int, mapping: native.Mapping, path: str,
+              progress: Callable[[int, int], None] | None = None, threads: int = 1) -> None:
+    """Allocate every page now, where the policy says, in chunks (progress
+    after each).  tmpfs: fallocate (the policy is on the file).  hugetlb:
+    fallocate ignores a mapping's policy, so the pages are written in
+    through this bound mapping (MADV_POPULATE_WRITE), by ``threads``
+    threads: zero-filling pages is the cost, and it scales with cores."""
+    total = mapping.length
+    chunk = max(mapping.page_size, POPULATE_CHUNK // mapping.page_size * mapping.page_size)
+    starts = range(0, total, chunk)
+    done, lock = [0], threading.Lock()
+
+    def one(start: int) -> None:
+        length = min(chunk, total - start)
+        if hugepages.is_huge(mapping.page_size):
+            native.madvise(mapping, native.MADV_POPULATE_WRITE, start, length)
+        else:
+            native.fallocate(fd, start, length, path)
+        with lock:
+            done[0] += length
+            if progress is not None:
+                progress(done[0], total)
+
+    if threads <= 1 or not hugepages.is_huge(mapping.page_size):
+        for start in starts:  # tmpfs fallocate holds the inode lock: no gain from threads
+            one(start)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="numa-engram-populate") as pool:
+        for future in [pool.submit(one, start) for start in starts]:
+            future.result()
+
+
+def _create_exclusive(directory: str | None, page_size: int) -> tuple[str, int]:
     if directory is None:
         name = PREFIX + secrets.token_hex(8)
-        return f"memfd:{name}", os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            fd = os.memfd_create(name, hugepages.memfd_flags(page_size))
+        except OSError as exc:
+            raise StorageError(f"memfd_create with {hugepages.name_of(page_size)} pages "
+                               f"failed: {exc.strerror}") from exc
+        return f"memfd:{name}", fd
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     path = os.path.join(directory, PREFIX + secrets.token_hex(8))
     try:
@@ -401,12 +359,15 @@ def _create_exclusive(directory: str | None) -> tuple[str, int]:
     return path, fd
 
 
-def _new_header(layout: Layout, fingerprint: bytes, key: ShardKey) -> Header:
+def _new_header(layout: Layout, fingerprint: bytes, key: ShardKey,
+                placement: RangePolicy | None) -> Header:
     if len(fingerprint) != 32:
         raise ValueError(f"fingerprint must be 32 bytes, got {len(fingerprint)}")
     pid = os.getpid()
+    plan = placement.to_dict() if placement is not None else None
     return Header(FORMAT_VERSION, STATE_CREATING, pid, os.geteuid(),
-                  process_start_time(pid) or 0, boot_id(), fingerprint, layout, key)
+                  procfs.start_time(pid) or 0, procfs.boot_id(), fingerprint, layout, key,
+                  plan)
 
 
 def _remove(path: str, fd: int) -> None:
@@ -439,7 +400,7 @@ def _check_file(fd: int, where: str, fingerprint: bytes | None,
     if st.st_uid != os.geteuid():
         raise StorageError(f"{where} is owned by uid {st.st_uid}, not by this process's uid "
                            f"{os.geteuid()}; only the creator's user may attach")
-    header = Header.unpack(os.pread(fd, native.PAGE_SIZE, 0), where)
+    header = Header.unpack(os.pread(fd, HEADER_BYTES, 0), where)
     if header.creator_uid != st.st_uid:
         raise StorageError(f"{where} header names creator uid {header.creator_uid} but the "
                            f"file belongs to uid {st.st_uid}")
@@ -456,120 +417,3 @@ def _check_file(fd: int, where: str, fingerprint: bytes | None,
                                 f"this process has spec {fingerprint.hex()[:16]}; both sides "
                                 "must use the same EngramSpec")
     return header
-
-
-def table_fds(pid: int) -> list[tuple[int, str]]:
-    """(fd, target) of every table file a live process holds open, unlinked
-    or memfd ones included: a running server's tables can be inspected."""
-    out = []
-    base = f"/proc/{pid}/fd"
-    for entry in sorted(os.listdir(base), key=int):
-        try:
-            target = os.readlink(f"{base}/{entry}")
-        except OSError:
-            continue
-        if PREFIX in target:
-            out.append((int(entry), target))
-    return out
-
-
-def open_process_fd(pid: int, fd: int) -> int:
-    """Our own descriptor for another process's open file (same user or root)."""
-    try:
-        return os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise StorageError(f"cannot open fd {fd} of pid {pid}: {exc.strerror}; run as the "
-                           "same user or root") from exc
-
-
-# -------------------------------------------------------------------- gc --
-
-@dataclass(frozen=True)
-class GcEntry:
-    path: str
-    size: int
-    creator_pid: int
-    reason: str  # why it is stale, or why it was kept or skipped
-    removed: bool
-
-
-def holders_alive(fd: int) -> bool | None:
-    """Does any process hold the file open as a table (its creator or an
-    attached member: each keeps a shared lock for its life)?  None when the
-    lock cannot be tested.  Works across pid namespaces, unlike a pid."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return None
-    fcntl.flock(fd, fcntl.LOCK_UN)
-    return False
-
-
-def gc_stale_files(directory: str = DEFAULT_DIRECTORY, dry_run: bool = False,
-                   all_users: bool = False) -> list[GcEntry]:
-    """Remove backing files (by prefix and header) that no process holds
-    (the creator's lock is gone) or from another boot.  Files in use, files
-    of other users (unless ``all_users``, for root), files whose liveness
-    cannot be decided and entries that are not our regular files are
-    reported with the reason and left alone."""
-    if not os.path.isdir(directory):
-        raise StorageError(f"directory {directory!r} does not exist or is not a directory")
-    entries = []
-    for name in sorted(os.listdir(directory)):
-        if name.startswith(PREFIX):
-            entries.append(_gc_one(os.path.join(directory, name), dry_run, all_users))
-    return entries
-
-
-def _gc_one(path: str, dry_run: bool, all_users: bool) -> GcEntry:
-    try:
-        st = os.lstat(path)  # never open a FIFO, device or directory
-    except OSError as exc:
-        return GcEntry(path, 0, 0, f"skipped: {exc.strerror}", False)
-    if not stat.S_ISREG(st.st_mode):
-        return GcEntry(path, 0, 0, f"skipped: not a regular file ({_file_kind(st.st_mode)})",
-                       False)
-    if st.st_uid != os.geteuid() and not all_users:
-        return GcEntry(path, st.st_size, 0, f"kept: owned by uid {st.st_uid} (root may pass "
-                       "--all-users to include other users' files)", False)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        return GcEntry(path, st.st_size, 0, f"kept: cannot open ({exc.strerror})", False)
-    try:
-        now = os.fstat(fd)
-        if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev) or not stat.S_ISREG(now.st_mode):
-            return GcEntry(path, st.st_size, 0, "skipped: replaced while being checked", False)
-        try:
-            header = Header.unpack(os.pread(fd, native.PAGE_SIZE, 0), path)
-        except (StorageError, struct.error) as exc:
-            return GcEntry(path, st.st_size, 0, f"skipped: {exc}", False)
-        pid = header.creator_pid
-        if header.boot_id == boot_id():
-            alive = holders_alive(fd)
-            if alive is None:
-                return GcEntry(path, st.st_size, pid, "kept: liveness cannot be decided (the "
-                               "file system refuses locks)", False)
-            if alive:
-                return GcEntry(path, st.st_size, pid, "kept: in use (a process holds its "
-                               "lock)", False)
-            reason = f"stale: no process holds it (creator pid {pid} is dead)"
-        else:
-            reason = "stale: creator from another boot"
-        if not dry_run:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-    finally:
-        os.close(fd)
-    return GcEntry(path, st.st_size, pid, reason, not dry_run)
-
-
-def _file_kind(mode: int) -> str:
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-             (stat.S_ISLNK, "a symlink"), (stat.S_ISSOCK, "a socket"),
-             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-    return next((name for test, name in kinds if test(mode)), "not a file")

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import errors, native
+from . import errors, hugepages, native, procfs
 from .accounting import check_memory
 from .checkpoint import Progress, TensorNames, checkpoint_files, load_rows
 from .errors import (
@@ -32,24 +32,13 @@ from .errors import (
     StorageError,
     TopologyError,
 )
+from .fileformat import DEFAULT_DIRECTORY, STATE_FAILED, STATE_READY, Layout, ShardKey
 from .group import Group, SingleProcessGroup, as_group, gpu_node
 from .lookup import OutputPool, id_base
 from .placement import PlacementPlan, PlacementReport, Region, plan_placement, verify
 from .sharding import ShardInfo
 from .spec import EngramSpec
-from .storage import (
-    DEFAULT_DIRECTORY,
-    STATE_FAILED,
-    STATE_READY,
-    BackingFile,
-    Layout,
-    ShardKey,
-    boot_id,
-    check_shmem_thp,
-    check_space,
-    describe_device,
-    directory_id,
-)
+from .storage import BackingFile, check_directory_room, describe_device, directory_id
 from .topology import Topology, current_node
 
 log = logging.getLogger(__name__)
@@ -103,6 +92,7 @@ class MemberInfo:
     directory_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the table directory
     hostname: str = ""
     directory: str = ""
+    page_size: int = native.PAGE_SIZE
 
 
 @dataclass(frozen=True)
@@ -186,9 +176,9 @@ def _as_group(group: Any, timeout_s: float) -> Group:
     return SingleProcessGroup() if group is None else as_group(group, timeout_s)
 
 
-def table_layout(spec: EngramSpec, shard: ShardInfo) -> Layout:
+def table_layout(spec: EngramSpec, shard: ShardInfo, page_size: int = native.PAGE_SIZE) -> Layout:
     return Layout.of([("weights", shard.num_rows * spec.head_dim),
-                      ("scales", shard.num_rows * spec.scales_per_row)])
+                      ("scales", shard.num_rows * spec.scales_per_row)], page_size)
 
 
 class SharedEngramTable:
@@ -230,8 +220,13 @@ class SharedEngramTable:
                register_device: int | None = None, timeout_s: float = 300.0,
                mode: str = "auto", topology: Topology | None = None,
                names: TensorNames | None = None, progress: Progress | None = None,
-               lookup_threads: int = 1) -> SharedEngramTable:
+               lookup_threads: int = 1, page_size: str | int = "4K") -> SharedEngramTable:
         """Collective over ``group`` (its rank 0 leads; None: a private table).
+
+        page_size: ``4K`` (shmem: /dev/shm or a memfd), ``2M`` or ``1G``
+        (hugetlb: a hugetlbfs mount of that size, found in /proc/self/mounts
+        when ``directory`` is left at its default, or an MFD_HUGETLB memfd;
+        each planned node's pool must have the pages free).
 
         mode: ``dp_shared`` (one copy for the group; fails loudly when it
         cannot share), ``independent`` (each member its own copy) or ``auto``
@@ -245,26 +240,28 @@ class SharedEngramTable:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         _check_shard(spec, layer_id, shard)
+        page = hugepages.parse_page_size(page_size)
         grp = _as_group(group, timeout_s)
         with _bounded(grp, timeout_s):
             return cls._create(spec, layer_id, shard, grp, placement=placement,
                                directory=directory, checkpoint=checkpoint,
                                register_device=register_device, timeout_s=timeout_s, mode=mode,
                                topology=topology, names=names, progress=progress,
-                               lookup_threads=lookup_threads)
+                               lookup_threads=lookup_threads, page_size=page)
 
     @classmethod
     def _create(cls, spec, layer_id, shard, grp: Group, *, placement, directory, checkpoint,
                 register_device, timeout_s, mode, topology, names, progress,
-                lookup_threads) -> SharedEngramTable:
+                lookup_threads, page_size) -> SharedEngramTable:
         topo = topology or Topology.detect()
-        layout = table_layout(spec, shard)
+        layout = table_layout(spec, shard, page_size)
         key = shard_key(layer_id, shard)
         me, joined = _attempt(lambda: _member_info(grp, topo, register_device, spec, key, mode,
-                                                   directory))
+                                                   directory, page_size))
         _, outcomes = _all(grp, "join", lambda: _raise_unless(joined) or me)     # everyone here
         _raise_failures(outcomes, grp.ranks, "join")
         members = [o.value for o in outcomes]
+        directory = me.directory  # this member's (a hugetlbfs mount for huge pages)
         actual, reason = _lead(grp, "decide", lambda: _decide(mode, members, layout, directory))
         if actual == "independent":
             if reason and grp.size > 1:
@@ -331,10 +328,13 @@ class SharedEngramTable:
         unlink, or an fd passed over a Unix socket), read-only, after the
         same checks a peer makes (spec, size, layer and shard)."""
         _check_shard(spec, layer_id, shard)
-        layout = table_layout(spec, shard)
         backing = BackingFile.attach(path, fd=fd, fingerprint=spec.fingerprint,
-                                     file_size=layout.file_size, key=shard_key(layer_id, shard))
+                                     key=shard_key(layer_id, shard))
         try:
+            expected = table_layout(spec, shard, backing.layout.page_size).file_size
+            if backing.layout.file_size != expected:
+                raise StorageError(f"{backing.path} is {backing.layout.file_size} bytes, this "
+                                   f"shard needs {expected}")
             if backing.state != STATE_READY:
                 raise StorageError(f"table {backing.path} is not READY (its creator has not "
                                    "finished loading it); attach after create() returned")
@@ -434,13 +434,11 @@ class SharedEngramTable:
         report = self._report
         with self._idle:
             counts = dict(self._counts)
-        pages = report.pages_per_node() if report is not None else {}
         return TableStats(self.layer_id, self.shard.head_start, self.shard.head_end, self.mode,
                           self.backing_bytes, counts["lookups"], counts["rows"],
                           counts["rows"] * self.spec.row_bytes, counts["seconds"],
                           None if report is None else report.fraction_on_plan,
-                          {int(n): int(p) * native.PAGE_SIZE for n, p in pages.items()
-                           if int(n) >= 0})
+                          report.bytes_per_node() if report is not None else {})
 
     def _count(self, rows: int, seconds: float) -> None:
         with self._idle:
@@ -562,10 +560,13 @@ def shard_key(layer_id: int, shard: ShardInfo) -> ShardKey:
 
 
 def _member_info(grp: Group, topo: Topology, device: int | None, spec: EngramSpec,
-                 key: ShardKey, mode: str, directory: str) -> MemberInfo:
+                 key: ShardKey, mode: str, directory: str, page_size: int) -> MemberInfo:
+    # huge pages: this member's hugetlbfs mount of that size (a container may
+    # mount it elsewhere; the identity check then compares the file systems)
+    directory = hugepages.resolve_directory(directory, page_size, DEFAULT_DIRECTORY)
     return MemberInfo(grp.ranks[grp.rank], os.getpid(), os.geteuid(), _member_node(topo, device),
-                      device, spec.fingerprint, key, mode, boot_id(), directory_id(directory),
-                      socket.gethostname(), directory)
+                      device, spec.fingerprint, key, mode, procfs.boot_id(),
+                      directory_id(directory), socket.gethostname(), directory, page_size)
 
 
 def _check_agreement(members: list[MemberInfo]) -> None:
@@ -584,6 +585,11 @@ def _check_agreement(members: list[MemberInfo]) -> None:
             raise TopologyError(f"rank {m.rank} asked for mode {m.mode!r}, the leader (rank "
                                 f"{first.rank}) for {first.mode!r}; every member must pass the "
                                 "same mode")
+        if m.page_size != first.page_size:
+            raise StorageError(f"rank {m.rank} asked for {hugepages.name_of(m.page_size)} "
+                               f"pages, the leader (rank {first.rank}) for "
+                               f"{hugepages.name_of(first.page_size)}; every member must pass "
+                               "the same page_size")
 
 
 def _identity_difference(members: list[MemberInfo]) -> str:
@@ -615,8 +621,7 @@ def _decide(mode: str, members: list[MemberInfo], layout: Layout,
         reason = _identity_difference(members)
         if not reason:
             try:
-                check_shmem_thp()
-                check_space(directory, layout.file_size)
+                check_directory_room(directory, layout)
             except StorageError as exc:
                 reason, error = str(exc), type(exc)
     if not reason:
@@ -624,7 +629,11 @@ def _decide(mode: str, members: list[MemberInfo], layout: Layout,
     if mode == "dp_shared":
         raise error(f"dp_shared requested but {reason}")
     here = sum(m.boot_id == members[0].boot_id for m in members)
-    check_memory(here * layout.file_size, what=f"{here} independent copies (the fallback)")
+    what = f"{here} independent copies (the fallback)"
+    if hugepages.is_huge(layout.page_size):
+        hugepages.check_pool(here * layout.file_size, layout.page_size, what=what)
+    else:
+        check_memory(here * layout.file_size, what=what)
     return "independent", reason
 
 

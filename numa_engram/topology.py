@@ -13,6 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import procfs
 from .errors import TopologyError
 
 SYS_NODE = Path("/sys/devices/system/node")
@@ -262,10 +263,6 @@ class Topology:
 def current_node(topology: Topology | None = None) -> int:
     """Node of the CPU this process runs on now."""
     topo = topology or Topology.detect()
-    return topo.node_of_cpu(current_cpu())
+    return topo.node_of_cpu(procfs.current_cpu())
 
 
-def current_cpu() -> int:
-    """CPU this process last ran on (field 39 of /proc/self/stat)."""
-    stat = Path("/proc/self/stat").read_text()
-    return int(stat.rsplit(")", 1)[1].split()[36])

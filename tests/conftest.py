@@ -2,10 +2,11 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from numa_engram.storage import PREFIX
+from numa_engram.fileformat import PREFIX
 from numa_engram.topology import read_online_nodes
 
 SHM = "/dev/shm"
@@ -39,3 +40,59 @@ def run_python(code: str, *args: str, timeout: float = 600) -> subprocess.Comple
     """Run code in a fresh interpreter (a real second process)."""
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args],
                           capture_output=True, text=True, timeout=timeout)
+
+
+class HugePool:
+    """2 MiB huge pages reserved for one test (per node where asked) and a
+    hugetlbfs mount of them; undone afterwards."""
+
+    SIZE_KB = 2048
+
+    def __init__(self, tmp_path):
+        self.mount = str(tmp_path / "hugepages-2M")
+        self._saved: dict[str, int] = {}
+
+    def _knob(self, node):
+        base = ("/sys/kernel/mm/hugepages" if node is None
+                else f"/sys/devices/system/node/node{node}/hugepages")
+        return f"{base}/hugepages-{self.SIZE_KB}kB/nr_hugepages"
+
+    def reserve(self, pages: int, node: int | None = None) -> int:
+        """Set the pool (of a node, or host-wide) to ``pages`` free pages
+        more than are in use; returns the pages it really got."""
+        knob = self._knob(node)
+        current = int(Path(knob).read_text())
+        self._saved.setdefault(knob, current)
+        free_file = Path(knob.replace("nr_hugepages", "free_hugepages"))
+        in_use = current - int(free_file.read_text())
+        Path(knob).write_text(str(in_use + pages))
+        return int(free_file.read_text())
+
+    def restore(self):
+        for knob, value in reversed(list(self._saved.items())):
+            Path(knob).write_text(str(value))
+
+
+@pytest.fixture
+def huge_pool(tmp_path):
+    """A HugePool with a mounted hugetlbfs, or a skip that says why not."""
+    pool = HugePool(tmp_path)
+    knob = pool._knob(None)
+    if os.geteuid() != 0 or not os.access(knob, os.W_OK):
+        pytest.skip(f"reserving huge pages needs root and a writable {knob}")
+    os.makedirs(pool.mount)
+    mounted = subprocess.run(["mount", "-t", "hugetlbfs", "-o", "pagesize=2M,mode=0700", "none",
+                              pool.mount], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount hugetlbfs: {mounted.stderr.strip()}")
+    if pool.reserve(8) < 8:
+        pool.restore()
+        subprocess.run(["umount", pool.mount])
+        pytest.skip("the kernel gave fewer than 8 free 2 MiB pages (memory fragmented)")
+    try:
+        yield pool
+    finally:
+        leaked = [n for n in os.listdir(pool.mount) if n.startswith(PREFIX)]
+        subprocess.run(["umount", "-l", pool.mount])
+        pool.restore()
+        assert not leaked, f"test leaked hugetlbfs files: {leaked}"

@@ -9,12 +9,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from numa_engram import EngramSpec, SharedEngramTable, shard_heads
-from numa_engram.accounting import read_mapping_memory
+from numa_engram import EngramSpec, SharedEngramTable, hugepages, shard_heads
 from numa_engram.checkpoint import synthetic_layer
 from numa_engram.group import TorchGroup, sharing_groups
 from numa_engram.hashing import ngram_hashes
 from numa_engram.lookup import reference_lookup
+from numa_engram.procfs import smaps
 from numa_engram.sharding import WorldLayout
 
 LAYER = 1
@@ -44,14 +44,16 @@ class collectives_forbidden:
             setattr(dist, n, fn)
 
 
-def share(rank, world, *, tp, dp, mode, checkpoint, rows_per_head, socket_of=None):
+def share(rank, world, *, tp, dp, mode, checkpoint, rows_per_head, socket_of=None,
+          page_size="4K", directory="/dev/shm"):
     spec = make_spec(rows_per_head)
     layout = WorldLayout(tp=tp, dp=dp, gpus_per_node=tp * dp)
-    group = sharing_groups(layout, timeout_s=60, socket_of=socket_of)
+    group = sharing_groups(layout, timeout_s=60, socket_of=socket_of, directory=directory)
     tp_rank = rank % tp
     shard = shard_heads(spec.bucket_sizes(LAYER), tp, tp_rank)
     table = SharedEngramTable.create(spec, LAYER, shard, group=group, mode=mode,
-                                     checkpoint=checkpoint, placement="gpu-local")
+                                     checkpoint=checkpoint, placement="gpu-local",
+                                     page_size=page_size, directory=directory)
     w_all, s_all = synthetic_layer(spec, LAYER)
     same = (np.array_equal(table.weights, w_all[shard.row_start:shard.row_end])
             and np.array_equal(table.scales, s_all[shard.row_start:shard.row_end]))
@@ -64,7 +66,11 @@ def share(rank, world, *, tp, dp, mode, checkpoint, rows_per_head, socket_of=Non
                                                                   shard.head_end])
     exact = np.array_equal(got.view(torch.int16).numpy(), want.view(torch.int16).numpy())
     dist.barrier()  # everyone mapped and touched: measure while all are alive
-    pss, rss = read_mapping_memory("self", "numa-engram-")
+    mem = smaps("self", "numa-engram-")
+    pss, rss = mem.pss, mem.rss
+    huge_in_use = sum((hugepages.pool_pages(size, what="nr_hugepages")
+                       - hugepages.pool_pages(size)) * size
+                      for size in (2 << 20, 1 << 30))
     report = table.mode_report()
     digest = hashlib.sha256(table.weights.tobytes() + table.scales.tobytes()).hexdigest()
     path_gone = not os.path.exists(table.path)
@@ -73,7 +79,8 @@ def share(rank, world, *, tp, dp, mode, checkpoint, rows_per_head, socket_of=Non
     table.close()
     return {"same_as_source": same, "lookup_exact": exact, "pss": pss, "rss": rss,
             "digest": digest, "path_gone": path_gone, "report": report,
-            "backing_bytes": table.backing_bytes, "placement": placement}
+            "backing_bytes": table.backing_bytes, "placement": placement,
+            "kernel_page_size": mem.page_size, "huge_in_use": huge_in_use}
 
 
 def _whole_table_on_world(spec, timeout_s, mode="dp_shared", **kwargs):
@@ -212,6 +219,16 @@ def other_shard(rank, world):
     return {}
 
 
+def other_page_size(rank, world, *, directory):
+    """Rank 1 asks for 2 MiB pages, the leader for 4 KiB ones."""
+    spec = make_spec(200)
+    shard = shard_heads(spec.bucket_sizes(LAYER), 1, 0)
+    SharedEngramTable.create(spec, LAYER, shard, group=TorchGroup(None, 30), mode="dp_shared",
+                             page_size="2M" if rank == 1 else "4K",
+                             directory=directory if rank == 1 else "/dev/shm")
+    return {}
+
+
 def other_mode(rank, world):
     _whole_table_on_world(make_spec(200), 30, mode="independent" if rank == 2 else "dp_shared")
     return {}
@@ -322,7 +339,7 @@ def share_on_hosts(rank, world, *, tp, mode, checkpoint, rows_per_head, director
     exact = bool(np.array_equal(table.weights, w_all[shard.row_start:shard.row_end]) and
                  np.array_equal(table.scales, s_all[shard.row_start:shard.row_end]))
     dist.barrier()
-    pss, _ = read_mapping_memory("self", "numa-engram-")
+    pss = smaps("self", "numa-engram-").pss
     report = table.mode_report()
     dist.barrier()
     table.close()

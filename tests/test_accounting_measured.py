@@ -1,7 +1,8 @@
 import os
 
-from numa_engram import accounting
-from numa_engram.storage import BackingFile, Layout
+from numa_engram import accounting, procfs
+from numa_engram.fileformat import Layout
+from numa_engram.storage import BackingFile
 
 
 def test_pss_counts_a_shared_table_once_rss_per_process():
@@ -11,12 +12,12 @@ def test_pss_counts_a_shared_table_once_rss_per_process():
         native.madvise(table.mapping, native.MADV_POPULATE_READ)
         peer = BackingFile.attach(table.path)
         native.madvise(peer.mapping, native.MADV_POPULATE_READ)
-        me = accounting.read_smaps_rollup(os.getpid())
+        me = procfs.smaps_rollup(os.getpid())
         # two mappings of the same pages in one process: RSS twice, PSS once
         assert me.rss >= 2 * size
         assert me.pss_shmem >= size * 0.95
-        pages = accounting.read_numa_maps(os.getpid(), match="numa-engram-")
-        assert sum(pages.values()) >= 2 * size // native.PAGE_SIZE
+        per_node = procfs.numa_maps(os.getpid(), match="numa-engram-")
+        assert sum(per_node.values()) >= 2 * size
         peer.close()
 
 
@@ -31,6 +32,6 @@ def test_node_shmem_and_tmpfs_usage_see_a_new_table():
 
 def test_sum_memory_adds_processes():
     pid = os.getpid()
-    one = accounting.read_smaps_rollup(pid)
+    one = procfs.smaps_rollup(pid)
     two = accounting.sum_memory([pid, pid])
     assert two.rss >= 2 * one.rss * 0.9

@@ -53,8 +53,9 @@ def test_create_verify_and_report():
 
 
 def test_verify_a_live_table_file_from_another_process():
+    from numa_engram.fileformat import Layout
     from numa_engram.placement import PlacementPlan, PlacementRange
-    from numa_engram.storage import BackingFile, Layout
+    from numa_engram.storage import BackingFile
 
     layout = Layout.of([("w", 1 << 20)])
     plan = PlacementPlan((PlacementRange("w", layout.regions[0].offset, 1 << 20, "bind", (0,)),))
@@ -85,7 +86,9 @@ def test_verify_every_table_of_a_running_process():
 
 def test_gc_and_mem():
     dead = subprocess.run([sys.executable, "-c", (
-        "import os, signal\nfrom numa_engram.storage import BackingFile, Layout\n"
+        "import os, signal\n"
+        "from numa_engram.fileformat import Layout\n"
+        "from numa_engram.storage import BackingFile\n"
         "f = BackingFile.create(Layout.of([('w', 4096)]), bytes(32))\nprint(f.path, flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)")], capture_output=True, text=True)
     path = dead.stdout.strip()

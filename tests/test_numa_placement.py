@@ -6,6 +6,7 @@ import json
 import pytest
 
 from numa_engram import native
+from numa_engram.fileformat import Layout
 from numa_engram.placement import (
     PlacementPlan,
     PlacementRange,
@@ -14,7 +15,7 @@ from numa_engram.placement import (
     plan_placement,
     verify,
 )
-from numa_engram.storage import BackingFile, Layout
+from numa_engram.storage import BackingFile
 from numa_engram.topology import Topology
 
 from .conftest import run_python
@@ -113,8 +114,9 @@ def test_topology_sees_every_node(numa_nodes):
 
 
 def test_a_table_larger_than_its_nodes_free_memory_is_refused_before_allocating(numa_nodes):
-    from numa_engram.accounting import node_free_bytes, read_meminfo
+    from numa_engram.accounting import node_free_bytes
     from numa_engram.errors import CapacityError
+    from numa_engram.procfs import meminfo as read_meminfo
 
     node = numa_nodes[-1]
     size = (node_free_bytes(node) + (64 << 20)) // native.PAGE_SIZE * native.PAGE_SIZE

@@ -20,7 +20,9 @@ from numa_engram.errors import (
     SpecMismatchError,
     StorageError,
 )
-from numa_engram.storage import PREFIX, BackingFile, Layout, check_directory, gc_stale_files
+from numa_engram.fileformat import PREFIX, Layout
+from numa_engram.gc import gc_stale_files
+from numa_engram.storage import BackingFile, check_directory
 
 from .conftest import SHM, run_python, shm_files
 from .dist_harness import run_world
@@ -68,7 +70,9 @@ def _unshare_ok(*flags) -> bool:
 def test_gc_keeps_a_live_table_whose_creator_is_in_another_pid_namespace():
     if not _unshare_ok("--pid", "--fork", "--mount-proc"):
         pytest.skip("unshare --pid is not permitted here (needs root or user namespaces)")
-    code = ("import sys\nfrom numa_engram.storage import BackingFile, Layout\n"
+    code = ("import sys\n"
+            "from numa_engram.fileformat import Layout\n"
+            "from numa_engram.storage import BackingFile\n"
             "f = BackingFile.create(Layout.of([('w', 4096)]), bytes(32))\n"
             "print(f.path, flush=True)\nsys.stdin.readline()\n")
     child = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
@@ -120,7 +124,8 @@ def test_root_gc_leaves_other_users_files_unless_asked():
         pytest.skip("needs root to make a file owned by another uid")
     child = run_python("""
         import os, signal
-        from numa_engram.storage import BackingFile, Layout
+        from numa_engram.fileformat import Layout
+        from numa_engram.storage import BackingFile
         f = BackingFile.create(Layout.of([("w", 4096)]), bytes(32))
         os.fchown(f.fd, 65534, 65534)
         print(f.path, flush=True)
@@ -148,7 +153,7 @@ def big_tmpfs(tmp_path):
 
 
 def test_table_larger_than_memory_on_a_huge_tmpfs_is_refused(big_tmpfs):
-    from numa_engram.accounting import read_meminfo
+    from numa_engram.procfs import meminfo as read_meminfo
 
     size = read_meminfo()["MemAvailable"] + (1 << 30)
     with pytest.raises(CapacityError, match="MemAvailable"):
@@ -202,7 +207,8 @@ def test_private_table_beyond_the_cgroup_limit_is_a_capacity_error():
         cg.enter()
         child = run_python("""
             from numa_engram.errors import CapacityError
-            from numa_engram.storage import BackingFile, Layout
+            from numa_engram.fileformat import Layout
+            from numa_engram.storage import BackingFile
             try:
                 BackingFile.create(Layout.of([("w", 512 << 20)]), bytes(32), directory=None)
             except CapacityError as exc:
@@ -522,11 +528,11 @@ def test_placement_of_the_wrong_type_is_a_clear_error():
 def test_header_with_no_regions_is_refused(tmp_path):
     import struct
 
-    from numa_engram.storage import FORMAT_VERSION, MAGIC
+    from numa_engram.fileformat import FORMAT_VERSION, MAGIC
 
     path = os.path.join(SHM, f"{PREFIX}test-noregions")
-    head = struct.pack("<8sIIIIQ16s32sQIiIIQQ", MAGIC, FORMAT_VERSION, 1, 1, os.geteuid(), 0,
-                       b"\0" * 16, b"\0" * 32, 8192, 0, 1, 0, 1, 0, 1)
+    head = struct.pack("<8sIIIIQ16s32sQIiIIQQQ", MAGIC, FORMAT_VERSION, 1, 1, os.geteuid(), 0,
+                       b"\0" * 16, b"\0" * 32, 8192, 0, 1, 0, 1, 0, 1, 4096)
     with open(path, "wb") as f:
         f.write(head.ljust(8192, b"\0"))
     try:

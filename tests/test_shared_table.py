@@ -8,7 +8,7 @@ import pytest
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 from numa_engram.checkpoint import synthetic_layer, write_synthetic_checkpoint
 from numa_engram.errors import SpecMismatchError, StorageError, TopologyError
-from numa_engram.storage import gc_stale_files
+from numa_engram.gc import gc_stale_files
 
 from .conftest import shm_files
 from .dist_harness import run_world

@@ -14,16 +14,10 @@ from numa_engram.errors import (
     StorageError,
     TopologyError,
 )
+from numa_engram.fileformat import FORMAT_VERSION, MAGIC, PREFIX, Layout
+from numa_engram.gc import gc_stale_files
 from numa_engram.placement import PlacementPlan, PlacementRange
-from numa_engram.storage import (
-    FORMAT_VERSION,
-    MAGIC,
-    PREFIX,
-    BackingFile,
-    Layout,
-    check_shmem_thp,
-    gc_stale_files,
-)
+from numa_engram.storage import BackingFile, check_shmem_thp
 
 from .conftest import run_python, shm_files
 
@@ -179,7 +173,8 @@ def test_shmem_thp_force_is_refused(tmp_path):
 def test_gc_removes_file_of_killed_creator_and_keeps_live_ones(backing):
     child = run_python("""
         import os, signal
-        from numa_engram.storage import BackingFile, Layout
+        from numa_engram.fileformat import Layout
+        from numa_engram.storage import BackingFile
         f = BackingFile.create(Layout.of([("w", 4096)]), bytes(32))
         print(f.path, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -18,7 +18,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from numa_engram import native  # noqa: E402
-from numa_engram.storage import BackingFile, Layout  # noqa: E402
+from numa_engram.fileformat import Layout  # noqa: E402
+from numa_engram.storage import BackingFile  # noqa: E402
 
 
 def best_of(fn, repeat=5):

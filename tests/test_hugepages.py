@@ -1,0 +1,158 @@
+"""Tables on 2 MiB hugetlb pages: a hugetlbfs file (shared) or an
+MFD_HUGETLB memfd (private), checked against the pool before anything is
+allocated.  Needs root to reserve a pool (the ``huge_pool`` fixture skips,
+saying why, where it cannot); placement per node runs in the NUMA guests
+(tests/test_numa_hugepages.py)."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from numa_engram import EngramSpec, SharedEngramTable, hugepages, procfs, shard_heads
+from numa_engram.checkpoint import write_synthetic_checkpoint
+from numa_engram.errors import CapacityError, StorageError
+from numa_engram.fileformat import PREFIX, Layout
+from numa_engram.lookup import reference_lookup
+from numa_engram.storage import BackingFile
+
+from .conftest import run_python
+from .dist_harness import run_world
+from .dist_scenarios import make_spec
+
+MIB2 = 2 << 20
+ROWS_PER_HEAD = 4000  # ~4 MiB per layer: 3 huge pages with the header
+
+
+def _free() -> int:
+    return hugepages.pool_pages(MIB2)
+
+
+def _exact(table: SharedEngramTable, spec: EngramSpec, layer: int, ids: np.ndarray) -> bool:
+    got = table.lookup(ids)
+    want = reference_lookup(table.weights, table.scales, ids, head_start=table.shard.head_start,
+                            bucket_sizes=spec.bucket_sizes(layer))
+    return torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_page_sizes_parse_and_name_the_choices():
+    assert hugepages.parse_page_size("2M") == MIB2
+    assert hugepages.parse_page_size("1g") == 1 << 30
+    assert hugepages.parse_page_size("4KiB") == 4096
+    with pytest.raises(StorageError, match=r"'3M' is not one of \['4K', '2M', '1G'\]"):
+        hugepages.parse_page_size("3M")
+
+
+def test_a_missing_mount_says_how_to_mount_one(tmp_path):
+    mounts = tmp_path / "mounts"
+    mounts.write_text("tmpfs /dev/shm tmpfs rw 0 0\n"
+                      "none /mnt/huge1g hugetlbfs rw,pagesize=1024M 0 0\n")
+    with pytest.raises(StorageError, match="mount -t hugetlbfs -o pagesize=2M"):
+        hugepages.find_mount(MIB2, mounts)
+    assert hugepages.find_mount(1 << 30, mounts) == "/mnt/huge1g"
+
+
+def test_page_tables_per_process_shrink_512_fold():
+    table = 190 << 30
+    assert hugepages.page_table_bytes(table, 4096) == 380 << 20
+    assert hugepages.page_table_bytes(table, MIB2) * 512 == hugepages.page_table_bytes(table, 4096)
+
+
+def test_layout_aligns_every_region_to_the_huge_page():
+    layout = Layout.of([("weights", 5 << 20), ("scales", 1000)], MIB2)
+    assert [r.offset for r in layout.regions] == [MIB2, 4 * MIB2]
+    assert layout.file_size == 5 * MIB2 and layout.page_size == MIB2
+
+
+def test_private_table_on_a_hugetlb_memfd_is_bit_exact(tmp_path, huge_pool):
+    spec = make_spec(ROWS_PER_HEAD)
+    ckpt = write_synthetic_checkpoint(tmp_path / "engram.safetensors", spec)
+    layer = spec.layer_ids[0]
+    shard = shard_heads(spec.bucket_sizes(layer), 1, 0)
+    huge_pool.reserve(8)
+    before = _free()
+    with SharedEngramTable.create(spec, layer, shard, checkpoint=str(ckpt),
+                                  page_size="2M") as table:
+        assert table.path.startswith("memfd:")
+        pages = table.backing_bytes // MIB2
+        assert before - _free() == pages, "the table's pages come from the pool"
+        assert procfs.smaps("self", PREFIX).page_size == MIB2
+        ids = np.random.default_rng(0).integers(0, 1 << 40, (500, spec.n_hash_cols))
+        ids %= np.asarray(spec.bucket_sizes(layer))
+        assert _exact(table, spec, layer, ids)
+    assert _free() == before, "closing the table gives its pages back"
+
+
+def test_shared_table_on_hugetlbfs_is_one_copy_for_the_group(tmp_path, huge_pool):
+    spec = make_spec(ROWS_PER_HEAD)
+    ckpt = str(write_synthetic_checkpoint(tmp_path / "engram.safetensors", spec))
+    huge_pool.reserve(16)
+    in_use = hugepages.pool_pages(MIB2, what="nr_hugepages") - _free()
+    results = run_world(2, "share", tp=1, dp=2, mode="dp_shared", checkpoint=ckpt,
+                        rows_per_head=ROWS_PER_HEAD, page_size="2M",
+                        directory=huge_pool.mount)
+    for r in results:
+        assert r["ok"], f"rank {r['rank']}: {r.get('traceback') or r}"
+        assert r["same_as_source"] and r["lookup_exact"] and r["path_gone"]
+        assert r["kernel_page_size"] == MIB2
+        assert r["placement"]["ok"]
+        # both mapped one file: the pool lent its pages once
+        assert r["huge_in_use"] - in_use == r["backing_bytes"]
+    assert len({r["digest"] for r in results}) == 1
+    assert not os.listdir(huge_pool.mount)
+
+
+def test_a_pool_too_small_is_a_capacity_error_before_anything_exists(huge_pool):
+    got = huge_pool.reserve(2)
+    before = _free()
+    code = f"""
+        from numa_engram.errors import CapacityError
+        from numa_engram.fileformat import Layout
+        from numa_engram.storage import BackingFile
+        for directory in ({huge_pool.mount!r}, None):
+            try:
+                BackingFile.create(Layout.of([("w", 16 << 20)], 2 << 20), bytes(32),
+                                   directory=directory)
+            except CapacityError as exc:
+                print("refused:", exc)
+    """
+    child = run_python(code)
+    assert child.returncode == 0, child.stderr  # never SIGBUS
+    lines = child.stdout.splitlines()
+    assert len(lines) == 2 and all(line.startswith("refused:") for line in lines), child.stdout
+    assert f"pool has {got} free" in lines[0] and "nr_hugepages" in lines[0]
+    assert _free() == before and not os.listdir(huge_pool.mount)
+
+
+def test_verify_reads_the_plan_from_a_hugetlb_files_header(huge_pool):
+    from numa_engram.placement import PlacementPlan, PlacementRange
+
+    huge_pool.reserve(4)
+    layout = Layout.of([("w", 3 << 20)], MIB2)
+    plan = PlacementPlan((PlacementRange("w", MIB2, 3 << 20, "bind", (0,)),), "node:0")
+    with BackingFile.create(layout, bytes(32), directory=huge_pool.mount, placement=plan) as f:
+        child = run_python(f"""
+            import sys
+            from numa_engram.cli import main
+            sys.exit(main(["verify", {f.path!r}]))
+        """)
+        assert f.header.plan["policy"] == "node:0"
+    assert child.returncode == 0, child.stderr
+    assert "bind" in child.stdout and "100.0%" in child.stdout
+    assert "pages of 2 MiB: Node 0=2" in child.stdout, child.stdout
+
+
+def test_members_must_agree_on_the_page_size(tmp_path, huge_pool):
+    results = run_world(2, "other_page_size", directory=huge_pool.mount)
+    assert all(not r["ok"] and r["error_type"] == "StorageError" for r in results), results
+    assert all("page_size" in r["message"] for r in results)
+
+
+def test_a_directory_of_another_page_size_is_refused(huge_pool):
+    with pytest.raises(StorageError, match="is not a hugetlbfs mount of 1G pages"):
+        hugepages.resolve_directory(huge_pool.mount, 1 << 30, "/dev/shm")
+    with pytest.raises(StorageError, match="is not a hugetlbfs mount of 2M pages"):
+        hugepages.resolve_directory("/dev/shm/", MIB2, "/dev/shm")
+    with pytest.raises(CapacityError):
+        hugepages.check_pool(1 << 40, MIB2)
