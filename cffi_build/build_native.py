@@ -72,7 +72,12 @@ KERNEL_DECLS = """
                       const int *cpus, int n_cpus, int64_t *bad);
     int ne_ngram_hashes(const int64_t *ids, int64_t n_rows, int64_t t, int64_t pad_id,
                         const int64_t *multipliers, int64_t max_ngram, const int64_t *primes,
-                        int64_t n_head, int64_t *out, int n_threads);
+                        int64_t n_head, int64_t *out, int n_threads, int hardware_division);
+    #define NE_PREFETCH_AHEAD ...
+    #define NE_PREFETCH_HINT ...
+    int ne_tune_prefetch(int ahead, int hint);
+    int ne_read_rows(const uint8_t *table, int64_t dim, const int64_t *rows, int64_t n,
+                     int ahead, int n_threads, uint64_t *sum);
     int64_t ne_hash_windows(const int64_t *ids, const int64_t *slots, const int64_t *positions,
                             const uint8_t *commit, int64_t n_tokens, int64_t n_slots,
                             int64_t n1, int64_t *hist, int64_t *next_pos, int64_t *cur,

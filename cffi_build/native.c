@@ -239,9 +239,38 @@ struct lookup_job {
     int64_t bad_count, first_bad, first_bad_id;
 };
 
-/* Rows a few lookups ahead are prefetched: random 264-byte rows are
- * memory-latency bound, not compute bound. */
-enum { PREFETCH_AHEAD = 8 };
+/* Rows some lookups ahead are prefetched: random 264-byte rows are
+ * memory-latency bound, not compute bound.  How far ahead and with which
+ * locality hint is tunable (ne_tune_prefetch) so tools/bench.py can measure
+ * the choice; the defaults are what it measured best. */
+#define NE_PREFETCH_AHEAD 8
+#define NE_PREFETCH_HINT 0
+enum { MAX_PREFETCH_AHEAD = 256 };
+static int prefetch_ahead = NE_PREFETCH_AHEAD, prefetch_hint = NE_PREFETCH_HINT;
+
+int ne_tune_prefetch(int ahead, int hint)
+{
+    if (ahead < 0 || ahead > MAX_PREFETCH_AHEAD || hint < 0 || hint > 3) {
+        errno = EINVAL;
+        return -1;
+    }
+    prefetch_ahead = ahead;
+    prefetch_hint = hint;
+    return 0;
+}
+
+/* __builtin_prefetch takes its hint as a constant */
+static inline void prefetch_row(const char *p, int64_t bytes)
+{
+    for (int64_t off = 0; off < bytes; off += 64) {
+        switch (prefetch_hint) {
+        case 3: __builtin_prefetch(p + off, 0, 3); break;
+        case 2: __builtin_prefetch(p + off, 0, 2); break;
+        case 1: __builtin_prefetch(p + off, 0, 1); break;
+        default: __builtin_prefetch(p + off, 0, 0); break;
+        }
+    }
+}
 
 /* A (token, head) cursor over the job: rows in output order, no division. */
 struct cursor {
@@ -369,20 +398,19 @@ static void run_lookup(struct lookup_job *j)
     uint8_t s_stage[STAGE_ROWS * 64] __attribute__((aligned(64)));
     int64_t rows[STAGE_ROWS];
     struct cursor cur = {j->t_begin, 0}, ahead = {j->t_begin, 0};
-    for (int64_t k = k_begin; k < k_begin + PREFETCH_AHEAD && k < k_end; k++)
+    const int ahead_n = prefetch_ahead;
+    for (int64_t k = k_begin; k < k_begin + ahead_n && k < k_end; k++)
         cursor_next(j, &ahead);
     for (int64_t k0 = k_begin; k0 < k_end; k0 += STAGE_ROWS) {
         int64_t n = k_end - k0 < STAGE_ROWS ? k_end - k0 : STAGE_ROWS;
         for (int64_t i = 0; i < n; i++, cursor_next(j, &cur)) {
             int64_t id;
-            if (k0 + i + PREFETCH_AHEAD < k_end) {
+            if (ahead_n > 0 && k0 + i + ahead_n < k_end) {
                 int64_t next = cursor_row(j, &ahead, &id);
                 cursor_next(j, &ahead);
                 if (next >= 0) {
-                    const char *p = (const char *)(j->weights + next * j->dim);
-                    for (int64_t off = 0; off < j->dim; off += 64)
-                        __builtin_prefetch(p + off, 0, 0);
-                    __builtin_prefetch(j->scales + next * n_scales, 0, 0);
+                    prefetch_row((const char *)(j->weights + next * j->dim), j->dim);
+                    prefetch_row((const char *)(j->scales + next * n_scales), 1);
                 }
             }
             rows[i] = cursor_row(j, &cur, &id);
@@ -448,16 +476,16 @@ static void run_gather(struct lookup_job *j)
     const int64_t n_scales = j->dim / j->block;
     const int64_t k_begin = j->t_begin * j->n_heads, k_end = j->t_end * j->n_heads;
     struct cursor cur = {j->t_begin, 0}, ahead = {j->t_begin, 0};
-    for (int64_t k = k_begin; k < k_begin + PREFETCH_AHEAD && k < k_end; k++)
+    const int ahead_n = prefetch_ahead;
+    for (int64_t k = k_begin; k < k_begin + ahead_n && k < k_end; k++)
         cursor_next(j, &ahead);
     for (int64_t k = k_begin; k < k_end; k++, cursor_next(j, &cur)) {
         int64_t id;
-        if (k + PREFETCH_AHEAD < k_end) {
+        if (ahead_n > 0 && k + ahead_n < k_end) {
             int64_t next = cursor_row(j, &ahead, &id);
             cursor_next(j, &ahead);
             if (next >= 0)
-                for (int64_t off = 0; off < j->dim; off += 64)
-                    __builtin_prefetch(j->weights + next * j->dim + off, 0, 0);
+                prefetch_row((const char *)(j->weights + next * j->dim), j->dim);
         }
         int64_t row = cursor_row(j, &cur, &id);
         uint8_t *w = j->raw_w + k * j->dim, *sc = j->raw_s + k * n_scales;
@@ -559,6 +587,61 @@ int ne_gather_fp8(const uint8_t *weights, const uint8_t *scales, int64_t dim, in
     return run_lookup_jobs(&proto, n_tokens, n_threads, cpus, n_cpus, bad);
 }
 
+/* ------------------------------------------- the random-read limit --- */
+
+/* What the memory system gives a plain gather: read every cache line of
+ * rows[i] (dim bytes each) with `ahead` rows prefetched, summing one word
+ * per line so nothing is optimised away.  Rows/s of this is the ceiling a
+ * lookup kernel is measured against (tools/bench.py). */
+struct read_job {
+    const uint8_t *table;
+    int64_t dim;
+    const int64_t *rows;
+    int64_t begin, end;
+    int ahead;
+    uint64_t sum;
+};
+
+static void *read_thread(void *arg)
+{
+    struct read_job *j = arg;
+    uint64_t sum = 0;
+    for (int64_t i = j->begin; i < j->end; i++) {
+        if (i + j->ahead < j->end) {
+            const uint8_t *q = j->table + j->rows[i + j->ahead] * j->dim;
+            for (int64_t off = 0; off < j->dim; off += 64)
+                __builtin_prefetch(q + off, 0, 3);
+        }
+        const uint8_t *p = j->table + j->rows[i] * j->dim;
+        for (int64_t off = 0; off < j->dim; off += 64) {
+            uint64_t word;
+            memcpy(&word, p + off, sizeof word);
+            sum += word;
+        }
+    }
+    j->sum = sum;
+    return NULL;
+}
+
+int ne_read_rows(const uint8_t *table, int64_t dim, const int64_t *rows, int64_t n, int ahead,
+                 int n_threads, uint64_t *sum)
+{
+    enum { MAX_THREADS = 64 };
+    struct read_job jobs[MAX_THREADS];
+    n_threads = clamp_threads(n_threads, MAX_THREADS, n);
+    int64_t per = (n + n_threads - 1) / n_threads;
+    for (int i = 0; i < n_threads; i++) {
+        int64_t b = i * per < n ? i * per : n, e = b + per < n ? b + per : n;
+        jobs[i] = (struct read_job){table, dim, rows, b, e, ahead, 0};
+    }
+    int rc = n_threads == 1 ? (read_thread(&jobs[0]), 0)
+                            : run_threads(read_thread, jobs, sizeof(jobs[0]), n_threads);
+    *sum = 0;
+    for (int i = 0; i < n_threads; i++)
+        *sum += jobs[i].sum;
+    return rc;
+}
+
 /* ----------------------------------------------------- n-gram hashing --- */
 
 /* Division by an invariant integer (Granlund-Montgomery, round-up
@@ -583,11 +666,15 @@ static inline uint64_t fast_umod(uint64_t a, const struct fastdiv *f)
     return a - q * f->d;
 }
 
-/* numpy's floor modulo: in [0, d) for negative x too (~x = -x - 1 >= 0). */
+/* numpy's floor modulo: in [0, d) for negative x too (~x = -x - 1 >= 0).
+ * Branch-free: the mixes' signs are random, and a mispredicted branch per
+ * remainder cost more than the remainder itself.  With s = 0 or all ones
+ * (x's sign), x ^ s is x or ~x, and (r ^ s) + (d & s) is r or d - 1 - r. */
 static inline int64_t floor_mod(int64_t x, const struct fastdiv *f)
 {
-    return x >= 0 ? (int64_t)fast_umod((uint64_t)x, f)
-                  : (int64_t)(f->d - 1 - fast_umod(~(uint64_t)x, f));
+    uint64_t s = (uint64_t)(x >> 63);
+    uint64_t r = fast_umod((uint64_t)x ^ s, f);
+    return (int64_t)((r ^ s) + (f->d & s));
 }
 
 enum { MAX_FAST_COLS = 512 };
@@ -598,6 +685,7 @@ struct hash_job {
     const int64_t *multipliers, *primes;
     int64_t *out;
     int64_t begin, end; /* flat (row, position) range */
+    int hardware_division; /* the plain % path: the baseline fastdiv is measured against */
 };
 
 /* DeepSeek's formula: mix of order n = XOR over k < n of tok_k * m_k in
@@ -606,7 +694,7 @@ struct hash_job {
 static void run_hashes(const struct hash_job *j)
 {
     struct fastdiv div[MAX_FAST_COLS];
-    const int fast = j->n_cols <= MAX_FAST_COLS;
+    const int fast = j->n_cols <= MAX_FAST_COLS && !j->hardware_division;
     for (int64_t c = 0; fast && c < j->n_cols; c++)
         div[c] = fastdiv_of((uint64_t)j->primes[c]);
     for (int64_t f = j->begin; f < j->end; f++) {
@@ -644,7 +732,7 @@ static void *hash_thread(void *arg)
  * Returns 0, or -1 with errno when a thread cannot start. */
 int ne_ngram_hashes(const int64_t *ids, int64_t n_rows, int64_t t, int64_t pad_id,
                     const int64_t *multipliers, int64_t max_ngram, const int64_t *primes,
-                    int64_t n_head, int64_t *out, int n_threads)
+                    int64_t n_head, int64_t *out, int n_threads, int hardware_division)
 {
     enum { MAX_THREADS = 64 };
     struct hash_job jobs[MAX_THREADS];
@@ -660,7 +748,8 @@ int ne_ngram_hashes(const int64_t *ids, int64_t n_rows, int64_t t, int64_t pad_i
         int64_t b = i * per < total ? i * per : total;
         int64_t e = b + per < total ? b + per : total;
         jobs[i] = (struct hash_job){ids, t, pad_id, max_ngram, n_head,
-                                    (max_ngram - 1) * n_head, multipliers, primes, out, b, e};
+                                    (max_ngram - 1) * n_head, multipliers, primes, out, b, e,
+                                    hardware_division};
     }
     if (n_threads == 1) {
         run_hashes(&jobs[0]);

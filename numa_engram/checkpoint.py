@@ -16,7 +16,9 @@ import logging
 import os
 import stat
 import struct
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,12 +185,18 @@ def _check_tensor(loc: TensorLocation, rows: int, width: int, dtypes: tuple[str,
 def load_rows(paths, spec: EngramSpec, layer_id: int, row_start: int, row_end: int,
               weights_out: np.ndarray, scales_out: np.ndarray, *,
               names: TensorNames | None = None, chunk_bytes: int = 64 << 20,
-              method: str = "pread", progress: Progress | None = None) -> None:
+              method: str = "pread", progress: Progress | None = None, threads: int = 1,
+              cpus: Sequence[int] = ()) -> None:
     """Copy rows [row_start, row_end) of the layer's weights and scales into
     ``weights_out`` ([n, head_dim] uint8) and ``scales_out`` ([n, head_dim/block]).
     ``paths``: a safetensors file, a list of them, or a checkpoint
     directory (with model.safetensors.index.json).  ``names=None`` finds the
-    layer's two tensors by V4.1's module path (``find_names``)."""
+    layer's two tensors by V4.1's module path (``find_names``).
+
+    ``threads`` copy chunks in parallel (pread releases the GIL), each
+    pinned to ``cpus`` when given (the CPUs of the node the rows live on, so
+    the writes stay local).  ``method="slice"`` (safetensors' own reader,
+    one thread) is the reference path."""
     rows = spec.rows(layer_id)
     n = row_end - row_start
     if not 0 <= row_start <= row_end <= rows:
@@ -197,6 +205,8 @@ def load_rows(paths, spec: EngramSpec, layer_id: int, row_start: int, row_end: i
     if weights_out.shape != (n, spec.head_dim) or scales_out.shape != (n, spec.scales_per_row):
         raise CheckpointError(f"destination shapes {weights_out.shape}, {scales_out.shape} do not "
                               f"hold {n} rows of {spec.head_dim} + {spec.scales_per_row} bytes")
+    if method not in ("pread", "slice"):
+        raise ValueError(f"method must be 'pread' or 'slice', got {method!r}")
     files = checkpoint_files(paths)
     w_name, s_name = (names or find_names(files, layer_id)).of(layer_id)
     w_loc, s_loc = locate(files, w_name), locate(files, s_name)
@@ -204,22 +214,30 @@ def load_rows(paths, spec: EngramSpec, layer_id: int, row_start: int, row_end: i
         check_spec_metadata(path, spec)
     _check_tensor(w_loc, rows, spec.head_dim, WEIGHT_DTYPES)
     _check_tensor(s_loc, rows, spec.scales_per_row, SCALE_DTYPES)
-    total = n * spec.row_bytes
-    done = 0
-    for loc, out in ((w_loc, weights_out), (s_loc, scales_out)):
-        width = out.shape[1]
-        step = max(1, chunk_bytes // width)
-        for a in range(0, n, step):
-            b = min(n, a + step)
-            if method == "pread":
-                _pread_rows(loc, row_start + a, row_start + b, out[a:b])
-            elif method == "slice":
-                _slice_rows(loc, row_start + a, row_start + b, out[a:b])
-            else:
-                raise ValueError(f"method must be 'pread' or 'slice', got {method!r}")
-            done += (b - a) * width
+    copy = _pread_rows if method == "pread" else _slice_rows
+    chunks = [(loc, a, min(n, a + max(1, chunk_bytes // out.shape[1])), out)
+              for loc, out in ((w_loc, weights_out), (s_loc, scales_out))
+              for a in range(0, n, max(1, chunk_bytes // out.shape[1]))]
+    total, done, lock = n * spec.row_bytes, [0], threading.Lock()
+
+    def one(chunk) -> None:
+        loc, a, b, out = chunk
+        copy(loc, row_start + a, row_start + b, out[a:b])
+        with lock:
+            done[0] += (b - a) * out.shape[1]
             if progress is not None:
-                progress(done, total)
+                progress(done[0], total)
+
+    if threads <= 1 or method == "slice":
+        for chunk in chunks:
+            one(chunk)
+        return
+    allowed = sorted(set(cpus) & os.sched_getaffinity(0))
+    pin = (lambda: os.sched_setaffinity(0, allowed)) if allowed else None
+    with ThreadPoolExecutor(threads, thread_name_prefix="numa-engram-load",
+                            initializer=pin) as pool:
+        for future in [pool.submit(one, chunk) for chunk in chunks]:
+            future.result()
 
 
 def _pread_rows(loc: TensorLocation, a: int, b: int, out: np.ndarray) -> None:

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import native
 from .errors import LookupIdError, TopologyError
-from .lookup import id_base
+from .lookup import check_hash_ids, check_ids_in_range, id_base
 from .sharding import DEAD_ID, ShardInfo, shard_heads
 from .spec import EngramSpec
 
@@ -99,7 +98,7 @@ class DPShardedLookup:
         for rows of the layer's whole table."""
         import torch
 
-        ids = native.check_hash_ids(hash_ids, self.table.spec.n_hash_cols)
+        ids = check_hash_ids(hash_ids, self.table.spec.n_hash_cols)
         # every member checks its ids against all of its TP rank's heads
         # before any exchange, so a bad id fails all members alike, at once,
         # and the group stays in step for the next lookup
@@ -142,7 +141,7 @@ class DPShardedLookup:
         sizes = np.asarray(spec.bucket_sizes(layer)[first:end], dtype=np.int64)
         base = id_base(spec, layer, first, end, id_format)  # refuses an unknown format
         try:
-            native.check_ids_in_range(ids, self.heads.head_start, sizes, base)
+            check_ids_in_range(ids, self.heads.head_start, sizes, base)
         except LookupIdError as exc:
             return str(exc)
         return None

@@ -18,24 +18,116 @@ from collections.abc import Sequence
 import numpy as np
 
 from . import native
+from .errors import LookupIdError
 from .fp8 import bf16_out, dequantize_rows
 
 
 def lookup_rows(weights: np.ndarray, scales: np.ndarray, hash_ids, *, head_start: int,
                 bucket_sizes: Sequence[int], head_offsets: Sequence[int] | None = None,
-                out=None, threads: int = 1, cpus: Sequence[int] = (), dedup: bool = False,
-                block: int = 32):
+                out=None, threads: int = 1, cpus: Sequence[int] = (), block: int = 32):
     """BF16 ``[T, n_heads, head_dim]`` rows for heads ``head_start ..
     head_start + len(bucket_sizes)`` of ``hash_ids [T, n_hash_cols]``.
 
     ``weights``/``scales`` are the shard's uint8 rows; ``head_offsets`` the
     first shard row of each head (prefix sums of bucket_sizes by default)."""
-    ids = native.check_hash_ids(hash_ids)
+    ids = check_hash_ids(hash_ids)
     result, bits = bf16_out(out, (ids.shape[0], len(bucket_sizes), weights.shape[1]))
-    native.gather_dequant(weights, scales, ids, head_start=head_start, bucket_sizes=bucket_sizes,
-                          head_offsets=head_offsets, out=bits, threads=threads, cpus=cpus,
-                          block=block, dedup=dedup)
+    gather(weights, scales, ids, head_start=head_start, bucket_sizes=bucket_sizes,
+           head_offsets=head_offsets, out=bits, threads=threads, cpus=cpus, block=block)
     return result
+
+
+def check_hash_ids(hash_ids, n_cols: int | None = None) -> np.ndarray:
+    """2-D ``[T, n_cols]`` int64 hash ids as a numpy array, without a copy (a
+    CPU torch tensor is viewed through ``__array__``; rows may be strided,
+    e.g. ``out[:, layer]`` of ``HashState.hash``; columns must be adjacent).
+    int32 ids (as vLLM passes global rows) are widened, which copies.
+    ``n_cols=None`` accepts any column count."""
+    device = getattr(hash_ids, "device", None)
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
+        raise LookupIdError(f"hash ids are on {device}; the CPU lookup needs them on the CPU")
+    ids = hash_ids if isinstance(hash_ids, np.ndarray) else np.asarray(hash_ids)
+    if ids.dtype == np.int32:
+        ids = ids.astype(np.int64)
+    if ids.dtype != np.int64:
+        raise LookupIdError(f"hash ids have dtype {ids.dtype}; pass int64 or int32 "
+                            "(ids.astype(np.int64)) so no id can be truncated")
+    if ids.ndim != 2 or (n_cols is not None and ids.shape[1] != n_cols):
+        raise LookupIdError(f"hash ids have shape {list(ids.shape)}; expected "
+                            f"[T, {n_cols or 'n_hash_cols'}] (one bucket index per hash column)")
+    if ids.size and (ids.shape[0] > 1 and (ids.strides[0] % 8 or
+                                           ids.strides[0] < 8 * ids.shape[1]) or
+                     ids.shape[1] > 1 and ids.strides[1] != 8):
+        raise LookupIdError(f"hash ids have strides {ids.strides}: a token's columns must be "
+                            "adjacent and tokens must not overlap; call np.ascontiguousarray "
+                            "(or .contiguous() on a tensor) first")
+    return ids
+
+
+def check_ids_in_range(ids: np.ndarray, head_start: int, sizes: np.ndarray,
+                       id_base: np.ndarray | None = None) -> None:
+    """Every id of heads ``head_start ..`` is -1 (DEAD) or in its head's
+    buckets (global rows: in ``[id_base[h], id_base[h] + sizes[h])``)."""
+    bad = native.first_bad_id(ids, head_start, sizes, id_base)
+    if bad >= 0:
+        t, h = divmod(bad, len(sizes))
+        raise LookupIdError(_bad_id_text(int(ids[t, head_start + h]), t, head_start + h,
+                                         int(sizes[h]), id_base, h))
+
+
+def _bad_id_text(value: int, token: int, column: int, size: int, id_base, h: int,
+                 count: int = 1) -> str:
+    low = 0 if id_base is None else int(id_base[h])
+    what = "buckets" if id_base is None else "global rows"
+    more = f" ({count} bad ids in all)" if count > 1 else ""
+    return (f"hash id {value} at token {token}, column {column} is outside head {column}'s "
+            f"{what} [{low}, {low + size}){more}; use -1 (DEAD_ID) for padding")
+
+
+def gather(weights: np.ndarray, scales: np.ndarray, ids: np.ndarray, *, head_start: int,
+           bucket_sizes, out, head_offsets=None, threads: int = 1, cpus=(), block: int = 32,
+           id_base: np.ndarray | None = None) -> None:
+    """The one lookup path (tables, DP-sharded exchange, lookup_rows): rows
+    of heads ``head_start .. +len(bucket_sizes)`` of checked ``ids [T, cols]``
+    gathered from uint8 ``weights``/``scales`` into ``out``: BF16 bits
+    (uint16 ``[T, heads, head_dim]``), or, packed, the rows as stored
+    ``(uint8 [T, heads, head_dim], uint8 [T, heads, head_dim/block])``.
+    -1 gives a zero row; any other id outside its head is a LookupIdError
+    (``id_base``: each head's first global row, when ids are global rows)."""
+    sizes = np.ascontiguousarray(bucket_sizes, dtype=np.int64)
+    offsets = np.ascontiguousarray(
+        np.concatenate(([0], np.cumsum(sizes)[:-1])) if head_offsets is None else head_offsets,
+        dtype=np.int64)
+    if not 0 <= head_start <= ids.shape[1] - len(sizes):
+        raise LookupIdError(f"heads [{head_start}, {head_start + len(sizes)}) are not columns of "
+                            f"hash ids with {ids.shape[1]} columns")
+    if weights.shape[0] < int((offsets + sizes).max(initial=0)):
+        raise ValueError(f"weights hold {weights.shape[0]} rows, heads need "
+                         f"{int((offsets + sizes).max())}")
+    if weights.shape[1] % block or scales.shape != (weights.shape[0], weights.shape[1] // block):
+        raise ValueError(f"weights {weights.shape} and scales {scales.shape} do not match with "
+                         f"{block} values per scale")
+    _check_out(out, (ids.shape[0], len(sizes), weights.shape[1]), block)
+    if ids.shape[0] == 0:
+        return
+    base = None if id_base is None else np.ascontiguousarray(id_base, dtype=np.int64)
+    count, first, value = native.run_lookup(weights, scales, ids, head_start, offsets, sizes,
+                                            base, out, threads, cpus, block)
+    if count:
+        t, h = divmod(first, len(sizes))
+        raise LookupIdError(_bad_id_text(value, t, head_start + h, int(sizes[h]), base, h,
+                                         count))
+
+
+def _check_out(out, shape: tuple[int, ...], block: int) -> None:
+    """uint16 BF16 bits ``shape``, or (uint8 rows ``shape``, uint8 scales)."""
+    want = [(np.uint16, shape)] if not isinstance(out, tuple) else [
+        (np.uint8, shape), (np.uint8, (*shape[:2], shape[2] // block))]
+    arrays = out if isinstance(out, tuple) else (out,)
+    for arr, (dtype, dims) in zip(arrays, want):
+        if arr.dtype != dtype or arr.shape != dims or not arr.flags.c_contiguous:
+            raise ValueError(f"out must be C-contiguous {np.dtype(dtype).name} {list(dims)}, got "
+                             f"{arr.dtype} {list(arr.shape)}")
 
 
 def reference_lookup(weights: np.ndarray, scales: np.ndarray, hash_ids, *, head_start: int,

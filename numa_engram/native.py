@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from ._version import __version__
-from .errors import CapacityError, LookupIdError, SyscallError
+from .errors import CapacityError, SyscallError
 
 try:
     from ._native import ffi, lib
@@ -269,33 +269,6 @@ def statfs_type(path: str) -> int:
 
 # ------------------------------------------------------------- kernels --
 
-def check_hash_ids(hash_ids, n_cols: int | None = None) -> np.ndarray:
-    """2-D ``[T, n_cols]`` int64 hash ids as a numpy array, without a copy (a
-    CPU torch tensor is viewed through ``__array__``; rows may be strided,
-    e.g. ``out[:, layer]`` of ``HashState.hash``; columns must be adjacent).
-    int32 ids (as vLLM passes global rows) are widened, which copies.
-    ``n_cols=None`` accepts any column count."""
-    device = getattr(hash_ids, "device", None)
-    if device is not None and getattr(device, "type", "cpu") != "cpu":
-        raise LookupIdError(f"hash ids are on {device}; the CPU lookup needs them on the CPU")
-    ids = hash_ids if isinstance(hash_ids, np.ndarray) else np.asarray(hash_ids)
-    if ids.dtype == np.int32:
-        ids = ids.astype(np.int64)
-    if ids.dtype != np.int64:
-        raise LookupIdError(f"hash ids have dtype {ids.dtype}; pass int64 or int32 "
-                            "(ids.astype(np.int64)) so no id can be truncated")
-    if ids.ndim != 2 or (n_cols is not None and ids.shape[1] != n_cols):
-        raise LookupIdError(f"hash ids have shape {list(ids.shape)}; expected "
-                            f"[T, {n_cols or 'n_hash_cols'}] (one bucket index per hash column)")
-    if ids.size and (ids.shape[0] > 1 and (ids.strides[0] % 8 or
-                                           ids.strides[0] < 8 * ids.shape[1]) or
-                     ids.shape[1] > 1 and ids.strides[1] != 8):
-        raise LookupIdError(f"hash ids have strides {ids.strides}: a token's columns must be "
-                            "adjacent and tokens must not overlap; call np.ascontiguousarray "
-                            "(or .contiguous() on a tensor) first")
-    return ids
-
-
 def _row_stride(ids: np.ndarray) -> int:
     return ids.strides[0] // 8 if ids.shape[0] > 1 else ids.shape[1]
 
@@ -309,97 +282,25 @@ def _ptr(array: np.ndarray, ctype: str):
     return ffi.cast(ctype, ffi.from_buffer(array))
 
 
-def check_ids_in_range(ids: np.ndarray, head_start: int, sizes: np.ndarray,
-                       id_base: np.ndarray | None = None) -> None:
-    """Every id of heads ``head_start ..`` is -1 (DEAD) or in its head's
-    buckets (global rows: in ``[id_base[h], id_base[h] + sizes[h])``)."""
+def first_bad_id(ids: np.ndarray, col0: int, sizes: np.ndarray,
+                 id_base: np.ndarray | None) -> int:
+    """Flat (token * heads + head) index of the first id of columns
+    ``col0 ..`` that is neither -1 nor inside its head's range; -1 if none."""
     if ids.shape[0] == 0:
-        return
-    bad = lib.ne_first_bad_id(_ids_ptr(ids) + head_start, ids.shape[0], _row_stride(ids),
-                              len(sizes), _ptr(sizes, "int64_t *"),
-                              ffi.NULL if id_base is None else _ptr(id_base, "int64_t *"))
-    if bad >= 0:
-        t, h = divmod(int(bad), len(sizes))
-        raise LookupIdError(_bad_id_text(int(ids[t, head_start + h]), t, head_start + h,
-                                         int(sizes[h]), id_base, h))
+        return -1
+    return int(lib.ne_first_bad_id(_ids_ptr(ids) + col0, ids.shape[0], _row_stride(ids),
+                                   len(sizes), _ptr(sizes, "int64_t *"),
+                                   ffi.NULL if id_base is None else _ptr(id_base, "int64_t *")))
 
 
-def _bad_id_text(value: int, token: int, column: int, size: int, id_base, h: int,
-                 count: int = 1) -> str:
-    low = 0 if id_base is None else int(id_base[h])
-    what = "buckets" if id_base is None else "global rows"
-    more = f" ({count} bad ids in all)" if count > 1 else ""
-    return (f"hash id {value} at token {token}, column {column} is outside head {column}'s "
-            f"{what} [{low}, {low + size}){more}; use -1 (DEAD_ID) for padding")
-
-
-def gather_dequant(weights: np.ndarray, scales: np.ndarray, hash_ids: np.ndarray, *,
-                   head_start: int, bucket_sizes, out: np.ndarray, head_offsets=None,
-                   threads: int = 1, cpus=(), block: int = 32, dedup: bool = False,
-                   id_base: np.ndarray | None = None) -> None:
-    """The fused kernel: rows of heads ``head_start .. +len(bucket_sizes)`` of
-    ``hash_ids [T, cols]`` gathered from uint8 ``weights``/``scales`` and
-    written as BF16 bits into ``out`` (uint16 ``[T, heads, head_dim]``), or,
-    packed, as stored into ``out = (rows uint8 [T, heads, head_dim], scales
-    uint8 [T, heads, head_dim/block])``.
-    Every id is checked as it is read (-1 gives a zero row); ``id_base``
-    (each head's first global row) when the ids are global rows; GIL
-    released."""
-    ids = check_hash_ids(hash_ids)
-    sizes = np.ascontiguousarray(bucket_sizes, dtype=np.int64)
-    offsets = np.ascontiguousarray(
-        np.concatenate(([0], np.cumsum(sizes)[:-1])) if head_offsets is None else head_offsets,
-        dtype=np.int64)
-    if not 0 <= head_start <= ids.shape[1] - len(sizes):
-        raise LookupIdError(f"heads [{head_start}, {head_start + len(sizes)}) are not columns of "
-                            f"hash ids with {ids.shape[1]} columns")
-    if weights.shape[0] < int((offsets + sizes).max(initial=0)):
-        raise ValueError(f"weights hold {weights.shape[0]} rows, heads need "
-                         f"{int((offsets + sizes).max())}")
-    if weights.shape[1] % block or scales.shape != (weights.shape[0], weights.shape[1] // block):
-        raise ValueError(f"weights {weights.shape} and scales {scales.shape} do not match with "
-                         f"{block} values per scale")
-    shape = (ids.shape[0], len(sizes), weights.shape[1])
-    _check_out(out, shape, block)
-    if ids.shape[0] == 0:
-        return
-    if dedup and isinstance(out, tuple):
-        raise ValueError("dedup=True needs the dequantised output (dequantize=True)")
-    if dedup:  # read each distinct row once, then copy it where it repeats
-        check_ids_in_range(ids, head_start, sizes, id_base)  # np.unique reads a copy
-        cols = ids[:, head_start:head_start + len(sizes)]
-        if id_base is not None:
-            cols = np.where(cols >= 0, cols - id_base, -1)
-        unique, inverse = np.unique(np.where(cols >= 0, cols + offsets, -1),
-                                    return_inverse=True)
-        staged = np.empty((len(unique), 1, weights.shape[1]), dtype=np.uint16)
-        _run_lookup(weights, scales, np.ascontiguousarray(unique.reshape(-1, 1)), 0,
-                    np.zeros(1, np.int64), np.array([weights.shape[0]], np.int64), None,
-                    staged, threads, cpus, block)
-        np.take(staged.reshape(len(unique), -1), inverse.reshape(-1), axis=0,
-                out=out.reshape(-1, weights.shape[1]), mode="clip")
-        return
-    base = None if id_base is None else np.ascontiguousarray(id_base, dtype=np.int64)
-    _run_lookup(weights, scales, ids, head_start, offsets, sizes, base, out, threads, cpus,
-                block)
-
-
-def _check_out(out, shape: tuple[int, ...], block: int) -> None:
-    """uint16 BF16 bits ``shape``, or (uint8 rows ``shape``, uint8 scales)."""
-    want = [(np.uint16, shape)] if not isinstance(out, tuple) else [
-        (np.uint8, shape), (np.uint8, (*shape[:2], shape[2] // block))]
-    arrays = out if isinstance(out, tuple) else (out,)
-    for arr, (dtype, dims) in zip(arrays, want):
-        if arr.dtype != dtype or arr.shape != dims or not arr.flags.c_contiguous:
-            raise ValueError(f"out must be C-contiguous {np.dtype(dtype).name} {list(dims)}, got "
-                             f"{arr.dtype} {list(arr.shape)}")
-
-
-def _run_lookup(weights, scales, ids, col0, offsets, sizes, id_base, out, threads, cpus,
-                block) -> None:
-    """The kernel checks every id as it reads it (once): ids another thread
-    changes meanwhile can never make it read outside the table.  ``out``:
-    BF16 bits, or (FP8 rows, scales) for the packed gather."""
+def run_lookup(weights: np.ndarray, scales: np.ndarray, ids: np.ndarray, col0: int,
+               offsets: np.ndarray, sizes: np.ndarray, id_base: np.ndarray | None, out,
+               threads: int, cpus, block: int) -> tuple[int, int, int]:
+    """The kernel (GIL released): ``out`` BF16 bits, or (FP8 rows, scales)
+    for the packed gather.  It checks every id as it reads it (once), so ids
+    another thread changes meanwhile never make it read outside the table;
+    bad ones give zero rows.  Returns (bad ids, flat index of the first,
+    its value)."""
     cpu_arr = np.asarray(list(cpus), dtype=np.int32)
     bad = ffi.new("int64_t[3]")
     args = (_ptr(weights, "uint8_t *"), _ptr(scales, "uint8_t *"), weights.shape[1], block,
@@ -414,16 +315,16 @@ def _run_lookup(weights, scales, ids, col0, offsets, sizes, id_base, out, thread
         rc = lib.ne_lookup_bf16(*args, _ptr(out, "uint16_t *"), *cpu_args)
     if rc != 0:
         _raise("pthread_create", f"lookup with {threads} threads")
-    if bad[0]:
-        t, h = divmod(int(bad[1]), len(sizes))
-        raise LookupIdError(_bad_id_text(int(bad[2]), t, col0 + h, int(sizes[h]), id_base, h,
-                                         int(bad[0])))
+    return int(bad[0]), int(bad[1]), int(bad[2])
 
 
 def ngram_hashes(rows: np.ndarray, pad_id: int, multipliers: np.ndarray, max_ngram: int,
-                 primes: np.ndarray, n_head: int, threads: int = 1) -> np.ndarray:
+                 primes: np.ndarray, n_head: int, threads: int = 1,
+                 hardware_division: bool = False) -> np.ndarray:
     """int64 ``[n_rows, T, (max_ngram-1)*n_head]`` hashes of int64 ids
-    ``[n_rows, T]`` (the formula is in hashing.py)."""
+    ``[n_rows, T]`` (the formula is in hashing.py).  ``hardware_division``:
+    the plain ``%`` path, the baseline the reciprocal path is benchmarked
+    against (same results)."""
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     multipliers = np.ascontiguousarray(multipliers, dtype=np.int64)
     primes = np.ascontiguousarray(primes, dtype=np.int64)
@@ -435,9 +336,36 @@ def ngram_hashes(rows: np.ndarray, pad_id: int, multipliers: np.ndarray, max_ngr
     if out.size and lib.ne_ngram_hashes(
             _ptr(rows, "int64_t *"), rows.shape[0], rows.shape[1], pad_id,
             _ptr(multipliers, "int64_t *"), max_ngram, _ptr(primes, "int64_t *"), n_head,
-            _ptr(out, "int64_t *"), threads) != 0:
+            _ptr(out, "int64_t *"), threads, int(hardware_division)) != 0:
         _raise("pthread_create", f"hashing with {threads} threads")
     return out
+
+
+DEFAULT_PREFETCH = (lib.NE_PREFETCH_AHEAD, lib.NE_PREFETCH_HINT)
+
+
+def tune_prefetch(ahead: int, hint: int) -> None:
+    """How many rows ahead the lookup kernels prefetch (0-256) and with
+    which locality hint (0 = NTA ... 3 = T0), process-wide: for measuring
+    (tools/bench.py); the defaults are the measured best."""
+    if lib.ne_tune_prefetch(ahead, hint) != 0:
+        raise ValueError(f"prefetch distance {ahead} / hint {hint}: want 0..256 and 0..3")
+
+
+def read_rows(table: np.ndarray, rows: np.ndarray, ahead: int = 32, threads: int = 1) -> int:
+    """Read every cache line of ``table[rows]`` (uint8 [n, dim]), ``ahead``
+    rows in flight: the random-read ceiling a lookup is measured against.
+    Returns a checksum (so the reads happen)."""
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    if table.ndim != 2 or table.dtype != np.uint8 or not table.flags.c_contiguous:
+        raise ValueError("table must be a C-contiguous uint8 [rows, dim] array")
+    if rows.size and (rows.min() < 0 or rows.max() >= table.shape[0]):
+        raise ValueError(f"rows must be in [0, {table.shape[0]})")
+    total = ffi.new("uint64_t *")
+    if lib.ne_read_rows(_ptr(table, "uint8_t *"), table.shape[1], _ptr(rows, "int64_t *"),
+                        rows.size, ahead, threads, total) != 0:
+        _raise("pthread_create", f"reading with {threads} threads")
+    return int(total[0])
 
 
 def hash_windows(ids: np.ndarray, slots: np.ndarray, positions: np.ndarray,

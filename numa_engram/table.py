@@ -34,7 +34,7 @@ from .errors import (
 )
 from .fileformat import DEFAULT_DIRECTORY, STATE_FAILED, STATE_READY, Layout, ShardKey
 from .group import Group, SingleProcessGroup, as_group, gpu_node
-from .lookup import OutputPool, id_base
+from .lookup import OutputPool, check_hash_ids, gather, id_base
 from .placement import PlacementPlan, PlacementReport, Region, plan_placement, verify
 from .sharding import ShardInfo
 from .spec import EngramSpec
@@ -220,13 +220,19 @@ class SharedEngramTable:
                register_device: int | None = None, timeout_s: float = 300.0,
                mode: str = "auto", topology: Topology | None = None,
                names: TensorNames | None = None, progress: Progress | None = None,
-               lookup_threads: int = 1, page_size: str | int = "4K") -> SharedEngramTable:
+               lookup_threads: int = 1, page_size: str | int = "4K",
+               load_threads: int | None = None) -> SharedEngramTable:
         """Collective over ``group`` (its rank 0 leads; None: a private table).
 
         page_size: ``4K`` (shmem: /dev/shm or a memfd), ``2M`` or ``1G``
         (hugetlb: a hugetlbfs mount of that size, found in /proc/self/mounts
         when ``directory`` is left at its default, or an MFD_HUGETLB memfd;
         each planned node's pool must have the pages free).
+
+        load_threads: threads that pre-fault the table and copy the
+        checkpoint, pinned to the CPUs of the node the rows are bound to
+        (None: one per CPU this process may use, at most 8; 1: the plain
+        single-thread copy).
 
         mode: ``dp_shared`` (one copy for the group; fails loudly when it
         cannot share), ``independent`` (each member its own copy) or ``auto``
@@ -247,12 +253,13 @@ class SharedEngramTable:
                                directory=directory, checkpoint=checkpoint,
                                register_device=register_device, timeout_s=timeout_s, mode=mode,
                                topology=topology, names=names, progress=progress,
-                               lookup_threads=lookup_threads, page_size=page)
+                               lookup_threads=lookup_threads, page_size=page,
+                               load_threads=load_threads or _default_load_threads())
 
     @classmethod
     def _create(cls, spec, layer_id, shard, grp: Group, *, placement, directory, checkpoint,
                 register_device, timeout_s, mode, topology, names, progress,
-                lookup_threads, page_size) -> SharedEngramTable:
+                lookup_threads, page_size, load_threads) -> SharedEngramTable:
         topo = topology or Topology.detect()
         layout = table_layout(spec, shard, page_size)
         key = shard_key(layer_id, shard)
@@ -271,7 +278,8 @@ class SharedEngramTable:
             grp, members, directory = SingleProcessGroup(), [me], None
         args = dict(placement=placement, directory=directory, checkpoint=checkpoint,
                     register_device=register_device, topology=topo, names=names,
-                    progress=progress, timeout_s=timeout_s, key=key)
+                    progress=progress, timeout_s=timeout_s, key=key,
+                    load_threads=load_threads)
         table = cls._share(spec, layer_id, shard, grp, members, layout, **args)
         table.mode, table.requested_mode, table.fallback_reason = actual, mode, reason
         table.lookup_threads = lookup_threads
@@ -282,7 +290,7 @@ class SharedEngramTable:
     @classmethod
     def _share(cls, spec, layer_id, shard, grp: Group, members, layout, *, placement, directory,
                checkpoint, register_device, topology, names, progress, timeout_s,
-               key) -> SharedEngramTable:
+               key, load_threads) -> SharedEngramTable:
         """DESIGN.md section 3, steps 1-10, for a group that shares one file."""
         leader = grp.rank == 0
         state: dict[str, Any] = {"backing": None, "registration": None, "report": None}
@@ -290,7 +298,7 @@ class SharedEngramTable:
             # steps 1-7 (leader): plan, check, create, size, map, no THP, bind, populate, verify
             path, plan = _lead(grp, "create", lambda: _leader_create(
                 state, layout, spec.fingerprint, directory, placement, members, topology,
-                checkpoint, key))
+                checkpoint, key, load_threads))
             # step 8: every member maps the file (by the leader's path) and registers it
             _, outcomes = _all(grp, "map", lambda: _member_map(
                 state, leader, path, directory, spec, layout, key, register_device))
@@ -303,7 +311,8 @@ class SharedEngramTable:
             _step("before-load")
             if leader:
                 _, loaded = _attempt(lambda: _leader_load(
-                    state["backing"], spec, layer_id, shard, checkpoint, names, progress))
+                    state["backing"], spec, layer_id, shard, checkpoint, names, progress,
+                    load_threads, _reader_cpus(plan, topology)))
             else:
                 _, loaded = _attempt(lambda: _wait_for_load(state["backing"], timeout_s))
             _step("after-load")
@@ -348,8 +357,7 @@ class SharedEngramTable:
             raise
 
     # ------------------------------------------------------------ lookup --
-    def lookup(self, hash_ids, out=None, *, dedup: bool = False, id_format: str = "bucket",
-               dequantize: bool = True):
+    def lookup(self, hash_ids, out=None, *, id_format: str = "bucket", dequantize: bool = True):
         """BF16 ``[T, heads_in_shard, head_dim]`` rows for ``hash_ids
         [T, n_hash_cols]`` (int64 or int32; rows may be strided, e.g.
         ``out[:, i]`` of ``HashState.hash``); DEAD_ID (-1) gives zero rows.
@@ -363,7 +371,7 @@ class SharedEngramTable:
 
         with self._in_use():
             started = time.perf_counter()
-            ids = native.check_hash_ids(hash_ids, self.spec.n_hash_cols)
+            ids = check_hash_ids(hash_ids, self.spec.n_hash_cols)
             shape = (ids.shape[0], self.shard.num_heads, self.spec.head_dim)
             if not dequantize:
                 result, bits = _packed_out(out, shape, self.spec.block)
@@ -371,11 +379,10 @@ class SharedEngramTable:
                 result, bits = bf16_out(out, shape)
             else:
                 result, bits = self._outputs.take(shape)
-            native.gather_dequant(self.weights, self.scales, ids,
-                                  head_start=self.shard.head_start,
-                                  bucket_sizes=self._bucket_sizes, out=bits, dedup=dedup,
-                                  threads=self.lookup_threads, cpus=self.lookup_cpus,
-                                  block=self.spec.block, id_base=self.id_base(id_format))
+            gather(self.weights, self.scales, ids, head_start=self.shard.head_start,
+                   bucket_sizes=self._bucket_sizes, out=bits, threads=self.lookup_threads,
+                   cpus=self.lookup_cpus, block=self.spec.block,
+                   id_base=self.id_base(id_format))
             self._count(shape[0] * shape[1], time.perf_counter() - started)
             return result
 
@@ -664,12 +671,12 @@ def _reader_cpus(plan: PlacementPlan | None, topology: Topology) -> tuple[int, .
 
 
 def _leader_create(state: dict, layout, fingerprint, directory, placement, members, topology,
-                   checkpoint, key) -> tuple[str, PlacementPlan | None]:
+                   checkpoint, key, threads: int) -> tuple[str, PlacementPlan | None]:
     if checkpoint is not None:
         checkpoint_files(checkpoint)  # not a regular file: refused before anything exists
     plan = _plan(placement, layout, members, topology)
     backing = BackingFile.create(layout, fingerprint, directory=directory, placement=plan,
-                                 topology=topology, key=key)
+                                 topology=topology, key=key, threads=threads)
     state["backing"] = backing
     state["report"] = verify(backing.mapping, plan) if plan is not None else None
     return backing.path, plan
@@ -702,9 +709,12 @@ def _register(backing: BackingFile, device: int):
     return cuda.RegistrationLease(reg, backing.mapping.keepalive())
 
 
-def _leader_load(backing: BackingFile, spec, layer_id, shard, checkpoint, names, progress):
+def _leader_load(backing: BackingFile, spec, layer_id, shard, checkpoint, names, progress,
+                 threads: int, cpus: tuple[int, ...]):
     """Load the rows (bumping the leader's progress slot as it goes, so the
-    peers wait as long as it advances), then READY; FAILED on any error."""
+    peers wait as long as it advances), then READY; FAILED on any error.
+    With threads > 1 the table is pre-faulted first, then copied by threads
+    pinned to the node the rows are bound to."""
     beats = [0]
     user = progress or _log_progress(layer_id)
 
@@ -715,14 +725,20 @@ def _leader_load(backing: BackingFile, spec, layer_id, shard, checkpoint, names,
         user(done, total)
     try:
         if checkpoint is not None:
+            if threads > 1:
+                backing.prefault(threads)
             w = backing.region("weights").reshape(shard.num_rows, spec.head_dim)
             s = backing.region("scales").reshape(shard.num_rows, spec.scales_per_row)
             load_rows(checkpoint, spec, layer_id, shard.row_start, shard.row_end, w, s,
-                      names=names, progress=report)
+                      names=names, progress=report, threads=threads, cpus=cpus)
     except BaseException:
         backing.set_state(STATE_FAILED)
         raise
     backing.mark_ready()
+
+
+def _default_load_threads() -> int:
+    return max(1, min(8, len(os.sched_getaffinity(0))))
 
 
 def _wait_for_load(backing: BackingFile, timeout_s: float) -> None:

@@ -111,3 +111,31 @@ def test_array_is_a_real_view_across_two_mappings(mapped):
     with pytest.raises(ValueError, match="read-only"):
         other.array()[0] = 1  # PROT_READ: refused by numpy, not a SIGSEGV
     other.close()
+
+
+def test_read_rows_reads_every_line_of_every_row():
+    table = np.random.default_rng(3).integers(0, 256, (1000, 256), dtype=np.uint8)
+    rows = np.random.default_rng(4).integers(0, 1000, 5000)
+    words = table.view(np.uint64)[:, ::8]  # the first word of each 64-byte line
+    want = int(words[rows].sum(dtype=np.uint64))
+    for threads in (1, 3):
+        assert native.read_rows(table, rows, ahead=16, threads=threads) == want
+    with pytest.raises(ValueError, match=r"rows must be in \[0, 1000\)"):
+        native.read_rows(table, np.array([1000]))
+
+
+def test_prefetch_tuning_refuses_values_out_of_range():
+    for ahead, hint in ((-1, 0), (257, 0), (8, 4)):
+        with pytest.raises(ValueError, match="want 0..256 and 0..3"):
+            native.tune_prefetch(ahead, hint)
+    native.tune_prefetch(*native.DEFAULT_PREFETCH)
+
+
+def test_hardware_division_and_reciprocals_hash_alike():
+    rng = np.random.default_rng(5)
+    ids = rng.integers(-(2**62), 2**62, (3, 500))
+    mult = rng.integers(1, 2**40, 4) | 1
+    primes = np.array([3, 1_000_003, 2**31 - 1, 998_244_353, 1_099_511_627_791, 7], np.int64)
+    fast = native.ngram_hashes(ids, 2, mult, 4, primes, 2)
+    slow = native.ngram_hashes(ids, 2, mult, 4, primes, 2, hardware_division=True)
+    np.testing.assert_array_equal(fast, slow)
