@@ -243,8 +243,8 @@ struct lookup_job {
  * memory-latency bound, not compute bound.  How far ahead and with which
  * locality hint is tunable (ne_tune_prefetch) so tools/bench.py can measure
  * the choice; the defaults are what it measured best. */
-#define NE_PREFETCH_AHEAD 8
-#define NE_PREFETCH_HINT 0
+#define NE_PREFETCH_AHEAD 64
+#define NE_PREFETCH_HINT 3
 enum { MAX_PREFETCH_AHEAD = 256 };
 static int prefetch_ahead = NE_PREFETCH_AHEAD, prefetch_hint = NE_PREFETCH_HINT;
 
