@@ -154,11 +154,16 @@ def check_memory(size: int, bytes_per_node: dict[int, int] | None = None,
 class ModeMemory:
     mode: str
     per_rank: dict[int, int]   # bytes each rank's shard(s) occupy (attributed, not PSS)
-    per_node: dict[int, int]   # physical bytes on each node (shared copies counted once)
+    per_host: dict[int, int]   # physical bytes on each host (shared copies counted once)
+
+    @property
+    def per_node(self) -> dict[int, int]:
+        """Alias of per_host (from before "node" meant only a NUMA node)."""
+        return self.per_host
 
     @property
     def total(self) -> int:
-        return sum(self.per_node.values())
+        return sum(self.per_host.values())
 
 
 def shard_bytes(spec, layer_id: int, num_shards: int, rank: int, row_wise: bool = False) -> int:
@@ -169,11 +174,11 @@ def shard_bytes(spec, layer_id: int, num_shards: int, rank: int, row_wise: bool 
 
 
 def mode_memory(spec, mode: str, layout) -> ModeMemory:
-    """Host bytes per rank and per node of all Engram layers under a mode."""
+    """Host bytes per rank and per host of all Engram layers under a mode."""
     from .sharding import assign
 
     per_rank: dict[int, int] = {}
-    per_node: Counter[int] = Counter()
+    per_host: Counter[int] = Counter()
     holders: set[tuple[int, ...]] = set()
     for rank in range(layout.world_size):
         a = assign(mode, layout, rank)
@@ -182,8 +187,8 @@ def mode_memory(spec, mode: str, layout) -> ModeMemory:
         per_rank[rank] = size
         if a.sharing_group not in holders:  # one physical copy per sharing group
             holders.add(a.sharing_group)
-            per_node[layout.node_of(rank)] += size
-    return ModeMemory(mode, per_rank, dict(sorted(per_node.items())))
+            per_host[layout.host_of(rank)] += size
+    return ModeMemory(mode, per_rank, dict(sorted(per_host.items())))
 
 
 def query_payload(spec, tokens: int, heads: int | None = None) -> int:

@@ -91,9 +91,11 @@ def emit(args: argparse.Namespace, doc: object, text: str) -> None:
 # ------------------------------------------------------------- commands --
 
 def cmd_topo(args: argparse.Namespace) -> int:
+    from .units import node_list
+
     topo = load_topology(args.simulate)
     ids = topo.node_ids
-    lines = [f"available: {len(ids)} nodes ({','.join(map(str, ids))})"
+    lines = [f"available: {len(ids)} nodes ({node_list(ids)})"
              + ("  [simulated]" if topo.simulated else "")]
     for n in topo.nodes:
         lines.append(f"node {n.id} cpus: {' '.join(map(str, n.cpus))}")
@@ -145,26 +147,11 @@ def cmd_create(args: argparse.Namespace) -> int:
 
 
 def progress_bar(args: argparse.Namespace, label: str):
-    """A progress(done, total) callback drawing a bar with rate and ETA on
-    stderr, or None: only for a terminal, never with --json."""
-    if args.json or not sys.stderr.isatty():
-        return None
-    from .units import fmt_bytes
+    """A progress(done, total) bar on stderr, or None: only for a terminal,
+    never with --json."""
+    from . import progress
 
-    start = time.monotonic()
-
-    def draw(done: int, total: int) -> None:
-        elapsed = max(time.monotonic() - start, 1e-9)
-        rate = done / elapsed
-        eta = (total - done) / rate if rate else 0.0
-        filled = int(30 * done / total) if total else 30
-        sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (30 - filled)}] "
-                         f"{fmt_bytes(done)} of {fmt_bytes(total)}, {fmt_bytes(int(rate))}/s, "
-                         f"ETA {eta:4.0f} s")
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-    return draw
+    return progress.terminal_bar(label) if progress.wanted(args.json) else None
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -278,6 +265,7 @@ def cmd_mem(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     from .gc import gc_stale_files
+    from .units import text_table, unit_for
 
     entries = gc_stale_files(args.directory, dry_run=args.dry_run, all_users=args.all_users)
 
@@ -286,8 +274,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
             return "removed"
         return "would remove" if e.reason.startswith("stale") else e.reason.split(":")[0]
 
-    lines = [f"{verdict(e):<13}{e.path}  {e.size / 2**20:.1f} MiB  {e.reason}" for e in entries]
-    emit(args, [vars(e) for e in entries], "\n".join(lines) or "no numa_engram files")
+    unit = unit_for(*(e.size for e in entries))
+    table = text_table(["verdict", "file", unit[0], "why"],
+                       [[verdict(e), e.path, f"{e.size / unit[1]:.2f}", e.reason]
+                        for e in entries], left=2)
+    emit(args, [vars(e) for e in entries], table if entries else "no numa_engram files")
     return 0
 
 
@@ -299,49 +290,50 @@ def load_spec(name: str):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Bytes per node and expected remote reads of a table under a policy and
-    mode, on this host or a simulated one."""
-    from .accounting import mode_memory, shard_bytes
-    from .placement import Region, expected_remote_fraction, plan_placement
-    from .sharding import WorldLayout, assign
+    mode, on this host or a simulated one; page tables per process for each
+    page size."""
+    from . import hugepages
+    from .accounting import mode_memory
+    from .placement import (
+        expected_remote_fraction,
+        host_regions,
+        plan_placement,
+        planned_bytes_per_node,
+    )
+    from .sharding import WorldLayout
+    from .units import fmt_bytes, node_list, text_table, unit_for
 
     spec, topo = load_spec(args.spec), load_topology(args.simulate)
-    gpn = args.gpus_per_node or max(1, len(topo.gpus)) or args.tp * args.dp
-    layout = WorldLayout(args.tp, args.dp, gpn)
-    regions, offset, seen = [], 0, set()
-    for rank in range(min(layout.world_size, gpn)):  # one node's ranks
-        a = assign(args.mode, layout, rank)
-        key = (a.shard_index, a.sharing_group)
-        if key in seen:
-            continue
-        seen.add(key)
-        readers = tuple(topo.nearest_node(m % gpn) if topo.gpus else topo.nodes[0].id
-                        for m in a.sharing_group)
-        for layer in spec.layer_ids:
-            size = shard_bytes(spec, layer, a.num_shards, a.shard_index)
-            regions.append(Region(f"L{layer}/s{a.shard_index}/r{rank}", offset, size, readers))
-            offset += size
+    per_host = args.gpus_per_host or max(1, len(topo.gpus)) or args.tp * args.dp
+    layout = WorldLayout(args.tp, args.dp, per_host)
+    regions = host_regions(spec, layout, args.mode, topo)
     plan = plan_placement(args.policy, regions, topo)
-    per_node = plan.bytes_per_node()
-    if plan.copies > 1:  # replicate-per-node: a whole copy on every node
-        per_node = {n: sum(r.length for r in regions) for n in topo.node_ids}
+    per_node = planned_bytes_per_node(plan, regions, topo)
     remote = expected_remote_fraction(plan, regions)
-    modes = {m: mode_memory(spec, m, layout).per_node for m in
-             ("independent", "dp_shared", "dp_sharded")}
+    modes = {m: mode_memory(spec, m, layout).per_host
+             for m in ("independent", "dp_shared", "dp_sharded")}
+    mapped = sum(r.length for r in regions)
+    tables = {name: hugepages.page_table_bytes(mapped, size)
+              for name, size in hugepages.SIZES.items()}
+    unit = unit_for(*(r.length for r in regions), *per_node.values())
+    rows = [[r.name, f"{r.length / unit[1]:.2f}", node_list(r.reader_nodes),
+             f"{pr.mode} {node_list(pr.nodes)}"] for r, pr in zip(regions, plan.ranges)]
+    host_unit = unit_for(*(b for nodes in modes.values() for b in nodes.values()))
     lines = [f"spec {args.spec}: {len(spec.layer_ids)} layers, {spec.n_hash_cols} heads, "
              f"{spec.table_bytes() / 2**30:.2f} GiB in all; TP{args.tp} x DP{args.dp}, "
-             f"{gpn} GPUs per node, mode {args.mode}, policy {args.policy}",
-             f"{'region':<22}{'GiB':>9}  readers on nodes  -> placed on"]
-    for r, pr in zip(regions, plan.ranges):
-        lines.append(f"{r.name:<22}{r.length / 2**30:>9.2f}  {str(list(r.reader_nodes)):<17}"
-                     f" -> {pr.mode} {list(pr.nodes)}")
-    lines.append("bytes per node (one node's tables): " + ", ".join(
-        f"N{n}={b / 2**30:.2f} GiB" for n, b in per_node.items()))
-    lines.append(f"expected fraction of remote row reads: {remote:.1%}")
-    for m, nodes in modes.items():
-        lines.append(f"host memory, {m:<12}: " + ", ".join(
-            f"node{n}={b / 2**30:.1f} GiB" for n, b in nodes.items()))
+             f"{per_host} GPUs per host, mode {args.mode}, policy {args.policy}",
+             text_table(["region", unit[0], "readers on nodes", "placed"], rows),
+             "bytes per NUMA node (one host's tables): " + ", ".join(
+                 f"node {n} {b / unit[1]:.2f} {unit[0]}" for n, b in per_node.items()),
+             f"expected fraction of remote row reads: {remote:.1%}",
+             "page tables per process mapping them: " + ", ".join(
+                 f"{fmt_bytes(hugepages.SIZES[name], digits=0)} pages {fmt_bytes(b)}"
+                 for name, b in tables.items())]
+    for m, hosts in modes.items():
+        lines.append(f"memory per host, {m:<12}: " + ", ".join(
+            f"host {h} {b / host_unit[1]:.2f} {host_unit[0]}" for h, b in hosts.items()))
     emit(args, {"plan": plan.to_dict(), "bytes_per_node": per_node, "remote_fraction": remote,
-                "mode_memory": modes}, "\n".join(lines))
+                "mode_memory": modes, "page_table_bytes": tables}, "\n".join(lines))
     return 0
 
 
@@ -350,35 +342,44 @@ def cmd_bench(args: argparse.Namespace) -> int:
     the local/remote cost an operator pays for a placement."""
     import numpy as np
 
+    from . import hugepages
     from .fileformat import Layout
     from .lookup import lookup_rows
     from .placement import Region, plan_placement, verify
     from .storage import BackingFile
+    from .units import fmt_bytes
 
     topo = load_topology(None)
-    dim, rows = 256, args.size // 264
-    layout = Layout.of([("weights", rows * dim), ("scales", rows * dim // 32)])
+    spec = load_spec(args.spec)  # rows shaped as the model's: head_dim bytes + scales
+    dim, n_scales = spec.head_dim, spec.scales_per_row
+    rows = args.size // spec.row_bytes
+    if rows < 1:
+        raise StorageError(f"--size {args.size} holds no row of {spec.row_bytes} bytes")
+    layout = Layout.of([("weights", rows * dim), ("scales", rows * n_scales)], args.page_size)
     plan = plan_placement(args.policy, [Region(r.name, r.offset, r.length)
                                         for r in layout.regions], topo)
     results = []
-    with BackingFile.create(layout, bytes(32), directory=None, placement=plan) as f:
+    with BackingFile.create(layout, bytes(32), directory=None, placement=plan,
+                            progress=progress_bar(args, "populate"), threads=2) as f:
         w = f.region("weights").reshape(rows, dim)
-        s = f.region("scales").reshape(rows, dim // 32)
+        s = f.region("scales").reshape(rows, n_scales)
         w[:] = np.random.default_rng(0).integers(0, 256, size=w.shape, dtype=np.uint8)
         s[:] = 127
         ids = np.random.default_rng(1).integers(0, rows, size=(args.tokens, 1))
-        out = lookup_rows(w, s, ids, head_start=0, bucket_sizes=[rows])  # touch the output
+        out = lookup_rows(w, s, ids, head_start=0, bucket_sizes=[rows],
+                          block=spec.block)  # touch the output
         for node in topo.nodes:
             threads = min(args.threads, len(node.cpus)) or 1
             best = min(_timed(lambda n=node, t=threads: lookup_rows(
-                w, s, ids, head_start=0, bucket_sizes=[rows], threads=t, cpus=n.cpus, out=out))
-                for _ in range(args.repeat))
+                w, s, ids, head_start=0, bucket_sizes=[rows], threads=t, cpus=n.cpus, out=out,
+                block=spec.block)) for _ in range(args.repeat))
             results.append({"reader_node": node.id, "threads": threads,
                             "rows_per_s": args.tokens / best})
         report = verify(f.mapping, plan)
     base = max(r["rows_per_s"] for r in results)
-    lines = [f"table {layout.file_size / 2**30:.2f} GiB, policy {args.policy}, pages per node "
-             f"{report.pages_per_node()}"]
+    lines = [f"table {fmt_bytes(layout.file_size)} of {spec.row_bytes}-byte rows (spec "
+             f"{args.spec}) on {hugepages.name_of(args.page_size)} pages, policy {args.policy}",
+             report.format()]
     lines += [f"  readers on node {r['reader_node']} ({r['threads']} threads): "
               f"{r['rows_per_s'] / 1e6:7.2f} M rows/s  ({r['rows_per_s'] / base:.2f} of best)"
               for r in results]
@@ -396,10 +397,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """The main job on a default table: write a synthetic checkpoint, start
     --procs DP replicas over gloo that share one placed copy, look rows up,
     check them bit-exact, and show placement and memory."""
+    from . import progress
     from .demo import run_demo
 
     doc = run_demo(spec_name=args.spec, procs=args.procs, directory=args.directory,
-                   tokens=args.tokens, policy=args.policy)
+                   tokens=args.tokens, policy=args.policy,
+                   show_progress=progress.wanted(args.json))
     emit(args, doc, doc["text"])
     return 0 if doc["ok"] else 1
 
@@ -458,8 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="demo, v4-flash, small, tiny or a JSON file")
     sp.add_argument("--tp", type=positive_int, default=2, help="tensor parallel")
     sp.add_argument("--dp", type=positive_int, default=4, help="data parallel")
-    sp.add_argument("--gpus-per-node", type=non_negative_int, default=0,
-                    help="GPUs per host (0: from the topology)")
+    sp.add_argument("--gpus-per-host", "--gpus-per-node", dest="gpus_per_host",
+                    type=non_negative_int, default=0,
+                    help="GPUs per host (0: from the topology); --gpus-per-node is an alias")
     sp.add_argument("--mode", default="dp_shared", choices=["independent", "dp_shared",
                                                             "dp_sharded"],
                     help="who holds rows")
@@ -473,6 +477,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--threads", type=positive_int, default=2,
                     help="lookup threads")
     sp.add_argument("--repeat", type=positive_int, default=3, help="runs per node")
+    sp.add_argument("--spec", default="v4-flash",
+                    help="row shape from this spec: demo, v4-flash, small, tiny or a JSON file")
+    sp.add_argument("--page-size", type=page_size_arg, default="4K",
+                    help="4K, 2M or 1G (hugetlb: needs a reserved pool)")
     sp = add("demo", cmd_demo, "share, place, load and look up a default table")
     sp.add_argument("--spec", default="small",
                     help="demo, v4-flash, small, tiny or a JSON file")

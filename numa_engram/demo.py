@@ -24,7 +24,7 @@ def _free_port() -> int:
 
 
 def _replica(rank: int, procs: int, port: int, spec_doc: dict, ckpt: str, directory: str,
-             tokens: int, policy: str, conn) -> None:
+             tokens: int, policy: str, conn, show_progress: bool = False) -> None:
     import torch
     import torch.distributed as dist
 
@@ -32,6 +32,7 @@ def _replica(rank: int, procs: int, port: int, spec_doc: dict, ckpt: str, direct
     from .hashing import ngram_hashes
     from .lookup import reference_lookup
     from .procfs import smaps
+    from .progress import terminal_bar
     from .sharding import shard_heads
     from .spec import EngramSpec
     from .table import SharedEngramTable
@@ -48,7 +49,9 @@ def _replica(rank: int, procs: int, port: int, spec_doc: dict, ckpt: str, direct
             tables[layer] = SharedEngramTable.create(
                 spec, layer, shard, group=TorchGroup(None, 300) if procs > 1 else None,
                 mode="auto", checkpoint=ckpt, directory=directory, placement=policy,
-                lookup_threads=max(1, (os.cpu_count() or 1) // procs))
+                lookup_threads=max(1, (os.cpu_count() or 1) // procs),
+                progress=terminal_bar(f"load layer {layer}")
+                if show_progress and rank == 0 else None)
         result["create_s"] = time.perf_counter() - t0
         ids_tok = np.random.default_rng(rank).integers(0, spec.compressed_vocab_size, tokens)
         exact, rate = True, []
@@ -82,7 +85,7 @@ def _replica(rank: int, procs: int, port: int, spec_doc: dict, ckpt: str, direct
 
 
 def run_demo(spec_name: str = "small", procs: int = 2, directory: str = "/dev/shm",
-             tokens: int = 4096, policy: str = "gpu-local") -> dict:
+             tokens: int = 4096, policy: str = "gpu-local", show_progress: bool = False) -> dict:
     from .checkpoint import write_synthetic_checkpoint
     from .spec import EngramSpec
 
@@ -93,7 +96,8 @@ def run_demo(spec_name: str = "small", procs: int = 2, directory: str = "/dev/sh
         port = _free_port()
         pipes = [ctx.Pipe(duplex=False) for _ in range(procs)]
         workers = [ctx.Process(target=_replica, args=(r, procs, port, spec.to_dict(), ckpt,
-                                                      directory, tokens, policy, pipes[r][1]))
+                                                      directory, tokens, policy, pipes[r][1],
+                                                      show_progress))
                    for r in range(procs)]
         for w in workers:
             w.start()

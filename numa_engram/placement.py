@@ -21,7 +21,7 @@ from .errors import PlacementError, TopologyError
 from .topology import Topology, parse_cpulist
 from .units import fmt_bytes, node_list, text_table, unit_for
 
-MODES = {"bind": native.MPOL_BIND, "preferred": native.MPOL_PREFERRED,
+MPOL_MODES = {"bind": native.MPOL_BIND, "preferred": native.MPOL_PREFERRED,
          "interleave": native.MPOL_INTERLEAVE, "default": native.MPOL_DEFAULT}
 POLICIES = ("gpu-local", "node:N", "bind:NODES", "preferred:N", "interleave",
             "interleave:NODES", "replicate-per-node", "none")
@@ -65,9 +65,9 @@ class PlacementPlan:
         page = page_size
         spans = []
         for r in self.ranges:
-            if r.mode not in MODES:
+            if r.mode not in MPOL_MODES:
                 raise PlacementError(f"range {r.name!r}: mode {r.mode!r} is not one of "
-                                     f"{sorted(MODES)}")
+                                     f"{sorted(MPOL_MODES)}")
             if r.offset < 0 or r.offset % page:
                 raise PlacementError(f"range {r.name!r}: offset {r.offset} is not aligned to the "
                                      f"page size {page}; align range starts to pages")
@@ -93,7 +93,7 @@ class PlacementPlan:
         self.validate(mapping.length, topology or Topology.detect(), mapping.page_size)
         for r in self.ranges:
             length = min(_round_up(r.length, mapping.page_size), mapping.length - r.offset)
-            native.mbind(mapping, r.offset, length, MODES[r.mode], r.nodes)
+            native.mbind(mapping, r.offset, length, MPOL_MODES[r.mode], r.nodes)
 
     def bytes_per_node(self) -> dict[int, int]:
         """Planned bytes on each node (interleave split evenly)."""
@@ -303,7 +303,7 @@ def verify(mapping: native.Mapping, plan: PlacementPlan) -> PlacementReport:
     return PlacementReport(tuple(reports))
 
 
-_MODE_NAMES = {v: k for k, v in MODES.items()}
+_MODE_NAMES = {v: k for k, v in MPOL_MODES.items()}
 
 
 def plan_of_mapping(mapping: native.Mapping,
@@ -317,3 +317,36 @@ def plan_of_mapping(mapping: native.Mapping,
         out.append(PlacementRange(name, offset, length, mode_name,
                                   tuple(nodes) if mode_name != "default" else ()))
     return PlacementPlan(tuple(out), "from-file")
+
+
+def host_regions(spec, layout, mode: str, topology: Topology) -> list[Region]:
+    """The regions one host's tables occupy under ``mode`` (one per layer
+    and distinct shard copy), each with the NUMA nodes of the GPUs that
+    read it: what ``plan_placement`` places.  ``layout``: a WorldLayout."""
+    from .accounting import shard_bytes
+    from .sharding import assign
+
+    per_host = layout.gpus_per_host
+    regions, offset, seen = [], 0, set()
+    for rank in range(min(layout.world_size, per_host)):  # the first host's ranks
+        a = assign(mode, layout, rank)
+        key = (a.shard_index, a.sharing_group)
+        if key in seen:
+            continue
+        seen.add(key)
+        readers = tuple(topology.nearest_node(m % per_host) if topology.gpus
+                        else topology.nodes[0].id for m in a.sharing_group)
+        for layer in spec.layer_ids:
+            size = shard_bytes(spec, layer, a.num_shards, a.shard_index)
+            regions.append(Region(f"L{layer}/s{a.shard_index}/r{rank}", offset, size, readers))
+            offset += size
+    return regions
+
+
+def planned_bytes_per_node(plan: PlacementPlan, regions: Sequence[Region],
+                           topology: Topology) -> dict[int, int]:
+    """Bytes on each NUMA node under ``plan`` (replicate-per-node: a whole
+    copy on every node)."""
+    if plan.copies > 1:
+        return {n: sum(r.length for r in regions) for n in topology.node_ids}
+    return plan.bytes_per_node()

@@ -17,7 +17,7 @@ import numpy as np
 
 from .errors import TopologyError
 
-MODES = ("independent", "dp_shared", "dp_sharded")
+DEPLOYMENT_MODES = ("independent", "dp_shared", "dp_sharded")
 DEAD_ID = -1
 
 
@@ -104,17 +104,35 @@ def locate_rows(bucket_sizes: Sequence[int], num_shards: int,
 
 # ------------------------------------------------------- modes and groups --
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class WorldLayout:
-    """TP x DP ranks, TP-minor (global rank = dp_rank * tp + tp_rank)."""
+    """TP x DP ranks, TP-minor (global rank = dp_rank * tp + tp_rank), on
+    hosts of ``gpus_per_host`` GPUs ("node" elsewhere in this library means a
+    NUMA node; ``gpus_per_node``/``node_of`` are kept as aliases)."""
 
     tp: int
     dp: int
-    gpus_per_node: int
+    gpus_per_host: int
 
-    def __post_init__(self) -> None:
-        if self.tp < 1 or self.dp < 1 or self.gpus_per_node < 1:
-            raise TopologyError(f"tp, dp and gpus_per_node must be >= 1: {self}")
+    def __init__(self, tp: int, dp: int, gpus_per_host: int | None = None, *,
+                 gpus_per_node: int | None = None) -> None:
+        if gpus_per_host is not None and gpus_per_node is not None \
+                and gpus_per_host != gpus_per_node:
+            raise TopologyError(f"gpus_per_host={gpus_per_host} and its alias gpus_per_node="
+                                f"{gpus_per_node} disagree; pass one")
+        per_host = gpus_per_host if gpus_per_host is not None else gpus_per_node
+        if per_host is None:
+            raise TopologyError("WorldLayout needs gpus_per_host (GPUs per machine)")
+        object.__setattr__(self, "tp", tp)
+        object.__setattr__(self, "dp", dp)
+        object.__setattr__(self, "gpus_per_host", per_host)
+        if self.tp < 1 or self.dp < 1 or self.gpus_per_host < 1:
+            raise TopologyError(f"tp, dp and gpus_per_host must be >= 1: {self}")
+
+    @property
+    def gpus_per_node(self) -> int:
+        """Alias of gpus_per_host."""
+        return self.gpus_per_host
 
     @property
     def world_size(self) -> int:
@@ -128,15 +146,18 @@ class WorldLayout:
             raise TopologyError(f"rank {rank} outside world of {self.world_size}")
         return rank % self.tp, rank // self.tp
 
-    def node_of(self, rank: int) -> int:
-        return rank // self.gpus_per_node
+    def host_of(self, rank: int) -> int:
+        """Index of the host (machine) ``rank`` runs on."""
+        return rank // self.gpus_per_host
+
+    node_of = host_of  # alias, from before "node" meant only a NUMA node
 
     def edp_size(self) -> int:
         """Size of a node-local sharing group: gcd(dp, replicas per node) when
         replicas align with node boundaries, else 1."""
-        if self.gpus_per_node % self.tp:
+        if self.gpus_per_host % self.tp:
             return 1
-        return math.gcd(self.dp, self.gpus_per_node // self.tp)
+        return math.gcd(self.dp, self.gpus_per_host // self.tp)
 
     def edp_group(self, rank: int, socket_of: Sequence[int] | None = None) -> tuple[int, ...]:
         """Ranks sharing one table with ``rank``: node-local DP peers with the
@@ -147,7 +168,7 @@ class WorldLayout:
         size = self.edp_size()
         first = dp_rank // size * size
         members = tuple(self.rank(tp_rank, d) for d in range(first, first + size))
-        if len({self.node_of(m) for m in members}) != 1:
+        if len({self.host_of(m) for m in members}) != 1:
             return (rank,)
         if socket_of is not None:
             if len(socket_of) != self.world_size:
@@ -182,8 +203,8 @@ class ModeAssignment:
 
 
 def assign(mode: str, layout: WorldLayout, rank: int) -> ModeAssignment:
-    if mode not in MODES:
-        raise TopologyError(f"unknown mode {mode!r}; choose one of {list(MODES)}")
+    if mode not in DEPLOYMENT_MODES:
+        raise TopologyError(f"unknown mode {mode!r}; choose one of {list(DEPLOYMENT_MODES)}")
     tp_rank, dp_rank = layout.coords(rank)
     group = layout.edp_group(rank)
     if mode == "independent":

@@ -43,7 +43,7 @@ from .topology import Topology, current_node
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "dp_shared", "independent")
+CREATE_MODES = ("auto", "dp_shared", "independent")
 # Test hook: called with "before-<step>" and "after-<step>" of each protocol
 # step (join, decide, create, map, unlink, load, ready; and "load-progress")
 # e.g. to kill the leader between create and unlink.  None in production.
@@ -243,8 +243,8 @@ class SharedEngramTable:
         ``timeout_s``; a load waits as long as the loader makes progress.
         Every member ends the same way: all return a table, or all raise the
         same class (our own, or MemberFailure) naming every failing member."""
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode not in CREATE_MODES:
+            raise ValueError(f"mode must be one of {CREATE_MODES}, got {mode!r}")
         _check_shard(spec, layer_id, shard)
         page = hugepages.parse_page_size(page_size)
         grp = _as_group(group, timeout_s)

@@ -47,7 +47,7 @@ class collectives_forbidden:
 def share(rank, world, *, tp, dp, mode, checkpoint, rows_per_head, socket_of=None,
           page_size="4K", directory="/dev/shm"):
     spec = make_spec(rows_per_head)
-    layout = WorldLayout(tp=tp, dp=dp, gpus_per_node=tp * dp)
+    layout = WorldLayout(tp=tp, dp=dp, gpus_per_host=tp * dp)
     group = sharing_groups(layout, timeout_s=60, socket_of=socket_of, directory=directory)
     tp_rank = rank % tp
     shard = shard_heads(spec.bucket_sizes(LAYER), tp, tp_rank)
@@ -132,7 +132,7 @@ def other_uid(rank, world):
 def share_placed(rank, world, *, tp, dp):
     """TP shard r bound to NUMA node r; every member reports where pages are."""
     spec = make_spec(3000)
-    layout = WorldLayout(tp=tp, dp=dp, gpus_per_node=tp * dp)
+    layout = WorldLayout(tp=tp, dp=dp, gpus_per_host=tp * dp)
     group = sharing_groups(layout, timeout_s=600)
     tp_rank = rank % tp
     shard = shard_heads(spec.bucket_sizes(LAYER), tp, tp_rank)
@@ -153,7 +153,7 @@ def dp_sharded(rank, world, *, tp, dp, counts, n_head_per_ngram, max_ngram, max_
 
     spec = EngramSpec.small(rows_per_head=96, n_head_per_ngram=n_head_per_ngram, head_dim=64,
                             max_ngram_size=max_ngram)  # primes 97 and up, like vLLM's test
-    layout = WorldLayout(tp=tp, dp=dp, gpus_per_node=tp * dp)
+    layout = WorldLayout(tp=tp, dp=dp, gpus_per_host=tp * dp)
     group = sharing_groups(layout, timeout_s=60)  # the node-local EDP group
     tp_rank, dp_rank = layout.coords(rank)
     edp, edp_rank = group.size, group.rank

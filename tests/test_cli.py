@@ -108,3 +108,46 @@ def test_demo_shares_one_copy_between_two_replicas():
     assert "mode dp_shared" in out.stdout and "bit-exact True" in out.stdout
     assert "= 1.00 copies" in out.stdout, out.stdout
     assert shm_files() == before
+
+
+def _on_a_terminal(*args):
+    """Run numa-engram with stderr on a pseudo-terminal; (rc, stderr text)."""
+    import pty
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "numa_engram.cli", *args],
+                            stdout=subprocess.PIPE, stderr=follower, text=True)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    proc.wait(120)
+    os.close(leader)
+    return proc.returncode, b"".join(chunks).decode()
+
+
+def test_progress_bar_only_on_a_terminal_and_never_with_json():
+    rc, err = _on_a_terminal("create", "--size", "200M")
+    assert rc == 0 and "populate [" in err and "ETA" in err and "/s" in err, err
+    rc, err = _on_a_terminal("create", "--size", "200M", "--json")
+    assert rc == 0 and "populate" not in err, err
+    piped = cli("create", "--size", "200M")
+    assert "populate" not in piped.stderr
+
+
+def test_progress_callback_follows_populate():
+    from numa_engram.fileformat import Layout
+    from numa_engram.storage import BackingFile
+
+    seen = []
+    with BackingFile.create(Layout.of([("w", 200 << 20)]), bytes(32),
+                            progress=lambda d, t: seen.append((d, t))):
+        pass
+    assert seen[-1] == (seen[-1][1], seen[-1][1]) and len(seen) >= 3
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)

@@ -75,18 +75,26 @@ def test_locate_rows_inverts_row_wise_shards(sizes, data):
 
 
 def test_edp_groups_follow_gcd_and_node_alignment():
-    layout = WorldLayout(tp=2, dp=4, gpus_per_node=8)
+    layout = WorldLayout(tp=2, dp=4, gpus_per_host=8)
     assert layout.edp_size() == 4
     assert layout.edp_group(0) == (0, 2, 4, 6) and layout.edp_group(3) == (1, 3, 5, 7)
-    two_nodes = WorldLayout(tp=2, dp=8, gpus_per_node=8)
+    two_nodes = WorldLayout(tp=2, dp=8, gpus_per_host=8)
     assert two_nodes.edp_group(9) == (9, 11, 13, 15)
-    assert WorldLayout(tp=3, dp=4, gpus_per_node=8).edp_size() == 1  # TP straddles nodes
-    assert WorldLayout(tp=2, dp=6, gpus_per_node=8).edp_size() == 2  # gcd(6, 4)
-    assert len(WorldLayout(tp=1, dp=4, gpus_per_node=4).edp_groups()) == 1
+    assert WorldLayout(tp=3, dp=4, gpus_per_host=8).edp_size() == 1  # TP straddles nodes
+    assert WorldLayout(tp=2, dp=6, gpus_per_host=8).edp_size() == 2  # gcd(6, 4)
+    assert len(WorldLayout(tp=1, dp=4, gpus_per_host=4).edp_groups()) == 1
+
+
+def test_gpus_per_node_and_node_of_stay_aliases_of_the_host_names():
+    old = WorldLayout(tp=2, dp=8, gpus_per_node=8)
+    assert old == WorldLayout(2, 8, 8) and old.gpus_per_node == old.gpus_per_host == 8
+    assert old.node_of(9) == old.host_of(9) == 1
+    with pytest.raises(TopologyError, match="disagree"):
+        WorldLayout(2, 8, gpus_per_host=8, gpus_per_node=4)
 
 
 def test_groups_split_per_socket_for_replicate_per_node():
-    layout = WorldLayout(tp=2, dp=4, gpus_per_node=8)
+    layout = WorldLayout(tp=2, dp=4, gpus_per_host=8)
     socket_of = [gpu // 4 for gpu in range(8)]  # GPUs 0-3 on node 0, 4-7 on node 1
     assert layout.edp_group(0) == (0, 2, 4, 6)  # spans both sockets: half the reads remote
     assert layout.edp_group(0, socket_of) == (0, 2) and layout.edp_group(6, socket_of) == (4, 6)
@@ -96,7 +104,7 @@ def test_groups_split_per_socket_for_replicate_per_node():
 
 
 def test_mode_assignments():
-    layout = WorldLayout(tp=2, dp=2, gpus_per_node=4)
+    layout = WorldLayout(tp=2, dp=2, gpus_per_host=4)
     shared = assign("dp_shared", layout, 3)
     assert (shared.num_shards, shared.shard_index, shared.embedding_dp_size) == (2, 1, 1)
     assert shared.sharing_group == (1, 3)
