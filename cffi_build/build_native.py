@@ -26,6 +26,8 @@ MEMORY_DECLS = """
     #define MFD_CLOEXEC ...
     #define MFD_HUGETLB ...
     #define MFD_HUGE_SHIFT ...
+    #define TMPFS_MAGIC ...
+    #define HUGETLBFS_MAGIC ...
     void *ne_map_shared(int fd, size_t length, int writable);
     int ne_unmap(void *addr, size_t length);
     int ne_protect_read(void *addr, size_t length);
@@ -92,7 +94,8 @@ ffibuilder = FFI()
 ffibuilder.cdef(MEMORY_DECLS + NUMA_DECLS + KERNEL_DECLS)
 ffibuilder.set_source(
     "numa_engram._native",
-    '#include <sys/mman.h>\n#include <linux/memfd.h>\n#include <linux/mempolicy.h>\n'
+    '#include <sys/mman.h>\n#include <linux/magic.h>\n#include <linux/memfd.h>\n'
+    '#include <linux/mempolicy.h>\n'
     '#include "native.c"',
     include_dirs=[str(HERE)],
     define_macros=[("NE_CORE_VERSION", f'"{VERSION}"')],

@@ -71,28 +71,23 @@ def _read_int(path: Path) -> int | None:
     return UNLIMITED if text == "max" else int(text)
 
 
-def _cgroup_dirs(proc_cgroup: str = "/proc/self/cgroup",
-                 mountinfo: str = "/proc/self/mountinfo") -> list[tuple[Path, Path, str]]:
+def _cgroup_dirs(root: str = procfs.PROC) -> list[tuple[Path, Path, str]]:
     """(this process's memory cgroup dir, its mount point, 'v1'|'v2') for
     each memory hierarchy mounted here."""
     mine = {}
-    for line in Path(proc_cgroup).read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
+    for controllers, path in procfs.cgroups(root).items():
+        if controllers == "v2":
             mine["v2"] = path
         elif "memory" in controllers.split(","):
             mine["v1"] = path
     out = []
-    for line in Path(mountinfo).read_text().splitlines():
-        fields = line.split()
-        sep = fields.index("-")
-        fstype, options = fields[sep + 1], fields[-1]
+    for fs_root, mount_point, fstype, options in procfs.mountinfo(root):
         kind = ("v2" if fstype == "cgroup2" else
                 "v1" if fstype == "cgroup" and "memory" in options.split(",") else None)
         if kind is None or kind not in mine:
             continue
-        root, mount = fields[3], Path(fields[4])
-        rel = os.path.relpath(mine[kind], root) if mine[kind].startswith(root) else "."
+        mount = Path(mount_point)
+        rel = os.path.relpath(mine[kind], fs_root) if mine[kind].startswith(fs_root) else "."
         out.append((mount / rel if (mount / rel).is_dir() else mount, mount, kind))
     return out
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import LookupIdError, TopologyError
-from .lookup import check_hash_ids, check_ids_in_range, id_base
+from .lookup import OutputPool, check_hash_ids, check_ids_in_range, id_base
 from .sharding import DEAD_ID, ShardInfo, shard_heads
 from .spec import EngramSpec
 
@@ -91,6 +91,9 @@ class DPShardedLookup:
                                 f"[{mine.head_start}, {mine.head_end})")
         self.table, self.heads, self.edp_rank = table, heads, edp_rank
         self.pg, self.max_tokens, self._dist = process_group, max_tokens, dist
+        # the exchange's receive buffer and the result come from a pool, as
+        # the table's own outputs do: no fresh mmap and page faults per step
+        self._outputs = OutputPool()
 
     def lookup(self, hash_ids, *, id_format: str = "bucket"):
         """BF16 ``[T, tp_heads, head_dim]`` for this member's ``hash_ids [T, n_hash_cols]``
@@ -169,10 +172,11 @@ class DPShardedLookup:
         d = self.table.spec.head_dim
         owned = [m.num_heads for m in self.heads.members]
         send = rows.reshape(-1)
-        recv = torch.empty(slot * sum(owned) * d, dtype=rows.dtype)
+        recv, _ = self._outputs.take((slot * sum(owned) * d,))
         self._dist.all_to_all_single(
             recv, send, output_split_sizes=[slot * h * d for h in owned],
             input_split_sizes=[slot * owned[self.edp_rank] * d] * self.heads.edp,
             group=self.pg)
         parts = recv.split([slot * h * d for h in owned])
-        return torch.cat([p.view(slot, h, d) for p, h in zip(parts, owned)], dim=1)
+        result, _ = self._outputs.take((slot, sum(owned), d))
+        return torch.cat([p.view(slot, h, d) for p, h in zip(parts, owned)], dim=1, out=result)

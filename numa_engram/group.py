@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
+from . import procfs
 from .errors import GroupTimeout, NumaEngramError, TopologyError
-from .procfs import boot_id
 from .sharding import WorldLayout
 from .storage import describe_device, directory_id
 
@@ -194,12 +194,9 @@ class RankIdentity:
 
 def local_identity(rank: int, tp_rank: int, directory: str,
                    numa_socket: int | None = None) -> RankIdentity:
-    try:
-        mount_ns = os.readlink("/proc/self/ns/mnt")
-    except OSError:
-        mount_ns = ""
-    return RankIdentity(rank, tp_rank, boot_id().hex(), os.geteuid(), directory_id(directory),
-                        numa_socket, socket.gethostname(), mount_ns)
+    return RankIdentity(rank, tp_rank, procfs.boot_id().hex(), os.geteuid(),
+                        directory_id(directory), numa_socket, socket.gethostname(),
+                        procfs.namespace("mnt"))
 
 
 def identity_groups(identities: Sequence[RankIdentity],

@@ -14,13 +14,12 @@ import os
 from collections.abc import Mapping as MappingType
 from pathlib import Path
 
-from . import native
+from . import native, procfs
 from .errors import CapacityError, StorageError
 
 SIZES = {"4K": 4 << 10, "2M": 2 << 20, "1G": 1 << 30}
 NODE_ROOT = Path("/sys/devices/system/node")
 POOL_ROOT = Path("/sys/kernel/mm/hugepages")
-MOUNTS = Path("/proc/self/mounts")
 # bytes of page table (last level) per mapped page: 8-byte entries, and a
 # 2 MiB page is one PMD entry, a 1 GiB page one PUD entry
 _ENTRY = 8
@@ -52,23 +51,20 @@ def _kb(page_size: int) -> str:
     return f"hugepages-{page_size >> 10}kB"
 
 
-def find_mount(page_size: int, mounts: Path = MOUNTS) -> str:
+def find_mount(page_size: int, root: str = procfs.PROC) -> str:
     """The hugetlbfs mount point serving ``page_size`` pages (from
     /proc/self/mounts; the first one if several)."""
-    for line in mounts.read_text().splitlines():
-        fields = line.split()
-        if len(fields) < 4 or fields[2] != "hugetlbfs":
+    for _, mount_point, fstype, options in procfs.mounts(root):
+        if fstype != "hugetlbfs":
             continue
-        options = dict(o.partition("=")[::2] for o in fields[3].split(","))
         size = options.get("pagesize")
-        mount_size = parse_size_option(size) if size else _default_huge_size()
-        if mount_size == page_size:
-            return fields[1].replace("\\040", " ")
+        if (parse_size_option(size) if size else _default_huge_size(root)) == page_size:
+            return mount_point
+    name = name_of(page_size)
     raise StorageError(
-        f"no hugetlbfs mount for {name_of(page_size)} pages in {mounts}; mount one as root: "
-        f"mkdir -p /dev/hugepages{name_of(page_size)} && mount -t hugetlbfs -o "
-        f"pagesize={name_of(page_size)} none /dev/hugepages{name_of(page_size)} "
-        "(and reserve pages: see check_pool), or use page_size='4K'")
+        f"no hugetlbfs mount for {name} pages in /proc/self/mounts; mount one as root: "
+        f"mkdir -p /dev/hugepages{name} && mount -t hugetlbfs -o pagesize={name} none "
+        f"/dev/hugepages{name} (and reserve pages: see check_pool), or use page_size='4K'")
 
 
 def parse_size_option(text: str) -> int:
@@ -79,11 +75,8 @@ def parse_size_option(text: str) -> int:
     return int(text)
 
 
-def _default_huge_size() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("Hugepagesize:"):
-            return int(line.split()[1]) << 10
-    return 2 << 20
+def _default_huge_size(root: str = procfs.PROC) -> int:
+    return procfs.meminfo(root).get("Hugepagesize", 2 << 20)
 
 
 def mount_page_size(directory: str) -> int:

@@ -256,7 +256,7 @@ def statvfs(path: str) -> tuple[int, int]:
     return int(free[0]), int(total[0])
 
 
-TMPFS_MAGIC, HUGETLBFS_MAGIC = 0x01021994, 0x958458F6
+TMPFS_MAGIC, HUGETLBFS_MAGIC = lib.TMPFS_MAGIC, lib.HUGETLBFS_MAGIC  # <linux/magic.h>
 
 
 def statfs_type(path: str) -> int:

@@ -176,6 +176,36 @@ def pids_with_cmdline(pattern: str, root: str = PROC) -> list[int]:
     return out
 
 
+def cgroups(root: str = PROC) -> dict[str, str]:
+    """This process's cgroup paths: {'v2': path} for the unified hierarchy,
+    {controller list: path} for each v1 hierarchy (/proc/self/cgroup)."""
+    out = {}
+    for line in _read("self", "cgroup", root).splitlines():
+        _, controllers, path = line.split(":", 2)
+        out[controllers or "v2"] = path
+    return out
+
+
+def mountinfo(root: str = PROC) -> list[tuple[str, str, str, str]]:
+    """(root within the file system, mount point, type, super options) of
+    each mount (/proc/self/mountinfo)."""
+    out = []
+    for line in _read("self", "mountinfo", root).splitlines():
+        fields = line.split()
+        sep = fields.index("-")
+        out.append((fields[3], fields[4], fields[sep + 1], fields[-1]))
+    return out
+
+
+def namespace(kind: str, root: str = PROC) -> str:
+    """This process's namespace of ``kind`` ('mnt', 'pid', ...) as the
+    kernel names it ('mnt:[4026531841]'), '' where it cannot be read."""
+    try:
+        return os.readlink(Path(root, "self", "ns", kind))
+    except OSError:
+        return ""
+
+
 def mounts(root: str = PROC) -> list[tuple[str, str, str, dict[str, str]]]:
     """(device, mount point, type, options) of this process's mounts."""
     out = []

@@ -8,7 +8,6 @@ No torch here.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -255,9 +254,6 @@ class Topology:
     def to_dict(self) -> dict:
         return {"nodes": [asdict(n) for n in self.nodes], "gpus": [asdict(g) for g in self.gpus],
                 "simulated": self.simulated, "notes": list(self.notes)}
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
 
 
 def current_node(topology: Topology | None = None) -> int:

@@ -45,12 +45,17 @@ def test_page_sizes_parse_and_name_the_choices():
 
 
 def test_a_missing_mount_says_how_to_mount_one(tmp_path):
-    mounts = tmp_path / "mounts"
-    mounts.write_text("tmpfs /dev/shm tmpfs rw 0 0\n"
-                      "none /mnt/huge1g hugetlbfs rw,pagesize=1024M 0 0\n")
+    proc = tmp_path / "proc"  # a /proc laid out for procfs's readers
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "mounts").write_text("tmpfs /dev/shm tmpfs rw 0 0\n"
+                                          "none /mnt/huge1g hugetlbfs rw,pagesize=1024M 0 0\n"
+                                          "none /mnt/huge\\040x hugetlbfs rw 0 0\n")
+    (proc / "meminfo").write_text("MemTotal: 100 kB\nHugepagesize:    4096 kB\n")
     with pytest.raises(StorageError, match="mount -t hugetlbfs -o pagesize=2M"):
-        hugepages.find_mount(MIB2, mounts)
-    assert hugepages.find_mount(1 << 30, mounts) == "/mnt/huge1g"
+        hugepages.find_mount(MIB2, str(proc))
+    assert hugepages.find_mount(1 << 30, str(proc)) == "/mnt/huge1g"
+    # no pagesize= option: the default huge page size (4 MiB in this meminfo)
+    assert hugepages.find_mount(4 << 20, str(proc)) == "/mnt/huge x"
 
 
 def test_page_tables_per_process_shrink_512_fold():
