@@ -138,7 +138,10 @@ def test_exposed_wait_is_lookup_minus_lead(lookup_s, lead_s):
     assert m.lookup_s >= lookup_s * 0.9 and m.lead_s >= lead_s * 0.9
 
 
-def test_with_real_tables(tmp_path):
+@pytest.mark.parametrize("packed", [False, True])
+def test_with_real_tables(tmp_path, packed):
+    from numa_engram.fp8 import dequantize_rows
+
     spec = EngramSpec.small()
     ckpt = str(write_synthetic_checkpoint(tmp_path / "c.safetensors", spec))
     tables = {layer: SharedEngramTable.create(spec, layer,
@@ -146,12 +149,23 @@ def test_with_real_tables(tmp_path):
                                               checkpoint=ckpt) for layer in spec.layer_ids}
     shapes = {layer: (spec.n_hash_cols, spec.head_dim) for layer in spec.layer_ids}
     tokens = np.random.default_rng(0).integers(0, 1000, 50)
-    with PrefetchScheduler(tables, shapes, max_tokens=64) as s:
+    with PrefetchScheduler(tables, shapes, max_tokens=64, packed=packed) as s:
         for layer in spec.layer_ids:
             s.submit(layer, ngram_hashes(spec, tokens, layer))
         for layer in spec.layer_ids:
             got = s.wait(layer)
             want = tables[layer].lookup(ngram_hashes(spec, tokens, layer))
+            if packed:  # the rows as stored; dequantised after the copy, the same bits
+                rows, scales = got
+                assert rows.dtype == torch.uint8 and rows.shape == (50, *shapes[layer])
+                got = dequantize_rows(rows, scales, block=spec.block)
             assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     for t in tables.values():
         t.close()
+
+
+def test_packed_staging_needs_tables_on_the_cpu_backend():
+    with pytest.raises(PrefetchError, match="needs tables"):
+        PrefetchScheduler({1: lambda ids, out: out}, {1: (1, 32)}, max_tokens=1, packed=True)
+    with pytest.raises(PrefetchError, match="lookup_cuda"):
+        PrefetchScheduler({}, {}, max_tokens=1, backend="cuda", packed=True)
