@@ -679,6 +679,80 @@ static inline int64_t floor_mod(int64_t x, const struct fastdiv *f)
 
 enum { MAX_FAST_COLS = 512 };
 
+/* Every column's divisor, structure of arrays: the heads of one n-gram
+ * order all take the same mix modulo their own primes, 8 at a time in
+ * AVX-512 lanes where the CPU has them. */
+struct fastdiv_cols {
+    uint64_t m[MAX_FAST_COLS], d[MAX_FAST_COLS], sh1[MAX_FAST_COLS], sh2[MAX_FAST_COLS];
+};
+
+typedef void (*mods_fn)(int64_t x, const struct fastdiv_cols *v, int64_t c0, int64_t n,
+                        int64_t *dst);
+
+/* dst[i] = floor_mod(x, column c0 + i) for i < n */
+static void mods_scalar(int64_t x, const struct fastdiv_cols *v, int64_t c0, int64_t n,
+                        int64_t *dst)
+{
+    for (int64_t i = 0; i < n; i++) {
+        struct fastdiv f = {v->d[c0 + i], v->m[c0 + i], (int)v->sh1[c0 + i],
+                            (int)v->sh2[c0 + i]};
+        dst[i] = floor_mod(x, &f);
+    }
+}
+
+#if defined(__x86_64__)
+/* High 64 bits of the 64x64-bit products, lane by lane, from four 32x32
+ * multiplies (AVX-512 has no 64-bit high multiply). */
+__attribute__((target("avx512f,avx512dq")))
+static inline __m512i mulhi_u64(__m512i a, __m512i b)
+{
+    const __m512i lo32 = _mm512_set1_epi64(0xffffffffLL);
+    __m512i a_hi = _mm512_srli_epi64(a, 32), b_hi = _mm512_srli_epi64(b, 32);
+    __m512i ll = _mm512_mul_epu32(a, b), hl = _mm512_mul_epu32(a_hi, b);
+    __m512i lh = _mm512_mul_epu32(a, b_hi), hh = _mm512_mul_epu32(a_hi, b_hi);
+    __m512i cross = _mm512_add_epi64(_mm512_add_epi64(_mm512_srli_epi64(ll, 32),
+                                                      _mm512_and_si512(hl, lo32)),
+                                     _mm512_and_si512(lh, lo32));
+    return _mm512_add_epi64(_mm512_add_epi64(hh, _mm512_srli_epi64(hl, 32)),
+                            _mm512_add_epi64(_mm512_srli_epi64(lh, 32),
+                                             _mm512_srli_epi64(cross, 32)));
+}
+
+/* mods_scalar, 8 columns per step: the same branch-free floor modulo. */
+__attribute__((target("avx512f,avx512dq")))
+static void mods_avx512(int64_t x, const struct fastdiv_cols *v, int64_t c0, int64_t n,
+                        int64_t *dst)
+{
+    const uint64_t sign = (uint64_t)(x >> 63);
+    const __m512i s = _mm512_set1_epi64((long long)sign);
+    const __m512i u = _mm512_set1_epi64((long long)((uint64_t)x ^ sign));
+    for (int64_t i = 0; i < n; i += 8) {
+        __mmask8 k = n - i >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << (n - i)) - 1);
+        __m512i m = _mm512_maskz_loadu_epi64(k, v->m + c0 + i);
+        __m512i d = _mm512_maskz_loadu_epi64(k, v->d + c0 + i);
+        __m512i sh1 = _mm512_maskz_loadu_epi64(k, v->sh1 + c0 + i);
+        __m512i sh2 = _mm512_maskz_loadu_epi64(k, v->sh2 + c0 + i);
+        __m512i t = mulhi_u64(u, m);
+        __m512i q = _mm512_srlv_epi64(
+            _mm512_add_epi64(t, _mm512_srlv_epi64(_mm512_sub_epi64(u, t), sh1)), sh2);
+        __m512i r = _mm512_sub_epi64(u, _mm512_mullo_epi64(q, d));
+        r = _mm512_add_epi64(_mm512_xor_si512(r, s), _mm512_and_si512(d, s));
+        _mm512_mask_storeu_epi64(dst + i, k, r);
+    }
+}
+#endif
+
+static mods_fn pick_mods_fn(void)
+{
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+        getenv("NUMA_ENGRAM_NO_AVX512") == NULL)
+        return mods_avx512;
+#endif
+    return mods_scalar;
+}
+
 struct hash_job {
     const int64_t *ids;
     int64_t t, pad_id, max_ngram, n_head, n_cols;
@@ -693,10 +767,15 @@ struct hash_job {
  * head taking the floor modulo of its prime (C's % truncates: fix negatives). */
 static void run_hashes(const struct hash_job *j)
 {
-    struct fastdiv div[MAX_FAST_COLS];
-    const int fast = j->n_cols <= MAX_FAST_COLS && !j->hardware_division;
-    for (int64_t c = 0; fast && c < j->n_cols; c++)
-        div[c] = fastdiv_of((uint64_t)j->primes[c]);
+    /* 16 KiB: on the heap, not on a thread's stack */
+    struct fastdiv_cols *cols = malloc(sizeof *cols);
+    const int fast = j->n_cols <= MAX_FAST_COLS && !j->hardware_division && cols != NULL;
+    const mods_fn mods = pick_mods_fn();
+    for (int64_t c = 0; fast && c < j->n_cols; c++) {
+        struct fastdiv f = fastdiv_of((uint64_t)j->primes[c]);
+        cols->m[c] = f.m, cols->d[c] = f.d, cols->sh1[c] = (uint64_t)f.sh1;
+        cols->sh2[c] = (uint64_t)f.sh2;
+    }
     for (int64_t f = j->begin; f < j->end; f++) {
         int64_t row = f / j->t, pos = f % j->t;
         const int64_t *seq = j->ids + row * j->t;
@@ -708,18 +787,18 @@ static void run_hashes(const struct hash_job *j)
             mix ^= (uint64_t)tok * (uint64_t)j->multipliers[k];
             int64_t smix = (int64_t)mix;
             const int64_t *p = j->primes + (n - 2) * j->n_head;
+            const int64_t c0 = (n - 2) * j->n_head;
+            if (fast) {
+                mods(smix, cols, c0, j->n_head, dst + c0);
+                continue;
+            }
             for (int64_t h = 0; h < j->n_head; h++) {
-                int64_t c = (n - 2) * j->n_head + h, r;
-                if (fast) {
-                    r = floor_mod(smix, &div[c]);
-                } else {
-                    r = smix % p[h];
-                    r = r < 0 ? r + p[h] : r;
-                }
-                dst[c] = r;
+                int64_t r = smix % p[h];
+                dst[c0 + h] = r < 0 ? r + p[h] : r;
             }
         }
     }
+    free(cols);
 }
 
 static void *hash_thread(void *arg)
@@ -830,10 +909,14 @@ struct window_job {
  * negative (before the start, or DEAD) on, and blocked ids are pad_id. */
 static void run_window_hashes(const struct window_job *j)
 {
-    struct fastdiv div[MAX_FAST_COLS];
-    const int fast = j->n_layers * j->n_cols <= MAX_FAST_COLS;
-    for (int64_t c = 0; fast && c < j->n_layers * j->n_cols; c++)
-        div[c] = fastdiv_of((uint64_t)j->primes[c]);
+    struct fastdiv_cols *cols = malloc(sizeof *cols);  /* 16 KiB: not on the stack */
+    const int fast = j->n_layers * j->n_cols <= MAX_FAST_COLS && cols != NULL;
+    const mods_fn mods = pick_mods_fn();
+    for (int64_t c = 0; fast && c < j->n_layers * j->n_cols; c++) {
+        struct fastdiv f = fastdiv_of((uint64_t)j->primes[c]);
+        cols->m[c] = f.m, cols->d[c] = f.d, cols->sh1[c] = (uint64_t)f.sh1;
+        cols->sh2[c] = (uint64_t)f.sh2;
+    }
     for (int64_t t = j->begin; t < j->end; t++) {
         const int64_t *w = j->win + t * j->n;
         int64_t tok[64];
@@ -851,19 +934,21 @@ static void run_window_hashes(const struct window_job *j)
             for (int64_t k = 1; k < j->n; k++) {
                 mix ^= (uint64_t)tok[k] * (uint64_t)m[k];
                 int64_t smix = (int64_t)mix;
-                for (int64_t h = 0; h < j->n_head; h++) {
-                    int64_t c = (k - 1) * j->n_head + h, r;
-                    if (fast) {
-                        r = floor_mod(smix, &div[l * j->n_cols + c]);
-                    } else {
-                        r = smix % primes[c];
-                        r = r < 0 ? r + primes[c] : r;
+                const int64_t c0 = (k - 1) * j->n_head;
+                if (fast) {
+                    mods(smix, cols, l * j->n_cols + c0, j->n_head, dst + c0);
+                } else {
+                    for (int64_t h = 0; h < j->n_head; h++) {
+                        int64_t r = smix % primes[c0 + h];
+                        dst[c0 + h] = r < 0 ? r + primes[c0 + h] : r;
                     }
-                    dst[c] = off ? r + off[c] : r;
                 }
+                for (int64_t h = 0; off && h < j->n_head; h++)
+                    dst[c0 + h] += off[c0 + h];
             }
         }
     }
+    free(cols);
 }
 
 static void *window_thread(void *arg)

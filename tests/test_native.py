@@ -139,3 +139,17 @@ def test_hardware_division_and_reciprocals_hash_alike():
     fast = native.ngram_hashes(ids, 2, mult, 4, primes, 2)
     slow = native.ngram_hashes(ids, 2, mult, 4, primes, 2, hardware_division=True)
     np.testing.assert_array_equal(fast, slow)
+
+
+@pytest.mark.parametrize("n_head", [1, 8, 11, 17])
+def test_vector_and_scalar_floor_modulo_agree_for_any_head_count(n_head):
+    rng = np.random.default_rng(n_head)
+    ids = rng.integers(-(2**63), 2**63 - 1, (2, 300), dtype=np.int64)
+    mult = rng.integers(1, 2**62, 4) | 1
+    primes = rng.integers(2, 2**45, 3 * n_head).astype(np.int64)
+    primes[::5] = 1  # and the smallest divisors
+    primes[1::7] = 2**62 + 1
+    fast = native.ngram_hashes(ids, 2, mult, 4, primes, n_head)
+    slow = native.ngram_hashes(ids, 2, mult, 4, primes, n_head, hardware_division=True)
+    np.testing.assert_array_equal(fast, slow)
+    assert (fast >= 0).all() and (fast < primes).all()
