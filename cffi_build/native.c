@@ -310,6 +310,19 @@ static inline void cursor_next(const struct lookup_job *j, struct cursor *c)
     }
 }
 
+/* One row's bytes.  The model's shape (256 FP8 bytes and 8 scale bytes)
+ * gets fixed-size copies the compiler inlines as a few vector moves; a
+ * libc memcpy call per 256-byte row was a quarter of a gather's time. */
+static inline void copy_row(uint8_t *dst, const uint8_t *src, int64_t bytes)
+{
+    if (bytes == 256)
+        memcpy(dst, src, 256);
+    else if (bytes == 8)
+        memcpy(dst, src, 8);
+    else
+        memcpy(dst, src, (size_t)bytes);
+}
+
 typedef void (*row_fn)(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block,
                        uint16_t *out);
 
@@ -417,9 +430,8 @@ static void run_lookup(struct lookup_job *j)
             if (rows[i] < 0 && id != -1)
                 note_bad(j, k0 + i, id);
             if (staged && rows[i] >= 0) {
-                memcpy(w_stage + i * j->dim, j->weights + rows[i] * j->dim, (size_t)j->dim);
-                memcpy(s_stage + i * n_scales, j->scales + rows[i] * n_scales,
-                       (size_t)n_scales);
+                copy_row(w_stage + i * j->dim, j->weights + rows[i] * j->dim, j->dim);
+                copy_row(s_stage + i * n_scales, j->scales + rows[i] * n_scales, n_scales);
             }
         }
         for (int64_t i = 0; i < n; i++) {
@@ -495,8 +507,8 @@ static void run_gather(struct lookup_job *j)
             memset(w, 0, (size_t)j->dim);
             memset(sc, 0, (size_t)n_scales);
         } else {
-            memcpy(w, j->weights + row * j->dim, (size_t)j->dim);
-            memcpy(sc, j->scales + row * n_scales, (size_t)n_scales);
+            copy_row(w, j->weights + row * j->dim, j->dim);
+            copy_row(sc, j->scales + row * n_scales, n_scales);
         }
     }
 }

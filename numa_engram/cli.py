@@ -99,6 +99,7 @@ def cmd_topo(args: argparse.Namespace) -> int:
              + ("  [simulated]" if topo.simulated else "")]
     for n in topo.nodes:
         lines.append(f"node {n.id} cpus: {' '.join(map(str, n.cpus))}")
+        # numactl --hardware's own lines and unit
         lines.append(f"node {n.id} size: {n.mem_total >> 20} MB")
         lines.append(f"node {n.id} free: {n.mem_free >> 20} MB")
     lines.append("node distances:")
@@ -320,7 +321,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
              f"{pr.mode} {node_list(pr.nodes)}"] for r, pr in zip(regions, plan.ranges)]
     host_unit = unit_for(*(b for nodes in modes.values() for b in nodes.values()))
     lines = [f"spec {args.spec}: {len(spec.layer_ids)} layers, {spec.n_hash_cols} heads, "
-             f"{spec.table_bytes() / 2**30:.2f} GiB in all; TP{args.tp} x DP{args.dp}, "
+             f"{fmt_bytes(spec.table_bytes())} in all; TP{args.tp} x DP{args.dp}, "
              f"{per_host} GPUs per host, mode {args.mode}, policy {args.policy}",
              text_table(["region", unit[0], "readers on nodes", "placed"], rows),
              "bytes per NUMA node (one host's tables): " + ", ".join(

@@ -116,9 +116,12 @@ def run_demo(spec_name: str = "small", procs: int = 2, directory: str = "/dev/sh
 
 
 def _summarise(spec, procs: int, results: list[dict]) -> dict:
+    from .units import fmt_bytes, node_list, unit_for
+
     ok = all(r.get("ok") for r in results)
+    unit = unit_for(spec.table_bytes())
     lines = [f"Engram demo: {len(spec.layer_ids)} layers x {spec.n_hash_cols} heads x "
-             f"{spec.head_dim} dims, {spec.table_bytes() / 2**20:.1f} MiB of FP8 rows, "
+             f"{spec.head_dim} dims, {fmt_bytes(spec.table_bytes(), unit)} of FP8 rows, "
              f"{procs} DP replicas"]
     for r in results:
         if not r.get("ok"):
@@ -126,15 +129,17 @@ def _summarise(spec, procs: int, results: list[dict]) -> dict:
             continue
         mode = r["modes"][0]
         frac = min(p["fraction_on_plan"] for p in r["placement"])
-        nodes = r["placement"][0]["pages_per_node"]
-        lines.append(f"  replica {r['rank']}: mode {mode['mode']} (group {mode['sharing_group']})"
-                     f", created+loaded in {r['create_s']:.2f} s, pages per node {nodes}, "
-                     f"{frac:.0%} on plan, lookups {r['rows_per_s'] / 1e6:.2f} M rows/s, "
-                     f"bit-exact {r['exact']}, table PSS {r['pss_rss'][0] / 2**20:.1f} MiB")
+        nodes = r["placement"][0]["bytes_per_node"]
+        lines.append(f"  replica {r['rank']}: mode {mode['mode']} (group "
+                     f"{node_list(mode['sharing_group'])}), created+loaded in "
+                     f"{r['create_s']:.2f} s, on nodes " + ", ".join(
+                         f"{n}: {fmt_bytes(b, unit)}" for n, b in nodes.items())
+                     + f", {frac:.0%} on plan, lookups {r['rows_per_s'] / 1e6:.2f} M rows/s, "
+                     f"bit-exact {r['exact']}, table PSS {fmt_bytes(r['pss_rss'][0], unit)}")
     if ok:
         pss = sum(r["pss_rss"][0] for r in results)
         one_copy = sum(m["backing_bytes"] for m in results[0]["modes"])
-        lines.append(f"  sum of PSS over replicas: {pss / 2**20:.1f} MiB = "
+        lines.append(f"  sum of PSS over replicas: {fmt_bytes(pss, unit)} = "
                      f"{pss / one_copy:.2f} copies of the table files")
         ok = all(r["exact"] for r in results)
     return {"ok": ok, "replicas": results, "text": "\n".join(lines)}
