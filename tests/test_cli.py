@@ -151,3 +151,32 @@ def test_progress_callback_follows_populate():
         pass
     assert seen[-1] == (seen[-1][1], seen[-1][1]) and len(seen) >= 3
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
+def test_mem_and_verify_read_like_numastat():
+    from numa_engram.fileformat import Layout
+    from numa_engram.storage import BackingFile
+
+    with BackingFile.create(Layout.of([("w", 48 << 20)]), bytes(32)) as f:
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import sys\nfrom numa_engram.storage import BackingFile\n"
+             "from numa_engram import native\n"
+             f"b = BackingFile.attach({f.path!r})\n"
+             "native.madvise(b.mapping, native.MADV_POPULATE_READ)\n"
+             "print('ready', flush=True)\nsys.stdin.readline()\n"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().strip() == "ready"
+            mem = cli("mem", str(child.pid)).stdout.splitlines()
+            verified = cli("verify", "--pid", str(child.pid)).stdout
+        finally:
+            child.communicate("\n", timeout=60)
+    assert mem[0].startswith("memory in MiB")  # one unit, named once
+    header = mem[1].split()
+    assert header[:4] == ["pid", "RSS", "PSS", "PSS"] and "Node" in header
+    total = next(line for line in mem if line.startswith("Total"))
+    mapped = float(mem[2].split()[-1])  # the table's pages on the (last) node
+    assert mapped >= 47.9 and float(total.split()[-1]) == mapped
+    assert any(line.startswith("Shmem") for line in mem)
+    assert any(line.startswith("Hugetlb") for line in mem)
+    assert "(MiB)" in verified and "Total" in verified and "pages of 4 KiB: Node" in verified
