@@ -47,7 +47,10 @@ def test_pages_land_on_the_bound_node_and_lookups_are_exact(tmp_path, numa_nodes
         report = t.placement_report()
         assert report.ok and report.bytes_per_node() == {node: t.backing_bytes - MIB2}
         taken = {n: before[n] - _node_free(n) for n in numa_nodes}
-        assert taken[node] == t.backing_bytes // MIB2 and sum(taken.values()) == taken[node]
+        # every planned page from that node's pool; the header page (not
+        # planned, written first) from wherever this process ran
+        assert sum(taken.values()) == t.backing_bytes // MIB2
+        assert taken[node] >= t.backing_bytes // MIB2 - 1
         ids = np.random.default_rng(1).integers(0, 1 << 40, (400, spec.n_hash_cols))
         ids %= np.asarray(spec.bucket_sizes(LAYER))
         want = reference_lookup(t.weights, t.scales, ids, head_start=0,
