@@ -96,6 +96,7 @@ def test_a_nodes_pool_too_small_is_refused_naming_the_node(numa_nodes, huge_pool
     assert not os.listdir(huge_pool.mount)
 
 
+@pytest.mark.multiproc
 def test_a_group_shares_one_hugetlb_copy_placed_on_the_readers_node(tmp_path, numa_nodes,
                                                                     huge_pool):
     for n in numa_nodes:
