@@ -93,6 +93,7 @@ class MemberInfo:
     hostname: str = ""
     directory: str = ""
     page_size: int = native.PAGE_SIZE
+    directory_problem: str = ""  # why this member has no directory for the table
 
 
 @dataclass(frozen=True)
@@ -268,7 +269,7 @@ class SharedEngramTable:
         _, outcomes = _all(grp, "join", lambda: _raise_unless(joined) or me)     # everyone here
         _raise_failures(outcomes, grp.ranks, "join")
         members = [o.value for o in outcomes]
-        directory = me.directory  # this member's (a hugetlbfs mount for huge pages)
+        directory = me.directory or None  # this member's (a hugetlbfs mount for huge pages)
         actual, reason = _lead(grp, "decide", lambda: _decide(mode, members, layout, directory))
         if actual == "independent":
             if reason and grp.size > 1:
@@ -569,11 +570,18 @@ def shard_key(layer_id: int, shard: ShardInfo) -> ShardKey:
 def _member_info(grp: Group, topo: Topology, device: int | None, spec: EngramSpec,
                  key: ShardKey, mode: str, directory: str, page_size: int) -> MemberInfo:
     # huge pages: this member's hugetlbfs mount of that size (a container may
-    # mount it elsewhere; the identity check then compares the file systems)
-    directory = hugepages.resolve_directory(directory, page_size, DEFAULT_DIRECTORY)
+    # mount it elsewhere; the identity check then compares the file systems).
+    # None, with the reason, where there is none: a private copy (memfd)
+    # needs no mount, so only sharing fails for it.
+    problem = ""
+    try:
+        directory = hugepages.resolve_directory(directory, page_size, DEFAULT_DIRECTORY)
+    except StorageError as exc:
+        directory, problem = None, str(exc)
     return MemberInfo(grp.ranks[grp.rank], os.getpid(), os.geteuid(), _member_node(topo, device),
                       device, spec.fingerprint, key, mode, procfs.boot_id(),
-                      directory_id(directory), socket.gethostname(), directory, page_size)
+                      directory_id(directory) if directory else None, socket.gethostname(),
+                      directory or "", page_size, problem)
 
 
 def _check_agreement(members: list[MemberInfo]) -> None:
@@ -603,6 +611,9 @@ def _identity_difference(members: list[MemberInfo]) -> str:
     """Why these members cannot map one file ('' if they can): the same
     boot (host), user and table directory (device and inode) are needed."""
     first = members[0]
+    for m in members:
+        if m.directory_problem:
+            return f"rank {m.rank}: {m.directory_problem}"
     for m in members[1:]:
         if m.boot_id != first.boot_id:
             return (f"rank {m.rank} runs on another host (boot id differs; host "

@@ -161,3 +161,14 @@ def test_a_directory_of_another_page_size_is_refused(huge_pool):
         hugepages.resolve_directory("/dev/shm/", MIB2, "/dev/shm")
     with pytest.raises(CapacityError):
         hugepages.check_pool(1 << 40, MIB2)
+
+
+def test_a_private_table_needs_no_hugetlbfs_mount(tmp_path, huge_pool):
+    spec = make_spec(200)
+    shard = shard_heads(spec.bucket_sizes(1), 1, 0)
+    huge_pool.reserve(4)
+    # tmp_path is no hugetlbfs mount: a private table lives on a memfd anyway
+    with SharedEngramTable.create(spec, 1, shard, page_size="2M",
+                                  directory=str(tmp_path)) as table:
+        assert table.path.startswith("memfd:") and table.mode == "independent"
+        assert procfs.smaps("self", PREFIX).page_size == MIB2
