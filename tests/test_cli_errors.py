@@ -43,6 +43,11 @@ CASES = [
     (["verify", "{not_a_table}"], "not a numa_engram backing file"),
     (["verify", "--pid", "{dead_pid}"], "no process"),
     (["mem", "{dead_pid}"], "no process"),
+    (["create", "--size", "1M", "--page-size", "3M"], "'3M'"),
+    (["create", "--size", "1M", "--page-size", "2M", "--directory", "{tmp}"],
+     "not a hugetlbfs mount of 2M pages"),
+    (["bench", "--size", "1M", "--spec", "nosuch"], "nosuch"),
+    (["bench", "--size", "100", "--spec", "v4-flash"], "holds no row"),
 ]
 
 
