@@ -23,17 +23,17 @@ import numpy as np
 
 from . import errors, hugepages, native, procfs
 from .accounting import check_memory
-from .checkpoint import Progress, TensorNames, checkpoint_files, load_rows
+from .checkpoint import Progress, TensorNames, checkpoint_files
 from .errors import (
-    GroupTimeout,
     NumaEngramError,
     PlacementError,
     SpecMismatchError,
     StorageError,
     TopologyError,
 )
-from .fileformat import DEFAULT_DIRECTORY, STATE_FAILED, STATE_READY, Layout, ShardKey
+from .fileformat import DEFAULT_DIRECTORY, STATE_READY, Layout, ShardKey
 from .group import Group, SingleProcessGroup, as_group, gpu_node
+from .loading import bytes_done, load_part, load_parts, loaders_of, wait_for_parts
 from .lookup import OutputPool, check_hash_ids, gather, id_base
 from .placement import PlacementPlan, PlacementReport, Region, plan_placement, verify
 from .sharding import ShardInfo
@@ -51,7 +51,6 @@ _STEP_HOOK: Callable[[str], None] | None = None
 # The last step is a short all-gather that every member reaches at once
 # (after the load): bounded by this, so a member lost there costs little.
 ACK_TIMEOUT_S = 10.0
-LOAD_POLL_S = 0.05
 
 
 def _step(name: str) -> None:
@@ -297,25 +296,28 @@ class SharedEngramTable:
         state: dict[str, Any] = {"backing": None, "registration": None, "report": None}
         try:
             # steps 1-7 (leader): plan, check, create, size, map, no THP, bind, populate, verify
-            path, plan = _lead(grp, "create", lambda: _leader_create(
+            path, plan, cooperative = _lead(grp, "create", lambda: _leader_create(
                 state, layout, spec.fingerprint, directory, placement, members, topology,
                 checkpoint, key, load_threads))
+            # who loads which rows: the members on the rows' node(s), else the leader
+            parts = load_parts(shard.num_rows, [m.node for m in members], _bound_nodes(plan),
+                               cooperative and checkpoint is not None)
+            part = parts[grp.rank]
             # step 8: every member maps the file (by the leader's path) and registers it
             _, outcomes = _all(grp, "map", lambda: _member_map(
-                state, leader, path, directory, spec, layout, key, register_device))
+                state, leader, path, directory, spec, layout, key, register_device,
+                writable=part[1] > part[0]))
             _raise_failures(outcomes, grp.ranks, "map")
-            # step 9: all mapped, so the path can go; step 10: the leader loads
+            # step 9: all mapped, so the path can go; step 10: the loaders load
             _step("before-unlink")
             if leader:
                 state["backing"].unlink()
             _step("after-unlink")
             _step("before-load")
-            if leader:
-                _, loaded = _attempt(lambda: _leader_load(
-                    state["backing"], spec, layer_id, shard, checkpoint, names, progress,
-                    load_threads, _reader_cpus(plan, topology)))
-            else:
-                _, loaded = _attempt(lambda: _wait_for_load(state["backing"], timeout_s))
+            _, loaded = _attempt(lambda: _load(
+                state["backing"], spec, layer_id, shard, checkpoint, names,
+                (progress or _log_progress(layer_id)) if leader else None, parts, grp.rank,
+                load_threads, _reader_cpus(plan, topology), timeout_s))
             _step("after-load")
             # the last step is acknowledged by everyone: all end the same way
             with _bounded(grp, min(timeout_s, ACK_TIMEOUT_S)):
@@ -325,8 +327,8 @@ class SharedEngramTable:
             _cleanup(state["backing"], state["registration"])
             raise
         backing = state["backing"]
-        if leader and checkpoint is not None:
-            backing.seal()  # loaded: read-only from now on, as the peers' mappings
+        if checkpoint is not None and backing.mapping.writable:
+            backing.seal()  # loaded: read-only from now on, in every member
         return cls(spec, layer_id, shard, backing, mode="dp_shared" if grp.size > 1 else
                    "independent", requested_mode="", members=list(members), leader=leader,
                    plan=plan, report=state["report"], registration=state["registration"])
@@ -669,6 +671,15 @@ def _plan(placement, layout: Layout, members: list[MemberInfo],
     return plan_placement(policy, regions, topology)
 
 
+def _bound_nodes(plan: PlacementPlan | None) -> tuple[int, ...] | None:
+    """The nodes the weights are bound (or preferred) to; None when their
+    pages may be on any node (interleave, first touch, no plan)."""
+    weights = next((r for r in plan.ranges if r.name == "weights"), None) if plan else None
+    if weights is None or weights.mode not in ("bind", "preferred"):
+        return None
+    return weights.nodes
+
+
 def _reader_cpus(plan: PlacementPlan | None, topology: Topology) -> tuple[int, ...]:
     """CPUs of the node the weights are bound to: lookup threads run there so
     their reads stay local.  Empty (no pinning) for interleave or no plan."""
@@ -682,7 +693,7 @@ def _reader_cpus(plan: PlacementPlan | None, topology: Topology) -> tuple[int, .
 
 
 def _leader_create(state: dict, layout, fingerprint, directory, placement, members, topology,
-                   checkpoint, key, threads: int) -> tuple[str, PlacementPlan | None]:
+                   checkpoint, key, threads: int) -> tuple[str, PlacementPlan | None, bool]:
     if checkpoint is not None:
         checkpoint_files(checkpoint)  # not a regular file: refused before anything exists
     plan = _plan(placement, layout, members, topology)
@@ -690,22 +701,24 @@ def _leader_create(state: dict, layout, fingerprint, directory, placement, membe
                                  topology=topology, key=key, threads=threads)
     state["backing"] = backing
     state["report"] = verify(backing.mapping, plan) if plan is not None else None
-    return backing.path, plan
+    return backing.path, plan, threads > 1
 
 
 def _member_map(state: dict, leader: bool, path: str, directory: str, spec: EngramSpec,
-                layout: Layout, key: ShardKey, device: int | None) -> None:
+                layout: Layout, key: ShardKey, device: int | None, writable: bool) -> None:
     if not leader:
         # by basename in our own directory: a container may mount the tmpfs elsewhere
         mine = os.path.join(directory, os.path.basename(path))
-        state["backing"] = _peer_attach(mine, spec, layout, key)
+        state["backing"] = _peer_attach(mine, spec, layout, key, writable)
     if device is not None:
         state["registration"] = _register(state["backing"], device)
 
 
-def _peer_attach(path: str, spec: EngramSpec, layout: Layout, key: ShardKey) -> BackingFile:
+def _peer_attach(path: str, spec: EngramSpec, layout: Layout, key: ShardKey,
+                 writable: bool = False) -> BackingFile:
+    # writable only for a member that loads a part (sealed once loaded)
     backing = BackingFile.attach(path, fingerprint=spec.fingerprint, file_size=layout.file_size,
-                                 key=key)
+                                 key=key, writable=writable)
     # map the pages now (cheap, no copy) so reads do not fault one by one
     native.madvise(backing.mapping, native.MADV_POPULATE_READ)
     return backing
@@ -720,56 +733,30 @@ def _register(backing: BackingFile, device: int):
     return cuda.RegistrationLease(reg, backing.mapping.keepalive())
 
 
-def _leader_load(backing: BackingFile, spec, layer_id, shard, checkpoint, names, progress,
-                 threads: int, cpus: tuple[int, ...]):
-    """Load the rows (bumping the leader's progress slot as it goes, so the
-    peers wait as long as it advances), then READY; FAILED on any error.
-    With threads > 1 the table is pre-faulted first, then copied by threads
-    pinned to the node the rows are bound to."""
-    beats = [0]
-    user = progress or _log_progress(layer_id)
+def _load(backing: BackingFile, spec, layer_id, shard, checkpoint, names, progress,
+          parts: list[tuple[int, int]], member: int, threads: int, cpus: tuple[int, ...],
+          timeout_s: float) -> None:
+    """This member's part of the load (bumping its progress slot as it
+    goes), then the wait for every loader; the leader then marks READY.
+    Any error marks the table FAILED, which ends the others' waits."""
+    loaders = loaders_of(parts)
+    slot = {m: k for k, m in enumerate(loaders)}
+    total = shard.num_rows * spec.row_bytes
 
-    def report(done: int, total: int) -> None:
-        beats[0] += 1
-        backing.write_progress(0, beats[0])
+    def report(done: int) -> None:
         _step("load-progress")
-        user(done, total)
-    try:
-        if checkpoint is not None:
-            if threads > 1:
-                backing.prefault(threads)
-            w = backing.region("weights").reshape(shard.num_rows, spec.head_dim)
-            s = backing.region("scales").reshape(shard.num_rows, spec.scales_per_row)
-            load_rows(checkpoint, spec, layer_id, shard.row_start, shard.row_end, w, s,
-                      names=names, progress=report, threads=threads, cpus=cpus)
-    except BaseException:
-        backing.set_state(STATE_FAILED)
-        raise
-    backing.mark_ready()
+        if progress is not None:
+            progress(bytes_done(backing, range(len(loaders))), total)
+    if member in slot:
+        load_part(backing, spec, layer_id, shard, checkpoint, names, parts[member],
+                  slot[member], threads, cpus, report)
+    wait_for_parts(backing, range(len(loaders)), timeout_s)
+    if member == 0:
+        backing.mark_ready()
 
 
 def _default_load_threads() -> int:
     return max(1, min(8, len(os.sched_getaffinity(0))))
-
-
-def _wait_for_load(backing: BackingFile, timeout_s: float) -> None:
-    """Peer: wait until the leader marks the table READY, as long as its
-    progress slot keeps advancing; no progress for timeout_s is an error."""
-    last, deadline = None, time.monotonic() + timeout_s
-    while True:
-        state = backing.state
-        if state == STATE_READY:
-            return
-        if state == STATE_FAILED:
-            raise StorageError("the leader failed to load the table (its error follows from "
-                               "the leader)")
-        progress = backing.read_progress()
-        if progress != last:
-            last, deadline = progress, time.monotonic() + timeout_s
-        elif time.monotonic() > deadline:
-            raise GroupTimeout(f"step 'load': the leader made no progress loading the table "
-                               f"for {timeout_s:.0f} s (stopped, hung or dead)")
-        time.sleep(LOAD_POLL_S)
 
 
 def _raise_unless(outcome: Outcome) -> None:

@@ -229,6 +229,34 @@ def other_page_size(rank, world, *, directory):
     return {}
 
 
+def split_load(rank, world, *, checkpoint, fail_rank=None):
+    """The whole table on one sharing group with a checkpoint: who loaded how
+    much (the progress slots), and whether the rows are exact; ``fail_rank``
+    raises in the middle of its part."""
+    import numa_engram.table as table_mod
+    from numa_engram.loading import DONE
+
+    if rank == fail_rank:
+        def hook(step):
+            if step == "load-progress":
+                raise OSError(5, f"disk gone under rank {rank}")
+        table_mod._STEP_HOOK = hook
+    spec = make_spec(1000)
+    t0 = time.monotonic()
+    try:
+        t = _whole_table_on_world(spec, 30, checkpoint=checkpoint, load_threads=2)
+    except Exception as exc:
+        return {"raised": type(exc).__name__, "text": str(exc), "seconds": time.monotonic() - t0}
+    slots = [v for v in t._backing.read_progress() if v]
+    exact = bool(np.array_equal(t.weights, synthetic_layer(spec, LAYER)[0]) and
+                 np.array_equal(t.scales, synthetic_layer(spec, LAYER)[1]))
+    sealed = not t.weights.flags.writeable
+    t.close()
+    return {"raised": None, "exact": exact, "done": all(v & DONE for v in slots),
+            "bytes": [v & ~DONE for v in slots], "sealed": sealed,
+            "row_bytes": spec.rows(LAYER) * spec.row_bytes}
+
+
 def other_mode(rank, world):
     _whole_table_on_world(make_spec(200), 30, mode="independent" if rank == 2 else "dp_shared")
     return {}

@@ -547,3 +547,34 @@ def test_huge_output_is_a_capacity_error():
 
     with pytest.raises(CapacityError, match="look up fewer tokens"):
         bf16_out(None, (1 << 40, 24, 256))
+
+
+# ------------------------------------------- loading split over the group --
+
+def test_load_parts_go_to_the_members_on_the_rows_node():
+    from numa_engram.loading import load_parts, loaders_of
+
+    # bound to node 1: the two members there split the rows, the others load nothing
+    parts = load_parts(10, [0, 1, 0, 1], (1,), cooperative=True)
+    assert parts == [(0, 0), (0, 5), (0, 0), (5, 10)] and loaders_of(parts) == [0, 1, 3]
+    assert load_parts(9, [0, 1, 0], None, True) == [(0, 3), (3, 6), (6, 9)]  # interleave
+    assert load_parts(9, [0, 0], (1,), True) == [(0, 9), (0, 0)]  # nobody there: the leader
+    assert load_parts(9, [0, 0], (0,), False) == [(0, 9), (0, 0)]  # one loading thread
+
+
+def test_every_member_loads_its_part_and_the_rows_are_exact(ckpt):
+    results = run_world(3, "split_load", checkpoint=ckpt)
+    assert all(r["ok"] and r["raised"] is None for r in results), results
+    for r in results:
+        assert r["exact"] and r["done"] and r["sealed"]
+        # three loaders (all on this host's one node), a third of the rows each
+        assert len(r["bytes"]) == 3 and sum(r["bytes"]) == r["row_bytes"]
+        assert max(r["bytes"]) - min(r["bytes"]) <= 2 * r["row_bytes"] // 1000
+
+
+def test_a_loader_failing_mid_part_fails_every_member_at_once(ckpt):
+    results = run_world(3, "split_load", checkpoint=ckpt, fail_rank=2)
+    assert all(r["ok"] for r in results), results
+    assert len({r["raised"] for r in results}) == 1 and results[0]["raised"], results
+    assert all("disk gone under rank 2" in r["text"] for r in results)
+    assert all(r["seconds"] < 20 for r in results), results  # FAILED ends the waits, no timeout
