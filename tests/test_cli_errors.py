@@ -68,3 +68,34 @@ def test_version_and_verbose():
     out = cli("--version")
     assert out.returncode == 0 and out.stdout.startswith("numa-engram ")
     assert cli("-v", "topo").returncode == 0
+
+
+def test_every_option_of_every_command_documents_its_default():
+    from numa_engram.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    for name, sub in commands.items():
+        text = sub.format_help()
+        for action in sub._actions:
+            if not action.option_strings or action.dest in ("help", "json"):
+                continue
+            assert action.help, f"{name} {action.option_strings} has no help"
+            if action.default is not None and not isinstance(action.default, bool):
+                assert f"(default: {action.default})" in " ".join(text.split()), \
+                    f"{name} {action.option_strings[0]}: no default shown"
+            if action.choices:
+                assert "{" + ",".join(action.choices) + "}" in text
+
+
+def test_a_stale_core_is_a_clear_import_error():
+    # the package claims another version than the one the core was built for
+    child = subprocess.run([sys.executable, "-c",
+                            "import sys, types\n"
+                            "fake = types.ModuleType('numa_engram._version')\n"
+                            "fake.__version__ = '0.0.0'\n"
+                            "sys.modules['numa_engram._version'] = fake\n"
+                            "import numa_engram.native"], capture_output=True, text=True)
+    assert child.returncode != 0
+    assert "built for version" in child.stderr and "stale build" in child.stderr
+    assert "reinstall" in child.stderr
