@@ -649,7 +649,7 @@ def _decide(mode: str, members: list[MemberInfo], layout: Layout,
     if mode == "dp_shared":
         raise error(f"dp_shared requested but {reason}")
     here = sum(m.boot_id == members[0].boot_id for m in members)
-    what = f"{here} independent copies (the fallback)"
+    what = "the table" if len(members) == 1 else f"{here} independent copies (the fallback)"
     if hugepages.is_huge(layout.page_size):
         hugepages.check_pool(here * layout.file_size, layout.page_size, what=what)
     else:

@@ -46,10 +46,9 @@ class HugePool:
     """2 MiB huge pages reserved for one test (per node where asked) and a
     hugetlbfs mount of them; undone afterwards."""
 
-    SIZE_KB = 2048
-
-    def __init__(self, tmp_path):
-        self.mount = str(tmp_path / "hugepages-2M")
+    def __init__(self, tmp_path, size_kb: int = 2048):
+        self.SIZE_KB = size_kb
+        self.mount = str(tmp_path / f"hugepages-{size_kb}kB")
         self._saved: dict[str, int] = {}
 
     def _knob(self, node):
@@ -75,20 +74,30 @@ class HugePool:
 
 @pytest.fixture
 def huge_pool(tmp_path):
-    """A HugePool with a mounted hugetlbfs, or a skip that says why not."""
-    pool = HugePool(tmp_path)
+    """A HugePool of 2 MiB pages with a mounted hugetlbfs, or a skip that says why not."""
+    yield from _pool(tmp_path, 2048, "2M", 8)
+
+
+@pytest.fixture
+def gib_pool(tmp_path):
+    """The same with 1 GiB pages (skips where 2 cannot be reserved)."""
+    yield from _pool(tmp_path, 1 << 20, "1G", 2)
+
+
+def _pool(tmp_path, size_kb: int, name: str, want: int):
+    pool = HugePool(tmp_path, size_kb)
     knob = pool._knob(None)
     if os.geteuid() != 0 or not os.access(knob, os.W_OK):
         pytest.skip(f"reserving huge pages needs root and a writable {knob}")
     os.makedirs(pool.mount)
-    mounted = subprocess.run(["mount", "-t", "hugetlbfs", "-o", "pagesize=2M,mode=0700", "none",
-                              pool.mount], capture_output=True, text=True)
+    mounted = subprocess.run(["mount", "-t", "hugetlbfs", "-o", f"pagesize={name},mode=0700",
+                              "none", pool.mount], capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount hugetlbfs: {mounted.stderr.strip()}")
-    if pool.reserve(8) < 8:
+    if pool.reserve(want) < want:
         pool.restore()
         subprocess.run(["umount", pool.mount])
-        pytest.skip("the kernel gave fewer than 8 free 2 MiB pages (memory fragmented)")
+        pytest.skip(f"the kernel gave fewer than {want} free {name} pages (memory fragmented)")
     try:
         yield pool
     finally:

@@ -172,3 +172,19 @@ def test_a_private_table_needs_no_hugetlbfs_mount(tmp_path, huge_pool):
                                   directory=str(tmp_path)) as table:
         assert table.path.startswith("memfd:") and table.mode == "independent"
         assert procfs.smaps("self", PREFIX).page_size == MIB2
+
+
+def test_one_gib_pages_for_shared_and_private_tables(gib_pool):
+    from numa_engram.placement import PlacementPlan, PlacementRange
+
+    gib = 1 << 30
+    layout = Layout.of([("w", 300 << 20)], gib)  # the header page and one page of rows
+    plan = PlacementPlan((PlacementRange("w", gib, 300 << 20, "bind", (0,)),), "node:0")
+    free = hugepages.pool_pages(gib)
+    for directory in (gib_pool.mount, None):
+        with BackingFile.create(layout, bytes(32), directory=directory, placement=plan) as f:
+            assert hugepages.pool_pages(gib) == free - 2
+            assert procfs.smaps("self", PREFIX).page_size == gib
+            f.region("w")[:] = 7
+            assert f.region("w")[-1] == 7
+        assert hugepages.pool_pages(gib) == free
