@@ -16,14 +16,13 @@ import logging
 import os
 import stat
 import struct
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from .chunks import for_each_chunk
 from .errors import CheckpointError, NumaEngramError, SpecMismatchError
 from .spec import EngramSpec
 
@@ -218,26 +217,15 @@ def load_rows(paths, spec: EngramSpec, layer_id: int, row_start: int, row_end: i
     chunks = [(loc, a, min(n, a + max(1, chunk_bytes // out.shape[1])), out)
               for loc, out in ((w_loc, weights_out), (s_loc, scales_out))
               for a in range(0, n, max(1, chunk_bytes // out.shape[1]))]
-    total, done, lock = n * spec.row_bytes, [0], threading.Lock()
 
-    def one(chunk) -> None:
+    def one(chunk) -> int:
         loc, a, b, out = chunk
         copy(loc, row_start + a, row_start + b, out[a:b])
-        with lock:
-            done[0] += (b - a) * out.shape[1]
-            if progress is not None:
-                progress(done[0], total)
+        return (b - a) * out.shape[1]
 
-    if threads <= 1 or method == "slice":
-        for chunk in chunks:
-            one(chunk)
-        return
-    allowed = sorted(set(cpus) & os.sched_getaffinity(0))
-    pin = (lambda: os.sched_setaffinity(0, allowed)) if allowed else None
-    with ThreadPoolExecutor(threads, thread_name_prefix="numa-engram-load",
-                            initializer=pin) as pool:
-        for future in [pool.submit(one, chunk) for chunk in chunks]:
-            future.result()
+    for_each_chunk(chunks, one, threads=1 if method == "slice" else threads,
+                   total=n * spec.row_bytes, progress=progress, pin_cpus=cpus,
+                   name="numa-engram-load")
 
 
 def _pread_rows(loc: TensorLocation, a: int, b: int, out: np.ndarray) -> None:

@@ -17,21 +17,17 @@ import time
 
 from .errors import NumaEngramError, StorageError
 
-UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 SIMULATE = re.compile(r"^(\d+)x(\d+)$", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int:
     """'64M' -> 67108864; plain numbers are bytes; > 0."""
-    m = SIZE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(
-            f"size {text!r} is not a size: write a number of bytes with an optional K, M, G or "
-            "T (e.g. 64M)")
-    value = int(float(m[1]) * UNITS.get(m[2].lower(), 1))
+    from .units import parse_bytes
+
+    try:
+        value = parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"size {text!r} must be > 0 (e.g. 64M)")
     return value

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from . import native, procfs
 from .errors import CapacityError, StorageError
+from .units import parse_bytes
 
 SIZES = {"4K": 4 << 10, "2M": 2 << 20, "1G": 1 << 30}
 NODE_ROOT = Path("/sys/devices/system/node")
@@ -27,11 +28,12 @@ _ENTRY = 8
 
 def parse_page_size(text: str | int) -> int:
     """'4K' | '2M' | '1G' (or the byte count) -> bytes."""
-    if isinstance(text, int) and text in SIZES.values():
-        return text
-    key = str(text).strip().upper().removesuffix("B").removesuffix("I")
-    if key in SIZES:
-        return SIZES[key]
+    try:
+        size = text if isinstance(text, int) else parse_bytes(str(text))
+    except ValueError:
+        size = None
+    if size in SIZES.values():
+        return size
     raise StorageError(f"page size {text!r} is not one of {list(SIZES)}; use 4K for ordinary "
                        "shared memory, 2M or 1G for hugetlb pages")
 
@@ -47,10 +49,6 @@ def is_huge(page_size: int) -> bool:
     return page_size > native.PAGE_SIZE
 
 
-def _kb(page_size: int) -> str:
-    return f"hugepages-{page_size >> 10}kB"
-
-
 def find_mount(page_size: int, root: str = procfs.PROC) -> str:
     """The hugetlbfs mount point serving ``page_size`` pages (from
     /proc/self/mounts; the first one if several)."""
@@ -58,21 +56,13 @@ def find_mount(page_size: int, root: str = procfs.PROC) -> str:
         if fstype != "hugetlbfs":
             continue
         size = options.get("pagesize")
-        if (parse_size_option(size) if size else _default_huge_size(root)) == page_size:
+        if (parse_bytes(size) if size else _default_huge_size(root)) == page_size:
             return mount_point
     name = name_of(page_size)
     raise StorageError(
         f"no hugetlbfs mount for {name} pages in /proc/self/mounts; mount one as root: "
         f"mkdir -p /dev/hugepages{name} && mount -t hugetlbfs -o pagesize={name} none "
         f"/dev/hugepages{name} (and reserve pages: see check_pool), or use page_size='4K'")
-
-
-def parse_size_option(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper()
-    if text[-1:] in units:
-        return int(text[:-1]) * units[text[-1]]
-    return int(text)
 
 
 def _default_huge_size(root: str = procfs.PROC) -> int:
@@ -94,11 +84,16 @@ def resolve_directory(directory: str | None, page_size: int, default: str) -> st
         return directory
     if directory == default:
         return find_mount(page_size)
+    check_mount(directory, page_size)
+    return directory
+
+
+def check_mount(directory: str, page_size: int) -> None:
+    """``directory`` is a hugetlbfs mount serving ``page_size`` pages."""
     if not os.path.isdir(directory) or mount_page_size(directory) != page_size:
         raise StorageError(f"directory {directory!r} is not a hugetlbfs mount of "
                            f"{name_of(page_size)} pages; pass one (e.g. /dev/hugepages) or "
                            "leave the default and let the mount be found")
-    return directory
 
 
 def memfd_flags(page_size: int) -> int:
@@ -109,18 +104,22 @@ def memfd_flags(page_size: int) -> int:
     return flags
 
 
+def _pool_dir(page_size: int, node: int | None) -> Path:
+    """sysfs directory of the pool of ``page_size`` pages, host-wide or of a node."""
+    base = POOL_ROOT if node is None else NODE_ROOT / f"node{node}" / "hugepages"
+    return base / f"hugepages-{page_size >> 10}kB"
+
+
 def pool_pages(page_size: int, node: int | None = None, what: str = "free_hugepages") -> int:
     """Pages of the pool, host-wide or on one node (0 if none reserved)."""
-    base = POOL_ROOT if node is None else NODE_ROOT / f"node{node}" / "hugepages"
     try:
-        return int((base / _kb(page_size) / what).read_text())
+        return int((_pool_dir(page_size, node) / what).read_text())
     except (OSError, ValueError):
         return 0
 
 
 def _fix(page_size: int, node: int | None, pages: int) -> str:
-    base = POOL_ROOT if node is None else NODE_ROOT / f"node{node}" / "hugepages"
-    return f"echo {pages} > {base / _kb(page_size) / 'nr_hugepages'}"
+    return f"echo {pages} > {_pool_dir(page_size, node) / 'nr_hugepages'}"
 
 
 def check_pool(size: int, page_size: int, bytes_per_node: MappingType[int, int] | None = None,

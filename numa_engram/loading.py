@@ -46,10 +46,10 @@ def loaders_of(parts: Sequence[tuple[int, int]]) -> list[int]:
 
 def load_part(backing: BackingFile, spec, layer_id: int, shard, checkpoint, names,
               part: tuple[int, int], slot: int, threads: int, cpus: Sequence[int],
-              report: Callable[[int], None]) -> None:
+              report: Callable[[], None]) -> None:
     """Copy rows ``part`` of the shard, publishing the bytes done in
-    ``slot`` (``report(bytes)`` after each chunk), then the DONE bit; on any
-    error the table is marked FAILED before the error goes on."""
+    ``slot`` (and calling ``report()``) after each chunk, then the DONE bit;
+    on any error the table is marked FAILED before the error goes on."""
     a, b = part
     try:
         if b > a and checkpoint is not None:
@@ -60,7 +60,7 @@ def load_part(backing: BackingFile, spec, layer_id: int, shard, checkpoint, name
 
             def chunk_done(done: int, total: int) -> None:
                 backing.write_progress(slot, done)
-                report(done)
+                report()
             load_rows(checkpoint, spec, layer_id, shard.row_start + a, shard.row_start + b, w,
                       s, names=names, progress=chunk_done, threads=threads, cpus=cpus)
         backing.write_progress(slot, DONE | (b - a) * spec.row_bytes)

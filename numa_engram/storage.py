@@ -13,9 +13,7 @@ import os
 import secrets
 import stat
 import struct
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
@@ -23,6 +21,7 @@ import numpy as np
 
 from . import hugepages, native, procfs
 from .accounting import check_memory
+from .chunks import for_each_chunk
 from .errors import CapacityError, SpecMismatchError, StorageError
 from .fileformat import (
     DEFAULT_DIRECTORY,
@@ -314,10 +313,7 @@ def check_directory_room(directory: str, layout: Layout) -> None:
         check_space(directory, layout.file_size)
         return
     check_directory(directory)
-    if hugepages.mount_page_size(directory) != page:
-        raise StorageError(f"{directory} is not a hugetlbfs mount of {hugepages.name_of(page)} "
-                           "pages; pass one, or leave the default directory and the mount "
-                           "is found")
+    hugepages.check_mount(directory, page)
 
 
 def _populate(fd: int, mapping: native.Mapping, path: str,
@@ -343,23 +339,13 @@ def _parallel_chunks(total: int, page: int, threads: int, fn: Callable[[int, int
     """fn(start, length) over [0, total) in page-aligned chunks, by
     ``threads`` threads; progress(done, total) after each chunk."""
     chunk = max(page, POPULATE_CHUNK // page * page)
-    done, lock = [0], threading.Lock()
 
-    def one(start: int) -> None:
+    def one(start: int) -> int:
         length = min(chunk, total - start)
         fn(start, length)
-        with lock:
-            done[0] += length
-            if progress is not None:
-                progress(done[0], total)
-
-    if threads <= 1:
-        for start in range(0, total, chunk):
-            one(start)
-        return
-    with ThreadPoolExecutor(threads, thread_name_prefix="numa-engram-populate") as pool:
-        for future in [pool.submit(one, start) for start in range(0, total, chunk)]:
-            future.result()
+        return length
+    for_each_chunk(range(0, total, chunk), one, threads=threads, total=total, progress=progress,
+                   name="numa-engram-populate")
 
 
 def _create_exclusive(directory: str | None, page_size: int) -> tuple[str, int]:

@@ -671,10 +671,15 @@ def _plan(placement, layout: Layout, members: list[MemberInfo],
     return plan_placement(policy, regions, topology)
 
 
+def _weights_range(plan: PlacementPlan | None):
+    """The plan's range for the weights region (None without a plan)."""
+    return next((r for r in plan.ranges if r.name == "weights"), None) if plan else None
+
+
 def _bound_nodes(plan: PlacementPlan | None) -> tuple[int, ...] | None:
     """The nodes the weights are bound (or preferred) to; None when their
     pages may be on any node (interleave, first touch, no plan)."""
-    weights = next((r for r in plan.ranges if r.name == "weights"), None) if plan else None
+    weights = _weights_range(plan)
     if weights is None or weights.mode not in ("bind", "preferred"):
         return None
     return weights.nodes
@@ -683,10 +688,9 @@ def _bound_nodes(plan: PlacementPlan | None) -> tuple[int, ...] | None:
 def _reader_cpus(plan: PlacementPlan | None, topology: Topology) -> tuple[int, ...]:
     """CPUs of the node the weights are bound to: lookup threads run there so
     their reads stay local.  Empty (no pinning) for interleave or no plan."""
-    if plan is None or topology.simulated:
-        return ()
-    weights = next((r for r in plan.ranges if r.name == "weights"), None)
-    if weights is None or weights.mode != "bind" or len(weights.nodes) != 1:
+    weights = _weights_range(plan)
+    if weights is None or topology.simulated or weights.mode != "bind" \
+            or len(weights.nodes) != 1:
         return ()
     allowed = os.sched_getaffinity(0)
     return tuple(c for c in topology.node(weights.nodes[0]).cpus if c in allowed)
@@ -743,7 +747,7 @@ def _load(backing: BackingFile, spec, layer_id, shard, checkpoint, names, progre
     slot = {m: k for k, m in enumerate(loaders)}
     total = shard.num_rows * spec.row_bytes
 
-    def report(done: int) -> None:
+    def report() -> None:
         _step("load-progress")
         if progress is not None:
             progress(bytes_done(backing, range(len(loaders))), total)

@@ -1,13 +1,27 @@
-"""How numbers are shown to an operator, in one place: bytes in one unit per
-table (the unit named in the header), node sets as numactl writes them
-(``0-1,3``), and aligned text tables.  No torch here.
+"""How numbers are shown to (and read from) an operator, in one place: sizes
+like '64M', bytes in one unit per table (the unit named in the header), node
+sets as numactl writes them (``0-1,3``), and aligned text tables.  No torch
+here.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 
 _UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+_SCALE = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'64M', '1.5G', '2MiB', '4096' -> bytes (binary units); ValueError
+    naming the text for anything else."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"size {text!r} is not a size: write a number of bytes with an "
+                         "optional K, M, G or T (e.g. 64M)")
+    return int(float(m[1]) * _SCALE[m[2].lower()])
 
 
 def unit_for(*sizes: int) -> tuple[str, int]:
