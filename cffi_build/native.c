@@ -698,6 +698,20 @@ struct fastdiv_cols {
     uint64_t m[MAX_FAST_COLS], d[MAX_FAST_COLS], sh1[MAX_FAST_COLS], sh2[MAX_FAST_COLS];
 };
 
+/* Every column's divisor, or NULL (too many columns, or no memory: the
+ * caller then divides in hardware).  16 KiB: on the heap, not on a thread's
+ * stack; the caller frees it. */
+static struct fastdiv_cols *fastdiv_cols_of(const int64_t *primes, int64_t n)
+{
+    struct fastdiv_cols *cols = n <= MAX_FAST_COLS ? malloc(sizeof *cols) : NULL;
+    for (int64_t c = 0; cols != NULL && c < n; c++) {
+        struct fastdiv f = fastdiv_of((uint64_t)primes[c]);
+        cols->m[c] = f.m, cols->d[c] = f.d, cols->sh1[c] = (uint64_t)f.sh1;
+        cols->sh2[c] = (uint64_t)f.sh2;
+    }
+    return cols;
+}
+
 typedef void (*mods_fn)(int64_t x, const struct fastdiv_cols *v, int64_t c0, int64_t n,
                         int64_t *dst);
 
@@ -779,15 +793,10 @@ struct hash_job {
  * head taking the floor modulo of its prime (C's % truncates: fix negatives). */
 static void run_hashes(const struct hash_job *j)
 {
-    /* 16 KiB: on the heap, not on a thread's stack */
-    struct fastdiv_cols *cols = malloc(sizeof *cols);
-    const int fast = j->n_cols <= MAX_FAST_COLS && !j->hardware_division && cols != NULL;
+    struct fastdiv_cols *cols = j->hardware_division ? NULL
+                                                     : fastdiv_cols_of(j->primes, j->n_cols);
+    const int fast = cols != NULL;
     const mods_fn mods = pick_mods_fn();
-    for (int64_t c = 0; fast && c < j->n_cols; c++) {
-        struct fastdiv f = fastdiv_of((uint64_t)j->primes[c]);
-        cols->m[c] = f.m, cols->d[c] = f.d, cols->sh1[c] = (uint64_t)f.sh1;
-        cols->sh2[c] = (uint64_t)f.sh2;
-    }
     for (int64_t f = j->begin; f < j->end; f++) {
         int64_t row = f / j->t, pos = f % j->t;
         const int64_t *seq = j->ids + row * j->t;
@@ -921,14 +930,9 @@ struct window_job {
  * negative (before the start, or DEAD) on, and blocked ids are pad_id. */
 static void run_window_hashes(const struct window_job *j)
 {
-    struct fastdiv_cols *cols = malloc(sizeof *cols);  /* 16 KiB: not on the stack */
-    const int fast = j->n_layers * j->n_cols <= MAX_FAST_COLS && cols != NULL;
+    struct fastdiv_cols *cols = fastdiv_cols_of(j->primes, j->n_layers * j->n_cols);
+    const int fast = cols != NULL;
     const mods_fn mods = pick_mods_fn();
-    for (int64_t c = 0; fast && c < j->n_layers * j->n_cols; c++) {
-        struct fastdiv f = fastdiv_of((uint64_t)j->primes[c]);
-        cols->m[c] = f.m, cols->d[c] = f.d, cols->sh1[c] = (uint64_t)f.sh1;
-        cols->sh2[c] = (uint64_t)f.sh2;
-    }
     for (int64_t t = j->begin; t < j->end; t++) {
         const int64_t *w = j->win + t * j->n;
         int64_t tok[64];
