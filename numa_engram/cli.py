@@ -236,10 +236,7 @@ def cmd_mem(args: argparse.Namespace) -> int:
         rows.append({"pid": pid, "rss": m.rss, "pss": m.pss, "pss_shmem": m.pss_shmem,
                      "bytes_per_node": per_node})
     shmem = accounting.node_shmem()
-    huge = {n: sum((hugepages.pool_pages(size, n, "nr_hugepages")
-                    - hugepages.pool_pages(size, n)) * size
-                   for size in hugepages.SIZES.values() if hugepages.is_huge(size))
-            for n in shmem}
+    huge = {n: hugepages.bytes_in_use(n) for n in shmem}
     used, total = accounting.tmpfs_usage(args.directory)
     nodes = sorted(shmem)
     name, scale = unit_for(*(r["rss"] for r in rows), *shmem.values(), *huge.values())

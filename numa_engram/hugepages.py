@@ -118,6 +118,13 @@ def pool_pages(page_size: int, node: int | None = None, what: str = "free_hugepa
         return 0
 
 
+def bytes_in_use(node: int | None = None) -> int:
+    """Bytes of huge pages (every size) handed out from the pools, host-wide
+    or on one node: reserved (nr_hugepages) less free."""
+    return sum((pool_pages(size, node, "nr_hugepages") - pool_pages(size, node)) * size
+               for size in SIZES.values() if is_huge(size))
+
+
 def _fix(page_size: int, node: int | None, pages: int) -> str:
     return f"echo {pages} > {_pool_dir(page_size, node) / 'nr_hugepages'}"
 

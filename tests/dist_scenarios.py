@@ -68,9 +68,7 @@ def share(rank, world, *, tp, dp, mode, checkpoint, rows_per_head, socket_of=Non
     dist.barrier()  # everyone mapped and touched: measure while all are alive
     mem = smaps("self", "numa-engram-")
     pss, rss = mem.pss, mem.rss
-    huge_in_use = sum((hugepages.pool_pages(size, what="nr_hugepages")
-                       - hugepages.pool_pages(size)) * size
-                      for size in (2 << 20, 1 << 30))
+    huge_in_use = hugepages.bytes_in_use()
     report = table.mode_report()
     digest = hashlib.sha256(table.weights.tobytes() + table.scales.tobytes()).hexdigest()
     path_gone = not os.path.exists(table.path)

@@ -93,7 +93,7 @@ def test_shared_table_on_hugetlbfs_is_one_copy_for_the_group(tmp_path, huge_pool
     spec = make_spec(ROWS_PER_HEAD)
     ckpt = str(write_synthetic_checkpoint(tmp_path / "engram.safetensors", spec))
     huge_pool.reserve(16)
-    in_use = hugepages.pool_pages(MIB2, what="nr_hugepages") - _free()
+    in_use = hugepages.bytes_in_use()
     results = run_world(2, "share", tp=1, dp=2, mode="dp_shared", checkpoint=ckpt,
                         rows_per_head=ROWS_PER_HEAD, page_size="2M",
                         directory=huge_pool.mount)
