@@ -203,10 +203,10 @@ def _verify_one(label: str, path: str | None, fd: int | None) -> tuple[dict, str
 def _holder_status(path: str) -> str:
     """Whether a live process holds the table (each holder keeps a lock on
     it for its life, whatever pid namespace it runs in)."""
-    from .gc import holders_alive
+    from .gc import OPEN_TO_INSPECT, holders_alive
 
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, OPEN_TO_INSPECT)
     except OSError:
         return "holder unknown"
     try:

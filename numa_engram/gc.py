@@ -16,6 +16,10 @@ from . import procfs
 from .errors import StorageError
 from .fileformat import DEFAULT_DIRECTORY, HEADER_BYTES, PREFIX, Header
 
+# how a file that may not be ours is opened for a look: never blocking on a
+# FIFO, never following a symlink, never handed to a child
+OPEN_TO_INSPECT = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
 
 @dataclass(frozen=True)
 class GcEntry:
@@ -68,7 +72,7 @@ def _gc_one(path: str, dry_run: bool, all_users: bool) -> GcEntry:
         return GcEntry(path, st.st_size, 0, f"kept: owned by uid {st.st_uid} (root may pass "
                        "--all-users to include other users' files)", False)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, OPEN_TO_INSPECT)
     except OSError as exc:
         return GcEntry(path, st.st_size, 0, f"kept: cannot open ({exc.strerror})", False)
     try:
