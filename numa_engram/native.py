@@ -313,6 +313,10 @@ def run_lookup(weights: np.ndarray, scales: np.ndarray, ids: np.ndarray, col0: i
                                *cpu_args)
     else:
         rc = lib.ne_lookup_bf16(*args, _ptr(out, "uint16_t *"), *cpu_args)
+    if rc != 0 and ffi.errno == errno.ENOMEM:
+        raise MemoryError(f"lookup of {ids.shape[0]} tokens x {len(offsets)} heads: no memory "
+                          "for its scratch (up to 8 MiB per thread); free memory or pass "
+                          "fewer tokens")
     if rc != 0:
         _raise("pthread_create", f"lookup with {threads} threads")
     return int(bad[0]), int(bad[1]), int(bad[2])

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from numa_engram import native
 from numa_engram.errors import LookupIdError
 from numa_engram.fp8 import random_rows
-from numa_engram.lookup import lookup_rows, reference_lookup
+from numa_engram.lookup import OutputPool, aligned_empty, gather, lookup_rows, reference_lookup
 
 SIZES = [97, 101, 103, 107, 109, 113, 127, 131]  # 8 heads, like vLLM's test
 DIM = 64
@@ -236,3 +236,97 @@ def test_packed_fp8_output_dequantises_to_the_lookup():
             table.lookup_threads = threads
             again = table.lookup(ids, dequantize=False)
             assert torch.equal(again[0], first)
+
+
+def _packed_reference(w, s, ids, sizes):
+    """The rows as stored, by numpy take: zeros for DEAD."""
+    offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    rows = np.where(ids >= 0, ids + offsets, 0)
+    keep = (ids >= 0)[..., None]
+    return np.where(keep, w[rows], 0), np.where(keep, s[rows], 0)
+
+
+def test_rows_read_in_table_order_land_in_token_order_across_chunks():
+    """The kernel sorts a job's rows by table address (ORDER_CHUNK = 2**18
+    rows at a time) and writes each to its token's place: a job of 2 chunks
+    over a 2**17-row table (so the sort's buckets hold many rows), with
+    heavy repeats and DEAD ids, gives the reference's bits, BF16 and packed,
+    on 1 and 2 threads; the first bad id is the one reported, in token order."""
+    sizes = [1 << 15] * 4
+    w, s = random_rows(sum(sizes), DIM, seed=7, raw=True)
+    rng = np.random.default_rng(8)
+    ids = rng.integers(0, 1 << 15, size=(70_000, 4))  # 280 k rows > one chunk
+    ids[rng.random(ids.shape) < 0.3] = 17  # 30% the same row
+    ids[rng.random(ids.shape) < 0.05] = -1
+    want = reference_lookup(w, s, ids, head_start=0, bucket_sizes=sizes)
+    want_w, want_s = _packed_reference(w, s, ids, sizes)
+    for threads in (1, 2):
+        got = lookup_rows(w, s, ids, head_start=0, bucket_sizes=sizes, threads=threads)
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+        packed = (np.empty((70_000, 4, DIM), np.uint8), np.empty((70_000, 4, 2), np.uint8))
+        gather(w, s, ids, head_start=0, bucket_sizes=sizes, out=packed, threads=threads)
+        np.testing.assert_array_equal(packed[0], want_w)
+        np.testing.assert_array_equal(packed[1], want_s)
+    ids[69_000, 2] = 1 << 15  # in the second chunk
+    ids[5, 3] = -5            # in the first: reported, with the count
+    with pytest.raises(LookupIdError, match=r"hash id -5 at token 5, column 3 .*2 bad ids"):
+        lookup_rows(w, s, ids, head_start=0, bucket_sizes=sizes)
+
+
+@pytest.mark.parametrize("offset", [0, 2, 66])
+def test_aligned_and_unaligned_outputs_get_the_same_bits(offset):
+    """Streaming stores where the output is 64-byte aligned, plain stores
+    where it is not (``offset`` bytes past a 64-byte boundary): the same
+    bits either way, BF16 and packed."""
+    w, s = random_rows(sum(SIZES), 256, seed=9, raw=True)
+    ids = _ids(300)
+    n = 300 * 8 * 256
+    memory = aligned_empty(2 * n + 128, np.uint8)
+    out = torch.from_numpy(memory[offset:offset + 2 * n].view(np.uint16).reshape(300, 8, 256))
+    got = lookup_rows(w, s, ids, head_start=0, bucket_sizes=SIZES, out=out.view(torch.bfloat16))
+    want = reference_lookup(w, s, ids, head_start=0, bucket_sizes=SIZES)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    packed = (memory[offset:offset + n].reshape(300, 8, 256), np.empty((300, 8, 8), np.uint8))
+    gather(w, s, ids, head_start=0, bucket_sizes=SIZES, out=packed)
+    want_w, want_s = _packed_reference(w, s, ids, SIZES)
+    np.testing.assert_array_equal(packed[0], want_w)
+    np.testing.assert_array_equal(packed[1], want_s)
+
+
+def test_pooled_outputs_are_aligned_for_streaming_stores():
+    pool = OutputPool()
+    for shape in ((1, 1, 3), (100, 24, 256)):
+        tensor, bits = pool.take(shape)
+        assert bits.ctypes.data % 64 == 0 and tensor.data_ptr() % 64 == 0
+        assert tensor.shape == shape and tensor.dtype == torch.bfloat16
+
+
+def test_no_memory_for_the_kernel_scratch_is_a_memory_error():
+    """The kernel's sort scratch is malloc'ed per call: when that fails the
+    lookup raises MemoryError naming it (nothing written, no crash)."""
+    code = """
+        import resource, numpy as np
+        from numa_engram.lookup import lookup_rows
+        from numa_engram.fp8 import random_rows
+        w, s = random_rows(5000, 64, seed=1, raw=True)
+        ids = np.random.default_rng(2).integers(0, 5000, size=(200_000, 1))
+        out = lookup_rows(w, s, ids[:10], head_start=0, bucket_sizes=[5000])  # warm
+        import torch
+        big = torch.empty((200_000, 1, 64), dtype=torch.bfloat16)
+        vm = int([l.split()[1] for l in open("/proc/self/status")
+                  if l.startswith("VmSize")][0]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 20), vm + (1 << 20)))
+        try:
+            lookup_rows(w, s, ids, head_start=0, bucket_sizes=[5000], out=big)
+        except MemoryError as exc:
+            print("MemoryError:", exc)
+    """
+    import subprocess
+    import sys
+    import textwrap
+
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "MemoryError: lookup of 200000 tokens x 1 heads: no memory for its scratch" in \
+        out.stdout

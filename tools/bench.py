@@ -68,7 +68,7 @@ def bench_lookup(table_gib: float, tokens: int, heads: int = 24, head_dim: int =
 
     from numa_engram import hugepages
     from numa_engram.errors import CapacityError
-    from numa_engram.lookup import gather, lookup_rows, reference_lookup
+    from numa_engram.lookup import aligned_empty, gather, lookup_rows, reference_lookup
 
     per_head = int(table_gib * 2**30) // (head_dim + head_dim // 32) // heads
     rows, sizes = per_head * heads, [per_head] * heads
@@ -83,9 +83,14 @@ def bench_lookup(table_gib: float, tokens: int, heads: int = 24, head_dim: int =
     sets = [np.stack([rng.integers(0, per_head, tokens) for _ in range(heads)], 1)
             for _ in range(id_sets)]
     flats = [(ids + np.arange(heads) * per_head).reshape(-1) for ids in sets]
-    out = torch.empty((tokens, heads, head_dim), dtype=torch.bfloat16)
-    packed = (np.empty((tokens, heads, head_dim), np.uint8),
-              np.empty((tokens, heads, head_dim // 32), np.uint8))
+    # every output from numpy's allocator, as numpy take's are (huge pages
+    # where THP is on madvise), 64-byte aligned for streaming stores
+    shape = (tokens, heads, head_dim)
+    out = torch.from_numpy(aligned_empty(tokens * heads * head_dim).reshape(shape)).view(
+        torch.bfloat16)
+    packed = (aligned_empty(tokens * heads * head_dim, np.uint8).reshape(shape),
+              aligned_empty(tokens * heads * head_dim // 32, np.uint8).reshape(
+                  tokens, heads, head_dim // 32))
     gathered_w = np.empty((tokens * heads, head_dim), np.uint8)
     gathered_s = np.empty((tokens * heads, head_dim // 32), np.uint8)
     turn = [0]
@@ -113,7 +118,7 @@ def bench_lookup(table_gib: float, tokens: int, heads: int = 24, head_dim: int =
         fns[f"{name} limit1"] = lambda w=w: native.read_rows(w, flats[nxt()], 32, 1)
         fns[f"{name} limit2"] = lambda w=w: native.read_rows(w, flats[nxt()], 32, 2)
         if name == "4K":
-            for ahead, hint in ((16, 3), (32, 3), (64, 3), (32, 0)):
+            for ahead, hint in ((32, 3), (32, 1), (64, 1), (128, 1), (32, 0)):
                 fns[f"4K fused1 prefetch {ahead}/T{3 - hint if hint else 'NTA'}"] = fused(
                     1, prefetch=(ahead, hint))
     best = best_interleaved(fns, 7)
