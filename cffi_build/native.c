@@ -264,7 +264,8 @@ int ne_tune_prefetch(int ahead, int hint)
 }
 
 /* __builtin_prefetch takes its hint as a constant */
-static inline __attribute__((always_inline)) void prefetch_row(const char *p, int64_t bytes)
+static inline __attribute__((always_inline)) void
+prefetch_row(const char *p, int64_t bytes)
 {
     for (int64_t off = 0; off < bytes; off += 64) {
         switch (prefetch_hint) {
@@ -504,8 +505,9 @@ static void order_chunk(struct lookup_job *j, struct cursor *cur, int64_t k0, in
 enum { STAGE_ROWS = 64, MAX_STAGE_BYTES = 1024, MAX_STAGE_SCALES = 64 };
 
 /* Row q + ahead of the chunk, weights and scale bytes, on its way to cache. */
-static inline __attribute__((always_inline)) void prefetch_ahead_of(const struct lookup_job *j, const struct order *o,
-                                     int64_t q, int ahead_n, int64_t n_scales)
+static inline __attribute__((always_inline)) void
+prefetch_ahead_of(const struct lookup_job *j, const struct order *o, int64_t q, int ahead_n,
+                  int64_t n_scales)
 {
     if (ahead_n > 0 && q + ahead_n < o->n) {
         int64_t row = o->row[q + ahead_n];
@@ -530,8 +532,10 @@ static void dequant_chunk(const struct lookup_job *j, const struct order *o, int
     uint8_t s_stage[STAGE_ROWS * MAX_STAGE_SCALES] __attribute__((aligned(64)));
     for (int64_t q0 = 0; q0 < o->n; q0 += STAGE_ROWS) {
         int64_t n = o->n - q0 < STAGE_ROWS ? o->n - q0 : STAGE_ROWS;
-        for (int64_t q = q0; q < q0 + n && staged; q++) {
+        for (int64_t q = q0; q < q0 + n; q++) {
             prefetch_ahead_of(j, o, q, ahead_n, n_scales);
+            if (!staged) /* rows too wide for the stage: read in place below */
+                continue;
             copy_row(w_stage + (q - q0) * j->dim, j->weights + o->row[q] * j->dim, j->dim);
             copy_row(s_stage + (q - q0) * n_scales, j->scales + o->row[q] * n_scales, n_scales);
         }
@@ -587,7 +591,7 @@ static void gather_chunk(const struct lookup_job *j, const struct order *o, int6
 
 /* A job's tokens, ORDER_CHUNK rows at a time: ordered, then dequantised
  * (or packed).  Sets j->error to ENOMEM when the scratch cannot be
- * allocated (nothing is written then). */
+ * allocated (this job writes nothing then). */
 static void run_job(struct lookup_job *j)
 {
     const row_fn row_dequant = pick_row_fn();
@@ -718,7 +722,7 @@ int ne_lookup_bf16(const uint8_t *weights, const uint8_t *scales, int64_t dim,
 {
     pthread_once(&lut_once, build_exact_lut);
     struct lookup_job proto = {weights, scales, dim, block, ids, stride, n_heads, head_offsets,
-                               bucket_sizes, id_base, out, NULL, NULL, 0, 0, -1, 0, -1, 0};
+                               bucket_sizes, id_base, out, NULL, NULL, 0, 0, -1, 0, -1, 0, 0};
     return run_lookup_jobs(&proto, n_tokens, n_threads, cpus, n_cpus, bad);
 }
 
@@ -733,7 +737,7 @@ int ne_gather_fp8(const uint8_t *weights, const uint8_t *scales, int64_t dim, in
                   const int *cpus, int n_cpus, int64_t *bad)
 {
     struct lookup_job proto = {weights, scales, dim, block, ids, stride, n_heads, head_offsets,
-                               bucket_sizes, id_base, NULL, out_w, out_s, 0, 0, -1, 0, -1, 0};
+                               bucket_sizes, id_base, NULL, out_w, out_s, 0, 0, -1, 0, -1, 0, 0};
     return run_lookup_jobs(&proto, n_tokens, n_threads, cpus, n_cpus, bad);
 }
 
