@@ -27,13 +27,16 @@ def best_of(fn, repeat=5):
 
 
 def best_interleaved(fns: dict, repeat: int = 7) -> dict:
-    """Best time of each function, run in turns (A B C A B C ...) so a noisy
-    neighbour slows every variant alike instead of whichever ran then."""
+    """Best time of each function, run in turns (A B C, B C A, C A B ...) so
+    a noisy neighbour slows every variant alike instead of whichever ran
+    then, and no variant always follows the same one (what ran before a call
+    moved its time by ~6%: caches, the other thread's state)."""
     best = {name: float("inf") for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
+    names = list(fns)
+    for turn in range(repeat):
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
             t0 = time.perf_counter()
-            fn()
+            fns[name]()
             best[name] = min(best[name], time.perf_counter() - t0)
     return best
 
