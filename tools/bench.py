@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import tempfile
 import time
@@ -27,14 +28,17 @@ def best_of(fn, repeat=5):
 
 
 def best_interleaved(fns: dict, repeat: int = 7) -> dict:
-    """Best time of each function, run in turns (A B C, B C A, C A B ...) so
-    a noisy neighbour slows every variant alike instead of whichever ran
-    then, and no variant always follows the same one (what ran before a call
-    moved its time by ~6%: caches, the other thread's state)."""
+    """Best time of each function, run in turns (each variant once a turn,
+    in a new seeded order each turn) so a noisy neighbour slows every
+    variant alike instead of whichever ran then, and no variant always
+    follows the same one (a fixed order moved an identical configuration by
+    6-11%: what ran before it, e.g. a 2-thread call, set its start)."""
     best = {name: float("inf") for name in fns}
     names = list(fns)
-    for turn in range(repeat):
-        for name in names[turn % len(names):] + names[:turn % len(names)]:
+    order = random.Random(0)
+    for _ in range(repeat):
+        order.shuffle(names)
+        for name in names:
             t0 = time.perf_counter()
             fns[name]()
             best[name] = min(best[name], time.perf_counter() - t0)
