@@ -601,6 +601,8 @@ static void run_job(struct lookup_job *j)
     struct cursor cur = {j->t_begin, 0};
     struct order o;
 #if defined(__x86_64__)
+    /* streaming needs AVX-512 (the picked row function says whether it is
+     * there and allowed) and whole 64-byte lines at every output row */
     stream = row_dequant == row_avx512 && j->dim % 64 == 0 && ((uintptr_t)j->raw_w & 63) == 0;
 #endif
     if (cap <= 0)
@@ -857,6 +859,17 @@ static struct fastdiv_cols *fastdiv_cols_of(const int64_t *primes, int64_t n)
 typedef void (*mods_fn)(int64_t x, const struct fastdiv_cols *v, int64_t c0, int64_t n,
                         int64_t *dst);
 
+/* dst[i] = x modulo primes[i], floored, for i < n: the hardware division,
+ * used where reciprocals are not (too many columns, no memory, or asked
+ * for as the benchmark's baseline).  C's % truncates: fix negatives. */
+static void mods_hardware(int64_t x, const int64_t *primes, int64_t n, int64_t *dst)
+{
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = x % primes[i];
+        dst[i] = r < 0 ? r + primes[i] : r;
+    }
+}
+
 /* dst[i] = floor_mod(x, column c0 + i) for i < n */
 static void mods_scalar(int64_t x, const struct fastdiv_cols *v, int64_t c0, int64_t n,
                         int64_t *dst)
@@ -932,7 +945,7 @@ struct hash_job {
 
 /* DeepSeek's formula: mix of order n = XOR over k < n of tok_k * m_k in
  * wrapping int64 (done in uint64: signed overflow is undefined in C), each
- * head taking the floor modulo of its prime (C's % truncates: fix negatives). */
+ * head taking the floor modulo of its prime. */
 static void run_hashes(const struct hash_job *j)
 {
     struct fastdiv_cols *cols = j->hardware_division ? NULL
@@ -949,16 +962,11 @@ static void run_hashes(const struct hash_job *j)
             int64_t tok = pos >= k ? seq[pos - k] : j->pad_id;
             mix ^= (uint64_t)tok * (uint64_t)j->multipliers[k];
             int64_t smix = (int64_t)mix;
-            const int64_t *p = j->primes + (n - 2) * j->n_head;
             const int64_t c0 = (n - 2) * j->n_head;
-            if (fast) {
+            if (fast)
                 mods(smix, cols, c0, j->n_head, dst + c0);
-                continue;
-            }
-            for (int64_t h = 0; h < j->n_head; h++) {
-                int64_t r = smix % p[h];
-                dst[c0 + h] = r < 0 ? r + p[h] : r;
-            }
+            else
+                mods_hardware(smix, j->primes + c0, j->n_head, dst + c0);
         }
     }
     free(cols);
@@ -1093,14 +1101,10 @@ static void run_window_hashes(const struct window_job *j)
                 mix ^= (uint64_t)tok[k] * (uint64_t)m[k];
                 int64_t smix = (int64_t)mix;
                 const int64_t c0 = (k - 1) * j->n_head;
-                if (fast) {
+                if (fast)
                     mods(smix, cols, l * j->n_cols + c0, j->n_head, dst + c0);
-                } else {
-                    for (int64_t h = 0; h < j->n_head; h++) {
-                        int64_t r = smix % primes[c0 + h];
-                        dst[c0 + h] = r < 0 ? r + primes[c0 + h] : r;
-                    }
-                }
+                else
+                    mods_hardware(smix, primes + c0, j->n_head, dst + c0);
                 for (int64_t h = 0; off && h < j->n_head; h++)
                     dst[c0 + h] += off[c0 + h];
             }
