@@ -2,10 +2,12 @@
 files straight into a caller-given buffer (the mapped table), and write small
 synthetic checkpoints in the same layout.
 
-Tensor metadata (name, dtype, shape) is checked through the ``safetensors``
-package; the rows themselves are read with ``preadv`` at the tensor's byte
-offset into the destination, chunk by chunk, so nothing else of the file is
-read and no intermediate copy is made.  ``method="slice"`` uses the
+A layer's tensors are resolved once (``resolve``: files, names, dtypes,
+shapes and offsets, every header entry checked against its file) into a
+``CheckpointPlan``; the rows themselves are read with ``preadv`` at the
+tensor's byte offset into the destination, chunk by chunk, through one
+descriptor per file, so nothing else of the file is read, no intermediate
+copy is made, and a file replaced meanwhile is noticed.  ``method="slice"`` uses the
 package's own slicing instead (same bytes, one more copy).
 """
 
@@ -19,6 +21,7 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -58,25 +61,129 @@ _SCALE_CANDIDATES = ("{p}layers.{layer}.engram.embed.scale",
 INDEX_FILE = "model.safetensors.index.json"
 
 
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
+# bytes per element of the dtypes safetensors knows (others are not size-checked)
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+               "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
+               "I64": 8, "U64": 8, "F64": 8}
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What a checkpoint file was when it was resolved: a file replaced
+    (``os.replace``) or rewritten since then differs in one of these."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileIdentity:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    path: str
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    data_offset: int  # absolute byte offset of element 0 in the file
+    identity: FileIdentity | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """A layer's two tensors, resolved once by the leader before anything is
+    allocated (files, offsets, dtypes, shapes, the spec metadata checked):
+    every loader reads through it and refuses a file that changed since."""
+
+    layer_id: int
+    weights: TensorLocation
+    scales: TensorLocation
+
+
+def _open_regular(path: str) -> int:
+    """An fd of a regular file (symlinks followed: the Hugging Face cache is
+    made of them); a FIFO or device is refused before any open could block."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {path}: {exc.strerror}") from exc
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"checkpoint {path} is not a regular file (a FIFO, device or "
+                              "directory); pass the safetensors file itself")
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {path}: {exc.strerror}") from exc
+
+
+def _read_index(index: str) -> dict[str, str]:
+    """The index's weight_map, checked for shape: a dict of str -> str, no
+    tensor named twice.  Never quotes the file's contents."""
+    def no_duplicates(pairs):
+        seen: dict = {}
+        for key, value in pairs:
+            if key in seen and isinstance(value, str) and isinstance(seen[key], str):
+                raise CheckpointError(f"{index}: tensor {key!r} is mapped twice, to "
+                                      f"{seen[key]!r} and {value!r}; each tensor lives in one "
+                                      "file")
+            seen[key] = value
+        return seen
+    try:
+        doc = json.loads(Path(index).read_text(), object_pairs_hook=no_duplicates)
+    except OSError as exc:
+        raise CheckpointError(f"{index}: cannot read it ({exc.strerror})") from exc
+    except (ValueError, RecursionError):
+        raise CheckpointError(f"{index}: not a safetensors index (not JSON, or nested too "
+                              "deeply)") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: not a safetensors index (no 'weight_map' object of "
+                              "tensor name -> file name)")
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise CheckpointError(f"{index}: weight_map entry {name[:200]!r} maps to a "
+                                  f"{type(file).__name__}, not a file name")
+    return weight_map
+
+
+def _inside(root: str, index: str, name: str, file: str) -> str:
+    """The path of an index entry, which must stay inside the checkpoint
+    directory once '..' is resolved (symlinks inside it may point anywhere)."""
+    full = os.path.normpath(os.path.join(root, file))
+    if os.path.isabs(file) or os.path.commonpath([root, full]) != root:
+        raise CheckpointError(f"{index}: entry {name[:200]!r} names {file[:200]!r}, outside the "
+                              "checkpoint directory; an index may only name files beside it")
+    return full
+
+
 def checkpoint_files(paths) -> dict[str, str]:
     """tensor name -> file of a checkpoint: a directory with
     model.safetensors.index.json (its weight_map), a directory of
-    .safetensors files, one file, or a list of files."""
+    .safetensors files, one file, or a list of files.  A tensor found in two
+    files is a CheckpointError naming both."""
     if isinstance(paths, (str, os.PathLike)) and os.path.isdir(paths):
-        index = os.path.join(paths, INDEX_FILE)
+        root = os.path.abspath(paths)
+        index = os.path.join(root, INDEX_FILE)
         if os.path.exists(index):
-            try:
-                weight_map = json.loads(Path(index).read_text())["weight_map"]
-            except (OSError, ValueError, KeyError) as exc:
-                raise CheckpointError(f"{index}: not a safetensors index ({exc})") from exc
-            files = {name: os.path.join(paths, f) for name, f in weight_map.items()}
+            files = {name: _inside(root, index, name, f)
+                     for name, f in _read_index(index).items()}
             checkpoint_paths(sorted(set(files.values())))  # each a regular file
             return files
         paths = sorted(str(p) for p in Path(paths).glob("*.safetensors"))
     out: dict[str, str] = {}
     for path in checkpoint_paths(paths):
-        header, _ = read_header(path)
-        out.update({name: path for name in header if name != "__metadata__"})
+        header, _, _ = read_header(path)
+        for name in header:
+            if name == "__metadata__":
+                continue
+            if name in out and out[name] != path:
+                raise CheckpointError(f"tensor {name!r} is in both {out[name]} and {path}; "
+                                      "pass the files of one checkpoint")
+            out[name] = path
     return out
 
 
@@ -100,15 +207,6 @@ def find_names(files: dict[str, str], layer_id: int) -> TensorNames:
     return TensorNames(*found)
 
 
-@dataclass(frozen=True)
-class TensorLocation:
-    path: str
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    data_offset: int  # absolute byte offset of element 0 in the file
-
-
 def checkpoint_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -116,57 +214,96 @@ def checkpoint_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> 
     if not out:
         raise CheckpointError("no checkpoint files given")
     for path in out:  # before any open: opening a FIFO would block forever
-        try:
-            mode = os.stat(path).st_mode
-        except OSError as exc:
-            raise CheckpointError(f"checkpoint {path}: {exc.strerror}") from exc
-        if not stat.S_ISREG(mode):
-            raise CheckpointError(f"checkpoint {path} is not a regular file (a FIFO, device or "
-                                  "directory); pass the safetensors file itself")
+        os.close(_open_regular(path))
     return out
 
 
-def read_header(path: str) -> tuple[dict, int]:
-    """The safetensors JSON header of a file and where its data starts."""
+def read_header(path: str) -> tuple[dict, int, FileIdentity]:
+    """The safetensors JSON header of a file, where its data starts, and the
+    file's identity; every tensor entry is checked against the file (its
+    bytes inside the file, its offsets matching its dtype and shape)."""
+    fd = _open_regular(path)
     try:
-        with open(path, "rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            if size > 100 << 20:
-                raise CheckpointError(f"{path}: header of {size} bytes; not a safetensors file")
-            return json.loads(fh.read(size)), 8 + size
-    except (OSError, struct.error, ValueError) as exc:
-        raise CheckpointError(f"{path}: cannot read a safetensors header ({exc})") from exc
+        st = os.fstat(fd)
+        head = os.pread(fd, 8, 0)
+        size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 0 < size <= min(MAX_HEADER_BYTES, st.st_size - 8):
+            raise CheckpointError(f"{path}: its first 8 bytes are not a safetensors header "
+                                  f"length (the file has {st.st_size} bytes); not a "
+                                  "safetensors file, or truncated")
+        text = os.pread(fd, size, 8)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read a safetensors header "
+                              f"({exc.strerror})") from exc
+    finally:
+        os.close(fd)
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError):
+        raise CheckpointError(f"{path}: its header is not valid safetensors JSON") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: its header is not a JSON object of tensors")
+    for name, entry in header.items():
+        if name != "__metadata__":
+            _check_entry(path, name, entry, 8 + size, st.st_size)
+    return header, 8 + size, FileIdentity.of(st)
 
 
-def locate(files: dict[str, str], name: str) -> TensorLocation:
-    """Find a tensor in the checkpoint's files (``checkpoint_files``),
-    checking its metadata with safetensors."""
-    from safetensors import safe_open
+def _check_entry(path: str, name: str, entry: Any, base: int, file_size: int) -> None:
+    """One tensor's header entry: well formed, its bytes inside the file,
+    and exactly as many as its dtype and shape need."""
+    ok = (isinstance(entry, dict) and isinstance(entry.get("dtype"), str)
+          and isinstance(entry.get("shape"), list)
+          and all(type(d) is int and d >= 0 for d in entry["shape"])
+          and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2
+          and all(type(o) is int for o in entry["data_offsets"]))
+    if not ok:
+        raise CheckpointError(f"{path}: tensor {name[:200]!r} has a malformed header entry "
+                              "(dtype, shape, data_offsets)")
+    begin, end = entry["data_offsets"]
+    if not 0 <= begin <= end:
+        raise CheckpointError(f"{path}: tensor {name!r} has data_offsets [{begin}, {end})")
+    if base + end > file_size:
+        raise CheckpointError(f"{path}: tensor {name!r} needs bytes up to {base + end} but the "
+                              f"file has {file_size}: truncated or corrupt")
+    itemsize = DTYPE_BYTES.get(entry["dtype"])
+    if itemsize is not None:
+        want = itemsize * int(np.prod(entry["shape"], dtype=object))
+        if end - begin != want:
+            raise CheckpointError(f"{path}: tensor {name!r} is {entry['dtype']} "
+                                  f"{entry['shape']} ({want} bytes), but its data_offsets "
+                                  f"span {end - begin} bytes: a corrupt header")
 
+
+def locate(files: dict[str, str], name: str,
+           headers: dict[str, tuple[dict, int, FileIdentity]] | None = None) -> TensorLocation:
+    """Find a tensor in the checkpoint's files (``checkpoint_files``);
+    ``headers`` caches each file's parsed header."""
     path = files.get(name)
     if path is None:
         raise CheckpointError(f"tensor {name!r} is in none of {sorted(set(files.values()))}; "
                               "check the layer id and the TensorNames pattern")
-    header, base = read_header(path)
+    headers = {} if headers is None else headers
+    if path not in headers:
+        headers[path] = read_header(path)
+    header, base, identity = headers[path]
     if name not in header:
         raise CheckpointError(f"the index says {name!r} is in {path}, but it is not there")
-    with safe_open(path, framework="pt") as f:  # the package's own view of it
-        sl = f.get_slice(name)
-        shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
-    begin, _ = header[name]["data_offsets"]
-    return TensorLocation(path, name, dtype, shape, base + begin)
+    entry = header[name]
+    return TensorLocation(path, name, entry["dtype"], tuple(entry["shape"]),
+                          base + entry["data_offsets"][0], identity)
 
 
-def check_spec_metadata(path: str, spec: EngramSpec) -> None:
+def check_spec_metadata(header: dict, path: str, spec: EngramSpec) -> None:
     """The ``engram_spec`` our writer stores, when present, must be this spec."""
-    header, _ = read_header(path)
-    doc = (header.get("__metadata__") or {}).get("engram_spec")
+    meta = header.get("__metadata__")
+    doc = meta.get("engram_spec") if isinstance(meta, dict) else None
     if doc is None:
         return
     try:
         theirs = EngramSpec.from_dict(json.loads(doc))
-    except (ValueError, NumaEngramError) as exc:
-        raise CheckpointError(f"{path}: unreadable engram_spec metadata ({exc})") from exc
+    except (ValueError, TypeError, RecursionError, NumaEngramError):
+        raise CheckpointError(f"{path}: unreadable engram_spec metadata") from None
     if theirs.fingerprint != spec.fingerprint:
         raise SpecMismatchError(f"{path} was written for spec {theirs.to_dict()}, this process "
                                 f"has {spec.to_dict()}; use the checkpoint's spec")
@@ -181,6 +318,25 @@ def _check_tensor(loc: TensorLocation, rows: int, width: int, dtypes: tuple[str,
                               f"says [{rows}, {width}]")
 
 
+def resolve(paths, spec: EngramSpec, layer_id: int,
+            names: TensorNames | None = None) -> CheckpointPlan:
+    """The layer's tensors in a checkpoint (file, list of files or
+    directory), every check made: names, dtypes, shapes, offsets inside the
+    files, the spec metadata.  Reads headers only: fast for any table size."""
+    if isinstance(paths, CheckpointPlan):
+        return paths
+    files = checkpoint_files(paths)
+    w_name, s_name = (names or find_names(files, layer_id)).of(layer_id)
+    headers: dict[str, tuple[dict, int, FileIdentity]] = {}
+    w_loc, s_loc = locate(files, w_name, headers), locate(files, s_name, headers)
+    for path in {w_loc.path, s_loc.path}:
+        check_spec_metadata(headers[path][0], path, spec)
+    rows = spec.rows(layer_id)
+    _check_tensor(w_loc, rows, spec.head_dim, WEIGHT_DTYPES)
+    _check_tensor(s_loc, rows, spec.scales_per_row, SCALE_DTYPES)
+    return CheckpointPlan(layer_id, w_loc, s_loc)
+
+
 def load_rows(paths, spec: EngramSpec, layer_id: int, row_start: int, row_end: int,
               weights_out: np.ndarray, scales_out: np.ndarray, *,
               names: TensorNames | None = None, chunk_bytes: int = 64 << 20,
@@ -188,9 +344,12 @@ def load_rows(paths, spec: EngramSpec, layer_id: int, row_start: int, row_end: i
               cpus: Sequence[int] = ()) -> None:
     """Copy rows [row_start, row_end) of the layer's weights and scales into
     ``weights_out`` ([n, head_dim] uint8) and ``scales_out`` ([n, head_dim/block]).
-    ``paths``: a safetensors file, a list of them, or a checkpoint
-    directory (with model.safetensors.index.json).  ``names=None`` finds the
-    layer's two tensors by V4.1's module path (``find_names``).
+    ``paths``: a ``CheckpointPlan`` (``resolve``), a safetensors file, a list
+    of them, or a checkpoint directory (with model.safetensors.index.json).
+    ``names=None`` finds the layer's two tensors by V4.1's module path
+    (``find_names``).  Each file is opened once and every row read through
+    that descriptor; a file that is not what was resolved (replaced or
+    rewritten), before or during the copy, is a CheckpointError.
 
     ``threads`` copy chunks in parallel (pread releases the GIL), each
     pinned to ``cpus`` when given (the CPUs of the node the rows live on, so
@@ -206,46 +365,79 @@ def load_rows(paths, spec: EngramSpec, layer_id: int, row_start: int, row_end: i
                               f"hold {n} rows of {spec.head_dim} + {spec.scales_per_row} bytes")
     if method not in ("pread", "slice"):
         raise ValueError(f"method must be 'pread' or 'slice', got {method!r}")
-    files = checkpoint_files(paths)
-    w_name, s_name = (names or find_names(files, layer_id)).of(layer_id)
-    w_loc, s_loc = locate(files, w_name), locate(files, s_name)
-    for path in {w_loc.path, s_loc.path}:
-        check_spec_metadata(path, spec)
-    _check_tensor(w_loc, rows, spec.head_dim, WEIGHT_DTYPES)
-    _check_tensor(s_loc, rows, spec.scales_per_row, SCALE_DTYPES)
-    copy = _pread_rows if method == "pread" else _slice_rows
-    chunks = [(loc, a, min(n, a + max(1, chunk_bytes // out.shape[1])), out)
-              for loc, out in ((w_loc, weights_out), (s_loc, scales_out))
-              for a in range(0, n, max(1, chunk_bytes // out.shape[1]))]
+    plan = resolve(paths, spec, layer_id, names)
+    if plan.layer_id != layer_id:
+        raise CheckpointError(f"the checkpoint plan is for layer {plan.layer_id}, not {layer_id}")
+    with _OpenFiles(plan) as fds:
+        copy = _pread_rows if method == "pread" else _slice_rows
+        chunks = [(loc, a, min(n, a + max(1, chunk_bytes // out.shape[1])), out)
+                  for loc, out in ((plan.weights, weights_out), (plan.scales, scales_out))
+                  for a in range(0, n, max(1, chunk_bytes // out.shape[1]))]
 
-    def one(chunk) -> int:
-        loc, a, b, out = chunk
-        copy(loc, row_start + a, row_start + b, out[a:b])
-        return (b - a) * out.shape[1]
+        def one(chunk) -> int:
+            loc, a, b, out = chunk
+            copy(fds[loc.path], loc, row_start + a, row_start + b, out[a:b])
+            return (b - a) * out.shape[1]
 
-    for_each_chunk(chunks, one, threads=1 if method == "slice" else threads,
-                   total=n * spec.row_bytes, progress=progress, pin_cpus=cpus,
-                   name="numa-engram-load")
+        for_each_chunk(chunks, one, threads=1 if method == "slice" else threads,
+                       total=n * spec.row_bytes, progress=progress, pin_cpus=cpus,
+                       name="numa-engram-load")
+        fds.check_unchanged("while the table loaded")
 
 
-def _pread_rows(loc: TensorLocation, a: int, b: int, out: np.ndarray) -> None:
+class _OpenFiles(dict):
+    """path -> fd of each file a plan reads, opened once and checked to be
+    the very file the plan resolved; closed on exit."""
+
+    def __init__(self, plan: CheckpointPlan) -> None:
+        super().__init__()
+        self._identity = {loc.path: loc.identity for loc in (plan.weights, plan.scales)}
+
+    def __enter__(self) -> _OpenFiles:
+        try:
+            for path in self._identity:
+                self[path] = _open_regular(path)
+            self.check_unchanged("since the checkpoint was resolved")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def check_unchanged(self, when: str) -> None:
+        for path, fd in self.items():
+            want, now = self._identity[path], FileIdentity.of(os.fstat(fd))
+            if want is not None and now != want:
+                raise CheckpointError(
+                    f"{path} changed {when} (device/inode, size or mtime differ: "
+                    f"{_describe(want)} then, {_describe(now)} now); a checkpoint must not be "
+                    "replaced or rewritten while tables load from it: retry once it is complete")
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self.values():
+            os.close(fd)
+        self.clear()
+
+
+def _describe(ident: FileIdentity) -> str:
+    return f"inode {ident.ino}, {ident.size} bytes, mtime_ns {ident.mtime_ns}"
+
+
+def _pread_rows(fd: int, loc: TensorLocation, a: int, b: int, out: np.ndarray) -> None:
     width = loc.shape[1]
     view = memoryview(out.reshape(-1))
     offset = loc.data_offset + a * width
-    fd = os.open(loc.path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        got = 0
-        while got < len(view):
-            n = os.preadv(fd, [view[got:]], offset + got)
-            if n == 0:
-                raise CheckpointError(f"{loc.path} ends inside {loc.name} (rows {a}..{b}): "
-                                      "truncated checkpoint")
-            got += n
-    finally:
-        os.close(fd)
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            raise CheckpointError(f"{loc.path} ends inside {loc.name} (rows {a}..{b}): "
+                                  "truncated checkpoint")
+        got += n
 
 
-def _slice_rows(loc: TensorLocation, a: int, b: int, out: np.ndarray) -> None:
+def _slice_rows(fd: int, loc: TensorLocation, a: int, b: int, out: np.ndarray) -> None:
+    """safetensors' own reader (by path; the identity of the open fd is
+    checked before and after the whole copy)."""
     import torch
     from safetensors import safe_open
 

@@ -21,6 +21,18 @@ class NumaEngramError(Exception):
         Exception.__init__(exc, message)
         return exc
 
+    def fields(self) -> dict:
+        """The structured data a caller may test (beyond the message), as
+        plain values that travel to the other members of a group."""
+        return {}
+
+    @classmethod
+    def rebuild(cls, message: str, fields: dict) -> NumaEngramError:
+        """Another member's error here: ``fields()`` of the original and this
+        member's message (naming the member); subclasses with fields
+        rebuild through their own constructor."""
+        return cls.from_message(message)
+
 
 class TopologyError(NumaEngramError, ValueError):
     """A node, GPU, shard count or world layout that the host or the model cannot have."""
@@ -66,6 +78,17 @@ class SyscallError(NumaEngramError, OSError):
     def __str__(self) -> str:
         return self.strerror or super().__str__()
 
+    def fields(self) -> dict:
+        return {"call": self.call, "errno": self.errno}
+
+    @classmethod
+    def rebuild(cls, message: str, fields: dict) -> SyscallError:
+        if not isinstance(fields.get("errno"), int):
+            return super().rebuild(message, fields)  # type: ignore[return-value]
+        exc = cls(str(fields.get("call", "")), fields["errno"])
+        exc.strerror = message  # what __str__ shows: the group's text
+        return exc
+
 
 class SpecError(NumaEngramError, ValueError):
     """An Engram configuration that cannot describe a table."""
@@ -82,6 +105,11 @@ class GroupTimeout(NumaEngramError, TimeoutError):
 class MemberFailure(NumaEngramError):
     """Members of a group failed with exceptions that are not ours;
     ``failures`` lists (member, world rank, step, type name, message) of each."""
+
+
+class PeerLoadFailed(StorageError):
+    """A loader saw another member's load fail (the table is FAILED): an echo,
+    never the cause; a group raises the class of the member that failed."""
 
 
 class PrefetchError(NumaEngramError):

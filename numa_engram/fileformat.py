@@ -165,6 +165,12 @@ class Header:
             if offset % page or offset + length > size:
                 raise StorageError(f"{where} has a corrupt header: region {text!r} "
                                    f"[{offset}, {offset + length}) is not inside {size} bytes")
+            # regions follow the header page and each other, in order
+            floor = regions[-1].offset + regions[-1].length if regions else page
+            if offset < floor:
+                inside = f"region {regions[-1].name!r}" if regions else "the header page"
+                raise StorageError(f"{where} has a corrupt header: region {text!r} starts at "
+                                   f"{offset}, inside {inside} (which ends at {floor})")
             regions.append(LayoutRegion(text, offset, length))
         return cls(version, state, pid, uid, start, boot, fp,
                    Layout(tuple(regions), size, page), ShardKey(*key), unpack_plan(data))

@@ -35,6 +35,36 @@ from .spec import EngramSpec
 
 ID_FORMATS = ("bucket", "global")
 DEAD = -1
+# the slot's next position is position + 1: it must not wrap int64
+MAX_POSITION = 2**62
+
+
+def integer(value, name: str) -> int:
+    """A Python or numpy integer (never a float or bool, which would be truncated)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise SpecError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def integer_array(values, name: str) -> np.ndarray:
+    """int64 array of ``values`` (Python ints or an integer array); floats,
+    bools and objects are refused, never truncated, and so are values
+    beyond int64."""
+    if isinstance(values, np.ndarray):
+        arr = values
+    else:
+        try:
+            arr = np.asarray(values)
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise SpecError(f"{name} must be integers: {exc}") from None
+    if arr.size == 0 and arr.dtype == np.float64 and not isinstance(values, np.ndarray):
+        arr = arr.astype(np.int64)  # [] is an empty list of ints
+    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+        raise SpecError(f"{name} must be integers (Python ints or an integer array), got "
+                        f"{arr.dtype}; floats are not truncated")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise SpecError(f"{name} holds {int(arr.max())}, beyond int64")
+    return np.ascontiguousarray(arr, dtype=np.int64)
 
 
 class HashState:
@@ -103,8 +133,11 @@ class HashState:
         the last ``max_ngram_size - 1``, or all of them), in the same id
         space as ``hash`` takes."""
         self._check_slot(slot)
+        position = integer(position, "position")
+        if not 0 <= position <= MAX_POSITION:
+            raise SpecError(f"restore position must be in 0..{MAX_POSITION}, got {position}")
         n1 = self.spec.max_ngram_size - 1
-        prefix = self.compressed(np.asarray(prefix_ids, dtype=np.int64).reshape(-1), None)
+        prefix = self.compressed(integer_array(prefix_ids, "prefix_ids").reshape(-1), None)
         need = min(position, n1)
         if position < 0 or len(prefix) < need or len(prefix) > position:
             raise SpecError(f"restore(slot {slot}, position {position}) needs the ids before "
@@ -146,16 +179,20 @@ class HashState:
 
     # --------------------------------------------------------- internals --
     def _check_slot(self, slot: int) -> None:
+        slot = integer(slot, "slot")
         if not 0 <= slot < self.max_requests:
             raise SpecError(f"slot {slot} is outside 0..{self.max_requests - 1} "
                             "(max_requests)")
 
     @staticmethod
     def _column(values, n: int, name: str) -> np.ndarray:
-        arr = np.ascontiguousarray(values, dtype=np.int64)
+        arr = integer_array(values, name)
         if arr.shape != (n,):
             raise SpecError(f"{name} has shape {list(arr.shape)} but there are {n} tokens: "
                             "pass one per token")
+        if name == "positions" and n and not (arr.min() >= 0 and arr.max() <= MAX_POSITION):
+            raise SpecError(f"positions must be in 0..{MAX_POSITION}, got "
+                            f"{int(arr.min())}..{int(arr.max())}")
         return arr
 
     @staticmethod

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from .checkpoint import load_rows
-from .errors import GroupTimeout, StorageError
+from .errors import GroupTimeout, PeerLoadFailed
 from .fileformat import MAX_LOADERS, STATE_FAILED
 from .storage import BackingFile
 
@@ -81,7 +81,7 @@ def wait_for_parts(backing: BackingFile, loaders: Sequence[int], timeout_s: floa
     last, deadline = None, time.monotonic() + timeout_s
     while True:
         if backing.state == STATE_FAILED:
-            raise StorageError("a member failed to load its part of the table (its error "
+            raise PeerLoadFailed("a member failed to load its part of the table (its error "
                                "follows from that member)")
         slots = backing.read_progress()
         pending = [i for i in loaders if not slots[i] & DONE]

@@ -107,10 +107,11 @@ class Mapping:
         if offset < 0 or length < 0 or offset + length > self.length:
             raise ValueError(f"range [{offset}, {offset + length}) is outside the mapping "
                              f"of {self.length} bytes")
-        view = np.frombuffer(self._buffer, dtype=np.uint8, count=length, offset=offset)
-        # a PROT_READ mapping: numpy refuses writes instead of the process faulting
-        view.flags.writeable = self.writable
-        return view
+        # a PROT_READ mapping: the view is built on a read-only buffer, so
+        # numpy refuses writes (and refuses to make the view writable again)
+        # instead of the process faulting
+        buffer = self._buffer if self.writable else memoryview(self._buffer).toreadonly()
+        return np.frombuffer(buffer, dtype=np.uint8, count=length, offset=offset)
 
     def seal(self) -> None:
         """Make the mapping read-only (views made after this are read-only

@@ -21,7 +21,17 @@ from .errors import SpecError, SpecMismatchError
 
 LAYER_SEED_PRIME = 10007
 FINGERPRINT_VERSION = 1
+PAD_FIELDS = ("engram_pad_token_id", "engram_pad_id")  # as V4.1 ships it; DeepSeek's args
 _MR_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)  # exact below 3.3e24
+# Bounds on a spec, each checked at construction (SpecError, within a second):
+MAX_NGRAM_SIZE = 64          # the native window hash keeps at most 64 ids per token
+MAX_HEADS_PER_NGRAM = 1024   # far above any model's (V4.1: 8)
+MAX_PRIMES = 4096            # the prime search costs ~85 us a prime: < 0.4 s at start-up
+MAX_VOCAB_SIZE = 2**40       # per order; beyond it the table could not exist in memory
+MAX_HEAD_DIM = 1 << 16
+MAX_LAYER_ID = 2**31 - 1
+MAX_COMPRESSED_VOCAB = 2**31  # ids and the multipliers' bound (int64 max // vocab) stay sane
+MAX_LAYER_BYTES = 2**62       # row and byte offsets of a layer are int64
 
 
 def is_prime(n: int) -> bool:
@@ -75,31 +85,49 @@ class EngramSpec:
     block: int = 32
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "layer_ids", tuple(int(x) for x in self.layer_ids))
+        object.__setattr__(self, "layer_ids", _int_tuple(self.layer_ids, "layer_ids"))
         object.__setattr__(self, "engram_vocab_sizes",
-                           tuple(int(x) for x in self.engram_vocab_sizes))
+                           _int_tuple(self.engram_vocab_sizes, "engram_vocab_sizes"))
+        for name in ("max_ngram_size", "n_head_per_ngram", "head_dim", "compressed_vocab_size",
+                     "pad_id", "seed", "block"):
+            object.__setattr__(self, name, _strict_int(getattr(self, name), name))
         self._validate()
 
     def _validate(self) -> None:
         if not self.layer_ids or len(set(self.layer_ids)) != len(self.layer_ids):
             raise SpecError(f"layer_ids must be non-empty and distinct, got {self.layer_ids}")
-        if min(self.layer_ids) < 0:
-            raise SpecError(f"layer ids must be >= 0, got {self.layer_ids}")
-        if self.max_ngram_size < 2:
-            raise SpecError(f"max_ngram_size must be >= 2, got {self.max_ngram_size}")
+        _check_range("layer ids", min(self.layer_ids), 0, MAX_LAYER_ID)
+        _check_range("layer ids", max(self.layer_ids), 0, MAX_LAYER_ID)
+        _check_range("max_ngram_size", self.max_ngram_size, 2, MAX_NGRAM_SIZE)
         if len(self.engram_vocab_sizes) != self.max_ngram_size - 1:
             raise SpecError(f"engram_vocab_sizes needs one size per order 2..{self.max_ngram_size}"
                             f" ({self.max_ngram_size - 1}), got {len(self.engram_vocab_sizes)}")
-        if min(self.engram_vocab_sizes) < 2:
-            raise SpecError(f"engram vocab sizes must be >= 2, got {self.engram_vocab_sizes}")
-        if self.n_head_per_ngram < 1:
-            raise SpecError(f"n_head_per_ngram must be >= 1, got {self.n_head_per_ngram}")
-        if self.block < 1 or self.head_dim < 1 or self.head_dim % self.block:
+        _check_range("n_head_per_ngram", self.n_head_per_ngram, 1, MAX_HEADS_PER_NGRAM)
+        primes = len(self.layer_ids) * (self.max_ngram_size - 1) * self.n_head_per_ngram
+        if primes > MAX_PRIMES:
+            raise SpecError(f"{len(self.layer_ids)} layers x {self.max_ngram_size - 1} orders x "
+                            f"{self.n_head_per_ngram} heads need {primes} distinct primes, above "
+                            f"{MAX_PRIMES} (each is searched for at start-up: keep it under a "
+                            "second); use fewer layers, orders or heads")
+        for size in self.engram_vocab_sizes:
+            _check_range("engram vocab sizes", size, 2, MAX_VOCAB_SIZE)
+        _check_range("block", self.block, 1, MAX_HEAD_DIM)
+        _check_range("head_dim", self.head_dim, 1, MAX_HEAD_DIM)
+        if self.head_dim % self.block:
             raise SpecError(f"head_dim {self.head_dim} must be a positive multiple of the scale "
                             f"block {self.block}")
-        if self.compressed_vocab_size < 1:
-            raise SpecError(f"compressed_vocab_size must be >= 1, got "
-                            f"{self.compressed_vocab_size}")
+        # primes sit just above each vocab size; the slack covers the search
+        rows = self.n_head_per_ngram * sum(self.engram_vocab_sizes) * 2
+        if rows * self.row_bytes >= MAX_LAYER_BYTES:
+            raise SpecError(f"a layer of about {rows // 2} rows of {self.row_bytes} bytes is "
+                            f"beyond {MAX_LAYER_BYTES} bytes: its byte offsets would not fit "
+                            "int64; check engram_vocab_sizes and head_dim")
+        _check_range("compressed_vocab_size", self.compressed_vocab_size, 1, MAX_COMPRESSED_VOCAB)
+        if not 0 <= self.pad_id < self.compressed_vocab_size:
+            raise SpecError(f"pad_id {self.pad_id} is not a compressed id (0.."
+                            f"{self.compressed_vocab_size - 1}); pass the pad token's "
+                            "compressed id (token_map[pad token id])")
+        _check_range("seed", self.seed, 0, 2**63 - 1)
 
     # ------------------------------------------------------- named configs --
     @classmethod
@@ -224,29 +252,33 @@ class EngramSpec:
             token_map, int(np.max(token_map)) + 1)
         table = np.asarray(table, dtype=np.int64)
         field = _config_field(doc)
-        compressed = int(field("engram_compressed_vocab_size"))
+        compressed = field("engram_compressed_vocab_size")
         if size != compressed:
             raise SpecMismatchError(f"the token map has {size} compressed ids, the config's "
                                     f"engram_compressed_vocab_size is {compressed}: another "
                                     "tokenizer or normaliser")
-        pad = int(field("engram_pad_id"))
+        # vLLM 0.31.0 reads V4.1's shipped name; DeepSeek's model args call it engram_pad_id
+        pad_name = next((n for n in PAD_FIELDS if n in doc), PAD_FIELDS[0])
+        pad = field(pad_name)
         if not 0 <= pad < len(table):
-            raise SpecError(f"engram_pad_id {pad} is outside the token map of {len(table)} ids")
-        max_ngram = int(field("engram_max_ngram_size"))
-        vocab = field("engram_vocab_size")
-        vocab = [int(v) for v in vocab] if isinstance(vocab, (list, tuple)) else \
-            [int(vocab)] * (max_ngram - 1)
-        spec = cls(layer_ids=tuple(field("engram_layer_ids")), engram_vocab_sizes=tuple(vocab),
-                   max_ngram_size=max_ngram, n_head_per_ngram=int(field("engram_n_heads")),
-                   head_dim=int(field("engram_head_dim")), compressed_vocab_size=compressed,
-                   pad_id=int(table[pad]))
-        rows = doc.get("engram_num_embeddings")
-        if rows is not None:
-            rows = list(rows) if isinstance(rows, (list, tuple)) else [rows] * len(spec.layer_ids)
+            raise SpecError(f"{pad_name} {pad} is outside the token map of {len(table)} ids")
+        max_ngram = field("engram_max_ngram_size")
+        vocab = field("engram_vocab_size", list_ok=True)
+        vocab = vocab if isinstance(vocab, list) else [vocab] * (max_ngram - 1)
+        spec = cls(layer_ids=field("engram_layer_ids", list_ok=True),
+                   engram_vocab_sizes=vocab, max_ngram_size=max_ngram,
+                   n_head_per_ngram=field("engram_n_heads"), head_dim=field("engram_head_dim"),
+                   compressed_vocab_size=compressed, pad_id=int(table[pad]))
+        if "engram_num_embeddings" in doc:
+            rows = field("engram_num_embeddings", list_ok=True)
+            rows = rows if isinstance(rows, list) else [rows] * len(spec.layer_ids)
+            if len(rows) != len(spec.layer_ids):
+                raise SpecMismatchError(f"engram_num_embeddings has {len(rows)} entries, "
+                                        f"engram_layer_ids {len(spec.layer_ids)}: one per layer")
             for layer, want in zip(spec.layer_ids, rows):
-                if spec.rows(layer) != int(want):
+                if spec.rows(layer) != want:
                     raise SpecMismatchError(
-                        f"layer {layer}: engram_num_embeddings is {int(want)} but its primes "
+                        f"layer {layer}: engram_num_embeddings is {want} but its primes "
                         f"sum to {spec.rows(layer)}: the config's engram_vocab_size does not "
                         "describe this checkpoint's table")
         return spec
@@ -266,9 +298,35 @@ class EngramSpec:
 
 
 def _config_field(doc: dict):
-    def field(name: str):
+    """A reader of the config's integer fields (a list of them where
+    ``list_ok``), each type-checked: a null, float or string is a SpecError
+    naming the field."""
+    def field(name: str, list_ok: bool = False):
         if name not in doc:
             raise SpecError(f"the config has no {name!r}; is it a DeepSeek V4.1 config.json "
                             "with Engram layers?")
-        return doc[name]
+        value = doc[name]
+        if list_ok and isinstance(value, (list, tuple)):
+            return [_strict_int(v, f"config field {name!r} entry") for v in value]
+        return _strict_int(value, f"config field {name!r}")
     return field
+
+
+def _strict_int(value: Any, name: str) -> int:
+    """An int (Python or numpy), never a float, bool, string or None, which
+    int() would silently truncate or parse."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise SpecError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _int_tuple(values: Any, name: str) -> tuple[int, ...]:
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise SpecError(f"{name} must be a sequence of integers, got {type(values).__name__} "
+                        f"{values!r}")
+    return tuple(_strict_int(v, f"{name} entry") for v in values)
+
+
+def _check_range(name: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise SpecError(f"{name} must be in {low}..{high}, got {value}")

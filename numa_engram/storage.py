@@ -180,11 +180,13 @@ class BackingFile:
     @classmethod
     def attach(cls, path: str | None = None, *, fd: int | None = None,
                fingerprint: bytes | None = None, file_size: int | None = None,
-               writable: bool = False, key: ShardKey | None = None) -> BackingFile:
+               writable: bool = False, key: ShardKey | None = None,
+               layout_for: Callable[[int], Layout] | None = None) -> BackingFile:
         """Map an existing file (by path or an open fd) after checking that
         it is ours: no symlink, our uid, our magic and version, the expected
-        fingerprint, size and shard key.  Holds a shared lock on the file
-        while attached (gc's liveness test)."""
+        fingerprint, size and shard key, and (``layout_for(page size)``: the
+        layout this spec and shard imply) every field of its layout.  Holds
+        a shared lock on the file while attached (gc's liveness test)."""
         if (path is None) == (fd is None):
             raise ValueError("give exactly one of path= or fd=")
         where = path if path is not None else f"fd {fd}"
@@ -195,6 +197,8 @@ class BackingFile:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             header = _check_file(fd, where, fingerprint, file_size, key)
+            if layout_for is not None:
+                check_layout(header.layout, layout_for(header.layout.page_size), where)
             mapping = native.Mapping(fd, header.layout.file_size, writable,
                                      page_size=header.layout.page_size)
         except BaseException:
@@ -400,6 +404,26 @@ def _open_existing(path: str, writable: bool) -> int:
             raise StorageError(f"{path}: permission denied; a table is readable only by the "
                                "user that created it (mode 0600): run as that user") from exc
         raise StorageError(f"cannot open {path}: {exc.strerror}") from exc
+
+
+def check_layout(found: Layout, expected: Layout, where: str) -> None:
+    """A header's layout must be exactly the one the spec and shard imply:
+    a corrupt or foreign header is refused naming the first field that differs."""
+    if found.page_size != expected.page_size:
+        raise StorageError(f"{where} header: page size {found.page_size}, expected "
+                           f"{expected.page_size}")
+    if found.file_size != expected.file_size:
+        raise StorageError(f"{where} header: file size {found.file_size}, expected "
+                           f"{expected.file_size} for this spec and shard")
+    if len(found.regions) != len(expected.regions):
+        raise StorageError(f"{where} header: {len(found.regions)} regions, expected "
+                           f"{len(expected.regions)}")
+    for got, want in zip(found.regions, expected.regions):
+        for name in ("name", "offset", "length"):
+            if getattr(got, name) != getattr(want, name):
+                raise StorageError(f"{where} header: region {want.name!r} {name} is "
+                                   f"{getattr(got, name)!r}, expected {getattr(want, name)!r}; "
+                                   "a corrupt header or a table of another shape")
 
 
 def _check_file(fd: int, where: str, fingerprint: bytes | None,

@@ -16,14 +16,15 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from . import errors, hugepages, native, procfs
 from .accounting import check_memory
-from .checkpoint import Progress, TensorNames, checkpoint_files
+from .checkpoint import CheckpointPlan, Progress, TensorNames
+from .checkpoint import resolve as resolve_checkpoint
 from .errors import (
     NumaEngramError,
     PlacementError,
@@ -98,12 +99,13 @@ class MemberInfo:
 @dataclass(frozen=True)
 class Outcome:
     """What one member reports after a step: ok (with a value), or its
-    error as (type name, message)."""
+    error as (type name, message, structured fields)."""
 
     ok: bool
     error_type: str = ""
     message: str = ""
     value: Any = None
+    fields: dict = field(default_factory=dict)
 
 
 def _attempt(fn: Callable[[], Any]) -> tuple[Any, Outcome]:
@@ -113,7 +115,8 @@ def _attempt(fn: Callable[[], Any]) -> tuple[Any, Outcome]:
         return fn(), Outcome(True)
     except Exception as exc:
         log.debug("member step failed", exc_info=True)
-        return None, Outcome(False, type(exc).__name__, str(exc))
+        fields = exc.fields() if isinstance(exc, NumaEngramError) else {}
+        return None, Outcome(False, type(exc).__name__, str(exc), fields=fields)
 
 
 def _error_class(type_name: str) -> type[NumaEngramError] | None:
@@ -121,14 +124,23 @@ def _error_class(type_name: str) -> type[NumaEngramError] | None:
     return cls if isinstance(cls, type) and issubclass(cls, NumaEngramError) else None
 
 
+def _cause(outcomes: list[Outcome]) -> Outcome:
+    """The failure that explains the others: the first that is not a
+    loader's echo of another member's failed load."""
+    failed = [o for o in outcomes if not o.ok]
+    return next((o for o in failed if o.error_type != errors.PeerLoadFailed.__name__), failed[0])
+
+
 def _raise_failures(outcomes: list[Outcome], ranks: tuple[int, ...], step: str) -> None:
-    """The same exception in every member: our own classes as themselves,
-    anything else as MemberFailure; the message names every failing member."""
+    """The same exception in every member: the failing member's class (ours
+    as itself, with its fields; anything else as MemberFailure); the
+    message names every failing member."""
     failures = [(member, ranks[member] if member < len(ranks) else member, step,
                  o.error_type, o.message) for member, o in enumerate(outcomes) if not o.ok]
     if not failures:
         return
-    cls = _error_class(failures[0][3]) or errors.MemberFailure
+    cause = _cause(outcomes)
+    cls = _error_class(cause.error_type) or errors.MemberFailure
     if len(failures) == 1:
         member, rank, _, type_name, message = failures[0]
         text = (f"sharing group failed at step '{step}' on member {member} (rank {rank}): "
@@ -136,7 +148,7 @@ def _raise_failures(outcomes: list[Outcome], ranks: tuple[int, ...], step: str) 
     else:
         text = f"sharing group failed at step '{step}' on {len(failures)} members: " + "; ".join(
             f"member {m} (rank {r}) {t}: {msg}" for m, r, _, t, msg in failures)
-    exc = cls.from_message(text)
+    exc = cls.rebuild(text, cause.fields)
     exc.failures = failures
     raise exc
 
@@ -296,9 +308,9 @@ class SharedEngramTable:
         state: dict[str, Any] = {"backing": None, "registration": None, "report": None}
         try:
             # steps 1-7 (leader): plan, check, create, size, map, no THP, bind, populate, verify
-            path, plan, cooperative = _lead(grp, "create", lambda: _leader_create(
-                state, layout, spec.fingerprint, directory, placement, members, topology,
-                checkpoint, key, load_threads))
+            path, plan, cooperative, checkpoint = _lead(grp, "create", lambda: _leader_create(
+                state, layout, spec, directory, placement, members, topology,
+                checkpoint, names, key, load_threads))
             # who loads which rows: the members on the rows' node(s), else the leader
             parts = load_parts(shard.num_rows, [m.node for m in members], _bound_nodes(plan),
                                cooperative and checkpoint is not None)
@@ -341,12 +353,9 @@ class SharedEngramTable:
         same checks a peer makes (spec, size, layer and shard)."""
         _check_shard(spec, layer_id, shard)
         backing = BackingFile.attach(path, fd=fd, fingerprint=spec.fingerprint,
-                                     key=shard_key(layer_id, shard))
+                                     key=shard_key(layer_id, shard),
+                                     layout_for=lambda page: table_layout(spec, shard, page))
         try:
-            expected = table_layout(spec, shard, backing.layout.page_size).file_size
-            if backing.layout.file_size != expected:
-                raise StorageError(f"{backing.path} is {backing.layout.file_size} bytes, this "
-                                   f"shard needs {expected}")
             if backing.state != STATE_READY:
                 raise StorageError(f"table {backing.path} is not READY (its creator has not "
                                    "finished loading it); attach after create() returned")
@@ -696,16 +705,20 @@ def _reader_cpus(plan: PlacementPlan | None, topology: Topology) -> tuple[int, .
     return tuple(c for c in topology.node(weights.nodes[0]).cpus if c in allowed)
 
 
-def _leader_create(state: dict, layout, fingerprint, directory, placement, members, topology,
-                   checkpoint, key, threads: int) -> tuple[str, PlacementPlan | None, bool]:
-    if checkpoint is not None:
-        checkpoint_files(checkpoint)  # not a regular file: refused before anything exists
+def _leader_create(state: dict, layout, spec: EngramSpec, directory, placement, members,
+                   topology, checkpoint, names, key: ShardKey, threads: int
+                   ) -> tuple[str, PlacementPlan | None, bool, CheckpointPlan | None]:
+    # the whole checkpoint resolved (files, tensors, offsets, the spec) before
+    # anything exists: a wrong tensor fails in a second, not after a populate;
+    # the plan goes to every loader, which reads exactly those files
+    ckpt = None if checkpoint is None else resolve_checkpoint(checkpoint, spec, key.layer_id,
+                                                              names)
     plan = _plan(placement, layout, members, topology)
-    backing = BackingFile.create(layout, fingerprint, directory=directory, placement=plan,
+    backing = BackingFile.create(layout, spec.fingerprint, directory=directory, placement=plan,
                                  topology=topology, key=key, threads=threads)
     state["backing"] = backing
     state["report"] = verify(backing.mapping, plan) if plan is not None else None
-    return backing.path, plan, threads > 1
+    return backing.path, plan, threads > 1, ckpt
 
 
 def _member_map(state: dict, leader: bool, path: str, directory: str, spec: EngramSpec,
@@ -722,7 +735,7 @@ def _peer_attach(path: str, spec: EngramSpec, layout: Layout, key: ShardKey,
                  writable: bool = False) -> BackingFile:
     # writable only for a member that loads a part (sealed once loaded)
     backing = BackingFile.attach(path, fingerprint=spec.fingerprint, file_size=layout.file_size,
-                                 key=key, writable=writable)
+                                 key=key, writable=writable, layout_for=lambda page: layout)
     # map the pages now (cheap, no copy) so reads do not fault one by one
     native.madvise(backing.mapping, native.MADV_POPULATE_READ)
     return backing
@@ -765,8 +778,8 @@ def _default_load_threads() -> int:
 
 def _raise_unless(outcome: Outcome) -> None:
     if not outcome.ok:
-        raise (_error_class(outcome.error_type) or errors.MemberFailure).from_message(
-            outcome.message)
+        raise (_error_class(outcome.error_type) or errors.MemberFailure).rebuild(
+            outcome.message, outcome.fields)
 
 
 def _log_progress(layer_id: int) -> Progress:

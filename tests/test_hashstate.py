@@ -220,3 +220,35 @@ def test_replay_and_shape_errors():
     state.restore(1, 5, [1, 2, 3, 4, 5])
     row = state.hash(np.array([6]), [1], [5])[0]
     np.testing.assert_array_equal(row, expected([1, 2, 3, 4, 5, 6], 5))
+
+
+@pytest.mark.parametrize("call, text", [
+    (lambda s: s.hash([1, 2, 3], [0.9, 0.9, 1.7], [0, 1, 0]), "slots must be integers"),
+    (lambda s: s.hash([1, 2], [0, 0], [0.0, 1.99]), "positions must be integers"),
+    (lambda s: s.hash([1, 2], [0, 0], np.array([0, np.nan])), "positions must be integers"),
+    (lambda s: s.hash([1, 2], [True, True], [0, 1]), "slots must be integers"),
+    (lambda s: s.restore(0, 2, [1.7, 2.2]), "prefix_ids must be integers"),
+    (lambda s: s.restore(0, 2.0, [1, 2]), "position must be an integer, got float"),
+    (lambda s: s.release(1.5), "slot must be an integer, got float 1.5"),
+    (lambda s: s.hash([1], [0], [2**63 - 1]), "positions must be in 0..4611686018427387904"),
+    (lambda s: s.restore(0, 2**63 - 1, [1, 2, 3]), "restore position must be in 0.."),
+    (lambda s: s.hash([1], [0], np.array([2**64 - 1], dtype=np.uint64)), "beyond int64"),
+    (lambda s: s.hash([1], [0], [-1]), "positions must be in 0.."),
+])
+def test_floats_nan_and_wrapping_positions_are_refused_never_truncated(call, text):
+    state = HashState(SPEC, max_requests=4)
+    before = (state._hist.copy(), state._next.copy())
+    with pytest.raises(SpecError, match=text.replace("(", r"\(").replace(")", r"\)")):
+        call(state)
+    np.testing.assert_array_equal(state._hist, before[0])  # nothing half-done
+    np.testing.assert_array_equal(state._next, before[1])
+
+
+def test_integer_inputs_of_any_integer_kind_still_work():
+    state = HashState(SPEC, max_requests=4)
+    a = state.hash(np.array([5, 6], np.int32), np.array([1, 1], np.uint8), [0, 1])
+    state.release(np.int64(1))
+    b = state.hash([5, 6], [1, 1], np.array([0, 1], np.int16))
+    np.testing.assert_array_equal(a, b)
+    state.restore(2, 3, np.array([4, 5, 6], np.int32))
+    assert state.next_position(2) == 3
