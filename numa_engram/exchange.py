@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import LookupIdError, TopologyError
+from .errors import LookupIdError, SpecError, TopologyError
 from .lookup import OutputPool, check_hash_ids, check_ids_in_range, id_base
 from .sharding import DEAD_ID, ShardInfo, shard_heads
 from .spec import EngramSpec
@@ -72,6 +72,10 @@ class DPShardedLookup:
 
         from .group import Group
 
+        if not isinstance(heads, ShardedHeads):
+            raise SpecError(f"heads must be the ShardedHeads of the layer (ShardedHeads.of(spec, "
+                            f"layer, tp, edp, tp_rank)), got {type(heads).__name__}; a member's "
+                            "ShardInfo is heads.members[edp_rank], which the table holds")
         if isinstance(process_group, Group):
             if process_group.process_group is None and process_group.size > 1:
                 raise TopologyError("DP-sharded lookups need tensor all-gather and all-to-all: "

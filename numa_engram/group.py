@@ -12,8 +12,11 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import queue
 import socket
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -89,6 +92,7 @@ class TorchGroup:
         self.ranks = tuple(dist.get_process_group_ranks(process_group)) if process_group \
             else tuple(range(self.size))
         self.leader_global_rank = self.ranks[0]
+        self._roll = RollCall(self.ranks, dist.get_rank())
 
     @property
     def process_group(self):
@@ -107,13 +111,14 @@ class TorchGroup:
         """Start an async collective and wait at most timeout_s for it: a
         member that is stopped (SIGSTOP) or hung never answers, and gloo's
         own timeout does not fire then; the wait's does."""
+        call = self._roll.arrive()
         try:
             start().wait(timeout=timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:  # gloo: timeout, or a peer's socket closed
             raise GroupTimeout(
                 f"step '{step}': the sharing group {list(self.ranks)} did not complete within "
-                f"{self.timeout_s:.0f} s or a member died ({str(exc).splitlines()[0][:200]})"
-            ) from exc
+                f"{self.timeout_s:.0f} s or a member died; {self._roll.absent(call)} "
+                f"({str(exc).splitlines()[0][:200]})") from exc
 
     def _bytes(self, step: str, data: bytes | None, src: int | None) -> list[bytes]:
         """All members' byte strings (src=None), or the src member's."""
@@ -149,6 +154,74 @@ class TorchGroup:
         self.all_gather(None, step)
 
 
+class RollCall:
+    """Who reached each collective of a group, through torch.distributed's
+    rendezvous store: a member writes a key as it arrives, and a member that
+    timed out reads whose keys are missing.  Store calls run on one worker
+    thread, so a store whose host (rank 0) is stopped never blocks the
+    collective itself, and the read is bounded.  Members number their
+    groups of the same ranks in creation order, and their collectives in
+    call order: the protocol makes the same calls in every member."""
+
+    _instances: dict[tuple[int, ...], int] = {}
+    _lock = threading.Lock()
+    READ_TIMEOUT_S = 2.0
+
+    def __init__(self, ranks: tuple[int, ...], me: int) -> None:
+        with RollCall._lock:  # members create their groups in the same order
+            instance = RollCall._instances.get(ranks, 0)
+            RollCall._instances[ranks] = instance + 1
+        self._prefix = f"numa_engram/arrived/{'-'.join(map(str, ranks))}/{instance}"
+        self._ranks, self._me, self._calls = ranks, me, 0
+        self._jobs: queue.SimpleQueue | None = None
+
+    def _submit(self, fn) -> Future:
+        """Run fn on this roll call's worker, a daemon thread (a store call
+        stuck on a stopped host must not hold up the interpreter's exit)."""
+        if self._jobs is None:
+            jobs: queue.SimpleQueue = queue.SimpleQueue()
+
+            def work() -> None:
+                while True:
+                    job, future = jobs.get()
+                    try:
+                        future.set_result(job())
+                    except Exception as exc:
+                        future.set_exception(exc)
+            threading.Thread(target=work, name="numa-engram-rollcall", daemon=True).start()
+            self._jobs = jobs
+        future: Future = Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def _store(self):
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+
+    def arrive(self) -> int:
+        """Mark this member's arrival at the next collective (in the
+        background); returns the collective's number."""
+        call, self._calls = self._calls, self._calls + 1
+        key = f"{self._prefix}/{call}/{self._me}"
+        self._submit(lambda: self._store().set(key, "1"))
+        return call
+
+    def absent(self, call: int) -> str:
+        """'members [world ranks] did not arrive', or why that is unknown."""
+        def read() -> list[int]:
+            store = self._store()
+            return [r for r in self._ranks if not store.check([f"{self._prefix}/{call}/{r}"])]
+        try:
+            missing = self._submit(read).result(timeout=self.READ_TIMEOUT_S)
+        except Exception:  # the store's host may be the member that is gone
+            return ("which members did not arrive is unknown (the rendezvous store, kept by "
+                    "world rank 0, did not answer: that rank may be stopped or dead)")
+        if not missing:
+            return "every member arrived (one died or hung inside the collective)"
+        return f"member(s) at world rank(s) {missing} did not arrive"
+
+
 def as_group(group: Any, timeout_s: float = 300.0) -> Group:
     """Adapt what a serving stack has to a Group: our groups and any object
     with the Group surface as they are; an object with vLLM's
@@ -181,10 +254,13 @@ class RankIdentity:
     socket: int | None
     hostname: str
     mount_ns: str
+    # the group the caller put this rank in (a WorldLayout's arithmetic or a
+    # within= list), or None: measured identity may split it, never widen it
+    limit: tuple[int, ...] | None = None
 
     def key(self, per_socket: bool) -> tuple:
         return (self.tp_rank, self.boot_id, self.uid, self.directory,
-                self.socket if per_socket else None)
+                self.socket if per_socket else None, self.limit)
 
     def describe(self, per_socket: bool) -> str:
         text = (f"tp_rank {self.tp_rank}, boot {self.boot_id[:8]}, uid {self.uid}, "
@@ -193,10 +269,27 @@ class RankIdentity:
 
 
 def local_identity(rank: int, tp_rank: int, directory: str,
-                   numa_socket: int | None = None) -> RankIdentity:
+                   numa_socket: int | None = None,
+                   limit: tuple[int, ...] | None = None) -> RankIdentity:
     return RankIdentity(rank, tp_rank, procfs.boot_id().hex(), os.geteuid(),
                         directory_id(directory), numa_socket, socket.gethostname(),
-                        procfs.namespace("mnt"))
+                        procfs.namespace("mnt"), limit)
+
+
+def _caller_limit(rank: int, layout: WorldLayout | None, socket_of: Sequence[int] | None,
+                  within: Sequence[Sequence[int]] | None) -> tuple[int, ...] | None:
+    """The ranks the caller allows ``rank`` to share with: its layout group
+    intersected with its within= group (None: no limit given)."""
+    allowed: set[int] | None = None
+    if layout is not None:
+        allowed = set(layout.edp_group(rank, socket_of))
+    if within is not None:
+        mine = [tuple(int(r) for r in g) for g in within if rank in g]
+        if len(mine) != 1:
+            raise TopologyError(f"within= must put rank {rank} in exactly one group, it is in "
+                                f"{len(mine)}: {[list(g) for g in mine]}")
+        allowed = set(mine[0]) if allowed is None else allowed & set(mine[0])
+    return None if allowed is None else tuple(sorted(allowed))
 
 
 def identity_groups(identities: Sequence[RankIdentity],
@@ -212,7 +305,8 @@ def identity_groups(identities: Sequence[RankIdentity],
 def sharing_groups(world_group: Any = None, *, tp_rank: int | None = None,
                    device: int | None = None, per_socket: bool = False,
                    directory: str = "/dev/shm", timeout_s: float = 300.0,
-                   socket_of: Sequence[int] | None = None) -> TorchGroup:
+                   socket_of: Sequence[int] | None = None,
+                   within: Sequence[Sequence[int]] | None = None) -> TorchGroup:
     """Form every sharing group of the world from where the ranks really are
     (a collective: every rank of ``world_group``, default the whole world,
     calls it) and return this rank's: the ranks with the same ``tp_rank``
@@ -220,10 +314,13 @@ def sharing_groups(world_group: Any = None, *, tp_rank: int | None = None,
     ``per_socket`` splits them by the NUMA node of each rank's GPU
     (``device``): one copy per socket, the replicate-per-node layout.
 
-    A ``WorldLayout`` passed first is still accepted (tp from it, the TP
-    rank from the world rank, ``socket_of`` the node of each rank's GPU);
-    where its arithmetic and the measured identities disagree, the measured
-    ones win and the difference is logged."""
+    A ``WorldLayout`` passed first limits the groups to its arithmetic (tp
+    from it, the TP rank from the world rank, ``socket_of`` the node of each
+    rank's GPU), and ``within`` (world rank groups, e.g. a serving stack's
+    own EDP groups) likewise: the groups are the intersection of what the
+    caller asked for and what the measured identities allow.  Measured
+    identity may split a group the caller formed (members that cannot share
+    a file), never merge ranks the caller put apart; a split is logged."""
     import torch.distributed as dist
 
     layout = world_group if isinstance(world_group, WorldLayout) else None
@@ -239,8 +336,10 @@ def sharing_groups(world_group: Any = None, *, tp_rank: int | None = None,
         per_socket, numa_socket = True, int(socket_of[me])
     elif per_socket:
         numa_socket = gpu_node(device)
+    limit = _caller_limit(me, layout, socket_of, within)
     world = TorchGroup(world_group, timeout_s)
-    identities = world.all_gather(local_identity(me, tp_rank, directory, numa_socket), "identity")
+    identities = world.all_gather(local_identity(me, tp_rank, directory, numa_socket, limit),
+                                  "identity")
     groups = identity_groups(identities, per_socket)
     mine = None
     for ranks in groups:
@@ -257,12 +356,10 @@ def sharing_groups(world_group: Any = None, *, tp_rank: int | None = None,
     assert mine is not None  # every rank is in exactly one group
     ident = next(i for i in identities if i.rank == me)
     mine.identity = ident.describe(per_socket)
-    if layout is not None:
-        planned = layout.edp_group(me, socket_of)
-        if tuple(planned) != tuple(mine.ranks):
-            log.warning("rank %d: the layout's arithmetic gives sharing group %s, the measured "
-                        "identities %s; using the measured one", me, list(planned),
-                        list(mine.ranks))
+    if limit is not None and limit != tuple(mine.ranks):
+        log.warning("rank %d: the caller's layout or within= gives sharing group %s; the "
+                    "measured identities allow only %s, which is used", me, list(limit),
+                    list(mine.ranks))
     log.info("rank %d: sharing group %s (%s; host %s, mount ns %s)", me, list(mine.ranks),
              mine.identity, ident.hostname, ident.mount_ns)
     return mine

@@ -96,6 +96,33 @@ def check_mount(directory: str, page_size: int) -> None:
                            "leave the default and let the mount be found")
 
 
+def check_mount_room(directory: str, size: int, page_size: int) -> None:
+    """A hugetlbfs mount with ``size=`` holds at most that many bytes of
+    pages (statvfs reports it; 0 blocks: no limit): CapacityError naming the
+    limit and the remount that lifts it."""
+    free, total = native.statvfs(directory)
+    need = -(-size // page_size) * page_size
+    if total and need > free:
+        raise CapacityError(
+            f"the hugetlbfs mount {directory} is limited to {total / 2**30:.2f} GiB (size=) "
+            f"with {free / 2**30:.2f} GiB free, but the table needs {need / 2**30:.2f} GiB; "
+            f"raise it: mount -o remount,size={-(-(total - free + need) // 2**20)}M {directory}")
+
+
+def out_of_pages(size: int, page_size: int, directory: str | None, call: str) -> CapacityError:
+    """What ENOMEM from mapping or populating a hugetlb table means: the pool
+    (or the mount's size= limit) ran out after the up-front checks, e.g.
+    another process took pages meanwhile."""
+    name = name_of(page_size)
+    pages = -(-size // page_size)
+    total = pool_pages(page_size, what="nr_hugepages")
+    where = (f" or the hugetlbfs mount {directory} (size=) is full" if directory else "")
+    return CapacityError(
+        f"{call}: the {name} huge page pool ran out ({pool_pages(page_size)} of {total} free, "
+        f"{pages} needed){where}: another process may have taken pages since the check; "
+        f"reserve more ({_fix(page_size, None, total + pages)}) and retry")
+
+
 def memfd_flags(page_size: int) -> int:
     """memfd_create flags for a private table on these pages."""
     flags = native.MFD_CLOEXEC

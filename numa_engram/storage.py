@@ -7,6 +7,7 @@ sequence; ``attach`` is what a peer does in step 8.  No torch here.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -22,7 +23,7 @@ import numpy as np
 from . import hugepages, native, procfs
 from .accounting import check_memory
 from .chunks import for_each_chunk
-from .errors import CapacityError, SpecMismatchError, StorageError
+from .errors import CapacityError, SpecMismatchError, StorageError, SyscallError
 from .fileformat import (
     DEFAULT_DIRECTORY,
     FORMAT_VERSION,
@@ -159,7 +160,7 @@ class BackingFile:
         path, fd = _create_exclusive(directory, page)                # 2
         try:
             os.ftruncate(fd, layout.file_size)                       # 3
-            mapping = native.Mapping(fd, layout.file_size, page_size=page)
+            mapping = _map_new(fd, layout, directory)
             header = _new_header(layout, fingerprint, key, placement)
             # through the mapping: hugetlbfs refuses write(2) (EINVAL)
             mapping.array(0, HEADER_BYTES)[:] = np.frombuffer(header.pack(), np.uint8)
@@ -168,7 +169,13 @@ class BackingFile:
             if placement is not None:
                 placement.apply(mapping, topology)                   # 5
             if populate:                                             # 6
-                _populate(fd, mapping, path, progress, threads)
+                try:
+                    _populate(fd, mapping, path, progress, threads)
+                except SyscallError as exc:
+                    if exc.errno != errno.ENOMEM or not hugepages.is_huge(page):
+                        raise
+                    raise hugepages.out_of_pages(layout.file_size, page, directory,
+                                                 "populate") from exc
         except BaseException:
             _remove(path, fd)
             raise
@@ -289,6 +296,18 @@ class BackingFile:
         self.close()
 
 
+def _map_new(fd: int, layout: Layout, directory: str | None) -> native.Mapping:
+    """The creator's mapping; on hugetlb, mmap reserves the pages, so ENOMEM
+    there is the pool (or the mount) running out: a CapacityError."""
+    try:
+        return native.Mapping(fd, layout.file_size, page_size=layout.page_size)
+    except SyscallError as exc:
+        if exc.errno != errno.ENOMEM or not hugepages.is_huge(layout.page_size):
+            raise
+        raise hugepages.out_of_pages(layout.file_size, layout.page_size, directory,
+                                     "mmap") from exc
+
+
 def _check_room(layout: Layout, directory: str | None, placement: RangePolicy | None,
                 topology: Topology | None) -> None:
     """Step 1: the directory, the plan and the memory (or the huge page
@@ -318,6 +337,7 @@ def check_directory_room(directory: str, layout: Layout) -> None:
         return
     check_directory(directory)
     hugepages.check_mount(directory, page)
+    hugepages.check_mount_room(directory, layout.file_size, page)
 
 
 def _populate(fd: int, mapping: native.Mapping, path: str,

@@ -9,6 +9,7 @@ in every member and nothing left in /dev/shm.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -28,6 +29,7 @@ from .checkpoint import resolve as resolve_checkpoint
 from .errors import (
     NumaEngramError,
     PlacementError,
+    SpecError,
     SpecMismatchError,
     StorageError,
     TopologyError,
@@ -45,6 +47,7 @@ from .topology import Topology, current_node
 log = logging.getLogger(__name__)
 
 CREATE_MODES = ("auto", "dp_shared", "independent")
+DEFAULT_POLICY = "gpu-local"
 # Test hook: called with "before-<step>" and "after-<step>" of each protocol
 # step (join, decide, create, map, unlink, load, ready; and "load-progress")
 # e.g. to kill the leader between create and unlink.  None in production.
@@ -94,6 +97,7 @@ class MemberInfo:
     directory: str = ""
     page_size: int = native.PAGE_SIZE
     directory_problem: str = ""  # why this member has no directory for the table
+    placement: str | None = None  # as this member asked for it (None: follow the leader)
 
 
 @dataclass(frozen=True)
@@ -256,7 +260,7 @@ class SharedEngramTable:
         Every member ends the same way: all return a table, or all raise the
         same class (our own, or MemberFailure) naming every failing member."""
         if mode not in CREATE_MODES:
-            raise ValueError(f"mode must be one of {CREATE_MODES}, got {mode!r}")
+            raise SpecError(f"mode must be one of {CREATE_MODES}, got {mode!r}")
         _check_shard(spec, layer_id, shard)
         page = hugepages.parse_page_size(page_size)
         grp = _as_group(group, timeout_s)
@@ -276,19 +280,26 @@ class SharedEngramTable:
         layout = table_layout(spec, shard, page_size)
         key = shard_key(layer_id, shard)
         me, joined = _attempt(lambda: _member_info(grp, topo, register_device, spec, key, mode,
-                                                   directory, page_size))
+                                                   directory, page_size, placement, layout))
         _, outcomes = _all(grp, "join", lambda: _raise_unless(joined) or me)     # everyone here
         _raise_failures(outcomes, grp.ranks, "join")
         members = [o.value for o in outcomes]
         directory = me.directory or None  # this member's (a hugetlbfs mount for huge pages)
-        actual, reason = _lead(grp, "decide", lambda: _decide(mode, members, layout, directory))
+        # the leader resolves the whole checkpoint (files, tensors, offsets, the
+        # spec) before anything is decided or allocated: a wrong tensor fails
+        # in a second, not after a populate; every loader reads that plan
+        actual, reason, ckpt = _lead(grp, "decide", lambda: (
+            *_decide(mode, members, layout, directory),
+            _resolve(checkpoint, spec, layer_id, names)))
         if actual == "independent":
             if reason and grp.size > 1:
                 log.warning("Engram layer %d: sharing falls back to independent copies: %s",
                             layer_id, reason)
+                if grp.rank != 0:  # another host may keep the checkpoint elsewhere
+                    ckpt = _resolve(checkpoint, spec, layer_id, names)
             # a private copy needs no path: an anonymous memfd, never in /dev/shm
             grp, members, directory = SingleProcessGroup(), [me], None
-        args = dict(placement=placement, directory=directory, checkpoint=checkpoint,
+        args = dict(placement=placement, directory=directory, checkpoint=ckpt,
                     register_device=register_device, topology=topo, names=names,
                     progress=progress, timeout_s=timeout_s, key=key,
                     load_threads=load_threads)
@@ -308,9 +319,9 @@ class SharedEngramTable:
         state: dict[str, Any] = {"backing": None, "registration": None, "report": None}
         try:
             # steps 1-7 (leader): plan, check, create, size, map, no THP, bind, populate, verify
-            path, plan, cooperative, checkpoint = _lead(grp, "create", lambda: _leader_create(
-                state, layout, spec, directory, placement, members, topology,
-                checkpoint, names, key, load_threads))
+            path, plan, cooperative = _lead(grp, "create", lambda: _leader_create(
+                state, layout, spec.fingerprint, directory, placement, members, topology,
+                key, load_threads))
             # who loads which rows: the members on the rows' node(s), else the leader
             parts = load_parts(shard.num_rows, [m.node for m in members], _bound_nodes(plan),
                                cooperative and checkpoint is not None)
@@ -579,7 +590,8 @@ def shard_key(layer_id: int, shard: ShardInfo) -> ShardKey:
 
 
 def _member_info(grp: Group, topo: Topology, device: int | None, spec: EngramSpec,
-                 key: ShardKey, mode: str, directory: str, page_size: int) -> MemberInfo:
+                 key: ShardKey, mode: str, directory: str, page_size: int, placement: Any,
+                 layout: Layout) -> MemberInfo:
     # huge pages: this member's hugetlbfs mount of that size (a container may
     # mount it elsewhere; the identity check then compares the file systems).
     # None, with the reason, where there is none: a private copy (memfd)
@@ -589,10 +601,36 @@ def _member_info(grp: Group, topo: Topology, device: int | None, spec: EngramSpe
         directory = hugepages.resolve_directory(directory, page_size, DEFAULT_DIRECTORY)
     except StorageError as exc:
         directory, problem = None, str(exc)
-    return MemberInfo(grp.ranks[grp.rank], os.getpid(), os.geteuid(), _member_node(topo, device),
+    if device is not None:  # before the leader allocates anything
+        _check_device(device)
+    node = _member_node(topo, device)
+    if placement is not None:  # this member's own argument, valid on its own host
+        reader = MemberInfo(0, 0, 0, node, device, b"")
+        _plan(placement, layout, [reader], topo)
+    return MemberInfo(grp.ranks[grp.rank], os.getpid(), os.geteuid(), node,
                       device, spec.fingerprint, key, mode, procfs.boot_id(),
                       directory_id(directory) if directory else None, socket.gethostname(),
-                      directory or "", page_size, problem)
+                      directory or "", page_size, problem, _placement_text(placement))
+
+
+def _placement_text(placement: Any) -> str | None:
+    """What members compare: the policy string, or a plan's JSON."""
+    if placement is None or isinstance(placement, str):
+        return placement
+    if isinstance(placement, PlacementPlan):
+        return json.dumps(placement.to_dict(), sort_keys=True)
+    return repr(placement)
+
+
+def _check_device(device: Any) -> None:
+    from . import cuda
+
+    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+        raise SpecError(f"register_device must be a CUDA device index >= 0, got {device!r}")
+    ok, why = cuda.available()
+    if not ok:
+        raise errors.CudaUnavailable(f"register_device={device}: {why}; pass "
+                                     "register_device=None to keep the table on the CPU")
 
 
 def _check_agreement(members: list[MemberInfo]) -> None:
@@ -611,11 +649,20 @@ def _check_agreement(members: list[MemberInfo]) -> None:
             raise TopologyError(f"rank {m.rank} asked for mode {m.mode!r}, the leader (rank "
                                 f"{first.rank}) for {first.mode!r}; every member must pass the "
                                 "same mode")
+        if m.placement is not None and m.placement != _leader_placement(first):
+            raise SpecMismatchError(f"rank {m.rank} asked for placement {m.placement!r}, the "
+                                    f"leader (rank {first.rank}) for "
+                                    f"{_leader_placement(first)!r}; every member must pass the "
+                                    "same placement, or None to follow the leader")
         if m.page_size != first.page_size:
             raise StorageError(f"rank {m.rank} asked for {hugepages.name_of(m.page_size)} "
                                f"pages, the leader (rank {first.rank}) for "
                                f"{hugepages.name_of(first.page_size)}; every member must pass "
                                "the same page_size")
+
+
+def _leader_placement(leader: MemberInfo) -> str:
+    return leader.placement or DEFAULT_POLICY
 
 
 def _identity_difference(members: list[MemberInfo]) -> str:
@@ -674,7 +721,7 @@ def _plan(placement, layout: Layout, members: list[MemberInfo],
         raise PlacementError(f"placement must be a policy string (e.g. 'gpu-local', 'node:0', "
                              f"'interleave') or a PlacementPlan, got {type(placement).__name__} "
                              f"{placement!r}")
-    policy = placement or "gpu-local"
+    policy = placement or DEFAULT_POLICY
     readers = tuple(m.node for m in members)
     regions = [Region(r.name, r.offset, r.length, readers) for r in layout.regions]
     return plan_placement(policy, regions, topology)
@@ -705,20 +752,19 @@ def _reader_cpus(plan: PlacementPlan | None, topology: Topology) -> tuple[int, .
     return tuple(c for c in topology.node(weights.nodes[0]).cpus if c in allowed)
 
 
-def _leader_create(state: dict, layout, spec: EngramSpec, directory, placement, members,
-                   topology, checkpoint, names, key: ShardKey, threads: int
-                   ) -> tuple[str, PlacementPlan | None, bool, CheckpointPlan | None]:
-    # the whole checkpoint resolved (files, tensors, offsets, the spec) before
-    # anything exists: a wrong tensor fails in a second, not after a populate;
-    # the plan goes to every loader, which reads exactly those files
-    ckpt = None if checkpoint is None else resolve_checkpoint(checkpoint, spec, key.layer_id,
-                                                              names)
+def _resolve(checkpoint: Any, spec: EngramSpec, layer_id: int,
+             names: TensorNames | None) -> CheckpointPlan | None:
+    return None if checkpoint is None else resolve_checkpoint(checkpoint, spec, layer_id, names)
+
+
+def _leader_create(state: dict, layout, fingerprint, directory, placement, members, topology,
+                   key: ShardKey, threads: int) -> tuple[str, PlacementPlan | None, bool]:
     plan = _plan(placement, layout, members, topology)
-    backing = BackingFile.create(layout, spec.fingerprint, directory=directory, placement=plan,
+    backing = BackingFile.create(layout, fingerprint, directory=directory, placement=plan,
                                  topology=topology, key=key, threads=threads)
     state["backing"] = backing
     state["report"] = verify(backing.mapping, plan) if plan is not None else None
-    return backing.path, plan, threads > 1, ckpt
+    return backing.path, plan, threads > 1
 
 
 def _member_map(state: dict, leader: bool, path: str, directory: str, spec: EngramSpec,
