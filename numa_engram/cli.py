@@ -12,10 +12,12 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 import time
 
-from .errors import NumaEngramError, StorageError
+from .errors import NumaEngramError, StorageError, TopologyError
 
 SIMULATE = re.compile(r"^(\d+)x(\d+)$", re.IGNORECASE)
 
@@ -47,6 +49,22 @@ def int_at_least(minimum: int):
 
 
 positive_int, non_negative_int = int_at_least(1), int_at_least(0)
+
+
+def non_negative_seconds(text: str) -> float:
+    """An argparse type: seconds >= 0 (checked before anything is created)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
+
+
+# plan lays out every rank of the world; beyond this many GPUs the answer
+# takes seconds and megabytes, and no deployment is that large
+MAX_PLAN_WORLD = 4096
 
 
 def page_size_arg(text: str) -> int:
@@ -297,6 +315,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .sharding import WorldLayout
     from .units import fmt_bytes, node_list, text_table, unit_for
 
+    if args.tp * args.dp > MAX_PLAN_WORLD:
+        raise TopologyError(f"--tp {args.tp} x --dp {args.dp} is {args.tp * args.dp} GPUs, above "
+                            f"the {MAX_PLAN_WORLD} a plan lays out; plan the hosts one "
+                            "deployment really has")
     spec, topo = load_spec(args.spec), load_topology(args.simulate)
     per_host = args.gpus_per_host or max(1, len(topo.gpus)) or args.tp * args.dp
     layout = WorldLayout(args.tp, args.dp, per_host)
@@ -437,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="4K (shmem), 2M or 1G (hugetlb: needs a reserved pool per node)")
     sp.add_argument("--threads", type=positive_int, default=1,
                     help="threads populating huge pages")
-    sp.add_argument("--hold", type=float, default=0,
+    sp.add_argument("--hold", type=non_negative_seconds, default=0,
                     help="seconds to keep it before removing")
     sp = add("verify", cmd_verify, "report where a table's pages are (file or live process)")
     sp.add_argument("path", nargs="?", help="a table file")
@@ -505,12 +527,34 @@ POLICY_HELP = ("gpu-local, node:N, bind:NODES (e.g. 0-1), preferred:N, interleav
                "interleave:NODES (e.g. 0,2), replicate-per-node or none")
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP, raised where the command is, so every ``with`` and
+    ``finally`` on the way out cleans up (as KeyboardInterrupt does for SIGINT)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2), stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
+    # (only the main thread may set handlers: an embedding caller's thread keeps its own)
+    handled = {sig: signal.signal(sig, _raise_terminated)
+               for sig in (signal.SIGTERM, signal.SIGHUP)
+               if threading.current_thread() is threading.main_thread()}
     try:
         return args.func(args)
+    except (KeyboardInterrupt, Terminated) as exc:
+        signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
+        print(f"numa-engram {args.command}: stopped by {signal.Signals(signum).name}; what it "
+              "had created is removed", file=sys.stderr)
+        return 128 + signum
     except (NumaEngramError, OSError, ValueError) as exc:
         if args.verbose:
             raise
@@ -522,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"numa-engram {args.command}: unexpected {type(exc).__name__}: {_one_line(exc)}; "
               "run with -v for the traceback", file=sys.stderr)
         return 2
+    finally:
+        for sig, previous in handled.items():
+            signal.signal(sig, previous)
 
 
 def _one_line(exc: BaseException) -> str:

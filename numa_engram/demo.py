@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import signal
 import socket
+import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -25,6 +27,9 @@ def _free_port() -> int:
 
 def _replica(rank: int, procs: int, port: int, spec_doc: dict, ckpt: str, directory: str,
              tokens: int, policy: str, conn, show_progress: bool = False) -> None:
+    # the parent stops us with SIGTERM when it is stopped: unwind, so a table
+    # being created is removed on the way out
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     import torch
     import torch.distributed as dist
 
@@ -99,20 +104,31 @@ def run_demo(spec_name: str = "small", procs: int = 2, directory: str = "/dev/sh
                                                       directory, tokens, policy, pipes[r][1],
                                                       show_progress))
                    for r in range(procs)]
-        for w in workers:
-            w.start()
-        for _, child in pipes:
-            child.close()
-        results = []
-        for r, (parent, _) in enumerate(pipes):
-            try:
-                results.append(json.loads(parent.recv()) if parent.poll(600) else
-                               {"rank": r, "ok": False, "error": "no answer in 600 s"})
-            except EOFError:
-                results.append({"rank": r, "ok": False, "error": "replica died"})
-        for w in workers:
-            w.join(10)
+        try:
+            for w in workers:
+                w.start()
+            for _, child in pipes:
+                child.close()
+            results = _collect(pipes)
+        finally:  # also when this process is interrupted: stop the replicas it started
+            for w in workers:
+                if w.pid is not None:
+                    w.join(10 if not sys.exc_info()[0] else 0)
+                    if w.is_alive():
+                        w.terminate()
+                        w.join()
     return _summarise(spec, procs, results)
+
+
+def _collect(pipes) -> list[dict]:
+    results = []
+    for r, (parent, _) in enumerate(pipes):
+        try:
+            results.append(json.loads(parent.recv()) if parent.poll(600) else
+                           {"rank": r, "ok": False, "error": "no answer in 600 s"})
+        except EOFError:
+            results.append({"rank": r, "ok": False, "error": "replica died"})
+    return results
 
 
 def _summarise(spec, procs: int, results: list[dict]) -> dict:

@@ -162,10 +162,15 @@ class EngramSpec:
             return named[name]()
         try:
             with open(name) as fh:
-                return cls.from_dict(json.load(fh))
+                doc = json.load(fh)
         except OSError as exc:
             raise SpecError(f"{name!r} is neither one of {sorted(named)} nor a readable JSON "
                             f"spec file ({exc.strerror})") from exc
+        except (ValueError, RecursionError):
+            raise SpecError(f"spec file {name!r} is not JSON; write the spec as a JSON object "
+                            "(EngramSpec.to_dict()) or name one of "
+                            f"{sorted(named)}") from None
+        return cls.from_dict(doc)
 
     # ------------------------------------------------------------ derived --
     @property
@@ -285,6 +290,9 @@ class EngramSpec:
 
     @classmethod
     def from_dict(cls, doc: dict) -> EngramSpec:
+        if not isinstance(doc, dict):
+            raise SpecError(f"an Engram spec is a JSON object of its fields, got "
+                            f"{type(doc).__name__}")
         try:
             return cls(**doc)
         except TypeError as exc:

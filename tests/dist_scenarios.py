@@ -227,17 +227,23 @@ def other_page_size(rank, world, *, directory):
     return {}
 
 
-def split_load(rank, world, *, checkpoint, fail_rank=None):
+def split_load(rank, world, *, checkpoint, fail_rank=None, error="foreign"):
     """The whole table on one sharing group with a checkpoint: who loaded how
     much (the progress slots), and whether the rows are exact; ``fail_rank``
-    raises in the middle of its part."""
+    raises in the middle of its part (``error``: a foreign OSError, our
+    CheckpointError, or ``truncate``: it cuts the checkpoint file before
+    its load, a real truncation the others may or may not meet)."""
     import numa_engram.table as table_mod
+    from numa_engram.errors import CheckpointError
     from numa_engram.loading import DONE
 
     if rank == fail_rank:
         def hook(step):
-            if step == "load-progress":
-                raise OSError(5, f"disk gone under rank {rank}")
+            if error == "truncate" and step == "before-load":
+                os.truncate(checkpoint, os.path.getsize(checkpoint) // 2)
+            elif error != "truncate" and step == "load-progress":
+                raise (OSError(5, f"disk gone under rank {rank}") if error == "foreign" else
+                       CheckpointError(f"bad rows under rank {rank}"))
         table_mod._STEP_HOOK = hook
     spec = make_spec(1000)
     t0 = time.monotonic()
@@ -277,7 +283,9 @@ def peer_raises(rank, world, *, error):
         _whole_table_on_world(make_spec(200), 30)
     except Exception as exc:
         return {"raised": type(exc).__name__, "text": str(exc),
-                "failures": [list(f) for f in getattr(exc, "failures", [])]}
+                "failures": [list(f) for f in getattr(exc, "failures", [])],
+                "errno": getattr(exc, "errno", None), "call": getattr(exc, "call", None),
+                "is_oserror": isinstance(exc, OSError)}
     return {"raised": None}
 
 
@@ -427,3 +435,38 @@ def coordinator_group(rank, world):
     own.close()
     return {"report": report, "exact": bool(np.array_equal(
         got.view(torch.int16).numpy(), want.view(torch.int16).numpy()))}
+
+
+def replace_during_load(rank, world, *, checkpoint, other, replacer):
+    """``replacer`` swaps the checkpoint for another version (os.replace)
+    just before its own load: no member may build a table from two versions."""
+    import numa_engram.table as table_mod
+
+    if rank == replacer:
+        table_mod._STEP_HOOK = lambda step: step == "before-load" and os.replace(other,
+                                                                                checkpoint)
+    t0 = time.monotonic()
+    try:
+        t = _whole_table_on_world(make_spec(1000), 20, checkpoint=checkpoint, load_threads=2)
+    except Exception as exc:
+        return {"raised": type(exc).__name__, "text": str(exc),
+                "seconds": time.monotonic() - t0}
+    t.close()
+    return {"raised": None}
+
+
+def other_placement(rank, world, *, placement):
+    """Rank 1 passes ``placement``, the others the default (None: gpu-local)."""
+    t = _whole_table_on_world(make_spec(200), 30, placement=placement if rank == 1 else None)
+    policy = t.plan.policy
+    t.close()
+    return {"policy": policy}
+
+
+def groups_limited(rank, world, *, gpus_per_host=None, within=None):
+    """sharing_groups on one machine, limited by a layout or within= groups."""
+    layout = None if gpus_per_host is None else WorldLayout(tp=1, dp=world,
+                                                            gpus_per_host=gpus_per_host)
+    group = sharing_groups(layout, tp_rank=0, within=within, timeout_s=30)
+    dist.barrier()  # rank 0 keeps the store the other groups rendezvous through
+    return {"group": list(group.ranks)}

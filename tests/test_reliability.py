@@ -578,3 +578,130 @@ def test_a_loader_failing_mid_part_fails_every_member_at_once(ckpt):
     assert len({r["raised"] for r in results}) == 1 and results[0]["raised"], results
     assert all("disk gone under rank 2" in r["text"] for r in results)
     assert all(r["seconds"] < 20 for r in results), results  # FAILED ends the waits, no timeout
+
+
+# ---------------------------------------------------- round 3 (issue 19) --
+
+@pytest.fixture
+def two_versions(tmp_path):
+    """A checkpoint and another version of it (another seed, same spec)."""
+    path, other = tmp_path / "c.safetensors", tmp_path / "c-v2.safetensors"
+    write_synthetic_checkpoint(path, make_spec(1000), seed=0)
+    write_synthetic_checkpoint(other, make_spec(1000), seed=1)
+    return str(path), str(other)
+
+
+@multiproc
+@pytest.mark.parametrize("replacer", [0, 2], ids=["leader", "peer-loader"])
+def test_a_checkpoint_replaced_during_the_load_fails_every_member(two_versions, replacer):
+    path, other = two_versions
+    results = run_world(3, "replace_during_load", checkpoint=path, other=other,
+                        replacer=replacer)
+    for r in results:
+        assert r["ok"] and r["raised"] == "CheckpointError", r
+        assert "changed since the checkpoint was resolved" in r["text"], r["text"]
+        assert r["seconds"] < 20, r
+
+
+@multiproc
+def test_every_member_refuses_a_truncated_checkpoint_naming_file_and_tensor(tmp_path):
+    path = tmp_path / "cut.safetensors"
+    write_synthetic_checkpoint(path, make_spec(200))
+    os.truncate(path, os.path.getsize(path) - 100)
+    results = run_world(3, "load_from", timeout_s=60, checkpoint=str(path))
+    _same_failure(results, "CheckpointError", f"{path}: tensor ")
+    for r in results:
+        assert "needs bytes up to" in r["message"] and "truncated or corrupt" in r["message"]
+        assert "step 'decide'" in r["message"], r["message"]  # before anything was allocated
+        assert r["seconds"] < 30
+
+
+@multiproc
+@pytest.mark.parametrize("error, cls", [("foreign", "MemberFailure"),
+                                        ("checkpoint", "CheckpointError"),
+                                        ("truncate", "CheckpointError")])
+def test_a_split_load_fails_with_the_class_of_the_member_that_failed(tmp_path, error, cls):
+    path = tmp_path / "c.safetensors"
+    write_synthetic_checkpoint(path, make_spec(1000))
+    results = run_world(3, "split_load", checkpoint=str(path), fail_rank=2, error=error)
+    for r in results:
+        assert r["ok"] and r["raised"] == cls, r
+        assert r["seconds"] < 20, r
+
+
+@multiproc
+def test_placement_disagreement_and_bad_nodes_fail_in_every_member():
+    results = run_world(3, "other_placement", placement="interleave")
+    _same_failure(results, "SpecMismatchError", "rank 1 asked for placement 'interleave', "
+                                                "the leader (rank 0) for 'gpu-local'")
+    results = run_world(3, "other_placement", placement="node:999")
+    _same_failure(results, "TopologyError", "step 'join' on member 1 (rank 1)")
+    assert "999" in results[0]["message"]
+    results = run_world(3, "other_placement", placement="gpu-local")
+    assert all(r["ok"] and r["policy"] == "gpu-local" for r in results), results
+
+
+@multiproc
+def test_sharing_groups_never_merge_what_the_caller_separated():
+    results = run_world(4, "groups_limited", gpus_per_host=2)
+    assert [r["group"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]], results
+    results = run_world(4, "groups_limited", within=[[0, 3], [1, 2]])
+    assert [r["group"] for r in results] == [[0, 3], [1, 2], [1, 2], [0, 3]], results
+    results = run_world(4, "groups_limited", gpus_per_host=2, within=[[0], [1, 2, 3]])
+    assert [r["group"] for r in results] == [[0], [1], [2, 3], [2, 3]], results
+
+
+@multiproc
+def test_a_peers_syscall_error_keeps_its_errno_and_call_everywhere():
+    import errno
+
+    results = run_world(3, "peer_raises", error="syscall")
+    for r in results:
+        assert r["raised"] == "SyscallError" and r["is_oserror"], r
+        assert r["errno"] == errno.ENOMEM and r["call"] == "mmap", r
+
+
+@multiproc
+def test_a_group_timeout_names_the_members_that_did_not_arrive():
+    results = run_world(3, "peer_never_joins", timeout_s=60)
+    _same_failure(results, "GroupTimeout", "member(s) at world rank(s) [2] did not arrive",
+                  ranks={0, 1})
+
+
+def test_register_device_without_a_gpu_fails_at_join_before_anything_exists():
+    from numa_engram import cuda
+    from numa_engram.errors import CudaUnavailable
+
+    if cuda.available()[0]:
+        pytest.skip("a GPU is usable here: register_device works")
+    spec = EngramSpec.small()
+    before = shm_files()
+    with pytest.raises(CudaUnavailable, match="step 'join'.*register_device=0"):
+        SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0),
+                                 register_device=0)
+    assert shm_files() == before
+
+
+def test_misused_arguments_are_library_errors_naming_what_to_pass():
+    from numa_engram.errors import SpecError
+    from numa_engram.exchange import DPShardedLookup
+
+    spec = EngramSpec.small()
+    shard = shard_heads(spec.bucket_sizes(1), 1, 0)
+    with pytest.raises(SpecError, match=r"mode must be one of \('auto', 'dp_shared', "
+                                        r"'independent'\), got 'indepndent'"):
+        SharedEngramTable.create(spec, 1, shard, mode="indepndent")
+    with SharedEngramTable.create(spec, 1, shard) as table, \
+            pytest.raises(SpecError, match="heads must be the ShardedHeads.*got ShardInfo"):
+        DPShardedLookup(table, shard, 0)
+
+
+def test_a_sealed_tables_views_cannot_be_made_writable(tmp_path):
+    spec = make_spec(200)
+    path = write_synthetic_checkpoint(tmp_path / "c.safetensors", spec)
+    with SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0),
+                                  checkpoint=str(path)) as table:
+        for view in (table.weights, table.scales):
+            with pytest.raises(ValueError, match="WRITEABLE"):
+                view.flags.writeable = True
+        assert int(table.weights[0, 0]) >= 0  # still readable
