@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import native, procfs
 from .errors import CapacityError, StorageError
-from .units import parse_bytes
+from .units import fmt_bytes, parse_bytes
 
 SIZES = {"4K": 4 << 10, "2M": 2 << 20, "1G": 1 << 30}
 NODE_ROOT = Path("/sys/devices/system/node")
@@ -104,8 +104,8 @@ def check_mount_room(directory: str, size: int, page_size: int) -> None:
     need = -(-size // page_size) * page_size
     if total and need > free:
         raise CapacityError(
-            f"the hugetlbfs mount {directory} is limited to {total / 2**30:.2f} GiB (size=) "
-            f"with {free / 2**30:.2f} GiB free, but the table needs {need / 2**30:.2f} GiB; "
+            f"the hugetlbfs mount {directory} is limited to {fmt_bytes(total)} (size=) "
+            f"with {fmt_bytes(free)} free, but the table needs {fmt_bytes(need)}; "
             f"raise it: mount -o remount,size={-(-(total - free + need) // 2**20)}M {directory}")
 
 

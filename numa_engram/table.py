@@ -288,9 +288,9 @@ class SharedEngramTable:
         # the leader resolves the whole checkpoint (files, tensors, offsets, the
         # spec) before anything is decided or allocated: a wrong tensor fails
         # in a second, not after a populate; every loader reads that plan
-        actual, reason, ckpt = _lead(grp, "decide", lambda: (
-            *_decide(mode, members, layout, directory),
-            _resolve(checkpoint, spec, layer_id, names)))
+        ckpt, actual, reason = _lead(grp, "decide", lambda: (
+            _resolve(checkpoint, spec, layer_id, names),
+            *_decide(mode, members, layout, directory)))
         if actual == "independent":
             if reason and grp.size > 1:
                 log.warning("Engram layer %d: sharing falls back to independent copies: %s",

@@ -124,3 +124,184 @@ def test_ambiguous_or_missing_tensors_and_spec_mismatch_are_refused(tmp_path):
     write_synthetic_checkpoint(theirs, EngramSpec.small(seed=5))
     with pytest.raises(SpecMismatchError, match="was written for spec"):
         load_rows(str(theirs), EngramSpec.small(), 1, 0, 10, w, s)
+
+
+# --------------------------------------------- hostile and broken files --
+
+def _index(root, weight_map_text: str):
+    (root / "model.safetensors.index.json").write_text(
+        '{"metadata": {}, "weight_map": ' + weight_map_text + "}")
+
+
+def _sharded(tmp_path):
+    return write_synthetic_checkpoint(tmp_path / "ckpt", SPEC, shards=2)
+
+
+def _dest(n=10):
+    return np.empty((n, SPEC.head_dim), np.uint8), np.empty((n, SPEC.scales_per_row), np.uint8)
+
+
+@pytest.mark.parametrize("target", ["/etc/hostname", "../secret.txt", "sub/../../secret.txt"])
+def test_index_entries_may_not_leave_the_checkpoint_directory(tmp_path, target):
+    root = _sharded(tmp_path)
+    (tmp_path / "secret.txt").write_text("SECRET-CONTENTS-1234")
+    w_name, s_name = TensorNames().of(1)
+    _index(root, f'{{"{w_name}": "{target}", "{s_name}": "model-00001-of-00002.safetensors"}}')
+    with pytest.raises(CheckpointError) as err:
+        load_rows(str(root), SPEC, 1, 0, 10, *_dest())
+    text = str(err.value)
+    assert "model.safetensors.index.json" in text and w_name in text and target in text
+    assert "outside the checkpoint directory" in text and "SECRET" not in text
+
+
+def test_a_file_that_is_not_safetensors_is_never_quoted(tmp_path):
+    text_file = tmp_path / "notes.safetensors"
+    text_file.write_text("SECRET-CONTENTS-1234 and more text to be long enough")
+    with pytest.raises(CheckpointError) as err:
+        load_rows(str(text_file), SPEC, 1, 0, 10, *_dest())
+    import struct
+    first8 = struct.unpack("<Q", b"SECRET-C")[0]
+    assert "SECRET" not in str(err.value) and str(first8) not in str(err.value)
+    assert "not a safetensors header length" in str(err.value)
+
+
+def test_symlinks_inside_the_directory_may_point_anywhere(tmp_path):
+    """The Hugging Face cache: snapshot entries are symlinks into blobs/."""
+    (tmp_path / "blobs").mkdir()
+    real = write_synthetic_checkpoint(tmp_path / "blobs" / "x.safetensors", SPEC)
+    snap = tmp_path / "snapshot"
+    snap.mkdir()
+    (snap / "model.safetensors").symlink_to(real)
+    w_name, s_name = TensorNames().of(1)
+    _index(snap, f'{{"{w_name}": "model.safetensors", "{s_name}": "model.safetensors"}}')
+    w, s = _dest()
+    load_rows(str(snap), SPEC, 1, 0, 10, w, s)
+    np.testing.assert_array_equal(w, synthetic_layer(SPEC, 1)[0][:10])
+
+
+@pytest.mark.parametrize("weight_map, text", [
+    ('["a", "b"]', "no 'weight_map' object"),
+    ('{"layers.1.engram.embed.weight": 7}', "maps to a int, not a file name"),
+    ("[" * 100_000 + "]" * 100_000, "not a safetensors index"),
+    ('{"layers.1.engram.embed.weight": "model-00001-of-00002.safetensors", '
+     '"layers.1.engram.embed.weight": "model-00002-of-00002.safetensors"}', "is mapped twice"),
+])
+def test_a_malformed_index_is_a_checkpoint_error(tmp_path, weight_map, text):
+    root = _sharded(tmp_path)
+    _index(root, weight_map)
+    with pytest.raises(CheckpointError, match=text):
+        load_rows(str(root), SPEC, 1, 0, 10, *_dest())
+
+
+def test_the_same_tensor_in_two_files_names_both(tmp_path):
+    both = tmp_path / "both"
+    both.mkdir()
+    write_synthetic_checkpoint(both / "a.safetensors", SPEC)
+    write_synthetic_checkpoint(both / "b.safetensors", SPEC)
+    with pytest.raises(CheckpointError, match=r"is in both .*a\.safetensors and .*b\.safetensors"):
+        load_rows(str(both), SPEC, 1, 0, 10, *_dest())
+
+
+def _rewrite_header(path, edit):
+    """Rewrite a safetensors file's JSON header through ``edit(header)``."""
+    import json
+    import struct
+
+    data = path.read_bytes()
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + size])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    payload = data[8 + size:]
+    path.write_bytes(struct.pack("<Q", len(text)) + text + payload)
+
+
+@pytest.mark.parametrize("damage, text", [
+    ("truncate", r"tensor 'layers\.\d+\.engram\.embed\.\w+' needs bytes up to \d+ but the file "
+                 r"has \d+: truncated or corrupt"),
+    ("past-end", r"tensor 'layers\.1\.engram\.embed\.weight' needs bytes up to \d+ but the file "
+                 r"has \d+"),
+    ("lies", r"tensor 'layers\.1\.engram\.embed\.weight' is F8_E4M3 \[\d+, 64\] \(\d+ bytes\), "
+             r"but its data_offsets span \d+ bytes"),
+])
+def test_corrupt_files_name_the_file_the_tensor_and_both_sizes(tmp_path, damage, text):
+    path = write_synthetic_checkpoint(tmp_path / "c.safetensors", SPEC)
+    w_name, _ = TensorNames().of(1)
+    if damage == "truncate":
+        os.truncate(path, os.path.getsize(path) - 1000)
+    elif damage == "past-end":
+        _rewrite_header(path, lambda h: h[w_name]["data_offsets"].__setitem__(
+            1, h[w_name]["data_offsets"][1] + 10**9))
+    else:
+        _rewrite_header(path, lambda h: h[w_name]["data_offsets"].__setitem__(
+            1, h[w_name]["data_offsets"][1] - 64))
+    with pytest.raises(CheckpointError, match=f"{path}: " + text):
+        load_rows(str(path), SPEC, 1, 0, 10, *_dest())
+
+
+# -------------------------------------------- one version, resolved once --
+
+def test_a_wrong_tensor_name_fails_before_anything_is_allocated(tmp_path):
+    """A V4-sized table (about 190 GiB): the checkpoint is resolved before any
+    capacity check or allocation, so the error is the checkpoint's, at once."""
+    import time
+
+    from numa_engram import SharedEngramTable
+    from numa_engram.sharding import shard_heads
+
+    from .conftest import shm_files
+
+    big = EngramSpec.named("v4-flash")
+    shard = shard_heads(big.bucket_sizes(1), 1, 0)  # primes found before the clock starts
+    path = tmp_path / "other.safetensors"
+    save_file({"something.else": torch.zeros((4, 4), dtype=torch.uint8)}, str(path))
+    before = shm_files()
+    t0 = time.perf_counter()
+    with pytest.raises(CheckpointError, match="no weights tensor among the known names"):
+        SharedEngramTable.create(big, 1, shard, checkpoint=str(path))
+    assert time.perf_counter() - t0 < 1.0
+    assert shm_files() == before
+
+
+def test_a_file_rewritten_during_the_load_is_refused(tmp_path):
+    path = write_synthetic_checkpoint(tmp_path / "c.safetensors", SPEC, raw=True)
+    info_rows = SPEC.rows(1)
+    w, s = _dest(info_rows)
+
+    def rewrite(done, total):  # in place: same inode, new size and mtime
+        if done < total:
+            with open(path, "ab") as f:
+                f.write(b"\0" * 8)
+    with pytest.raises(CheckpointError, match="changed while the table loaded"):
+        load_rows(str(path), SPEC, 1, 0, info_rows, w, s, chunk_bytes=4096, progress=rewrite)
+
+
+def test_a_file_replaced_during_the_load_gives_rows_of_one_version(tmp_path):
+    """os.replace mid-load: the descriptors opened at the start keep reading
+    the old file, weights and scales alike, never a mix of the two."""
+    path = write_synthetic_checkpoint(tmp_path / "c.safetensors", SPEC, seed=0, raw=True)
+    other = write_synthetic_checkpoint(tmp_path / "v2.safetensors", SPEC, seed=1, raw=True)
+    n = SPEC.rows(1)
+    w, s = _dest(n)
+    swapped = []
+
+    def swap(done, total):
+        if not swapped:
+            os.replace(other, path)
+            swapped.append(done)
+    load_rows(str(path), SPEC, 1, 0, n, w, s, chunk_bytes=4096, progress=swap)
+    old_w, old_s = synthetic_layer(SPEC, 1, seed=0, raw=True)
+    assert swapped
+    np.testing.assert_array_equal(w, old_w)
+    np.testing.assert_array_equal(s, old_s)
+
+
+def test_a_plan_refuses_a_file_replaced_since_it_was_resolved(tmp_path):
+    from numa_engram.checkpoint import resolve
+
+    path = write_synthetic_checkpoint(tmp_path / "c.safetensors", SPEC, seed=0)
+    plan = resolve(str(path), SPEC, 1)
+    os.replace(write_synthetic_checkpoint(tmp_path / "v2.safetensors", SPEC, seed=1), path)
+    with pytest.raises(CheckpointError, match="changed since the checkpoint was resolved"):
+        load_rows(plan, SPEC, 1, 0, 10, *_dest())

@@ -99,3 +99,60 @@ def test_a_stale_core_is_a_clear_import_error():
     assert child.returncode != 0
     assert "built for version" in child.stderr and "stale build" in child.stderr
     assert "reinstall" in child.stderr
+
+
+# ------------------------------------------------------- signals, sizes --
+
+def test_implausible_sizes_and_bad_values_are_refused_at_once(tmp_path):
+    import time
+
+    from .conftest import shm_files
+
+    t0 = time.monotonic()
+    r = cli("plan", "--dp", "1000000")
+    assert r.returncode == 2 and time.monotonic() - t0 < 30
+    assert len(r.stderr.splitlines()) == 1 and "2000000 GPUs" in r.stderr, r.stderr
+    before = shm_files()
+    r = cli("create", "--size", "1M", "--hold", "-1")
+    assert r.returncode == 2 and "--hold" in r.stderr and "'-1'" in r.stderr, r.stderr
+    assert shm_files() == before  # validated before anything was created
+    notjson = tmp_path / "spec.txt"
+    notjson.write_text("layer_ids: 1, 14")
+    r = cli("bench", "--spec", str(notjson), "--size", "1M")
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1
+    assert f"spec file {str(notjson)!r} is not JSON" in r.stderr, r.stderr
+
+
+def _maps_a_table(pid: int) -> bool:
+    """The process maps a table (a /dev/shm file, or bench's memfd)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return "numa-engram-" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("command", [["create", "--size", "8M", "--hold", "120"],
+                                     ["bench", "--size", "64M", "--repeat", "100000",
+                                      "--tokens", "1000"]], ids=["create-hold", "bench"])
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_signal_cleans_up_prints_one_line_and_exits_128_plus_it(command, sig):
+    import signal
+    import time
+
+    from .conftest import shm_files
+
+    before = shm_files()
+    child = subprocess.Popen([sys.executable, "-m", "numa_engram", *command],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not _maps_a_table(child.pid) and time.monotonic() < deadline and child.poll() is None:
+        time.sleep(0.05)
+    assert _maps_a_table(child.pid), "the table was never created"
+    time.sleep(0.3)  # inside the hold or the lookups
+    child.send_signal(getattr(signal, sig))  # the process this test started
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == 128 + getattr(signal, sig), (child.returncode, err)
+    assert err.splitlines() == [f"numa-engram {command[0]}: stopped by {sig}; what it had "
+                                "created is removed"], err
+    assert shm_files() == before

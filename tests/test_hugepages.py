@@ -188,3 +188,71 @@ def test_one_gib_pages_for_shared_and_private_tables(gib_pool):
             f.region("w")[:] = 7
             assert f.region("w")[-1] == 7
         assert hugepages.pool_pages(gib) == free
+
+
+def test_a_mount_size_below_the_table_is_a_capacity_error_up_front(tmp_path, huge_pool):
+    import subprocess
+
+    small = tmp_path / "small-mount"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "hugetlbfs", "-o", "pagesize=2M,size=4M,mode=0700",
+                              "none", str(small)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount hugetlbfs with size=: {mounted.stderr.strip()}")
+    try:
+        before = _free()
+        with pytest.raises(CapacityError, match=rf"the hugetlbfs mount {small} is limited to "
+                                                r"4\.00 MiB \(size=\) with 4\.00 MiB free, but "
+                                                r"the table needs 6\.00 MiB; raise it: "
+                                                rf"mount -o remount,size=6M {small}"):
+            BackingFile.create(Layout.of([("w", 4 << 20)], MIB2), bytes(32),
+                               directory=str(small))
+        assert _free() == before and not os.listdir(small)
+    finally:
+        subprocess.run(["umount", "-l", str(small)])
+
+
+TAKE_POOL = """
+import mmap, os, sys
+pages = int(sys.argv[1])
+fd = os.memfd_create("taker", os.MFD_HUGETLB)
+os.ftruncate(fd, pages << 21)
+m = mmap.mmap(fd, pages << 21)
+for i in range(pages):
+    m[i << 21] = 1
+print("taken", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("directory", ["mount", None], ids=["hugetlbfs", "memfd"])
+def test_a_pool_taken_after_the_check_is_a_capacity_error(huge_pool, monkeypatch, directory):
+    """Another process takes the pool between the check and the mapping: a
+    CapacityError naming the pool and the fix, never a raw ENOMEM, and
+    nothing left behind."""
+    import subprocess
+    import sys
+
+    from numa_engram import storage
+
+    free = huge_pool.reserve(4)
+    checked = storage._check_room
+    taker: list[subprocess.Popen] = []
+
+    def check_then_lose_the_pool(*args, **kwargs):
+        checked(*args, **kwargs)  # the pool has room here...
+        taker.append(subprocess.Popen([sys.executable, "-c", TAKE_POOL, str(free - 1)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        assert taker[0].stdout.readline().strip() == "taken"  # ...and not any more
+    monkeypatch.setattr(storage, "_check_room", check_then_lose_the_pool)
+    target = huge_pool.mount if directory == "mount" else None
+    try:
+        with pytest.raises(CapacityError, match=r"mmap: the 2M huge page pool ran out .*"
+                                                r"reserve more \(echo \d+ > .*nr_hugepages\)"):
+            BackingFile.create(Layout.of([("w", 4 << 20)], MIB2), bytes(32), directory=target)
+        assert not os.listdir(huge_pool.mount)
+    finally:
+        for p in taker:  # only the process this test started
+            p.stdin.close()
+            p.wait(10)
+    assert _free() == free

@@ -230,3 +230,47 @@ def test_fuzzed_headers_are_refused_cleanly(body, extra_pages):
     finally:
         os.close(fd)
         os.unlink(path)
+
+
+# ------------------------------------------ a corrupt header on attach --
+
+def _corrupt(kind: str):
+    """A table file of a small spec whose header's layout is damaged."""
+    from dataclasses import replace
+
+    from numa_engram import EngramSpec, shard_heads
+    from numa_engram.fileformat import STATE_READY, Header, LayoutRegion
+    from numa_engram.table import shard_key, table_layout
+
+    spec = EngramSpec.small()
+    shard = shard_heads(spec.bucket_sizes(1), 1, 0)
+    layout = table_layout(spec, shard)
+    f = BackingFile.create(layout, spec.fingerprint, directory="/dev/shm",
+                           key=shard_key(1, shard))
+    w, s = layout.regions
+    regions = {"overlap": (w, LayoutRegion("scales", w.offset, s.length)),
+               "over-header": (LayoutRegion("weights", 0, w.length), s),
+               "row-short": (LayoutRegion("weights", w.offset, w.length - spec.head_dim), s),
+               }[kind]
+    bad = replace(f.header, state=STATE_READY, layout=replace(layout, regions=regions))
+    os.pwrite(f.fd, Header.pack(bad), 0)
+    return spec, shard, f
+
+
+@pytest.mark.parametrize("kind, text", [
+    ("overlap", "region 'scales' starts at 4096, inside region 'weights'"),
+    ("over-header", "region 'weights' starts at 0, inside the header page"),
+    ("row-short", r"header: region 'weights' length is \d+, expected \d+; a corrupt header"),
+])
+def test_a_corrupt_header_layout_is_refused_on_attach_naming_the_field(kind, text):
+    from numa_engram import SharedEngramTable
+    from numa_engram.table import _peer_attach, shard_key, table_layout
+
+    spec, shard, f = _corrupt(kind)
+    try:
+        with pytest.raises(StorageError, match=text):
+            SharedEngramTable.attach(spec, 1, shard, fd=f.fd)
+        with pytest.raises(StorageError, match=text):  # as a peer maps it, by path
+            _peer_attach(f.path, spec, table_layout(spec, shard), shard_key(1, shard))
+    finally:
+        f.close()
