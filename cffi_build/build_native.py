@@ -59,6 +59,12 @@ NUMA_DECLS = """
 
 KERNEL_DECLS = """
     uint16_t ne_dequant_one(uint8_t weight, uint8_t scale);
+    struct ne_pool;
+    struct ne_pool *ne_pool_new(int n, const int *cpus, int n_cpus);
+    void ne_pool_free(struct ne_pool *pool);
+    int ne_pool_size(const struct ne_pool *pool);
+    #define NE_SMALL_ROWS ...
+    int ne_tune_small_rows(int64_t rows);
     int64_t ne_first_bad_id(const int64_t *ids, int64_t n_tokens, int64_t stride,
                             int64_t n_heads, const int64_t *bucket_sizes,
                             const int64_t *id_base);
@@ -66,12 +72,13 @@ KERNEL_DECLS = """
                        int64_t block, const int64_t *ids, int64_t n_tokens,
                        int64_t stride, int64_t n_heads, const int64_t *head_offsets,
                        const int64_t *bucket_sizes, const int64_t *id_base, uint16_t *out,
-                       int n_threads, const int *cpus, int n_cpus, int64_t *bad);
+                       int n_threads, const int *cpus, int n_cpus, int64_t *bad,
+                       struct ne_pool *pool);
     int ne_gather_fp8(const uint8_t *weights, const uint8_t *scales, int64_t dim, int64_t block,
                       const int64_t *ids, int64_t n_tokens, int64_t stride, int64_t n_heads,
                       const int64_t *head_offsets, const int64_t *bucket_sizes,
                       const int64_t *id_base, uint8_t *out_w, uint8_t *out_s, int n_threads,
-                      const int *cpus, int n_cpus, int64_t *bad);
+                      const int *cpus, int n_cpus, int64_t *bad, struct ne_pool *pool);
     int ne_ngram_hashes(const int64_t *ids, int64_t n_rows, int64_t t, int64_t pad_id,
                         const int64_t *multipliers, int64_t max_ngram, const int64_t *primes,
                         int64_t n_head, int64_t *out, int n_threads, int hardware_division);

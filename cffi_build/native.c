@@ -388,14 +388,25 @@ static void row_avx512(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t 
 }
 #endif
 
-static row_fn pick_row_fn(void)
+/* The row function is picked once per process (CPU dispatch and the
+ * environment are not re-read per call: a small lookup is a few us). */
+static row_fn picked_row = NULL;
+static pthread_once_t pick_once = PTHREAD_ONCE_INIT;
+
+static void pick_row_init(void)
 {
+    picked_row = row_generic;
 #if defined(__x86_64__)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512bw") && getenv("NUMA_ENGRAM_NO_AVX512") == NULL)
-        return row_avx512;
+        picked_row = row_avx512;
 #endif
-    return row_generic;
+}
+
+static row_fn pick_row_fn(void)
+{
+    pthread_once(&pick_once, pick_row_init);
+    return picked_row;
 }
 
 /* ------------------------------------------------ rows in table order --- */
@@ -589,22 +600,98 @@ static void gather_chunk(const struct lookup_job *j, const struct order *o, int6
     }
 }
 
+static void run_sorted_job(struct lookup_job *j);
+
+/* Small calls (a decode step: 1-256 tokens x 24 heads) skip the sort: its
+ * 4,096-bucket histogram and scratch cost more than the page walks it saves
+ * there, so rows are read in token order (still prefetched ahead, through
+ * the same stage) from stack scratch.  The threshold is tunable
+ * (ne_tune_small_rows) so tools/bench.py can measure it and tests can run
+ * both sides; the default is what bench measured. */
+#define NE_SMALL_ROWS 2048
+enum { MAX_SMALL_ROWS = 4096 };
+static int64_t small_rows = NE_SMALL_ROWS;
+
+int ne_tune_small_rows(int64_t rows)
+{
+    if (rows < 0 || rows > MAX_SMALL_ROWS) {
+        errno = EINVAL;
+        return -1;
+    }
+    small_rows = rows;
+    return 0;
+}
+
+/* The n rows from flat index k0 on, in token order: DEAD and bad ids get
+ * zero rows (bad ones noted), the others go to o->row / o->pos. */
+static void direct_chunk(struct lookup_job *j, struct cursor *cur, int64_t k0, int64_t n,
+                         struct order *o)
+{
+    o->n = 0;
+    for (int64_t i = 0; i < n; i++, cursor_next(j, cur)) {
+        int64_t id, row = cursor_row(j, cur, &id);
+        if (row >= 0) {
+            o->row[o->n] = row;
+            o->pos[o->n++] = i;
+            continue;
+        }
+        if (id != -1)
+            note_bad(j, k0 + i, id);
+        zero_row(j, k0 + i);
+    }
+}
+
+static int use_streaming(const struct lookup_job *j, row_fn row_dequant)
+{
+#if defined(__x86_64__)
+    /* streaming needs AVX-512 (the picked row function says whether it is
+     * there and allowed) and whole 64-byte lines at every output row */
+    return row_dequant == row_avx512 && j->dim % 64 == 0 && ((uintptr_t)j->raw_w & 63) == 0;
+#else
+    (void)j;
+    (void)row_dequant;
+    return 0;
+#endif
+}
+
+static void finish_stores(void)
+{
+#if defined(__x86_64__)
+    _mm_sfence(); /* streaming stores are visible before the caller reads */
+#endif
+}
+
 /* A job's tokens, ORDER_CHUNK rows at a time: ordered, then dequantised
- * (or packed).  Sets j->error to ENOMEM when the scratch cannot be
- * allocated (this job writes nothing then). */
+ * (or packed); at most small_rows rows: read in token order.  Sets
+ * j->error to ENOMEM when the scratch cannot be allocated (this job
+ * writes nothing then). */
 static void run_job(struct lookup_job *j)
+{
+    const int64_t n_rows = (j->t_end - j->t_begin) * j->n_heads;
+    if (n_rows > 0 && n_rows <= small_rows) {
+        const row_fn row_dequant = pick_row_fn();
+        int64_t row[MAX_SMALL_ROWS], pos[MAX_SMALL_ROWS];
+        struct order o = {.row = row, .pos = pos};
+        struct cursor cur = {j->t_begin, 0};
+        direct_chunk(j, &cur, j->t_begin * j->n_heads, n_rows, &o);
+        if (j->raw_w)
+            gather_chunk(j, &o, j->t_begin * j->n_heads, use_streaming(j, row_dequant));
+        else
+            dequant_chunk(j, &o, j->t_begin * j->n_heads, row_dequant);
+        finish_stores();
+        return;
+    }
+    run_sorted_job(j);
+}
+
+static void run_sorted_job(struct lookup_job *j)
 {
     const row_fn row_dequant = pick_row_fn();
     const int64_t k_begin = j->t_begin * j->n_heads, k_end = j->t_end * j->n_heads;
     const int64_t cap = k_end - k_begin < ORDER_CHUNK ? k_end - k_begin : ORDER_CHUNK;
-    int stream = 0;
+    const int stream = use_streaming(j, row_dequant);
     struct cursor cur = {j->t_begin, 0};
     struct order o;
-#if defined(__x86_64__)
-    /* streaming needs AVX-512 (the picked row function says whether it is
-     * there and allowed) and whole 64-byte lines at every output row */
-    stream = row_dequant == row_avx512 && j->dim % 64 == 0 && ((uintptr_t)j->raw_w & 63) == 0;
-#endif
     if (cap <= 0)
         return;
     if (order_alloc(&o, j, cap) != 0) {
@@ -619,9 +706,7 @@ static void run_job(struct lookup_job *j)
             dequant_chunk(j, &o, k0, row_dequant);
     }
     order_free(&o);
-#if defined(__x86_64__)
-    _mm_sfence(); /* streaming stores are visible before the caller reads */
-#endif
+    finish_stores();
 }
 
 /* Threads to use: at least 1, at most max_threads and one per item. */
@@ -668,15 +753,181 @@ static void *lookup_thread(void *arg)
     return NULL;
 }
 
-/* Split proto's tokens over n_threads jobs (thread i pinned to
- * cpus[i % n_cpus] when n_cpus > 0), run them, and report bad ids in
- * bad[0..2] = (count, first flat index t*n_heads+h, its value). */
+/* ---------------------------------------------- persistent workers --- */
+
+/* Lookup threads that live as long as their table: pinned once to the
+ * rows' node's CPUs, woken per call (a condition variable, no thread
+ * creation: creating, pinning and joining a pthread cost ~50 us a call).
+ * One call at a time per pool; a caller that finds it busy waits.  A
+ * forked child inherits the memory but not the threads: every entry point
+ * checks the pid, and the child's Python side makes a pool of its own. */
+enum { MAX_POOL = 256 };
+
+struct ne_pool {
+    pid_t pid;
+    int n;
+    int cpu[MAX_POOL];
+    pthread_t thread[MAX_POOL];
+    pthread_mutex_t call;     /* one dispatch at a time */
+    pthread_mutex_t mu;
+    pthread_cond_t go, done;
+    uint64_t generation;      /* bumped per dispatch (guarded by mu) */
+    int n_jobs, remaining, stop;
+    struct lookup_job *jobs;
+};
+
+struct pool_worker_arg {
+    struct ne_pool *pool;
+    int index;
+};
+
+static void *pool_worker(void *arg)
+{
+    struct pool_worker_arg *a = arg;
+    struct ne_pool *p = a->pool;
+    const int me = a->index;
+    free(a);
+    if (p->cpu[me] >= 0) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(p->cpu[me], &set);
+        pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+    }
+    uint64_t seen = 0;
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        while (!p->stop && p->generation == seen)
+            pthread_cond_wait(&p->go, &p->mu);
+        if (p->stop)
+            break;
+        seen = p->generation;
+        if (me < p->n_jobs) {
+            struct lookup_job *job = &p->jobs[me];
+            pthread_mutex_unlock(&p->mu);
+            run_job(job);
+            pthread_mutex_lock(&p->mu);
+            if (--p->remaining == 0)
+                pthread_cond_signal(&p->done);
+        }
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+void ne_pool_free(struct ne_pool *p);
+
+/* A pool of n threads, thread i pinned to cpus[i % n_cpus] (n_cpus 0: not
+ * pinned).  NULL with errno when a thread cannot start. */
+struct ne_pool *ne_pool_new(int n, const int *cpus, int n_cpus)
+{
+    if (n < 1 || n > MAX_POOL) {
+        errno = EINVAL;
+        return NULL;
+    }
+    struct ne_pool *p = calloc(1, sizeof *p);
+    if (!p)
+        return NULL;
+    p->pid = getpid();
+    pthread_mutex_init(&p->call, NULL);
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->go, NULL);
+    pthread_cond_init(&p->done, NULL);
+    for (int i = 0; i < n; i++) {
+        p->cpu[i] = n_cpus > 0 ? cpus[i % n_cpus] : -1;
+        struct pool_worker_arg *a = malloc(sizeof *a);
+        if (a)
+            *a = (struct pool_worker_arg){p, i};
+        int err = a ? pthread_create(&p->thread[i], NULL, pool_worker, a) : ENOMEM;
+        if (err) {
+            free(a);
+            ne_pool_free(p);
+            errno = err;
+            return NULL;
+        }
+        p->n = i + 1;
+    }
+    return p;
+}
+
+/* Stop and join the threads (in the process that made them; a forked
+ * child only frees the memory: it has none of the threads). */
+void ne_pool_free(struct ne_pool *p)
+{
+    if (!p)
+        return;
+    if (p->pid == getpid()) {
+        pthread_mutex_lock(&p->mu);
+        p->stop = 1;
+        pthread_cond_broadcast(&p->go);
+        pthread_mutex_unlock(&p->mu);
+        for (int i = 0; i < p->n; i++)
+            pthread_join(p->thread[i], NULL);
+    }
+    free(p);
+}
+
+int ne_pool_size(const struct ne_pool *p)
+{
+    return p && p->pid == getpid() ? p->n : 0;
+}
+
+/* Run n jobs on the pool's first n threads and wait for them. */
+static void pool_run(struct ne_pool *p, struct lookup_job *jobs, int n)
+{
+    pthread_mutex_lock(&p->call);
+    pthread_mutex_lock(&p->mu);
+    p->jobs = jobs;
+    p->n_jobs = n;
+    p->remaining = n;
+    p->generation++;
+    pthread_cond_broadcast(&p->go);
+    while (p->remaining > 0)
+        pthread_cond_wait(&p->done, &p->mu);
+    p->jobs = NULL;
+    p->n_jobs = 0;
+    pthread_mutex_unlock(&p->mu);
+    pthread_mutex_unlock(&p->call);
+}
+
+/* One job on the calling thread.  A large one runs on a CPU of the rows'
+ * node (cpus) when the caller is not on one and is allowed there: its
+ * affinity is set for the call and put back after (two syscalls, nothing
+ * next to a large gather); a small one runs where the caller is. */
+static void run_on_caller(struct lookup_job *j, const int *cpus, int n_cpus)
+{
+    const int64_t n_rows = (j->t_end - j->t_begin) * j->n_heads;
+    cpu_set_t saved, want;
+    int moved = 0;
+    if (n_cpus > 0 && n_rows > small_rows) {
+        int here = sched_getcpu(), local = 0;
+        CPU_ZERO(&want);
+        for (int i = 0; i < n_cpus; i++) {
+            local |= cpus[i] == here;
+            if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE)
+                CPU_SET(cpus[i], &want);
+        }
+        if (!local && pthread_getaffinity_np(pthread_self(), sizeof saved, &saved) == 0)
+            moved = pthread_setaffinity_np(pthread_self(), sizeof want, &want) == 0;
+    }
+    run_job(j);
+    if (moved)
+        pthread_setaffinity_np(pthread_self(), sizeof saved, &saved);
+}
+
+/* Split proto's tokens over n_threads jobs and run them: on the pool's
+ * threads when a pool of this process is given and more than one job is
+ * worth it, else on the calling thread (one job) or on fresh threads
+ * (thread i pinned to cpus[i % n_cpus] when n_cpus > 0).  Report bad ids
+ * in bad[0..2] = (count, first flat index t*n_heads+h, its value). */
 static int run_lookup_jobs(const struct lookup_job *proto, int64_t n_tokens, int n_threads,
-                           const int *cpus, int n_cpus, int64_t *bad)
+                           const int *cpus, int n_cpus, int64_t *bad, struct ne_pool *pool)
 {
     enum { MAX_THREADS = 256 };
     struct lookup_job jobs[MAX_THREADS];
     int rc = 0;
+    const int pooled = pool != NULL && ne_pool_size(pool) > 0;
+    if (pooled && n_threads > pool->n)
+        n_threads = pool->n;
     n_threads = clamp_threads(n_threads, MAX_THREADS, n_tokens);
     int64_t per = (n_tokens + n_threads - 1) / n_threads;
     for (int i = 0; i < n_threads; i++) {
@@ -685,8 +936,10 @@ static int run_lookup_jobs(const struct lookup_job *proto, int64_t n_tokens, int
         jobs[i].t_end = (i + 1) * per < n_tokens ? (i + 1) * per : n_tokens;
         jobs[i].cpu = n_cpus > 0 ? cpus[i % n_cpus] : -1;
     }
-    if (n_threads == 1 && n_cpus == 0)
-        lookup_thread(&jobs[0]);
+    if (n_threads == 1)
+        run_on_caller(&jobs[0], cpus, n_cpus); /* a thread handoff costs more than it saves */
+    else if (pooled)
+        pool_run(pool, jobs, n_threads);
     else
         rc = run_threads(lookup_thread, jobs, sizeof(jobs[0]), n_threads);
     bad[0] = 0;
@@ -720,12 +973,13 @@ int ne_lookup_bf16(const uint8_t *weights, const uint8_t *scales, int64_t dim,
                    int64_t block, const int64_t *ids, int64_t n_tokens,
                    int64_t stride, int64_t n_heads, const int64_t *head_offsets,
                    const int64_t *bucket_sizes, const int64_t *id_base, uint16_t *out,
-                   int n_threads, const int *cpus, int n_cpus, int64_t *bad)
+                   int n_threads, const int *cpus, int n_cpus, int64_t *bad,
+                   struct ne_pool *pool)
 {
     pthread_once(&lut_once, build_exact_lut);
     struct lookup_job proto = {weights, scales, dim, block, ids, stride, n_heads, head_offsets,
                                bucket_sizes, id_base, out, NULL, NULL, 0, 0, -1, 0, -1, 0, 0};
-    return run_lookup_jobs(&proto, n_tokens, n_threads, cpus, n_cpus, bad);
+    return run_lookup_jobs(&proto, n_tokens, n_threads, cpus, n_cpus, bad, pool);
 }
 
 /* The same rows as ne_lookup_bf16, packed: out_w[n_tokens][n_heads][dim]
@@ -736,11 +990,11 @@ int ne_gather_fp8(const uint8_t *weights, const uint8_t *scales, int64_t dim, in
                   const int64_t *ids, int64_t n_tokens, int64_t stride, int64_t n_heads,
                   const int64_t *head_offsets, const int64_t *bucket_sizes,
                   const int64_t *id_base, uint8_t *out_w, uint8_t *out_s, int n_threads,
-                  const int *cpus, int n_cpus, int64_t *bad)
+                  const int *cpus, int n_cpus, int64_t *bad, struct ne_pool *pool)
 {
     struct lookup_job proto = {weights, scales, dim, block, ids, stride, n_heads, head_offsets,
                                bucket_sizes, id_base, NULL, out_w, out_s, 0, 0, -1, 0, -1, 0, 0};
-    return run_lookup_jobs(&proto, n_tokens, n_threads, cpus, n_cpus, bad);
+    return run_lookup_jobs(&proto, n_tokens, n_threads, cpus, n_cpus, bad, pool);
 }
 
 /* ------------------------------------------- the random-read limit --- */

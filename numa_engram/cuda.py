@@ -22,6 +22,7 @@ import numpy as np
 from cffi import FFI
 
 from .errors import CudaError, CudaUnavailable, LookupIdError, NumaEngramError
+from .sharding import prefix_offsets
 
 CHUNK_BYTES = 64 << 30  # one call of >= 512 GiB fails on recent drivers
 HOST_REGISTER_DEFAULT, HOST_REGISTER_PORTABLE, HOST_REGISTER_MAPPED = 0, 1, 2
@@ -231,8 +232,7 @@ class DeviceShard:
         self.head_start, self.block = head_start, block
         sizes = np.asarray(bucket_sizes, dtype=np.int64)
         self.sizes = torch.from_numpy(sizes).to(self.device)
-        self.offsets = torch.from_numpy(
-            np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)).to(self.device)
+        self.offsets = torch.from_numpy(prefix_offsets(sizes)).to(self.device)
         # each head's first row in the layer's whole table (global ids)
         self.global_base = None if global_base is None else torch.from_numpy(
             np.ascontiguousarray(global_base, dtype=np.int64)).to(self.device)

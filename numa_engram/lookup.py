@@ -20,6 +20,7 @@ import numpy as np
 from . import native
 from .errors import LookupIdError
 from .fp8 import bf16_out, dequantize_rows
+from .sharding import prefix_offsets
 
 
 def lookup_rows(weights: np.ndarray, scales: np.ndarray, hash_ids, *, head_start: int,
@@ -71,11 +72,11 @@ def check_ids_in_range(ids: np.ndarray, head_start: int, sizes: np.ndarray,
     bad = native.first_bad_id(ids, head_start, sizes, id_base)
     if bad >= 0:
         t, h = divmod(bad, len(sizes))
-        raise LookupIdError(_bad_id_text(int(ids[t, head_start + h]), t, head_start + h,
+        raise LookupIdError(bad_id_text(int(ids[t, head_start + h]), t, head_start + h,
                                          int(sizes[h]), id_base, h))
 
 
-def _bad_id_text(value: int, token: int, column: int, size: int, id_base, h: int,
+def bad_id_text(value: int, token: int, column: int, size: int, id_base, h: int,
                  count: int = 1) -> str:
     low = 0 if id_base is None else int(id_base[h])
     what = "buckets" if id_base is None else "global rows"
@@ -95,9 +96,8 @@ def gather(weights: np.ndarray, scales: np.ndarray, ids: np.ndarray, *, head_sta
     -1 gives a zero row; any other id outside its head is a LookupIdError
     (``id_base``: each head's first global row, when ids are global rows)."""
     sizes = np.ascontiguousarray(bucket_sizes, dtype=np.int64)
-    offsets = np.ascontiguousarray(
-        np.concatenate(([0], np.cumsum(sizes)[:-1])) if head_offsets is None else head_offsets,
-        dtype=np.int64)
+    offsets = np.ascontiguousarray(prefix_offsets(sizes) if head_offsets is None else head_offsets,
+                                   dtype=np.int64)
     if not 0 <= head_start <= ids.shape[1] - len(sizes):
         raise LookupIdError(f"heads [{head_start}, {head_start + len(sizes)}) are not columns of "
                             f"hash ids with {ids.shape[1]} columns")
@@ -115,7 +115,7 @@ def gather(weights: np.ndarray, scales: np.ndarray, ids: np.ndarray, *, head_sta
                                             base, out, threads, cpus, block)
     if count:
         t, h = divmod(first, len(sizes))
-        raise LookupIdError(_bad_id_text(value, t, head_start + h, int(sizes[h]), base, h,
+        raise LookupIdError(bad_id_text(value, t, head_start + h, int(sizes[h]), base, h,
                                          count))
 
 
@@ -136,7 +136,7 @@ def reference_lookup(weights: np.ndarray, scales: np.ndarray, hash_ids, *, head_
     import torch
 
     sizes = np.asarray(bucket_sizes, dtype=np.int64)
-    offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    offsets = prefix_offsets(sizes)
     cols = np.asarray(hash_ids)[:, head_start:head_start + len(sizes)]
     rows = np.where(cols >= 0, cols + offsets, 0)
     w = torch.from_numpy(np.asarray(weights)[rows])  # a gathered (writable) copy

@@ -8,7 +8,10 @@ ever looks at errno.  No torch here: the placement tools import this.
 from __future__ import annotations
 
 import errno
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -294,6 +297,81 @@ def first_bad_id(ids: np.ndarray, col0: int, sizes: np.ndarray,
                                    ffi.NULL if id_base is None else _ptr(id_base, "int64_t *")))
 
 
+class Workers:
+    """Lookup threads kept alive between calls (``ne_pool``), thread i pinned
+    to ``cpus[i % len(cpus)]``; stopped by ``close()`` or when dropped.  A
+    forked child's copy has no threads: ``usable`` is False there (the
+    owner makes a new pool), and dropping it only frees the memory."""
+
+    def __init__(self, threads: int, cpus: Sequence[int] = ()) -> None:
+        cpu_arr = np.asarray(list(cpus), dtype=np.int32)
+        pool = lib.ne_pool_new(threads, _ptr(cpu_arr, "int *") if len(cpu_arr) else ffi.NULL,
+                               len(cpu_arr))
+        if pool == ffi.NULL:
+            _raise("pthread_create", f"a pool of {threads} lookup threads")
+        self.pid, self.threads = os.getpid(), threads
+        self.pool = ffi.gc(pool, lib.ne_pool_free)
+
+    @property
+    def usable(self) -> bool:
+        return self.pool is not None and self.pid == os.getpid()
+
+    def close(self) -> None:
+        """Stop and join the threads (idempotent)."""
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            ffi.gc(pool, None)  # detach the destructor: freed here, once
+            lib.ne_pool_free(pool)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A shard's fixed lookup arguments, cast for the kernel once (at create
+    or attach), so a call only adds its ids and output: the rows (weights,
+    scales), each head's first shard row and bucket count, and the head's
+    first global row for ``id_format="global"`` (None: bucket ids only)."""
+
+    weights: Any
+    scales: Any
+    dim: int
+    block: int
+    n_heads: int
+    offsets: Any
+    sizes: Any
+    global_base: Any
+    keep: tuple  # the arrays the pointers point into
+
+    @classmethod
+    def of(cls, weights: np.ndarray, scales: np.ndarray, offsets: np.ndarray,
+           sizes: np.ndarray, global_base: np.ndarray | None, block: int) -> Geometry:
+        keep = tuple(np.ascontiguousarray(a, dtype=np.int64) if a is not None else None
+                     for a in (offsets, sizes, global_base))
+        return cls(_ptr(weights, "uint8_t *"), _ptr(scales, "uint8_t *"), weights.shape[1],
+                   block, len(sizes), _ptr(keep[0], "int64_t *"), _ptr(keep[1], "int64_t *"),
+                   ffi.NULL if keep[2] is None else _ptr(keep[2], "int64_t *"),
+                   (weights, scales, *keep))
+
+
+def run_geometry_lookup(geom: Geometry, ids: np.ndarray, col0: int, global_ids: bool, out,
+                        threads: int, cpus: Any, workers: Workers | None) -> tuple[int, int, int]:
+    """``run_lookup`` with the shard's arguments cast once (``Geometry``);
+    ``cpus`` an int32 array (or None), ``workers`` this table's threads."""
+    bad = ffi.new("int64_t[3]")
+    args = (geom.weights, geom.scales, geom.dim, geom.block, _ids_ptr(ids) + col0, ids.shape[0],
+            _row_stride(ids), geom.n_heads, geom.offsets, geom.sizes,
+            geom.global_base if global_ids else ffi.NULL)
+    n_cpus = 0 if cpus is None else len(cpus)
+    pool = workers.pool if workers is not None and workers.usable else ffi.NULL
+    tail = (threads, _ptr(cpus, "int *") if n_cpus else ffi.NULL, n_cpus, bad, pool)
+    if isinstance(out, tuple):
+        rc = lib.ne_gather_fp8(*args, _ptr(out[0], "uint8_t *"), _ptr(out[1], "uint8_t *"),
+                               *tail)
+    else:
+        rc = lib.ne_lookup_bf16(*args, _ptr(out, "uint16_t *"), *tail)
+    _check_lookup_rc(rc, ids.shape[0], geom.n_heads, threads)
+    return int(bad[0]), int(bad[1]), int(bad[2])
+
+
 def run_lookup(weights: np.ndarray, scales: np.ndarray, ids: np.ndarray, col0: int,
                offsets: np.ndarray, sizes: np.ndarray, id_base: np.ndarray | None, out,
                threads: int, cpus, block: int) -> tuple[int, int, int]:
@@ -308,19 +386,37 @@ def run_lookup(weights: np.ndarray, scales: np.ndarray, ids: np.ndarray, col0: i
             _ids_ptr(ids) + col0, ids.shape[0], _row_stride(ids), len(offsets),
             _ptr(offsets, "int64_t *"), _ptr(sizes, "int64_t *"),
             ffi.NULL if id_base is None else _ptr(id_base, "int64_t *"))
-    cpu_args = (threads, _ptr(cpu_arr, "int *") if len(cpu_arr) else ffi.NULL, len(cpu_arr), bad)
+    cpu_args = (threads, _ptr(cpu_arr, "int *") if len(cpu_arr) else ffi.NULL, len(cpu_arr), bad,
+                ffi.NULL)
     if isinstance(out, tuple):
         rc = lib.ne_gather_fp8(*args, _ptr(out[0], "uint8_t *"), _ptr(out[1], "uint8_t *"),
                                *cpu_args)
     else:
         rc = lib.ne_lookup_bf16(*args, _ptr(out, "uint16_t *"), *cpu_args)
+    _check_lookup_rc(rc, ids.shape[0], len(offsets), threads)
+    return int(bad[0]), int(bad[1]), int(bad[2])
+
+
+def tune_small_rows(rows: int) -> int:
+    """Set the row count up to which a lookup job reads in token order (no
+    sort); returns the previous value.  For benchmarks and tests."""
+    global _small_rows
+    if lib.ne_tune_small_rows(rows) != 0:
+        raise ValueError(f"small-call rows must be in 0..4096, got {rows}")
+    previous, _small_rows = _small_rows, rows
+    return previous
+
+
+_small_rows = lib.NE_SMALL_ROWS
+
+
+def _check_lookup_rc(rc: int, tokens: int, heads: int, threads: int) -> None:
     if rc != 0 and ffi.errno == errno.ENOMEM:
-        raise MemoryError(f"lookup of {ids.shape[0]} tokens x {len(offsets)} heads: no memory "
+        raise MemoryError(f"lookup of {tokens} tokens x {heads} heads: no memory "
                           "for its scratch (up to 8 MiB per thread); free memory or pass "
                           "fewer tokens")
     if rc != 0:
         _raise("pthread_create", f"lookup with {threads} threads")
-    return int(bad[0]), int(bad[1]), int(bad[2])
 
 
 def ngram_hashes(rows: np.ndarray, pad_id: int, multipliers: np.ndarray, max_ngram: int,

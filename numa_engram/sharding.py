@@ -67,6 +67,15 @@ def valid_head_shard_counts(n_heads: int, upto: int | None = None) -> list[int]:
             if (s - 1) * math.ceil(n_heads / s) < n_heads]
 
 
+def prefix_offsets(sizes: Sequence[int]) -> np.ndarray:
+    """Each head's first row: int64 exclusive prefix sums of its bucket
+    sizes (the one spelling of it in the package)."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    out = np.zeros(len(sizes), dtype=np.int64)
+    np.cumsum(sizes[:-1], out=out[1:])
+    return out
+
+
 def shard_rows(bucket_sizes: Sequence[int], num_shards: int, rank: int) -> ShardInfo:
     """A contiguous, near-even row range of the layer's table (any count up to
     the number of rows); head_start/head_end are the heads it overlaps."""
@@ -90,7 +99,7 @@ def locate_rows(bucket_sizes: Sequence[int], num_shards: int,
     if ids.shape[-1] != len(sizes):
         raise TopologyError(f"hash ids have {ids.shape[-1]} columns, the layer has "
                             f"{len(sizes)} heads")
-    offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    offsets = prefix_offsets(sizes)
     total = int(sizes.sum())
     rows = ids + offsets
     # shard s holds [s*total//n, (s+1)*total//n): invert with integer math

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .errors import SpecError, SpecMismatchError
+from .sharding import prefix_offsets
 
 LAYER_SEED_PRIME = 10007
 FINGERPRINT_VERSION = 1
@@ -213,8 +214,7 @@ class EngramSpec:
 
     def head_offsets(self, layer_id: int) -> np.ndarray:
         """First table row of each head (prefix sums of the bucket sizes)."""
-        sizes = np.asarray(self.bucket_sizes(layer_id), dtype=np.int64)
-        return np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+        return prefix_offsets(self.bucket_sizes(layer_id))
 
     def rows(self, layer_id: int) -> int:
         return int(sum(self.bucket_sizes(layer_id)))

@@ -27,6 +27,7 @@ from .accounting import check_memory
 from .checkpoint import CheckpointPlan, Progress, TensorNames
 from .checkpoint import resolve as resolve_checkpoint
 from .errors import (
+    LookupIdError,
     NumaEngramError,
     PlacementError,
     SpecError,
@@ -37,9 +38,15 @@ from .errors import (
 from .fileformat import DEFAULT_DIRECTORY, STATE_READY, Layout, ShardKey
 from .group import Group, SingleProcessGroup, as_group, gpu_node
 from .loading import bytes_done, load_part, load_parts, loaders_of, wait_for_parts
-from .lookup import OutputPool, check_hash_ids, gather, id_base
+from .lookup import (
+    ID_FORMATS,
+    OutputPool,
+    bad_id_text,
+    check_hash_ids,
+    id_base,
+)
 from .placement import PlacementPlan, PlacementReport, Region, plan_placement, verify
-from .sharding import ShardInfo
+from .sharding import ShardInfo, prefix_offsets
 from .spec import EngramSpec
 from .storage import BackingFile, check_directory_room, describe_device, directory_id
 from .topology import Topology, current_node
@@ -220,6 +227,11 @@ class SharedEngramTable:
         self.scales = backing.region("scales").reshape(shard.num_rows, spec.scales_per_row)
         self._bucket_sizes = np.asarray(
             spec.bucket_sizes(layer_id)[shard.head_start:shard.head_end], dtype=np.int64)
+        # the kernel's fixed arguments, cast once: a call adds only ids and output
+        self._geometry = native.Geometry.of(
+            self.weights, self.scales, prefix_offsets(self._bucket_sizes), self._bucket_sizes,
+            self.id_base("global"), spec.block)
+        self._workers: native.Workers | None = None  # made at the first threaded lookup
         self._device_shard = None
         self._closed = False
         # lookups in flight: close() waits for them (they finish normally)
@@ -392,6 +404,8 @@ class SharedEngramTable:
         that dequantises after the copy; ``out`` a pair of such tensors)."""
         from .fp8 import bf16_out
 
+        if id_format not in ID_FORMATS:
+            raise ValueError(f"id_format must be one of {ID_FORMATS}, got {id_format!r}")
         with self._in_use():
             started = time.perf_counter()
             ids = check_hash_ids(hash_ids, self.spec.n_hash_cols)
@@ -402,12 +416,57 @@ class SharedEngramTable:
                 result, bits = bf16_out(out, shape)
             else:
                 result, bits = self._outputs.take(shape)
-            gather(self.weights, self.scales, ids, head_start=self.shard.head_start,
-                   bucket_sizes=self._bucket_sizes, out=bits, threads=self.lookup_threads,
-                   cpus=self.lookup_cpus, block=self.spec.block,
-                   id_base=self.id_base(id_format))
+            if shape[0]:
+                self._gather(ids, bits, id_format == "global")
             self._count(shape[0] * shape[1], time.perf_counter() - started)
             return result
+
+    def _gather(self, ids: np.ndarray, bits, global_ids: bool) -> None:
+        """The kernel over this shard's cached geometry, on this table's
+        persistent workers when it looks up with several threads."""
+        count, first, value = native.run_geometry_lookup(
+            self._geometry, ids, self.shard.head_start, global_ids, bits, self.lookup_threads,
+            self._cpu_array, self._lookup_workers())
+        if count:
+            t, h = divmod(first, self.shard.num_heads)
+            base = self.id_base("global") if global_ids else None
+            raise LookupIdError(bad_id_text(value, t, self.shard.head_start + h,
+                                             int(self._bucket_sizes[h]), base, h, count))
+
+    @property
+    def lookup_cpus(self) -> tuple[int, ...]:
+        return self._lookup_cpus
+
+    @lookup_cpus.setter
+    def lookup_cpus(self, cpus) -> None:
+        self._lookup_cpus = tuple(cpus)
+        self._cpu_array = np.asarray(self._lookup_cpus, dtype=np.int32) if cpus else None
+        self._drop_workers()  # pinned to the old CPUs
+
+    @property
+    def lookup_threads(self) -> int:
+        return self._lookup_threads
+
+    @lookup_threads.setter
+    def lookup_threads(self, threads: int) -> None:
+        self._lookup_threads = max(1, int(threads))
+        self._drop_workers()
+
+    def _lookup_workers(self) -> native.Workers | None:
+        """This table's lookup threads (None for one thread: the caller's own),
+        made once, pinned to the rows' node; a forked child makes its own."""
+        if self._lookup_threads < 2:
+            return None
+        with self._idle:
+            if self._workers is None or not self._workers.usable:
+                self._workers = native.Workers(self._lookup_threads, self._lookup_cpus)
+            return self._workers
+
+    def _drop_workers(self) -> None:
+        workers = getattr(self, "_workers", None)
+        self._workers = None
+        if workers is not None:
+            workers.close() if workers.usable else None
 
     def id_base(self, id_format: str) -> np.ndarray | None:
         """Each shard head's first global row (None for bucket ids)."""
@@ -507,7 +566,8 @@ class SharedEngramTable:
                 return
             self._closed = True
             self._idle.wait_for(lambda: self._active == 0)
-        self.weights = self.scales = self._device_shard = None
+        self._drop_workers()  # no lookup runs now: the threads stop here
+        self.weights = self.scales = self._device_shard = self._geometry = None
         # device views still alive keep the registration (and the memory)
         # until they are dropped; without any, this unregisters now
         self.registration = None

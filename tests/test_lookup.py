@@ -330,3 +330,99 @@ def test_no_memory_for_the_kernel_scratch_is_a_memory_error():
     assert out.returncode == 0, out.stderr
     assert "MemoryError: lookup of 200000 tokens x 1 heads: no memory for its scratch" in \
         out.stdout
+
+
+# ------------------------------------------------ serving-size lookups --
+
+@pytest.fixture
+def small_rows_default():
+    yield
+    native.tune_small_rows(native.lib.NE_SMALL_ROWS)
+
+
+@pytest.mark.parametrize("rows_at", [0, 1, native.lib.NE_SMALL_ROWS, 4096])
+@pytest.mark.parametrize("tokens", [1, 7, 85, 86, 200])
+def test_both_sides_of_the_small_call_threshold_are_bit_exact(small_rows_default, rows_at,
+                                                              tokens):
+    """24 heads: 85 tokens are 2040 rows, 86 are 2064 (either side of the
+    default); the threshold moved to 0 and 4096 puts every size on one side."""
+    sizes = [97 + i for i in range(24)]
+    w, s = random_rows(sum(sizes), 64, seed=tokens)
+    rng = np.random.default_rng(tokens)
+    ids = np.stack([rng.integers(-1, n, tokens) for n in sizes], 1)
+    native.tune_small_rows(rows_at)
+    for threads in (1, 2):
+        got = lookup_rows(w, s, ids, head_start=0, bucket_sizes=sizes, threads=threads)
+        want = reference_lookup(w, s, ids, head_start=0, bucket_sizes=sizes)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        packed = (np.empty((tokens, 24, 64), np.uint8), np.empty((tokens, 24, 2), np.uint8))
+        gather(w, s, ids, head_start=0, bucket_sizes=sizes, out=packed, threads=threads)
+        rows = np.where(ids >= 0, ids + np.cumsum([0] + sizes[:-1]), 0)
+        np.testing.assert_array_equal(packed[0], np.where((ids >= 0)[..., None], w[rows], 0))
+    with pytest.raises(ValueError, match="0..4096"):
+        native.tune_small_rows(5000)
+
+
+def _threads() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_table_workers_persist_and_stop_with_close_no_leak_after_100_tables():
+    from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+
+    spec = EngramSpec.small(rows_per_head=500)
+    shard = shard_heads(spec.bucket_sizes(1), 1, 0)
+    ids = np.random.default_rng(0).integers(0, 500, (3000, spec.n_hash_cols))
+    before = _threads()
+    with SharedEngramTable.create(spec, 1, shard, lookup_threads=2) as table:
+        first = table.lookup(ids).clone()
+        workers = table._workers
+        assert workers is not None and _threads() == before + 2  # made once...
+        for _ in range(5):
+            assert torch.equal(table.lookup(ids), first)
+        assert table._workers is workers and _threads() == before + 2  # ...and kept
+        want = reference_lookup(table.weights, table.scales, ids, head_start=0,
+                                bucket_sizes=spec.bucket_sizes(1))
+        assert torch.equal(first.view(torch.int16), want.view(torch.int16))
+    assert _threads() == before  # close() stopped them
+    for _ in range(100):
+        table = SharedEngramTable.create(spec, 1, shard, lookup_threads=2)
+        table.lookup(ids)
+        table.close()
+    assert _threads() == before
+
+
+def test_a_forked_child_looks_up_through_a_pool_of_its_own():
+    import os
+
+    from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+
+    spec = EngramSpec.small(rows_per_head=500)
+    ids = np.random.default_rng(1).integers(0, 500, (3000, spec.n_hash_cols))
+    with SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0),
+                                  lookup_threads=2) as table:
+        want = table.lookup(ids).view(torch.int16).numpy().copy()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: the parent's pool has no threads here
+            ok = False
+            try:  # numpy only: torch's OpenMP pool does not survive a fork
+                got = table.lookup(ids).view(torch.int16).numpy()
+                ok = np.array_equal(got, want) and table._workers.pid == os.getpid()
+            finally:
+                os.write(w, b"1" if ok else b"0")
+                os._exit(0)
+        os.close(w)
+        import select
+        import signal
+
+        answer = os.read(r, 1) if select.select([r], [], [], 60)[0] else b"hung"
+        if answer == b"hung":
+            os.kill(pid, signal.SIGKILL)  # the child this test forked
+        os.waitpid(pid, 0)
+        os.close(r)
+        assert answer == b"1"
+        # the parent's pool still works
+        np.testing.assert_array_equal(table.lookup(ids).view(torch.int16).numpy(), want)

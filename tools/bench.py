@@ -2,7 +2,8 @@
 """numa_engram benchmarks.  Every number is printed beside a baseline
 measured in the same run, as a ratio (the machine is noisy).
 
-    python tools/bench.py [lookup|hashing|load|prefetch|all] [--table-gib 2] [--quick]
+    python tools/bench.py [lookup|default-out|serving|hashing|serving-hashing|load|prefetch|all]
+                          [--table-gib 2] [--quick]
 """
 
 from __future__ import annotations
@@ -204,6 +205,121 @@ def bench_default_out(table_gib: float, tokens: int, id_sets: int = 16) -> None:
           f"{best['out'] / best['packed']:.2f}x (half the output bytes)")
 
 
+# --------------------------------------------------------------- serving --
+
+SERVING_TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
+
+
+def _serving_table(table_gib: float, page: str, rng):
+    """A V4-shaped table (24 heads of 256 FP8 bytes + 8 scales) of about
+    ``table_gib``, placed on node 0 as a plan places it (so it has
+    lookup_cpus), random bytes in every row."""
+    from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+
+    per_head = max(1000, int(table_gib * 2**30) // 264 // 24)
+    spec = EngramSpec(layer_ids=[1], engram_vocab_sizes=[per_head] * 3, max_ngram_size=4,
+                      n_head_per_ngram=8, head_dim=256, compressed_vocab_size=99092, pad_id=2)
+    table = SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0),
+                                     placement="node:0", page_size=page)
+    # no checkpoint: the table stays writable for the caller to fill
+    _fill_random(table.weights, rng)
+    table.scales[:] = rng.integers(110, 130, table.scales.shape, dtype=np.uint8)
+    return spec, table
+
+
+def _serving_variants(spec, table, tokens: int, rng, id_sets: int = 16) -> dict:
+    """Every variant of one size, each call on the next of ``id_sets`` id sets."""
+    import torch
+
+    from numa_engram.lookup import aligned_empty
+
+    sizes = spec.bucket_sizes(1)
+    offsets = spec.head_offsets(1)
+    sets = [np.stack([rng.integers(0, n, tokens) for n in sizes], 1) for _ in range(id_sets)]
+    flats = [(ids + offsets).reshape(-1) for ids in sets]
+    shape = (tokens, len(sizes), spec.head_dim)
+    out = torch.from_numpy(aligned_empty(int(np.prod(shape))).reshape(shape)).view(
+        torch.bfloat16)
+    bits = out.view(torch.int16).numpy().view(np.uint16)
+    gathered_w = np.empty((tokens * len(sizes), spec.head_dim), np.uint8)
+    gathered_s = np.empty((tokens * len(sizes), spec.scales_per_row), np.uint8)
+    turn = [0]
+
+    def nxt() -> int:
+        turn[0] += 1
+        return turn[0] % id_sets
+    return {
+        "lookup(ids)": lambda: table.lookup(sets[nxt()]),
+        "lookup(ids, out=)": lambda: table.lookup(sets[nxt()], out=out),
+        "packed": lambda: table.lookup(sets[nxt()], dequantize=False),
+        "numpy take": lambda: _take(table.weights, table.scales, flats[nxt()], gathered_w,
+                                    gathered_s),
+        "bare native": lambda: _bare_native(table, sets[nxt()], bits),
+    }
+
+
+def _bare_native(table, ids, bits) -> None:
+    """The kernel call alone: the floor of any Python around it."""
+    geometry = getattr(table, "_geometry", None)
+    if geometry is not None:
+        native.run_geometry_lookup(geometry, ids, 0, False, bits, table.lookup_threads,
+                                   table._cpu_array, table._lookup_workers())
+    else:  # a library without the cached geometry (for a before/after run)
+        native.run_lookup(table.weights, table.scales, ids, 0,
+                          table.spec.head_offsets(1), table._bucket_sizes, None, bits,
+                          table.lookup_threads, table.lookup_cpus, table.spec.block)
+
+
+def bench_serving(table_gib: float = 2.0, sweep: tuple[float, ...] = (0.5, 2.0, 8.0),
+                  tokens_list: tuple[int, ...] = SERVING_TOKENS, repeat: int = 15) -> None:
+    """Lookups at the sizes a server asks for (a decode step is 1-256
+    tokens): each variant's best of ``repeat`` interleaved
+    turns, as a ratio to numpy take of the same rows into preallocated
+    outputs, on 4 KiB and (where a pool can be reserved) 2 MiB pages; then
+    the same at 64 and 4096 tokens over table sizes."""
+    from numa_engram import hugepages
+    from numa_engram.errors import CapacityError
+
+    rng = np.random.default_rng(0)
+    pages = ["4K"]
+    try:
+        hugepages.check_pool(int(table_gib * 2**30) + (16 << 20), 2 << 20)
+        pages.append("2M")
+    except CapacityError as exc:
+        print(f"  (2M pages skipped: {str(exc).splitlines()[0][:160]})")
+    for page in pages:
+        spec, table = _serving_table(table_gib, page, rng)
+        print(f"== serving lookups: {table.backing_bytes / 2**30:.2f} GiB table on {page} pages, "
+              f"24 heads, lookup_cpus {list(table.lookup_cpus) or 'none'}, "
+              f"{table.lookup_threads} thread(s); time in us, ratio to numpy take")
+        names = None
+        for tokens in tokens_list:
+            fns = _serving_variants(spec, table, tokens, rng)
+            best = best_interleaved(fns, repeat)
+            names = names or list(fns)
+            if tokens == tokens_list[0]:
+                print("  tokens  " + "  ".join(f"{n:>20}" for n in names))
+            take = best["numpy take"]
+            print(f"  {tokens:6d}  " + "  ".join(
+                f"{best[n] * 1e6:10.1f} ({best[n] / take:5.2f}x)" for n in names))
+        table.close()
+    print("== table-size sweep (4K pages): lookup(ids) / numpy take")
+    for gib in sweep:
+        try:
+            spec, table = _serving_table(gib, "4K", rng)
+        except CapacityError as exc:
+            print(f"  {gib:4.1f} GiB: skipped ({str(exc).splitlines()[0][:120]})")
+            continue
+        cells = []
+        for tokens in (64, 4096):
+            fns = _serving_variants(spec, table, tokens, rng)
+            best = best_interleaved({k: fns[k] for k in ("lookup(ids)", "numpy take")}, repeat)
+            cells.append(f"{tokens} tokens {best['lookup(ids)'] * 1e6:8.1f} us "
+                         f"({best['lookup(ids)'] / best['numpy take']:.2f}x)")
+        table.close()
+        print(f"  {gib:4.1f} GiB: " + ", ".join(cells))
+
+
 # --------------------------------------------------------------- hashing --
 
 def bench_hashing(tokens: int) -> None:
@@ -388,8 +504,8 @@ def bench_prefetch(lookup_ms: float = 20.0, layer_ms: float = 5.0, layers_before
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("what", nargs="?", default="all",
-                   choices=["all", "lookup", "default-out", "hashing", "serving-hashing", "load",
-                            "prefetch"])
+                   choices=["all", "lookup", "default-out", "serving", "hashing",
+                            "serving-hashing", "load", "prefetch"])
     p.add_argument("--table-gib", type=float, default=2.0)
     p.add_argument("--load-gib", type=float, default=1.0)
     p.add_argument("--tokens", type=int, default=4096)
@@ -402,6 +518,11 @@ def main() -> None:
         bench_lookup(a.table_gib, a.tokens)
     if a.what in ("all", "default-out"):
         bench_default_out(a.table_gib, a.tokens)
+    if a.what in ("all", "serving"):
+        if a.quick:
+            bench_serving(0.1, (0.1,), (1, 64, 1024), repeat=3)
+        else:
+            bench_serving(a.table_gib)
     if a.what in ("all", "hashing"):
         bench_hashing(100_000 if a.quick else 1_000_000)
     if a.what in ("all", "serving-hashing"):
