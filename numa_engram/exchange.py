@@ -15,6 +15,7 @@ rank's heads (shard index ``tp_rank * edp + edp_rank``).  A lookup:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +47,22 @@ class ShardedHeads:
     @property
     def head_end(self) -> int:
         return self.members[-1].head_end
+
+
+# rows appended to a member's ids when counts are given: its real token
+# count, then 1 if its ids passed the check (column 0 of each)
+STATUS_ROWS = 2
+
+
+def _with_status(ids: np.ndarray, slot: int, ok: bool) -> np.ndarray:
+    """``[slot + STATUS_ROWS, cols]``: the ids (cut to the slot when there
+    are more, which the others then see as a wrong count), DEAD padding,
+    then the status rows."""
+    out = np.full((slot + STATUS_ROWS, ids.shape[1]), DEAD_ID, dtype=np.int64)
+    n = min(ids.shape[0], slot)
+    out[:n] = ids[:n]
+    out[slot, 0], out[slot + 1, 0] = ids.shape[0], int(ok)
+    return out
 
 
 def pad_hash_ids(hash_ids: np.ndarray, slot: int) -> np.ndarray:
@@ -99,10 +116,19 @@ class DPShardedLookup:
         # the table's own outputs do: no fresh mmap and page faults per step
         self._outputs = OutputPool()
 
-    def lookup(self, hash_ids, *, id_format: str = "bucket"):
+    def lookup(self, hash_ids, *, id_format: str = "bucket",
+               counts: Sequence[int] | None = None):
         """BF16 ``[T, tp_heads, head_dim]`` for this member's ``hash_ids [T, n_hash_cols]``
         (T may be 0: an idle replica still takes part); ``id_format="global"``
-        for rows of the layer's whole table."""
+        for rows of the layer's whole table.
+
+        ``counts``: every EDP member's token count in EDP-rank order, as a
+        serving stack already knows them (vLLM's ``num_tokens_across_dp``),
+        the same list in every member.  The count all-gather is then skipped:
+        one collective per direction (ids gathered with each member's count
+        and id check riding along, rows exchanged).  A count that disagrees
+        with the ids a member passed, or a bad id, is a LookupIdError in
+        every member, before any row is exchanged."""
         import torch
 
         ids = check_hash_ids(hash_ids, self.table.spec.n_hash_cols)
@@ -110,23 +136,65 @@ class DPShardedLookup:
         # before any exchange, so a bad id fails all members alike, at once,
         # and the group stays in step for the next lookup
         problem = self._check_ids(ids, id_format)
-        counts, oks = self._gather_counts(ids.shape[0], problem is None)
+        given = counts is not None
+        if given:
+            counts = self._check_counts(counts)
+        else:
+            counts, oks = self._gather_counts(ids.shape[0], problem is None)
+            self._raise_unless_all_ok(oks, problem)
+        slot = max(counts)
+        if self.max_tokens is not None and slot > self.max_tokens:
+            raise LookupIdError(f"EDP members have {counts} tokens; the slot limit is "
+                                f"{self.max_tokens} (raise max_tokens or split the batch)")
+        if slot == 0:  # decided from counts alone: no member takes part in a collective
+            if ids.shape[0]:
+                raise LookupIdError(f"counts says every EDP member has 0 tokens, this one "
+                                    f"passed {ids.shape[0]}")
+            return torch.zeros((0, self._tp_heads(), self.table.spec.head_dim),
+                               dtype=torch.bfloat16)
+        if given:  # each member's count and id check ride along with its ids
+            gathered = self._gather_ids(_with_status(ids, slot, problem is None))
+            gathered = self._statuses_checked(gathered, slot, counts, problem)
+        else:
+            gathered = self._gather_ids(pad_hash_ids(ids, slot))         # [edp * slot, cols]
+        rows = self.table.lookup(gathered, id_format=id_format)           # [edp*slot, own, d]
+        received = self._exchange(rows, slot)
+        return received[: ids.shape[0]]
+
+    def _raise_unless_all_ok(self, oks: Sequence[bool], problem: str | None) -> None:
         if not all(oks):
             bad = [e for e, ok in enumerate(oks) if not ok]
             mine = f": {problem}" if problem else ""
             raise LookupIdError(f"EDP member(s) {bad} of TP rank {self.heads.tp_rank} passed hash "
                                 f"ids outside their heads' buckets; no rows were exchanged{mine}")
-        slot = max(counts)
-        if self.max_tokens is not None and slot > self.max_tokens:
-            raise LookupIdError(f"EDP members have {counts} tokens; the slot limit is "
-                                f"{self.max_tokens} (raise max_tokens or split the batch)")
-        if slot == 0:
-            return torch.zeros((0, self._tp_heads(), self.table.spec.head_dim),
-                               dtype=torch.bfloat16)
-        gathered = self._gather_ids(pad_hash_ids(ids, slot))             # [edp * slot, cols]
-        rows = self.table.lookup(gathered, id_format=id_format)           # [edp*slot, own, d]
-        received = self._exchange(rows, slot)
-        return received[: ids.shape[0]]
+
+    def _check_counts(self, counts: Sequence[int]) -> list[int]:
+        """The caller's counts: one non-negative int per EDP member."""
+        try:
+            out = [int(c) for c in counts]
+        except (TypeError, ValueError):
+            raise LookupIdError(f"counts must be token counts (ints), got {counts!r}") from None
+        if len(out) != self.heads.edp or min(out) < 0:
+            raise LookupIdError(f"counts must give each of the {self.heads.edp} EDP members' "
+                                f"token count (>= 0), got {out}")
+        return out
+
+    def _statuses_checked(self, gathered: np.ndarray, slot: int, counts: list[int],
+                          problem: str | None) -> np.ndarray:
+        """The gathered ids without their status rows, once every member's
+        real count matches ``counts`` and every member's ids are good (the
+        same verdict in every member: they all see the same statuses)."""
+        per = slot + STATUS_ROWS
+        blocks = gathered.reshape(self.heads.edp, per, -1)
+        real = [int(b[slot, 0]) for b in blocks]
+        oks = [bool(b[slot + 1, 0]) for b in blocks]
+        odd = [e for e, (n, c) in enumerate(zip(real, counts)) if n != c]
+        if odd:
+            raise LookupIdError(f"counts says EDP members have {counts} tokens, but member(s) "
+                                f"{odd} passed {[real[e] for e in odd]}; pass every member's "
+                                "real count (the same list in every member)")
+        self._raise_unless_all_ok(oks, problem)
+        return np.ascontiguousarray(blocks[:, :slot]).reshape(self.heads.edp * slot, -1)
 
     def mode_report(self) -> dict:
         """What this member really runs, for the deployment log."""

@@ -143,7 +143,8 @@ def share_placed(rank, world, *, tp, dp):
     return {"placement": report, "mode": mode}
 
 
-def dp_sharded(rank, world, *, tp, dp, counts, n_head_per_ngram, max_ngram, max_tokens):
+def dp_sharded(rank, world, *, tp, dp, counts, n_head_per_ngram, max_ngram, max_tokens,
+               given_counts=False):
     """DP-sharded lookups: every replica's rows bit-exact with the reference
     over the whole table, including an idle replica and an all-DEAD one."""
     from numa_engram.exchange import DPShardedLookup, ShardedHeads
@@ -167,7 +168,9 @@ def dp_sharded(rank, world, *, tp, dp, counts, n_head_per_ngram, max_ngram, max_
     if dp_rank == 2:
         ids[:] = -1  # a replica whose ids are all DEAD
     sharded = DPShardedLookup(table, heads, edp_rank, group.pg, max_tokens=max_tokens)
-    got = sharded.lookup(ids)
+    # the replicas' counts as a serving stack knows them (this EDP group's, in EDP order)
+    edp_counts = [counts[layout.coords(r)[1]] for r in group.ranks]
+    got = sharded.lookup(ids, counts=edp_counts if given_counts else None)
     sizes = spec.bucket_sizes(LAYER)
     want = reference_lookup(w_all[heads.members[0].row_start:heads.members[-1].row_end],
                             s_all[heads.members[0].row_start:heads.members[-1].row_end], ids,
@@ -176,8 +179,22 @@ def dp_sharded(rank, world, *, tp, dp, counts, n_head_per_ngram, max_ngram, max_
     exact = got.shape == want.shape and np.array_equal(got.view(torch.int16).numpy(),
                                                         want.view(torch.int16).numpy())
     report = sharded.mode_report()
+    wrong = None
+    if given_counts:  # a count that disagrees with the ids: every member refuses
+        from numa_engram.errors import LookupIdError
+
+        lying = list(edp_counts)
+        lying[-1] += 1
+        try:
+            sharded.lookup(ids, counts=lying)
+        except LookupIdError as exc:
+            wrong = str(exc)
+        again = sharded.lookup(ids, counts=edp_counts)  # the group is still in step
+        exact = exact and np.array_equal(again.view(torch.int16).numpy(),
+                                         want.view(torch.int16).numpy())
     table.close()
-    return {"exact": bool(exact), "shape": list(got.shape), "report": report, "owned": [
+    return {"exact": bool(exact), "shape": list(got.shape), "report": report, "wrong": wrong,
+            "owned": [
         m.num_heads for m in heads.members]}
 
 

@@ -20,6 +20,23 @@ COUNTS = [5, 0, 3, 9]  # by DP rank: replica 1 idle, replica 2 all DEAD
 def test_every_replica_gets_exact_rows(tp, dp, heads_per_order, orders):
     results = run_world(4, "dp_sharded", tp=tp, dp=dp, counts=COUNTS,
                         n_head_per_ngram=heads_per_order, max_ngram=orders, max_tokens=16)
+    _check_exact(results, tp, heads_per_order, orders)
+
+
+@pytest.mark.parametrize("tp, dp", [(1, 4), (2, 2)])
+def test_counts_given_by_the_caller_skip_the_count_gather_bit_exact(tp, dp):
+    """vLLM's num_tokens_across_dp passed in: the same rows with one
+    collective per direction; a count that disagrees with a member's ids is
+    refused in every member, which then look up again in step."""
+    results = run_world(4, "dp_sharded", tp=tp, dp=dp, counts=COUNTS, n_head_per_ngram=4,
+                        max_ngram=3, max_tokens=16, given_counts=True)
+    _check_exact(results, tp, 4, 3)
+    for r in results:
+        assert r["wrong"] and "counts says EDP members have" in r["wrong"], r
+        assert "passed" in r["wrong"]
+
+
+def _check_exact(results, tp, heads_per_order, orders):
     n_heads = heads_per_order * (orders - 1)
     for r in results:
         assert r["ok"], r.get("traceback") or r
