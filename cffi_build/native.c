@@ -342,6 +342,30 @@ static void row_generic(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t
 }
 
 #if defined(__x86_64__)
+/* AVX2 row for block 32 with streaming stores: each block is dequantised
+ * into a cache-line scratch (GCC vectorises dequant_fast32 for AVX2 here)
+ * and written with two 32-byte non-temporal stores, so the scattered
+ * output lines of a table-order gather are not read for ownership first
+ * (the AVX-512 row's trick, for CPUs without AVX-512).  Blocks with a scale
+ * near the fp32 range edges take the exact table, as everywhere.  Needs a
+ * 32-byte aligned output row (checked by the caller). */
+__attribute__((target("avx2")))
+static void row_avx2_stream(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block,
+                            uint16_t *out)
+{
+    uint16_t line[32] __attribute__((aligned(32)));
+    for (int64_t b = 0; b < dim / 32; b++) {
+        if (s[b] >= 10 && s[b] <= 246)
+            dequant_fast32(w + b * 32, (uint16_t)(((int)s[b] - 127) << 7), line);
+        else
+            dequant_block(w + b * 32, s[b], 32, line);
+        _mm256_stream_si256((__m256i *)(out + b * 32), _mm256_load_si256((const __m256i *)line));
+        _mm256_stream_si256((__m256i *)(out + b * 32 + 16),
+                            _mm256_load_si256((const __m256i *)(line + 16)));
+    }
+    (void)block;
+}
+
 /* AVX-512BW row (block 32): 32 values per instruction, the subnormal e4m3
  * table in one vpermw, and streaming stores: the BF16 output is twice the
  * bytes read and is not read back by this thread, so skipping the
@@ -391,6 +415,7 @@ static void row_avx512(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t 
 /* The row function is picked once per process (CPU dispatch and the
  * environment are not re-read per call: a small lookup is a few us). */
 static row_fn picked_row = NULL;
+static int have_avx2_stream = 0; /* the AVX2 streaming row may stand in for the portable one */
 static pthread_once_t pick_once = PTHREAD_ONCE_INIT;
 
 static void pick_row_init(void)
@@ -400,6 +425,7 @@ static void pick_row_init(void)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512bw") && getenv("NUMA_ENGRAM_NO_AVX512") == NULL)
         picked_row = row_avx512;
+    have_avx2_stream = __builtin_cpu_supports("avx2") && getenv("NUMA_ENGRAM_NO_AVX2") == NULL;
 #endif
 }
 
@@ -539,6 +565,12 @@ static void dequant_chunk(const struct lookup_job *j, const struct order *o, int
     const int64_t n_scales = j->dim / j->block;
     const int staged = j->dim <= MAX_STAGE_BYTES && n_scales <= MAX_STAGE_SCALES;
     const int ahead_n = prefetch_ahead;
+#if defined(__x86_64__)
+    const int avx2_stream = have_avx2_stream && row_dequant == row_generic && j->block == 32 &&
+                            j->dim % 32 == 0 && ((uintptr_t)j->out & 31) == 0;
+#else
+    const int avx2_stream = 0;
+#endif
     uint8_t w_stage[STAGE_ROWS * MAX_STAGE_BYTES] __attribute__((aligned(64)));
     uint8_t s_stage[STAGE_ROWS * MAX_STAGE_SCALES] __attribute__((aligned(64)));
     for (int64_t q0 = 0; q0 < o->n; q0 += STAGE_ROWS) {
@@ -559,7 +591,11 @@ static void dequant_chunk(const struct lookup_job *j, const struct order *o, int
 #if defined(__x86_64__)
             if (row_dequant == row_avx512) /* a direct call the AVX-512 clone inlines */
                 row_avx512(w, s, j->dim, j->block, out);
+            else if (avx2_stream)
+                row_avx2_stream(w, s, j->dim, j->block, out);
             else
+#else
+            (void)avx2_stream;
 #endif
                 row_dequant(w, s, j->dim, j->block, out);
         }

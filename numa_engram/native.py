@@ -278,8 +278,11 @@ def _row_stride(ids: np.ndarray) -> int:
 
 
 def _ids_ptr(ids: np.ndarray):
-    """The ids' first element (a strided view is not a contiguous buffer)."""
-    return ffi.cast("int64_t *", ids.ctypes.data)
+    """The ids' first element (a strided view is not a contiguous buffer,
+    and takes the slower address lookup)."""
+    if ids.flags.c_contiguous:
+        return ffi.cast("int64_t *", ffi.from_buffer(ids))
+    return ffi.cast("int64_t *", ids.__array_interface__["data"][0])
 
 
 def _ptr(array: np.ndarray, ctype: str):

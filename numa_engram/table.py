@@ -36,6 +36,7 @@ from .errors import (
     TopologyError,
 )
 from .fileformat import DEFAULT_DIRECTORY, STATE_READY, Layout, ShardKey
+from .fp8 import bf16_out
 from .group import Group, SingleProcessGroup, as_group, gpu_node
 from .loading import bytes_done, load_part, load_parts, loaders_of, wait_for_parts
 from .lookup import (
@@ -232,6 +233,7 @@ class SharedEngramTable:
             self.weights, self.scales, prefix_offsets(self._bucket_sizes), self._bucket_sizes,
             self.id_base("global"), spec.block)
         self._workers: native.Workers | None = None  # made at the first threaded lookup
+        self._n_cols, self._row_shape = spec.n_hash_cols, (shard.num_heads, spec.head_dim)
         self._device_shard = None
         self._closed = False
         # lookups in flight: close() waits for them (they finish normally)
@@ -402,14 +404,14 @@ class SharedEngramTable:
         rows as stored, ``(weights uint8 [T, heads, head_dim], scales uint8
         [T, heads, head_dim/block])`` (half the output bytes; for a GPU
         that dequantises after the copy; ``out`` a pair of such tensors)."""
-        from .fp8 import bf16_out
-
         if id_format not in ID_FORMATS:
             raise ValueError(f"id_format must be one of {ID_FORMATS}, got {id_format!r}")
-        with self._in_use():
-            started = time.perf_counter()
-            ids = check_hash_ids(hash_ids, self.spec.n_hash_cols)
-            shape = (ids.shape[0], self.shard.num_heads, self.spec.head_dim)
+        # one lock round trip in and one out: a decode step's lookup is a few us
+        self._enter_lookup()
+        started, rows = time.perf_counter(), -1  # -1: failed, not counted
+        try:
+            ids = check_hash_ids(hash_ids, self._n_cols)
+            shape = (ids.shape[0], *self._row_shape)
             if not dequantize:
                 result, bits = _packed_out(out, shape, self.spec.block)
             elif out is not None:
@@ -418,8 +420,10 @@ class SharedEngramTable:
                 result, bits = self._outputs.take(shape)
             if shape[0]:
                 self._gather(ids, bits, id_format == "global")
-            self._count(shape[0] * shape[1], time.perf_counter() - started)
+            rows = shape[0] * shape[1]
             return result
+        finally:
+            self._leave_lookup(rows, time.perf_counter() - started)
 
     def _gather(self, ids: np.ndarray, bits, global_ids: bool) -> None:
         """The kernel over this shard's cached geometry, on this table's
@@ -577,18 +581,32 @@ class SharedEngramTable:
         if self._closed:
             raise StorageError("the table is closed")
 
-    @contextmanager
-    def _in_use(self):
-        """A lookup: refused once closed; close() waits until it is done."""
+    def _enter_lookup(self) -> None:
+        """A lookup begins: refused once closed; close() waits until it ends."""
         with self._idle:
             self._check_open()
             self._active += 1
+
+    def _leave_lookup(self, rows: int, seconds: float) -> None:
+        """A lookup ended (counted unless it failed: rows -1); wakes a
+        waiting close()."""
+        with self._idle:
+            self._active -= 1
+            if rows >= 0:
+                self._counts["lookups"] += 1
+                self._counts["rows"] += rows
+                self._counts["seconds"] += seconds
+            if self._closed:
+                self._idle.notify_all()
+
+    @contextmanager
+    def _in_use(self):
+        """A (GPU) lookup: refused once closed; close() waits until it is done."""
+        self._enter_lookup()
         try:
             yield
         finally:
-            with self._idle:
-                self._active -= 1
-                self._idle.notify_all()
+            self._leave_lookup(-1, 0.0)
 
     def __enter__(self) -> SharedEngramTable:
         return self
