@@ -112,8 +112,10 @@ def gather(weights: np.ndarray, scales: np.ndarray, ids: np.ndarray, *, head_sta
     if ids.shape[0] == 0:
         return
     base = None if id_base is None else np.ascontiguousarray(id_base, dtype=np.int64)
-    count, first, value = native.run_lookup(weights, scales, ids, head_start, offsets, sizes,
-                                            base, out, threads, cpus, block)
+    geometry = native.Geometry.of(weights, scales, offsets, sizes, base, block)
+    cpu_arr = np.asarray(list(cpus), dtype=np.int32) if len(cpus) else None
+    count, first, value = native.run_geometry_lookup(geometry, ids, head_start, base is not None,
+                                                     out, threads, cpu_arr, None)
     if count:
         t, h = divmod(first, len(sizes))
         raise LookupIdError(bad_id_text(value, t, head_start + h, int(sizes[h]), base, h,

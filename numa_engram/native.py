@@ -357,8 +357,13 @@ class Geometry:
 
 def run_geometry_lookup(geom: Geometry, ids: np.ndarray, col0: int, global_ids: bool, out,
                         threads: int, cpus: Any, workers: Workers | None) -> tuple[int, int, int]:
-    """``run_lookup`` with the shard's arguments cast once (``Geometry``);
-    ``cpus`` an int32 array (or None), ``workers`` this table's threads."""
+    """The kernel (GIL released) over a shard's ``Geometry``, for ids from
+    column ``col0``: ``out`` BF16 bits, or (FP8 rows, scales) for the packed
+    gather.  It checks every id as it reads it (once), so ids another thread
+    changes meanwhile never make it read outside the table; bad ones give
+    zero rows.  ``cpus`` an int32 array (or None), ``workers`` the caller's
+    persistent threads (or None).  Returns (bad ids, flat index of the
+    first, its value)."""
     bad = ffi.new("int64_t[3]")
     args = (geom.weights, geom.scales, geom.dim, geom.block, _ids_ptr(ids) + col0, ids.shape[0],
             _row_stride(ids), geom.n_heads, geom.offsets, geom.sizes,
@@ -372,31 +377,6 @@ def run_geometry_lookup(geom: Geometry, ids: np.ndarray, col0: int, global_ids: 
     else:
         rc = lib.ne_lookup_bf16(*args, _ptr(out, "uint16_t *"), *tail)
     _check_lookup_rc(rc, ids.shape[0], geom.n_heads, threads)
-    return int(bad[0]), int(bad[1]), int(bad[2])
-
-
-def run_lookup(weights: np.ndarray, scales: np.ndarray, ids: np.ndarray, col0: int,
-               offsets: np.ndarray, sizes: np.ndarray, id_base: np.ndarray | None, out,
-               threads: int, cpus, block: int) -> tuple[int, int, int]:
-    """The kernel (GIL released): ``out`` BF16 bits, or (FP8 rows, scales)
-    for the packed gather.  It checks every id as it reads it (once), so ids
-    another thread changes meanwhile never make it read outside the table;
-    bad ones give zero rows.  Returns (bad ids, flat index of the first,
-    its value)."""
-    cpu_arr = np.asarray(list(cpus), dtype=np.int32)
-    bad = ffi.new("int64_t[3]")
-    args = (_ptr(weights, "uint8_t *"), _ptr(scales, "uint8_t *"), weights.shape[1], block,
-            _ids_ptr(ids) + col0, ids.shape[0], _row_stride(ids), len(offsets),
-            _ptr(offsets, "int64_t *"), _ptr(sizes, "int64_t *"),
-            ffi.NULL if id_base is None else _ptr(id_base, "int64_t *"))
-    cpu_args = (threads, _ptr(cpu_arr, "int *") if len(cpu_arr) else ffi.NULL, len(cpu_arr), bad,
-                ffi.NULL)
-    if isinstance(out, tuple):
-        rc = lib.ne_gather_fp8(*args, _ptr(out[0], "uint8_t *"), _ptr(out[1], "uint8_t *"),
-                               *cpu_args)
-    else:
-        rc = lib.ne_lookup_bf16(*args, _ptr(out, "uint16_t *"), *cpu_args)
-    _check_lookup_rc(rc, ids.shape[0], len(offsets), threads)
     return int(bad[0]), int(bad[1]), int(bad[2])
 
 

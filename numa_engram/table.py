@@ -467,10 +467,11 @@ class SharedEngramTable:
             return self._workers
 
     def _drop_workers(self) -> None:
+        """Stop this table's threads (a forked child's copy has none to stop)."""
         workers = getattr(self, "_workers", None)
         self._workers = None
-        if workers is not None:
-            workers.close() if workers.usable else None
+        if workers is not None and workers.usable:
+            workers.close()
 
     def id_base(self, id_format: str) -> np.ndarray | None:
         """Each shard head's first global row (None for bucket ids)."""

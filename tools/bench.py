@@ -260,14 +260,8 @@ def _serving_variants(spec, table, tokens: int, rng, id_sets: int = 16) -> dict:
 
 def _bare_native(table, ids, bits) -> None:
     """The kernel call alone: the floor of any Python around it."""
-    geometry = getattr(table, "_geometry", None)
-    if geometry is not None:
-        native.run_geometry_lookup(geometry, ids, 0, False, bits, table.lookup_threads,
-                                   table._cpu_array, table._lookup_workers())
-    else:  # a library without the cached geometry (for a before/after run)
-        native.run_lookup(table.weights, table.scales, ids, 0,
-                          table.spec.head_offsets(1), table._bucket_sizes, None, bits,
-                          table.lookup_threads, table.lookup_cpus, table.spec.block)
+    native.run_geometry_lookup(table._geometry, ids, 0, False, bits, table.lookup_threads,
+                               table._cpu_array, table._lookup_workers())
 
 
 def bench_serving(table_gib: float = 2.0, sweep: tuple[float, ...] = (0.5, 2.0, 8.0),
