@@ -104,9 +104,9 @@ class CheckpointPlan:
     scales: TensorLocation
 
 
-def _open_regular(path: str) -> int:
-    """An fd of a regular file (symlinks followed: the Hugging Face cache is
-    made of them); a FIFO or device is refused before any open could block."""
+def _check_regular(path: str) -> None:
+    """A regular file (symlinks followed: the Hugging Face cache is made of
+    them); a FIFO or device is refused before any open could block."""
     try:
         mode = os.stat(path).st_mode
     except OSError as exc:
@@ -114,6 +114,11 @@ def _open_regular(path: str) -> int:
     if not stat.S_ISREG(mode):
         raise CheckpointError(f"checkpoint {path} is not a regular file (a FIFO, device or "
                               "directory); pass the safetensors file itself")
+
+
+def _open_regular(path: str) -> int:
+    """An fd of a regular file (``_check_regular`` first)."""
+    _check_regular(path)
     try:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
@@ -214,7 +219,7 @@ def checkpoint_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> 
     if not out:
         raise CheckpointError("no checkpoint files given")
     for path in out:  # before any open: opening a FIFO would block forever
-        os.close(_open_regular(path))
+        _check_regular(path)
     return out
 
 

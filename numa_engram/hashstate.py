@@ -31,19 +31,12 @@ import numpy as np
 
 from . import native
 from .errors import SpecError
-from .spec import EngramSpec
+from .spec import EngramSpec, strict_int
 
 ID_FORMATS = ("bucket", "global")
 DEAD = -1
 # the slot's next position is position + 1: it must not wrap int64
 MAX_POSITION = 2**62
-
-
-def integer(value, name: str) -> int:
-    """A Python or numpy integer (never a float or bool, which would be truncated)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise SpecError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    return int(value)
 
 
 def integer_array(values, name: str) -> np.ndarray:
@@ -133,7 +126,7 @@ class HashState:
         the last ``max_ngram_size - 1``, or all of them), in the same id
         space as ``hash`` takes."""
         self._check_slot(slot)
-        position = integer(position, "position")
+        position = strict_int(position, "position")
         if not 0 <= position <= MAX_POSITION:
             raise SpecError(f"restore position must be in 0..{MAX_POSITION}, got {position}")
         n1 = self.spec.max_ngram_size - 1
@@ -179,7 +172,7 @@ class HashState:
 
     # --------------------------------------------------------- internals --
     def _check_slot(self, slot: int) -> None:
-        slot = integer(slot, "slot")
+        slot = strict_int(slot, "slot")
         if not 0 <= slot < self.max_requests:
             raise SpecError(f"slot {slot} is outside 0..{self.max_requests - 1} "
                             "(max_requests)")

@@ -91,7 +91,7 @@ class EngramSpec:
                            _int_tuple(self.engram_vocab_sizes, "engram_vocab_sizes"))
         for name in ("max_ngram_size", "n_head_per_ngram", "head_dim", "compressed_vocab_size",
                      "pad_id", "seed", "block"):
-            object.__setattr__(self, name, _strict_int(getattr(self, name), name))
+            object.__setattr__(self, name, strict_int(getattr(self, name), name))
         self._validate()
 
     def _validate(self) -> None:
@@ -315,12 +315,12 @@ def _config_field(doc: dict):
                             "with Engram layers?")
         value = doc[name]
         if list_ok and isinstance(value, (list, tuple)):
-            return [_strict_int(v, f"config field {name!r} entry") for v in value]
-        return _strict_int(value, f"config field {name!r}")
+            return [strict_int(v, f"config field {name!r} entry") for v in value]
+        return strict_int(value, f"config field {name!r}")
     return field
 
 
-def _strict_int(value: Any, name: str) -> int:
+def strict_int(value: Any, name: str) -> int:
     """An int (Python or numpy), never a float, bool, string or None, which
     int() would silently truncate or parse."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
@@ -332,7 +332,7 @@ def _int_tuple(values: Any, name: str) -> tuple[int, ...]:
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise SpecError(f"{name} must be a sequence of integers, got {type(values).__name__} "
                         f"{values!r}")
-    return tuple(_strict_int(v, f"{name} entry") for v in values)
+    return tuple(strict_int(v, f"{name} entry") for v in values)
 
 
 def _check_range(name: str, value: int, low: int, high: int) -> None:
