@@ -58,9 +58,7 @@ def _with_status(ids: np.ndarray, slot: int, ok: bool) -> np.ndarray:
     """``[slot + STATUS_ROWS, cols]``: the ids (cut to the slot when there
     are more, which the others then see as a wrong count), DEAD padding,
     then the status rows."""
-    out = np.full((slot + STATUS_ROWS, ids.shape[1]), DEAD_ID, dtype=np.int64)
-    n = min(ids.shape[0], slot)
-    out[:n] = ids[:n]
+    out = pad_hash_ids(ids[:slot], slot + STATUS_ROWS)
     out[slot, 0], out[slot + 1, 0] = ids.shape[0], int(ok)
     return out
 

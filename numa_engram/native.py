@@ -312,7 +312,7 @@ class Workers:
                                len(cpu_arr))
         if pool == ffi.NULL:
             _raise("pthread_create", f"a pool of {threads} lookup threads")
-        self.pid, self.threads = os.getpid(), threads
+        self.pid = os.getpid()
         self.pool = ffi.gc(pool, lib.ne_pool_free)
 
     @property
@@ -380,17 +380,11 @@ def run_geometry_lookup(geom: Geometry, ids: np.ndarray, col0: int, global_ids: 
     return int(bad[0]), int(bad[1]), int(bad[2])
 
 
-def tune_small_rows(rows: int) -> int:
+def tune_small_rows(rows: int) -> None:
     """Set the row count up to which a lookup job reads in token order (no
-    sort); returns the previous value.  For benchmarks and tests."""
-    global _small_rows
+    sort; the default is ``lib.NE_SMALL_ROWS``).  For benchmarks and tests."""
     if lib.ne_tune_small_rows(rows) != 0:
         raise ValueError(f"small-call rows must be in 0..4096, got {rows}")
-    previous, _small_rows = _small_rows, rows
-    return previous
-
-
-_small_rows = lib.NE_SMALL_ROWS
 
 
 def _check_lookup_rc(rc: int, tokens: int, heads: int, threads: int) -> None:

@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -500,12 +500,16 @@ class SharedEngramTable:
         reading rows over PCIe (zero-copy) and dequantising on the device;
         ids must already be on that GPU; no host sync (bad ids: zero rows,
         raised by ``check_device_errors()``).  See ``DeviceShard.lookup``."""
-        with self._in_use():
+        self._enter_lookup()
+        rows = -1  # -1: failed, not counted
+        try:
             result = self.device_view().lookup(hash_ids, out=out, id_format=id_format,
                                                packed=packed, max_sms=max_sms,
                                                background=background)
-            self._count(hash_ids.shape[0] * self.shard.num_heads, 0.0)
+            rows = hash_ids.shape[0] * self.shard.num_heads
             return result
+        finally:
+            self._leave_lookup(rows, 0.0)
 
     def check_device_errors(self) -> None:
         """Raise LookupIdError for bad ids the GPU lookups met since the last
@@ -533,12 +537,6 @@ class SharedEngramTable:
                           counts["rows"] * self.spec.row_bytes, counts["seconds"],
                           None if report is None else report.fraction_on_plan,
                           report.bytes_per_node() if report is not None else {})
-
-    def _count(self, rows: int, seconds: float) -> None:
-        with self._idle:
-            self._counts["lookups"] += 1
-            self._counts["rows"] += rows
-            self._counts["seconds"] += seconds
 
     def mode_report(self) -> dict:
         report = self._report
@@ -599,15 +597,6 @@ class SharedEngramTable:
                 self._counts["seconds"] += seconds
             if self._closed:
                 self._idle.notify_all()
-
-    @contextmanager
-    def _in_use(self):
-        """A (GPU) lookup: refused once closed; close() waits until it is done."""
-        self._enter_lookup()
-        try:
-            yield
-        finally:
-            self._leave_lookup(-1, 0.0)
 
     def __enter__(self) -> SharedEngramTable:
         return self
