@@ -92,8 +92,27 @@ def peer_never_joins(rank, world):
     if rank == world - 1:
         time.sleep(12)  # arrives only after the others gave up
         return {}
-    _whole_table_on_world(make_spec(200), 5)
+    try:
+        _whole_table_on_world(make_spec(200), 5)
+    finally:
+        _store_outlives_the_roll_call(rank, world - 1)
     return {}
+
+
+def _store_outlives_the_roll_call(rank, waiting):
+    """Rank 0 keeps the rendezvous store up until ranks 1..waiting-1 have
+    read it: a rank 0 that failed first and exited would take the store with
+    it, and the others could then only say 'unknown' (a race, not the
+    behaviour under test)."""
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    if rank != 0:
+        store.set(f"test/read-done/{rank}", "1")
+        return
+    store.wait([f"test/read-done/{r}" for r in range(1, waiting)], timedelta(seconds=60))
 
 
 def leader_killed(rank, world):
