@@ -2,6 +2,13 @@
 
 Importing the package is cheap: torch is imported only by the modules that
 need it (fp8, lookup, table, prefetch, cuda), when first used.
+
+The folders are the layers, each importing only those below it (see
+CONTRIBUTING.md): ``bindings`` (the C core, the CUDA runtime), ``model``
+(spec, sharding, hashes, FP8), ``host`` (/proc, /sys, topology, huge pages,
+accounting), ``store`` (file format, backing files, placement, gc),
+``lookup`` (CPU, GPU, prefetch), ``sharing`` (the shared table and its
+protocol) and ``cli``.
 """
 
 from __future__ import annotations
@@ -9,6 +16,7 @@ from __future__ import annotations
 import logging
 from importlib import import_module
 
+from . import _moved
 from ._version import __version__
 from .errors import (
     CapacityError,
@@ -27,24 +35,28 @@ from .errors import (
     SyscallError,
     TopologyError,
 )
-from .hashing import compress_ids, ngram_hashes
-from .placement import PlacementPlan, PlacementRange, PlacementReport, plan_placement
-from .sharding import DEAD_ID, ShardInfo, WorldLayout, shard_heads, shard_rows
-from .spec import EngramSpec
-from .topology import Topology
+from .host.topology import Topology
+from .model.hashing import compress_ids, ngram_hashes
+from .model.sharding import DEAD_ID, ShardInfo, WorldLayout, shard_heads, shard_rows
+from .model.spec import EngramSpec
+from .store.placement import PlacementPlan, PlacementRange, PlacementReport, plan_placement
 
 _LAZY = {
-    "dequantize_rows": "fp8",
-    "quantize_rows": "fp8",
-    "SharedEngramTable": "table",
-    "PrefetchScheduler": "prefetch",
-    "lookup_rows": "lookup",
-    "DPShardedLookup": "exchange",
-    "HashState": "hashstate",
-    "build_token_map": "tokenmap",
-    "ShardedHeads": "exchange",
+    "dequantize_rows": "model.fp8",
+    "quantize_rows": "model.fp8",
+    "SharedEngramTable": "sharing.table",
+    "PrefetchScheduler": "lookup.prefetch",
+    "lookup_rows": "lookup.cpu",
+    "DPShardedLookup": "sharing.exchange",
+    "HashState": "model.hashstate",
+    "build_token_map": "model.tokenmap",
+    "ShardedHeads": "sharing.exchange",
+    "sharing_groups": "sharing.group",
+    "as_group": "sharing.group",
 }
 
+
+_moved.install(__name__)
 
 # the library only logs; the application decides where logs go
 logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from numa_engram.fileformat import PREFIX
-from numa_engram.topology import read_online_nodes
+from numa_engram.host.topology import read_online_nodes
+from numa_engram.store.fileformat import PREFIX
 
 SHM = "/dev/shm"
 

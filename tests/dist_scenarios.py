@@ -9,13 +9,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from numa_engram import EngramSpec, SharedEngramTable, hugepages, shard_heads
-from numa_engram.checkpoint import synthetic_layer
-from numa_engram.group import TorchGroup, sharing_groups
-from numa_engram.hashing import ngram_hashes
-from numa_engram.lookup import reference_lookup
-from numa_engram.procfs import smaps
-from numa_engram.sharding import WorldLayout
+from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+from numa_engram.host import hugepages
+from numa_engram.host.procfs import smaps
+from numa_engram.lookup.cpu import reference_lookup
+from numa_engram.model.hashing import ngram_hashes
+from numa_engram.model.sharding import WorldLayout
+from numa_engram.sharing.checkpoint import synthetic_layer
+from numa_engram.sharing.group import TorchGroup, sharing_groups
 
 LAYER = 1
 
@@ -116,7 +117,7 @@ def _store_outlives_the_roll_call(rank, waiting):
 
 
 def leader_killed(rank, world):
-    import numa_engram.table as table_mod
+    import numa_engram.sharing.table as table_mod
 
     if rank == 0:
         def die(step):
@@ -166,8 +167,8 @@ def dp_sharded(rank, world, *, tp, dp, counts, n_head_per_ngram, max_ngram, max_
                given_counts=False):
     """DP-sharded lookups: every replica's rows bit-exact with the reference
     over the whole table, including an idle replica and an all-DEAD one."""
-    from numa_engram.exchange import DPShardedLookup, ShardedHeads
-    from numa_engram.lookup import reference_lookup
+    from numa_engram.lookup.cpu import reference_lookup
+    from numa_engram.sharing.exchange import DPShardedLookup, ShardedHeads
 
     spec = EngramSpec.small(rows_per_head=96, n_head_per_ngram=n_head_per_ngram, head_dim=64,
                             max_ngram_size=max_ngram)  # primes 97 and up, like vLLM's test
@@ -221,7 +222,7 @@ def dp_sharded(rank, world, *, tp, dp, counts, n_head_per_ngram, max_ngram, max_
 
 def _hook(rank, victim, point, action):
     """Step hook: at `point` of the protocol, `victim` kills or stops itself."""
-    import numa_engram.table as table_mod
+    import numa_engram.sharing.table as table_mod
 
     if rank != victim:
         return
@@ -269,9 +270,9 @@ def split_load(rank, world, *, checkpoint, fail_rank=None, error="foreign"):
     raises in the middle of its part (``error``: a foreign OSError, our
     CheckpointError, or ``truncate``: it cuts the checkpoint file before
     its load, a real truncation the others may or may not meet)."""
-    import numa_engram.table as table_mod
+    import numa_engram.sharing.table as table_mod
     from numa_engram.errors import CheckpointError
-    from numa_engram.loading import DONE
+    from numa_engram.sharing.loading import DONE
 
     if rank == fail_rank:
         def hook(step):
@@ -306,7 +307,7 @@ def peer_raises(rank, world, *, error):
     """Members fail while mapping: a SyscallError on one, RuntimeErrors on two."""
     import errno
 
-    import numa_engram.table as table_mod
+    import numa_engram.sharing.table as table_mod
     from numa_engram.errors import SyscallError
 
     def boom(*args, **kwargs):
@@ -334,7 +335,7 @@ def peer_stops_itself(rank, world, *, bound_s):
 
 def slow_load(rank, world, *, bound_s, checkpoint, pause_s):
     """A healthy load longer than timeout_s: the leader makes progress."""
-    import numa_engram.table as table_mod
+    import numa_engram.sharing.table as table_mod
 
     if rank == 0:
         table_mod._STEP_HOOK = lambda step: time.sleep(pause_s) if step == "load-progress" \
@@ -363,7 +364,7 @@ def memory_fallback(rank, world, *, directory, room):
 def dp_sharded_bad_id(rank, world):
     """One member passes a bad id: all raise at once; the next lookup works."""
     from numa_engram.errors import LookupIdError
-    from numa_engram.exchange import DPShardedLookup, ShardedHeads
+    from numa_engram.sharing.exchange import DPShardedLookup, ShardedHeads
 
     spec = EngramSpec.small(rows_per_head=96, n_head_per_ngram=4, head_dim=64)
     heads = ShardedHeads.of(spec, LAYER, 1, world, 0)
@@ -449,7 +450,7 @@ class FakeCoordinator:
 def coordinator_group(rank, world):
     """A serving stack's coordinator passed as the group; then DP-sharded
     lookups over what sharing_groups returns."""
-    from numa_engram.exchange import DPShardedLookup, ShardedHeads
+    from numa_engram.sharing.exchange import DPShardedLookup, ShardedHeads
 
     coord = FakeCoordinator(range(world))
     spec = make_spec(200)
@@ -476,7 +477,7 @@ def coordinator_group(rank, world):
 def replace_during_load(rank, world, *, checkpoint, other, replacer):
     """``replacer`` swaps the checkpoint for another version (os.replace)
     just before its own load: no member may build a table from two versions."""
-    import numa_engram.table as table_mod
+    import numa_engram.sharing.table as table_mod
 
     if rank == replacer:
         table_mod._STEP_HOOK = lambda step: step == "before-load" and os.replace(other,

@@ -1,14 +1,14 @@
 import os
 
-from numa_engram import accounting, procfs
-from numa_engram.fileformat import Layout
-from numa_engram.storage import BackingFile
+from numa_engram.host import accounting, procfs
+from numa_engram.store.fileformat import Layout
+from numa_engram.store.storage import BackingFile
 
 
 def test_pss_counts_a_shared_table_once_rss_per_process():
     size = 32 << 20
     with BackingFile.create(Layout.of([("w", size)]), bytes(32)) as table:
-        from numa_engram import native
+        from numa_engram.bindings import native
         native.madvise(table.mapping, native.MADV_POPULATE_READ)
         peer = BackingFile.attach(table.path)
         native.madvise(peer.mapping, native.MADV_POPULATE_READ)

@@ -5,15 +5,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from numa_engram.checkpoint import (
+from numa_engram.errors import CheckpointError
+from numa_engram.model.sharding import shard_heads
+from numa_engram.model.spec import EngramSpec
+from numa_engram.sharing.checkpoint import (
     TensorNames,
     load_rows,
     synthetic_layer,
     write_synthetic_checkpoint,
 )
-from numa_engram.errors import CheckpointError
-from numa_engram.sharding import shard_heads
-from numa_engram.spec import EngramSpec
 
 SPEC = EngramSpec.small(rows_per_head=300, n_head_per_ngram=4, head_dim=64)  # 8 heads
 
@@ -248,7 +248,7 @@ def test_a_wrong_tensor_name_fails_before_anything_is_allocated(tmp_path):
     import time
 
     from numa_engram import SharedEngramTable
-    from numa_engram.sharding import shard_heads
+    from numa_engram.model.sharding import shard_heads
 
     from .conftest import shm_files
 
@@ -298,7 +298,7 @@ def test_a_file_replaced_during_the_load_gives_rows_of_one_version(tmp_path):
 
 
 def test_a_plan_refuses_a_file_replaced_since_it_was_resolved(tmp_path):
-    from numa_engram.checkpoint import resolve
+    from numa_engram.sharing.checkpoint import resolve
 
     path = write_synthetic_checkpoint(tmp_path / "c.safetensors", SPEC, seed=0)
     plan = resolve(str(path), SPEC, 1)

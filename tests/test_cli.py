@@ -11,7 +11,7 @@ from .conftest import shm_files
 
 
 def cli(*args, check=True):
-    out = subprocess.run([sys.executable, "-m", "numa_engram.cli", *args], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "numa_engram.cli.app", *args], capture_output=True,
                          text=True, timeout=300)
     if check:
         assert out.returncode == 0, out.stderr
@@ -28,7 +28,7 @@ def test_topo_reads_like_numactl_and_answers_json():
 
 
 def test_tools_start_without_torch():
-    code = ("import sys, numa_engram.cli as c; c.main(['topo', '--json']); "
+    code = ("import sys, numa_engram.cli.app as c; c.main(['topo', '--json']); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -53,9 +53,9 @@ def test_create_verify_and_report():
 
 
 def test_verify_a_live_table_file_from_another_process():
-    from numa_engram.fileformat import Layout
-    from numa_engram.placement import PlacementPlan, PlacementRange
-    from numa_engram.storage import BackingFile
+    from numa_engram.store.fileformat import Layout
+    from numa_engram.store.placement import PlacementPlan, PlacementRange
+    from numa_engram.store.storage import BackingFile
 
     layout = Layout.of([("w", 1 << 20)])
     plan = PlacementPlan((PlacementRange("w", layout.regions[0].offset, 1 << 20, "bind", (0,)),))
@@ -87,8 +87,8 @@ def test_verify_every_table_of_a_running_process():
 def test_gc_and_mem():
     dead = subprocess.run([sys.executable, "-c", (
         "import os, signal\n"
-        "from numa_engram.fileformat import Layout\n"
-        "from numa_engram.storage import BackingFile\n"
+        "from numa_engram.store.fileformat import Layout\n"
+        "from numa_engram.store.storage import BackingFile\n"
         "f = BackingFile.create(Layout.of([('w', 4096)]), bytes(32))\nprint(f.path, flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)")], capture_output=True, text=True)
     path = dead.stdout.strip()
@@ -115,7 +115,7 @@ def _on_a_terminal(*args):
     import pty
 
     leader, follower = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "numa_engram.cli", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "numa_engram.cli.app", *args],
                             stdout=subprocess.PIPE, stderr=follower, text=True)
     os.close(follower)
     chunks = []
@@ -142,8 +142,8 @@ def test_progress_bar_only_on_a_terminal_and_never_with_json():
 
 
 def test_progress_callback_follows_populate():
-    from numa_engram.fileformat import Layout
-    from numa_engram.storage import BackingFile
+    from numa_engram.store.fileformat import Layout
+    from numa_engram.store.storage import BackingFile
 
     seen = []
     with BackingFile.create(Layout.of([("w", 200 << 20)]), bytes(32),
@@ -154,12 +154,12 @@ def test_progress_callback_follows_populate():
 
 
 def test_mem_and_verify_read_like_numastat():
-    from numa_engram.fileformat import Layout
-    from numa_engram.storage import BackingFile
+    from numa_engram.store.fileformat import Layout
+    from numa_engram.store.storage import BackingFile
 
     with BackingFile.create(Layout.of([("w", 48 << 20)]), bytes(32)) as f:
         child = subprocess.Popen(
-            [sys.executable, "-c", "import sys\nfrom numa_engram.storage import BackingFile\n"
+            [sys.executable, "-c", "import sys\nfrom numa_engram.store.storage import BackingFile\n"
              "from numa_engram import native\n"
              f"b = BackingFile.attach({f.path!r})\n"
              "native.madvise(b.mapping, native.MADV_POPULATE_READ)\n"

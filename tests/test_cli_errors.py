@@ -71,7 +71,7 @@ def test_version_and_verbose():
 
 
 def test_every_option_of_every_command_documents_its_default():
-    from numa_engram.cli import build_parser
+    from numa_engram.cli.app import build_parser
 
     parser = build_parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices
@@ -95,7 +95,7 @@ def test_a_stale_core_is_a_clear_import_error():
                             "fake = types.ModuleType('numa_engram._version')\n"
                             "fake.__version__ = '0.0.0'\n"
                             "sys.modules['numa_engram._version'] = fake\n"
-                            "import numa_engram.native"], capture_output=True, text=True)
+                            "import numa_engram.bindings.native"], capture_output=True, text=True)
     assert child.returncode != 0
     assert "built for version" in child.stderr and "stale build" in child.stderr
     assert "reinstall" in child.stderr

@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from numa_engram import EngramSpec, SharedEngramTable, cuda, shard_heads
-from numa_engram.checkpoint import write_synthetic_checkpoint
+from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 from numa_engram.errors import LookupIdError
-from numa_engram.hashing import ngram_hashes
-from numa_engram.lookup import staged_lookup
+from numa_engram.lookup import gpu as cuda
+from numa_engram.lookup.cpu import staged_lookup
+from numa_engram.model.hashing import ngram_hashes
+from numa_engram.sharing.checkpoint import write_synthetic_checkpoint
 
 AVAILABLE, WHY_NOT = cuda.available()
 if AVAILABLE and not torch.cuda.is_available():
@@ -80,7 +81,7 @@ def test_staged_lookup_is_bit_exact(table):
 
 
 def test_cuda_prefetch_backend(table):
-    from numa_engram.prefetch import PrefetchScheduler
+    from numa_engram.lookup.prefetch import PrefetchScheduler
 
     spec, t = table
     ids = torch.from_numpy(ngram_hashes(spec, np.arange(100), 1)).cuda()

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
-from numa_engram.checkpoint import write_synthetic_checkpoint
 from numa_engram.errors import CudaUnavailable, NumaEngramError
-from numa_engram.group import RankIdentity, identity_groups
+from numa_engram.sharing.checkpoint import write_synthetic_checkpoint
+from numa_engram.sharing.group import RankIdentity, identity_groups
 
 from .dist_harness import run_world
 from .dist_scenarios import make_spec
@@ -38,7 +38,7 @@ def test_identity_groups_follow_where_ranks_are_not_rank_arithmetic():
 
 
 def test_register_device_without_a_gpu_is_cuda_unavailable():
-    from numa_engram import cuda
+    from numa_engram.lookup import gpu as cuda
 
     ok, why = cuda.available()
     if ok:
@@ -77,14 +77,14 @@ class FakeRuntime:
 
 
 def ffi_cast(ptr):
-    from numa_engram.cuda import _ffi
+    from numa_engram.lookup.gpu import _ffi
 
     return _ffi.cast("uintptr_t", ptr)
 
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    from numa_engram import cuda
+    from numa_engram.lookup import gpu as cuda
 
     fake = FakeRuntime()
     monkeypatch.setattr(cuda, "runtime", lambda: fake)
@@ -100,7 +100,7 @@ def _registered_table():
 def test_registrations_equal_unregistrations_in_every_path(fake_cuda, monkeypatch):
     import gc
 
-    import numa_engram.table as table_mod
+    import numa_engram.sharing.table as table_mod
 
     t = _registered_table()                       # close() with no views: unregisters now
     t.close()

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from numa_engram.errors import LookupIdError
-from numa_engram.exchange import ShardedHeads, pad_hash_ids
-from numa_engram.spec import EngramSpec
+from numa_engram.model.spec import EngramSpec
+from numa_engram.sharing.exchange import ShardedHeads, pad_hash_ids
 
 from .dist_harness import run_world
 

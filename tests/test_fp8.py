@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from numa_engram.fp8 import BF16_NAN_BITS, dequantize_rows, quantize_rows, random_rows
+from numa_engram.model.fp8 import BF16_NAN_BITS, dequantize_rows, quantize_rows, random_rows
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:

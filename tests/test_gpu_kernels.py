@@ -13,18 +13,18 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from numa_engram import EngramSpec  # noqa: E402
-from numa_engram.checkpoint import synthetic_layer  # noqa: E402
 from numa_engram.errors import LookupIdError  # noqa: E402
-from numa_engram.fp8 import dequantize_rows  # noqa: E402
-from numa_engram.hashing import ngram_hashes  # noqa: E402
-from numa_engram.lookup import lookup_rows  # noqa: E402
+from numa_engram.lookup.cpu import lookup_rows  # noqa: E402
+from numa_engram.model.fp8 import dequantize_rows  # noqa: E402
+from numa_engram.model.hashing import ngram_hashes  # noqa: E402
+from numa_engram.sharing.checkpoint import synthetic_layer  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'numa_engram[test]')")
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("TRITON_INTERPRET is not 1 in this process: the CPU runs need the interpreter",
                 allow_module_level=True)
 
-from numa_engram import gpu_kernels as gk  # noqa: E402
+from numa_engram.lookup import triton_kernels as gk  # noqa: E402
 
 
 def _bits(x):
@@ -113,7 +113,7 @@ def test_global_int32_rows_strided_along_tokens(shard):
 def test_device_shard_host_side_on_cpu_tensors(shard):
     """DeviceShard's own code (ids on its device, error record, raise and
     clear) with the kernel interpreted: a CPU 'device'."""
-    from numa_engram.cuda import DeviceShard
+    from numa_engram.lookup.gpu import DeviceShard
 
     spec, w, s = shard
     sizes = np.asarray(spec.bucket_sizes(1), np.int64)

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from numa_engram.errors import SpecError
-from numa_engram.hashing import compress_ids, ngram_hashes, ngram_hashes_numpy, table_rows
-from numa_engram.spec import EngramSpec
+from numa_engram.model.hashing import compress_ids, ngram_hashes, ngram_hashes_numpy, table_rows
+from numa_engram.model.spec import EngramSpec
 
 from .engram_reference import reference_hashes, reference_multipliers, reference_primes, scalar_hash
 

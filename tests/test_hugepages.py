@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from numa_engram import EngramSpec, SharedEngramTable, hugepages, procfs, shard_heads
-from numa_engram.checkpoint import write_synthetic_checkpoint
+from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 from numa_engram.errors import CapacityError, StorageError
-from numa_engram.fileformat import PREFIX, Layout
-from numa_engram.lookup import reference_lookup
-from numa_engram.storage import BackingFile
+from numa_engram.host import hugepages, procfs
+from numa_engram.lookup.cpu import reference_lookup
+from numa_engram.sharing.checkpoint import write_synthetic_checkpoint
+from numa_engram.store.fileformat import PREFIX, Layout
+from numa_engram.store.storage import BackingFile
 
 from .conftest import run_python
 from .dist_harness import run_world
@@ -113,8 +114,8 @@ def test_a_pool_too_small_is_a_capacity_error_before_anything_exists(huge_pool):
     before = _free()
     code = f"""
         from numa_engram.errors import CapacityError
-        from numa_engram.fileformat import Layout
-        from numa_engram.storage import BackingFile
+        from numa_engram.store.fileformat import Layout
+        from numa_engram.store.storage import BackingFile
         for directory in ({huge_pool.mount!r}, None):
             try:
                 BackingFile.create(Layout.of([("w", 16 << 20)], 2 << 20), bytes(32),
@@ -131,7 +132,7 @@ def test_a_pool_too_small_is_a_capacity_error_before_anything_exists(huge_pool):
 
 
 def test_verify_reads_the_plan_from_a_hugetlb_files_header(huge_pool):
-    from numa_engram.placement import PlacementPlan, PlacementRange
+    from numa_engram.store.placement import PlacementPlan, PlacementRange
 
     huge_pool.reserve(4)
     layout = Layout.of([("w", 3 << 20)], MIB2)
@@ -139,7 +140,7 @@ def test_verify_reads_the_plan_from_a_hugetlb_files_header(huge_pool):
     with BackingFile.create(layout, bytes(32), directory=huge_pool.mount, placement=plan) as f:
         child = run_python(f"""
             import sys
-            from numa_engram.cli import main
+            from numa_engram.cli.app import main
             sys.exit(main(["verify", {f.path!r}]))
         """)
         assert f.header.plan["policy"] == "node:0"
@@ -175,7 +176,7 @@ def test_a_private_table_needs_no_hugetlbfs_mount(tmp_path, huge_pool):
 
 
 def test_one_gib_pages_for_shared_and_private_tables(gib_pool):
-    from numa_engram.placement import PlacementPlan, PlacementRange
+    from numa_engram.store.placement import PlacementPlan, PlacementRange
 
     gib = 1 << 30
     layout = Layout.of([("w", 300 << 20)], gib)  # the header page and one page of rows
@@ -233,7 +234,7 @@ def test_a_pool_taken_after_the_check_is_a_capacity_error(huge_pool, monkeypatch
     import subprocess
     import sys
 
-    from numa_engram import storage
+    from numa_engram.store import storage
 
     free = huge_pool.reserve(4)
     checked = storage._check_room

@@ -4,10 +4,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from numa_engram import native
+from numa_engram.bindings import native
 from numa_engram.errors import LookupIdError
-from numa_engram.fp8 import random_rows
-from numa_engram.lookup import OutputPool, aligned_empty, gather, lookup_rows, reference_lookup
+from numa_engram.lookup.cpu import OutputPool, aligned_empty, gather, lookup_rows, reference_lookup
+from numa_engram.model.fp8 import random_rows
 
 SIZES = [97, 101, 103, 107, 109, 113, 127, 131]  # 8 heads, like vLLM's test
 DIM = 64
@@ -145,7 +145,7 @@ def test_portable_kernel_path_is_bit_exact_too(disabled):
     the small-call threshold (256 rows read in token order, 8192 sorted)."""
     code = """
         import numpy as np, torch
-        from numa_engram.lookup import lookup_rows, reference_lookup
+        from numa_engram.lookup.cpu import lookup_rows, reference_lookup
         w = np.tile(np.arange(256, dtype=np.uint8), 256).reshape(256, 256)
         s = np.repeat(np.arange(256, dtype=np.uint8), 8).reshape(256, 8)
         ok = True
@@ -219,7 +219,7 @@ def test_default_output_reuses_freed_buffers_and_never_a_live_one():
 
 def test_packed_fp8_output_dequantises_to_the_lookup():
     from numa_engram import EngramSpec, SharedEngramTable, shard_heads
-    from numa_engram.fp8 import dequantize_rows
+    from numa_engram.model.fp8 import dequantize_rows
 
     spec = EngramSpec.small(rows_per_head=500)
     shard = shard_heads(spec.bucket_sizes(1), 2, 1)
@@ -314,8 +314,8 @@ def test_no_memory_for_the_kernel_scratch_is_a_memory_error():
     lookup raises MemoryError naming it (nothing written, no crash)."""
     code = """
         import resource, numpy as np
-        from numa_engram.lookup import lookup_rows
-        from numa_engram.fp8 import random_rows
+        from numa_engram.lookup.cpu import lookup_rows
+        from numa_engram.model.fp8 import random_rows
         w, s = random_rows(5000, 64, seed=1, raw=True)
         ids = np.random.default_rng(2).integers(0, 5000, size=(200_000, 1))
         out = lookup_rows(w, s, ids[:10], head_start=0, bucket_sizes=[5000])  # warm

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
-from numa_engram.prefetch import PrefetchScheduler
+from numa_engram.lookup.prefetch import PrefetchScheduler
 
 prometheus_client = pytest.importorskip(
     "prometheus_client", reason="the 'prometheus' extra (prometheus_client) is not installed")

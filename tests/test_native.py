@@ -4,7 +4,7 @@ import os
 import numpy as np
 import pytest
 
-from numa_engram import native
+from numa_engram.bindings import native
 from numa_engram.errors import CapacityError, SyscallError
 
 

@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from numa_engram import SharedEngramTable, hugepages, shard_heads
-from numa_engram.checkpoint import write_synthetic_checkpoint
+from numa_engram import SharedEngramTable, shard_heads
 from numa_engram.errors import CapacityError
-from numa_engram.fileformat import Layout
-from numa_engram.lookup import reference_lookup
-from numa_engram.placement import PlacementPlan, PlacementRange, verify
-from numa_engram.storage import BackingFile
-from numa_engram.topology import Topology
+from numa_engram.host import hugepages
+from numa_engram.host.topology import Topology
+from numa_engram.lookup.cpu import reference_lookup
+from numa_engram.sharing.checkpoint import write_synthetic_checkpoint
+from numa_engram.store.fileformat import Layout
+from numa_engram.store.placement import PlacementPlan, PlacementRange, verify
+from numa_engram.store.storage import BackingFile
 
 from .conftest import run_python
 from .dist_harness import run_world
@@ -70,8 +71,8 @@ def test_interleave_spreads_huge_pages_and_a_peer_sees_the_same(numa_nodes, huge
         # another process: the policy is not on the file, but the pages are
         child = run_python(f"""
             import json
-            from numa_engram.placement import PlacementPlan, verify
-            from numa_engram.storage import BackingFile
+            from numa_engram.store.placement import PlacementPlan, verify
+            from numa_engram.store.storage import BackingFile
             with BackingFile.attach({f.path!r}) as peer:
                 plan = PlacementPlan.from_dict(peer.header.plan)
                 print(json.dumps(verify(peer.mapping, plan).ranges[0].pages_per_node))

@@ -5,9 +5,10 @@ import json
 
 import pytest
 
-from numa_engram import native
-from numa_engram.fileformat import Layout
-from numa_engram.placement import (
+from numa_engram.bindings import native
+from numa_engram.host.topology import Topology
+from numa_engram.store.fileformat import Layout
+from numa_engram.store.placement import (
     PlacementPlan,
     PlacementRange,
     Region,
@@ -15,8 +16,7 @@ from numa_engram.placement import (
     plan_placement,
     verify,
 )
-from numa_engram.storage import BackingFile
-from numa_engram.topology import Topology
+from numa_engram.store.storage import BackingFile
 
 from .conftest import run_python
 
@@ -37,8 +37,8 @@ def _bind_each_region(layout, nodes):
 
 ATTACH_AND_VERIFY = """
     import json, sys
-    from numa_engram.placement import plan_of_mapping, verify
-    from numa_engram.storage import BackingFile
+    from numa_engram.store.placement import plan_of_mapping, verify
+    from numa_engram.store.storage import BackingFile
     f = BackingFile.attach(sys.argv[1])
     plan = plan_of_mapping(f.mapping, [(r.name, r.offset, r.length) for r in f.layout.regions])
     print(json.dumps(verify(f.mapping, plan).to_dict()))
@@ -114,9 +114,9 @@ def test_topology_sees_every_node(numa_nodes):
 
 
 def test_a_table_larger_than_its_nodes_free_memory_is_refused_before_allocating(numa_nodes):
-    from numa_engram.accounting import node_free_bytes
     from numa_engram.errors import CapacityError
-    from numa_engram.procfs import meminfo as read_meminfo
+    from numa_engram.host.accounting import node_free_bytes
+    from numa_engram.host.procfs import meminfo as read_meminfo
 
     node = numa_nodes[-1]
     size = (node_free_bytes(node) + (64 << 20)) // native.PAGE_SIZE * native.PAGE_SIZE

@@ -4,8 +4,8 @@
 import pytest
 
 from numa_engram.errors import PlacementError, TopologyError
-from numa_engram.placement import Region, parse_policy, plan_placement
-from numa_engram.topology import Topology
+from numa_engram.host.topology import Topology
+from numa_engram.store.placement import Region, parse_policy, plan_placement
 
 TOPO = Topology.from_dict({"sockets": 4, "gpus_per_socket": 2})
 REGIONS = [Region("weights", 4096, 1 << 20, (0,)), Region("scales", 4096 + (1 << 20), 4096, (0,))]

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
-from numa_engram.checkpoint import write_synthetic_checkpoint
-from numa_engram.hashing import ngram_hashes
-from numa_engram.prefetch import PrefetchError, PrefetchScheduler
+from numa_engram.lookup.prefetch import PrefetchError, PrefetchScheduler
+from numa_engram.model.hashing import ngram_hashes
+from numa_engram.sharing.checkpoint import write_synthetic_checkpoint
 
 
 class Recorder:
@@ -140,7 +140,7 @@ def test_exposed_wait_is_lookup_minus_lead(lookup_s, lead_s):
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_with_real_tables(tmp_path, packed):
-    from numa_engram.fp8 import dequantize_rows
+    from numa_engram.model.fp8 import dequantize_rows
 
     spec = EngramSpec.small()
     ckpt = str(write_synthetic_checkpoint(tmp_path / "c.safetensors", spec))

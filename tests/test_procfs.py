@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from numa_engram import procfs
 from numa_engram.errors import NoSuchProcess
+from numa_engram.host import procfs
 
 
 @pytest.fixture

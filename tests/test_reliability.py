@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
-from numa_engram.checkpoint import write_synthetic_checkpoint
 from numa_engram.errors import (
     CapacityError,
     PlacementError,
@@ -20,9 +19,10 @@ from numa_engram.errors import (
     SpecMismatchError,
     StorageError,
 )
-from numa_engram.fileformat import PREFIX, Layout
-from numa_engram.gc import gc_stale_files
-from numa_engram.storage import BackingFile, check_directory
+from numa_engram.sharing.checkpoint import write_synthetic_checkpoint
+from numa_engram.store.fileformat import PREFIX, Layout
+from numa_engram.store.gc import gc_stale_files
+from numa_engram.store.storage import BackingFile, check_directory
 
 from .conftest import SHM, run_python, shm_files
 from .dist_harness import run_world
@@ -71,8 +71,8 @@ def test_gc_keeps_a_live_table_whose_creator_is_in_another_pid_namespace():
     if not _unshare_ok("--pid", "--fork", "--mount-proc"):
         pytest.skip("unshare --pid is not permitted here (needs root or user namespaces)")
     code = ("import sys\n"
-            "from numa_engram.fileformat import Layout\n"
-            "from numa_engram.storage import BackingFile\n"
+            "from numa_engram.store.fileformat import Layout\n"
+            "from numa_engram.store.storage import BackingFile\n"
             "f = BackingFile.create(Layout.of([('w', 4096)]), bytes(32))\n"
             "print(f.path, flush=True)\nsys.stdin.readline()\n")
     child = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
@@ -124,8 +124,8 @@ def test_root_gc_leaves_other_users_files_unless_asked():
         pytest.skip("needs root to make a file owned by another uid")
     child = run_python("""
         import os, signal
-        from numa_engram.fileformat import Layout
-        from numa_engram.storage import BackingFile
+        from numa_engram.store.fileformat import Layout
+        from numa_engram.store.storage import BackingFile
         f = BackingFile.create(Layout.of([("w", 4096)]), bytes(32))
         os.fchown(f.fd, 65534, 65534)
         print(f.path, flush=True)
@@ -153,7 +153,7 @@ def big_tmpfs(tmp_path):
 
 
 def test_table_larger_than_memory_on_a_huge_tmpfs_is_refused(big_tmpfs):
-    from numa_engram.procfs import meminfo as read_meminfo
+    from numa_engram.host.procfs import meminfo as read_meminfo
 
     size = read_meminfo()["MemAvailable"] + (1 << 30)
     with pytest.raises(CapacityError, match="MemAvailable"):
@@ -169,7 +169,7 @@ class MemoryCgroup:
     ``leave`` moves it back (children started inside stay charged there)."""
 
     def __init__(self, limit: int) -> None:
-        from numa_engram.accounting import _cgroup_dirs
+        from numa_engram.host.accounting import _cgroup_dirs
 
         for cgroup, _mount, kind in _cgroup_dirs():
             names = {"v2": ("memory.max", "memory.current"),
@@ -207,8 +207,8 @@ def test_private_table_beyond_the_cgroup_limit_is_a_capacity_error():
         cg.enter()
         child = run_python("""
             from numa_engram.errors import CapacityError
-            from numa_engram.fileformat import Layout
-            from numa_engram.storage import BackingFile
+            from numa_engram.store.fileformat import Layout
+            from numa_engram.store.storage import BackingFile
             try:
                 BackingFile.create(Layout.of([("w", 512 << 20)]), bytes(32), directory=None)
             except CapacityError as exc:
@@ -230,7 +230,7 @@ def test_auto_falls_back_only_to_copies_that_fit(tmp_path):
     cg = MemoryCgroup(3 << 30)
     try:
         cg.enter()
-        from numa_engram.accounting import cgroup_memory_room
+        from numa_engram.host.accounting import cgroup_memory_room
 
         room = min(r.free for r in cgroup_memory_room())
         results = run_world(2, "memory_fallback", directory=str(tiny), room=room)
@@ -410,7 +410,7 @@ def test_dp_sharded_bad_id_fails_all_at_once_and_the_group_stays_usable():
 # ------------------------------------------------ 10. prefetch threads --
 
 def _scheduler(lookup):
-    from numa_engram.prefetch import PrefetchScheduler
+    from numa_engram.lookup.prefetch import PrefetchScheduler
 
     return PrefetchScheduler({"a": lookup, "b": lookup}, {"a": (1, 4), "b": (1, 4)},
                              max_tokens=8, depth=1)
@@ -508,7 +508,7 @@ def test_directory_must_be_a_real_tmpfs_directory(tmp_path):
 
 
 def _is_tmpfs(path) -> bool:
-    from numa_engram import native
+    from numa_engram.bindings import native
 
     return native.statfs_type(str(path)) == native.TMPFS_MAGIC
 
@@ -528,7 +528,7 @@ def test_placement_of_the_wrong_type_is_a_clear_error():
 def test_header_with_no_regions_is_refused(tmp_path):
     import struct
 
-    from numa_engram.fileformat import FORMAT_VERSION, MAGIC
+    from numa_engram.store.fileformat import FORMAT_VERSION, MAGIC
 
     path = os.path.join(SHM, f"{PREFIX}test-noregions")
     head = struct.pack("<8sIIIIQ16s32sQIiIIQQQ", MAGIC, FORMAT_VERSION, 1, 1, os.geteuid(), 0,
@@ -543,7 +543,7 @@ def test_header_with_no_regions_is_refused(tmp_path):
 
 
 def test_huge_output_is_a_capacity_error():
-    from numa_engram.fp8 import bf16_out
+    from numa_engram.model.fp8 import bf16_out
 
     with pytest.raises(CapacityError, match="look up fewer tokens"):
         bf16_out(None, (1 << 40, 24, 256))
@@ -552,7 +552,7 @@ def test_huge_output_is_a_capacity_error():
 # ------------------------------------------- loading split over the group --
 
 def test_load_parts_go_to_the_members_on_the_rows_node():
-    from numa_engram.loading import load_parts, loaders_of
+    from numa_engram.sharing.loading import load_parts, loaders_of
 
     # bound to node 1: the two members there split the rows, the others load nothing
     parts = load_parts(10, [0, 1, 0, 1], (1,), cooperative=True)
@@ -669,8 +669,8 @@ def test_a_group_timeout_names_the_members_that_did_not_arrive():
 
 
 def test_register_device_without_a_gpu_fails_at_join_before_anything_exists():
-    from numa_engram import cuda
     from numa_engram.errors import CudaUnavailable
+    from numa_engram.lookup import gpu as cuda
 
     if cuda.available()[0]:
         pytest.skip("a GPU is usable here: register_device works")
@@ -684,7 +684,7 @@ def test_register_device_without_a_gpu_fails_at_join_before_anything_exists():
 
 def test_misused_arguments_are_library_errors_naming_what_to_pass():
     from numa_engram.errors import SpecError
-    from numa_engram.exchange import DPShardedLookup
+    from numa_engram.sharing.exchange import DPShardedLookup
 
     spec = EngramSpec.small()
     shard = shard_heads(spec.bucket_sizes(1), 1, 0)

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from numa_engram.errors import TopologyError
-from numa_engram.sharding import (
+from numa_engram.model.sharding import (
     WorldLayout,
     assign,
     locate_rows,
@@ -12,7 +12,7 @@ from numa_engram.sharding import (
     shard_rows,
     valid_head_shard_counts,
 )
-from numa_engram.spec import EngramSpec
+from numa_engram.model.spec import EngramSpec
 
 SIZES24 = list(EngramSpec(layer_ids=[1], engram_vocab_sizes=[100, 200, 300], max_ngram_size=4,
                           n_head_per_ngram=8, head_dim=32, compressed_vocab_size=50,

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
-from numa_engram.checkpoint import synthetic_layer, write_synthetic_checkpoint
 from numa_engram.errors import SpecMismatchError, StorageError, TopologyError
-from numa_engram.gc import gc_stale_files
+from numa_engram.sharing.checkpoint import synthetic_layer, write_synthetic_checkpoint
+from numa_engram.store.gc import gc_stale_files
 
 from .conftest import shm_files
 from .dist_harness import run_world
@@ -189,7 +189,7 @@ def test_shard_not_made_by_shard_heads_is_refused():
 
 def test_leader_failure_while_creating_is_raised_as_itself():
     from numa_engram.errors import PlacementError
-    from numa_engram.placement import PlacementPlan, PlacementRange
+    from numa_engram.store.placement import PlacementPlan, PlacementRange
 
     spec = EngramSpec.small()
     bad = PlacementPlan((PlacementRange("weights", 4097, 4096, "bind", (0,)),))
@@ -207,7 +207,7 @@ def test_explicit_dp_shared_without_peers_fails_loudly():
 
 def test_lookup_of_global_rows_equals_bucket_ids_and_checks_each_head():
     from numa_engram.errors import LookupIdError
-    from numa_engram.hashing import ngram_hashes
+    from numa_engram.model.hashing import ngram_hashes
 
     spec = EngramSpec.small()
     shard = shard_heads(spec.bucket_sizes(14), 2, 1)

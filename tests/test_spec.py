@@ -9,7 +9,7 @@ import pytest
 
 from numa_engram import EngramSpec
 from numa_engram.errors import SpecError, SpecMismatchError
-from numa_engram.spec import MAX_NGRAM_SIZE
+from numa_engram.model.spec import MAX_NGRAM_SIZE
 
 BASE = dict(layer_ids=(1,), engram_vocab_sizes=(1000, 1000), max_ngram_size=3,
             n_head_per_ngram=4, head_dim=64, compressed_vocab_size=1000, pad_id=0)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from numa_engram import native
+from numa_engram.bindings import native
 from numa_engram.errors import (
     CapacityError,
     PlacementError,
@@ -14,10 +14,10 @@ from numa_engram.errors import (
     StorageError,
     TopologyError,
 )
-from numa_engram.fileformat import FORMAT_VERSION, MAGIC, PREFIX, Layout
-from numa_engram.gc import gc_stale_files
-from numa_engram.placement import PlacementPlan, PlacementRange
-from numa_engram.storage import BackingFile, check_shmem_thp
+from numa_engram.store.fileformat import FORMAT_VERSION, MAGIC, PREFIX, Layout
+from numa_engram.store.gc import gc_stale_files
+from numa_engram.store.placement import PlacementPlan, PlacementRange
+from numa_engram.store.storage import BackingFile, check_shmem_thp
 
 from .conftest import run_python, shm_files
 
@@ -54,7 +54,7 @@ def test_peer_in_another_process_sees_the_bytes(backing):
     backing.region("weights")[:3] = [7, 8, 9]
     out = run_python("""
         import sys
-        from numa_engram.storage import BackingFile
+        from numa_engram.store.storage import BackingFile
         f = BackingFile.attach(sys.argv[1], fingerprint=bytes(range(32)))
         print(f.region("weights")[:3].tolist())
         f.close()
@@ -173,8 +173,8 @@ def test_shmem_thp_force_is_refused(tmp_path):
 def test_gc_removes_file_of_killed_creator_and_keeps_live_ones(backing):
     child = run_python("""
         import os, signal
-        from numa_engram.fileformat import Layout
-        from numa_engram.storage import BackingFile
+        from numa_engram.store.fileformat import Layout
+        from numa_engram.store.storage import BackingFile
         f = BackingFile.create(Layout.of([("w", 4096)]), bytes(32))
         print(f.path, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -239,8 +239,8 @@ def _corrupt(kind: str):
     from dataclasses import replace
 
     from numa_engram import EngramSpec, shard_heads
-    from numa_engram.fileformat import STATE_READY, Header, LayoutRegion
-    from numa_engram.table import shard_key, table_layout
+    from numa_engram.sharing.table import shard_key, table_layout
+    from numa_engram.store.fileformat import STATE_READY, Header, LayoutRegion
 
     spec = EngramSpec.small()
     shard = shard_heads(spec.bucket_sizes(1), 1, 0)
@@ -264,7 +264,7 @@ def _corrupt(kind: str):
 ])
 def test_a_corrupt_header_layout_is_refused_on_attach_naming_the_field(kind, text):
     from numa_engram import SharedEngramTable
-    from numa_engram.table import _peer_attach, shard_key, table_layout
+    from numa_engram.sharing.table import _peer_attach, shard_key, table_layout
 
     spec, shard, f = _corrupt(kind)
     try:

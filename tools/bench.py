@@ -19,9 +19,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from numa_engram import native  # noqa: E402
-from numa_engram.fileformat import Layout  # noqa: E402
-from numa_engram.storage import BackingFile  # noqa: E402
+from numa_engram.bindings import native  # noqa: E402
+from numa_engram.store.fileformat import Layout  # noqa: E402
+from numa_engram.store.storage import BackingFile  # noqa: E402
 
 
 def best_of(fn, repeat=5):
@@ -74,9 +74,9 @@ def bench_lookup(table_gib: float, tokens: int, heads: int = 24, head_dim: int =
     no call finds the rows a recent one left in cache."""
     import torch
 
-    from numa_engram import hugepages
     from numa_engram.errors import CapacityError
-    from numa_engram.lookup import aligned_empty, gather, lookup_rows, reference_lookup
+    from numa_engram.host import hugepages
+    from numa_engram.lookup.cpu import aligned_empty, gather, lookup_rows, reference_lookup
 
     per_head = int(table_gib * 2**30) // (head_dim + head_dim // 32) // heads
     rows, sizes = per_head * heads, [per_head] * heads
@@ -231,7 +231,7 @@ def _serving_variants(spec, table, tokens: int, rng, id_sets: int = 16) -> dict:
     """Every variant of one size, each call on the next of ``id_sets`` id sets."""
     import torch
 
-    from numa_engram.lookup import aligned_empty
+    from numa_engram.lookup.cpu import aligned_empty
 
     sizes = spec.bucket_sizes(1)
     offsets = spec.head_offsets(1)
@@ -271,8 +271,8 @@ def bench_serving(table_gib: float = 2.0, sweep: tuple[float, ...] = (0.5, 2.0, 
     turns, as a ratio to numpy take of the same rows into preallocated
     outputs, on 4 KiB and (where a pool can be reserved) 2 MiB pages; then
     the same at 64 and 4096 tokens over table sizes."""
-    from numa_engram import hugepages
     from numa_engram.errors import CapacityError
+    from numa_engram.host import hugepages
 
     rng = np.random.default_rng(0)
     pages = ["4K"]
@@ -318,7 +318,7 @@ def bench_serving(table_gib: float = 2.0, sweep: tuple[float, ...] = (0.5, 2.0, 
 
 def bench_hashing(tokens: int) -> None:
     from numa_engram import EngramSpec, ngram_hashes
-    from numa_engram.hashing import ngram_hashes_numpy
+    from numa_engram.model.hashing import ngram_hashes_numpy
     from tests.engram_reference import reference_hashes
 
     spec = EngramSpec(layer_ids=[1, 14], engram_vocab_sizes=[16_000_000] * 3, max_ngram_size=4,
@@ -407,9 +407,10 @@ def bench_load(gib: float) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from numa_engram import EngramSpec, SharedEngramTable, hugepages, shard_heads
-    from numa_engram.checkpoint import TensorNames
+    from numa_engram import EngramSpec, SharedEngramTable, shard_heads
     from numa_engram.errors import CapacityError
+    from numa_engram.host import hugepages
+    from numa_engram.sharing.checkpoint import TensorNames
 
     head_dim = 256
     per_head = int(gib * 2**30) // (head_dim + 8) // 24
@@ -467,7 +468,7 @@ def bench_load(gib: float) -> None:
 # -------------------------------------------------------------- prefetch --
 
 def bench_prefetch(lookup_ms: float = 20.0, layer_ms: float = 5.0, layers_before: int = 6) -> None:
-    from numa_engram.prefetch import PrefetchScheduler
+    from numa_engram.lookup.prefetch import PrefetchScheduler
 
     def lookup(ids, out):
         time.sleep(lookup_ms / 1e3)

@@ -60,8 +60,9 @@ def same(a, b) -> bool:
 def main() -> int:
     import torch
 
-    from numa_engram import EngramSpec, SharedEngramTable, cuda, shard_heads
-    from numa_engram.prefetch import PrefetchScheduler
+    from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+    from numa_engram.lookup import gpu as cuda
+    from numa_engram.lookup.prefetch import PrefetchScheduler
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -111,7 +112,7 @@ def main() -> int:
     exact = {"fused": same(fused, refs[0]), "torch": same(view.lookup_torch(dev_sets[0]),
                                                           refs[0])}
     packed_w, packed_s = table.lookup_cuda(dev_sets[1], packed=True)
-    from numa_engram.fp8 import dequantize_rows
+    from numa_engram.model.fp8 import dequantize_rows
 
     exact["packed"] = same(dequantize_rows(packed_w.reshape(-1, 256), packed_s.reshape(-1, 8))
                            .view(a.tokens, 24, 256), refs[1])

@@ -1,0 +1,478 @@
+"""Typed Python over the compiled cffi module (the only importer of it).
+
+Every wrapper checks the C return value here and raises ``SyscallError``
+naming the call, its important arguments and the errno name, so no caller
+ever looks at errno.  No torch here: the placement tools import this.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._version import __version__
+from ..errors import CapacityError, SyscallError
+
+try:
+    from .._native import ffi, lib
+except ImportError as exc:  # pragma: no cover - only on a broken install
+    raise ImportError(
+        "numa_engram's C core is not built; install the package with "
+        "'pip install -e .' (needs a C compiler and cffi)"
+    ) from exc
+
+
+def _core_version() -> str:
+    try:
+        return ffi.string(lib.ne_core_version()).decode()
+    except AttributeError:  # a core from before the version was compiled in
+        return "unknown (older)"
+
+
+if _core_version() != __version__:
+    raise ImportError(f"numa_engram's C core was built for version {_core_version()}, the "
+                      f"package is {__version__}: a stale build; reinstall the package "
+                      "('pip install -e .' in a checkout) so the core is rebuilt")
+
+PAGE_SIZE: int = int(lib.ne_page_size())
+
+# the kernel's values, compiled in from <linux/mempolicy.h> and <sys/mman.h>
+MPOL_DEFAULT, MPOL_PREFERRED, MPOL_BIND = lib.MPOL_DEFAULT, lib.MPOL_PREFERRED, lib.MPOL_BIND
+MPOL_INTERLEAVE, MPOL_LOCAL = lib.MPOL_INTERLEAVE, lib.MPOL_LOCAL
+MPOL_MF_STRICT, MPOL_MF_MOVE, MPOL_MF_MOVE_ALL = (lib.MPOL_MF_STRICT, lib.MPOL_MF_MOVE,
+                                                  lib.MPOL_MF_MOVE_ALL)
+MPOL_F_NODE, MPOL_F_ADDR = lib.MPOL_F_NODE, lib.MPOL_F_ADDR
+MADV_DONTNEED, MADV_NOHUGEPAGE = lib.MADV_DONTNEED, lib.MADV_NOHUGEPAGE
+MADV_POPULATE_READ, MADV_POPULATE_WRITE = lib.MADV_POPULATE_READ, lib.MADV_POPULATE_WRITE
+MFD_CLOEXEC, MFD_HUGETLB, MFD_HUGE_SHIFT = lib.MFD_CLOEXEC, lib.MFD_HUGETLB, lib.MFD_HUGE_SHIFT
+_MADV_NAMES = {
+    MADV_DONTNEED: "MADV_DONTNEED",
+    MADV_NOHUGEPAGE: "MADV_NOHUGEPAGE",
+    MADV_POPULATE_READ: "MADV_POPULATE_READ",
+    MADV_POPULATE_WRITE: "MADV_POPULATE_WRITE",
+}
+_MPOL_NAMES = {MPOL_DEFAULT: "MPOL_DEFAULT", MPOL_PREFERRED: "MPOL_PREFERRED",
+               MPOL_BIND: "MPOL_BIND", MPOL_INTERLEAVE: "MPOL_INTERLEAVE"}
+_BITS_PER_LONG = 64
+MAX_NODE_ID = 1 << 16  # far above CONFIG_NODES_SHIFT=10; bounds the mask we allocate
+
+
+def _raise(call: str, detail: str = "", hint: str = "") -> None:
+    raise SyscallError(call, ffi.errno, detail, hint)
+
+
+class Mapping:
+    """A MAP_SHARED mapping of a file.
+
+    The memory is unmapped when the last Python object that can reach it
+    (this mapping, or any numpy view made by ``array``) is gone, so a view
+    kept past ``close()`` never points into unmapped memory.
+    """
+
+    def __init__(self, fd: int, length: int, writable: bool = True,
+                 page_size: int = PAGE_SIZE) -> None:
+        if length <= 0:
+            raise ValueError(f"mapping length must be > 0, got {length}")
+        if length % page_size:
+            raise ValueError(f"mapping length {length} is not a multiple of the page size "
+                             f"{page_size}")
+        ptr = lib.ne_map_shared(fd, length, 1 if writable else 0)
+        if ptr == ffi.NULL:
+            _raise("mmap", f"fd={fd} length={length} MAP_SHARED writable={writable}")
+        self.length = length
+        self.writable = writable
+        self.page_size = page_size  # 4 KiB, or the huge page size of a hugetlb file
+        self.address = int(ffi.cast("uintptr_t", ptr))
+        self._state = {"mapped": True}
+        state = self._state
+
+        def unmap(p: object) -> None:
+            lib.ne_unmap(p, length)
+            state["mapped"] = False
+
+        self._ptr = ffi.gc(ptr, unmap, size=length)
+        self._buffer = ffi.buffer(self._ptr, length)
+
+    @property
+    def mapped(self) -> bool:
+        """False once the memory has really been unmapped."""
+        return self._state["mapped"]
+
+    def array(self, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """A uint8 numpy view of [offset, offset + length) of the mapping."""
+        self._check_open()
+        length = self.length - offset if length is None else length
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise ValueError(f"range [{offset}, {offset + length}) is outside the mapping "
+                             f"of {self.length} bytes")
+        # a PROT_READ mapping: the view is built on a read-only buffer, so
+        # numpy refuses writes (and refuses to make the view writable again)
+        # instead of the process faulting
+        buffer = self._buffer if self.writable else memoryview(self._buffer).toreadonly()
+        return np.frombuffer(buffer, dtype=np.uint8, count=length, offset=offset)
+
+    def seal(self) -> None:
+        """Make the mapping read-only (views made after this are read-only
+        too; a write through an older view would fault, so seal first)."""
+        self._check_open()
+        if lib.ne_protect_read(self._ptr, self.length) != 0:
+            _raise("mprotect", f"PROT_READ length={self.length}")
+        self.writable = False
+
+    def keepalive(self) -> object:
+        """An object that keeps the memory mapped while referenced (for
+        holders that outlive this Mapping's close(), e.g. a CUDA
+        registration)."""
+        self._check_open()
+        return self._ptr
+
+    def pointer(self, offset: int = 0) -> object:
+        self._check_open()
+        return ffi.cast("char *", self._ptr) + offset
+
+    def close(self) -> None:
+        """Drop this object's hold on the memory (idempotent)."""
+        self._buffer = None
+        self._ptr = None
+
+    def _check_open(self) -> None:
+        if self._ptr is None:
+            raise ValueError("mapping is closed")
+
+
+def _check_range(mapping: Mapping, offset: int, length: int, call: str) -> None:
+    page = mapping.page_size
+    if offset % page or offset < 0 or length <= 0 or offset + length > mapping.length:
+        raise ValueError(
+            f"{call}: range [{offset}, {offset + length}) must be page-aligned "
+            f"({page}) and inside the mapping of {mapping.length} bytes"
+        )
+
+
+def madvise(mapping: Mapping, advice: int, offset: int = 0, length: int | None = None) -> None:
+    length = mapping.length - offset if length is None else length
+    _check_range(mapping, offset, length, "madvise")
+    if lib.ne_madvise(mapping.pointer(offset), length, advice) != 0:
+        name = _MADV_NAMES.get(advice, str(advice))
+        hint = "MADV_POPULATE_* needs Linux >= 5.14" if ffi.errno == errno.EINVAL else ""
+        if ffi.errno in (errno.ENOMEM, errno.EFAULT) and advice == MADV_POPULATE_WRITE:
+            # a hugetlb pool that runs dry fails populate with EFAULT (a later
+            # touch would be SIGBUS): never let the caller get that far
+            where = (f"the {mapping.page_size >> 20} MiB huge page pool is exhausted"
+                     if mapping.page_size > PAGE_SIZE else "out of memory")
+            raise CapacityError(f"populating {length} bytes at offset {offset} failed: "
+                                f"{where}; reserve more pages or use a smaller table")
+        _raise("madvise", f"{name} offset={offset} length={length}", hint)
+
+
+def nodemask(nodes: Iterable[int]) -> tuple[object, int]:
+    """A kernel node mask (array of unsigned long) and the maxnode to pass with it."""
+    nodes = sorted(set(nodes))
+    if not nodes:
+        raise ValueError("empty node set: give at least one NUMA node")
+    if nodes[0] < 0:
+        raise ValueError(f"negative NUMA node {nodes[0]}")
+    if nodes[-1] >= MAX_NODE_ID:
+        raise ValueError(f"NUMA node {nodes[-1]} is beyond any kernel's node ids "
+                         f"(< {MAX_NODE_ID}); name a node the host has")
+    words = nodes[-1] // _BITS_PER_LONG + 1
+    mask = ffi.new("unsigned long[]", words)
+    for node in nodes:
+        mask[node // _BITS_PER_LONG] |= 1 << (node % _BITS_PER_LONG)
+    # maxnode counts bits + 1 (the kernel drops the last one)
+    return mask, words * _BITS_PER_LONG + 1
+
+
+def mbind(mapping: Mapping, offset: int, length: int, mode: int, nodes: Iterable[int],
+          flags: int = 0) -> None:
+    """Set the memory policy of a range; on tmpfs it is kept on the file itself."""
+    _check_range(mapping, offset, length, "mbind")
+    nodes = tuple(sorted(set(nodes)))
+    if mode == MPOL_DEFAULT:
+        mask, maxnode = ffi.NULL, 0
+    else:
+        mask, maxnode = nodemask(nodes)
+    rc = lib.ne_mbind(mapping.pointer(offset), length, mode, mask, maxnode, flags)
+    if rc != 0:
+        hint = ("a node in the set does not exist or has no memory"
+                if ffi.errno == errno.EINVAL else "")
+        _raise("mbind", f"{_MPOL_NAMES.get(mode, mode)} nodes={list(nodes)} offset={offset} "
+               f"length={length} flags={flags}", hint)
+
+
+def node_of_address(mapping: Mapping, offset: int) -> int:
+    """get_mempolicy(MPOL_F_NODE|MPOL_F_ADDR): the node of the page (faults it in)."""
+    mode = ffi.new("int *")
+    if lib.ne_get_mempolicy(mode, ffi.NULL, 0, mapping.pointer(offset),
+                            MPOL_F_NODE | MPOL_F_ADDR) != 0:
+        _raise("get_mempolicy", f"MPOL_F_NODE|MPOL_F_ADDR offset={offset}")
+    return int(mode[0])
+
+
+def policy_of_address(mapping: Mapping, offset: int,
+                      max_nodes: int = 1024) -> tuple[int, list[int]]:
+    """get_mempolicy(MPOL_F_ADDR): the policy mode and node set of a range."""
+    mode = ffi.new("int *")
+    words = max_nodes // _BITS_PER_LONG
+    mask = ffi.new("unsigned long[]", words)
+    if lib.ne_get_mempolicy(mode, mask, words * _BITS_PER_LONG, mapping.pointer(offset),
+                            MPOL_F_ADDR) != 0:
+        _raise("get_mempolicy", f"MPOL_F_ADDR offset={offset}")
+    nodes = [w * 64 + b for w in range(words) for b in range(64) if mask[w] >> b & 1]
+    return int(mode[0]), nodes
+
+
+def page_nodes(mapping: Mapping, offset: int, length: int) -> np.ndarray:
+    """move_pages query: node of each page in the range (negative errno if unmapped)."""
+    _check_range(mapping, offset, length, "move_pages")
+    page = mapping.page_size
+    count = (length + page - 1) // page
+    status = np.empty(count, dtype=np.int32)
+    ptr = ffi.cast("int *", ffi.from_buffer(status))
+    if lib.ne_page_nodes(mapping.pointer(offset), length, page, ptr) != 0:
+        _raise("move_pages", f"query offset={offset} length={length}")
+    return status
+
+
+def fallocate(fd: int, offset: int, length: int, path: str = "") -> None:
+    """posix_fallocate: ENOSPC becomes CapacityError here, never a SIGBUS later."""
+    if lib.ne_fallocate(fd, offset, length) != 0:
+        err = ffi.errno
+        if err == errno.ENOSPC:
+            raise CapacityError(
+                f"no space to allocate {length} bytes for {path or f'fd {fd}'}: the tmpfs is "
+                "full; free space, enlarge it (mount -o remount,size=...) or use a smaller table"
+            )
+        raise SyscallError("posix_fallocate", err, f"fd={fd} offset={offset} length={length}")
+
+
+def statvfs(path: str) -> tuple[int, int]:
+    """(free bytes for unprivileged users, total bytes) of the file system holding path."""
+    free = ffi.new("uint64_t *")
+    total = ffi.new("uint64_t *")
+    if lib.ne_statvfs(path.encode(), free, total) != 0:
+        _raise("statvfs", f"path={path}")
+    return int(free[0]), int(total[0])
+
+
+TMPFS_MAGIC, HUGETLBFS_MAGIC = lib.TMPFS_MAGIC, lib.HUGETLBFS_MAGIC  # <linux/magic.h>
+
+
+def statfs_type(path: str) -> int:
+    """The magic number of the file system holding path (TMPFS_MAGIC, ...)."""
+    fs_type = ffi.new("int64_t *")
+    if lib.ne_statfs_type(path.encode(), fs_type) != 0:
+        _raise("statfs", f"path={path}")
+    return int(fs_type[0]) & 0xFFFFFFFF
+
+
+# ------------------------------------------------------------- kernels --
+
+def _row_stride(ids: np.ndarray) -> int:
+    return ids.strides[0] // 8 if ids.shape[0] > 1 else ids.shape[1]
+
+
+def _ids_ptr(ids: np.ndarray):
+    """The ids' first element (a strided view is not a contiguous buffer,
+    and takes the slower address lookup)."""
+    if ids.flags.c_contiguous:
+        return ffi.cast("int64_t *", ffi.from_buffer(ids))
+    return ffi.cast("int64_t *", ids.__array_interface__["data"][0])
+
+
+def _ptr(array: np.ndarray, ctype: str):
+    return ffi.cast(ctype, ffi.from_buffer(array))
+
+
+def first_bad_id(ids: np.ndarray, col0: int, sizes: np.ndarray,
+                 id_base: np.ndarray | None) -> int:
+    """Flat (token * heads + head) index of the first id of columns
+    ``col0 ..`` that is neither -1 nor inside its head's range; -1 if none."""
+    if ids.shape[0] == 0:
+        return -1
+    return int(lib.ne_first_bad_id(_ids_ptr(ids) + col0, ids.shape[0], _row_stride(ids),
+                                   len(sizes), _ptr(sizes, "int64_t *"),
+                                   ffi.NULL if id_base is None else _ptr(id_base, "int64_t *")))
+
+
+class Workers:
+    """Lookup threads kept alive between calls (``ne_pool``), thread i pinned
+    to ``cpus[i % len(cpus)]``; stopped by ``close()`` or when dropped.  A
+    forked child's copy has no threads: ``usable`` is False there (the
+    owner makes a new pool), and dropping it only frees the memory."""
+
+    def __init__(self, threads: int, cpus: Sequence[int] = ()) -> None:
+        cpu_arr = np.asarray(list(cpus), dtype=np.int32)
+        pool = lib.ne_pool_new(threads, _ptr(cpu_arr, "int *") if len(cpu_arr) else ffi.NULL,
+                               len(cpu_arr))
+        if pool == ffi.NULL:
+            _raise("pthread_create", f"a pool of {threads} lookup threads")
+        self.pid = os.getpid()
+        self.pool = ffi.gc(pool, lib.ne_pool_free)
+
+    @property
+    def usable(self) -> bool:
+        return self.pool is not None and self.pid == os.getpid()
+
+    def close(self) -> None:
+        """Stop and join the threads (idempotent)."""
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            ffi.gc(pool, None)  # detach the destructor: freed here, once
+            lib.ne_pool_free(pool)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A shard's fixed lookup arguments, cast for the kernel once (at create
+    or attach), so a call only adds its ids and output: the rows (weights,
+    scales), each head's first shard row and bucket count, and the head's
+    first global row for ``id_format="global"`` (None: bucket ids only)."""
+
+    weights: Any
+    scales: Any
+    dim: int
+    block: int
+    n_heads: int
+    offsets: Any
+    sizes: Any
+    global_base: Any
+    keep: tuple  # the arrays the pointers point into
+
+    @classmethod
+    def of(cls, weights: np.ndarray, scales: np.ndarray, offsets: np.ndarray,
+           sizes: np.ndarray, global_base: np.ndarray | None, block: int) -> Geometry:
+        keep = tuple(np.ascontiguousarray(a, dtype=np.int64) if a is not None else None
+                     for a in (offsets, sizes, global_base))
+        return cls(_ptr(weights, "uint8_t *"), _ptr(scales, "uint8_t *"), weights.shape[1],
+                   block, len(sizes), _ptr(keep[0], "int64_t *"), _ptr(keep[1], "int64_t *"),
+                   ffi.NULL if keep[2] is None else _ptr(keep[2], "int64_t *"),
+                   (weights, scales, *keep))
+
+
+def run_geometry_lookup(geom: Geometry, ids: np.ndarray, col0: int, global_ids: bool, out,
+                        threads: int, cpus: Any, workers: Workers | None) -> tuple[int, int, int]:
+    """The kernel (GIL released) over a shard's ``Geometry``, for ids from
+    column ``col0``: ``out`` BF16 bits, or (FP8 rows, scales) for the packed
+    gather.  It checks every id as it reads it (once), so ids another thread
+    changes meanwhile never make it read outside the table; bad ones give
+    zero rows.  ``cpus`` an int32 array (or None), ``workers`` the caller's
+    persistent threads (or None).  Returns (bad ids, flat index of the
+    first, its value)."""
+    bad = ffi.new("int64_t[3]")
+    args = (geom.weights, geom.scales, geom.dim, geom.block, _ids_ptr(ids) + col0, ids.shape[0],
+            _row_stride(ids), geom.n_heads, geom.offsets, geom.sizes,
+            geom.global_base if global_ids else ffi.NULL)
+    n_cpus = 0 if cpus is None else len(cpus)
+    pool = workers.pool if workers is not None and workers.usable else ffi.NULL
+    tail = (threads, _ptr(cpus, "int *") if n_cpus else ffi.NULL, n_cpus, bad, pool)
+    if isinstance(out, tuple):
+        rc = lib.ne_gather_fp8(*args, _ptr(out[0], "uint8_t *"), _ptr(out[1], "uint8_t *"),
+                               *tail)
+    else:
+        rc = lib.ne_lookup_bf16(*args, _ptr(out, "uint16_t *"), *tail)
+    _check_lookup_rc(rc, ids.shape[0], geom.n_heads, threads)
+    return int(bad[0]), int(bad[1]), int(bad[2])
+
+
+def tune_small_rows(rows: int) -> None:
+    """Set the row count up to which a lookup job reads in token order (no
+    sort; the default is ``lib.NE_SMALL_ROWS``).  For benchmarks and tests."""
+    if lib.ne_tune_small_rows(rows) != 0:
+        raise ValueError(f"small-call rows must be in 0..4096, got {rows}")
+
+
+def _check_lookup_rc(rc: int, tokens: int, heads: int, threads: int) -> None:
+    if rc != 0 and ffi.errno == errno.ENOMEM:
+        raise MemoryError(f"lookup of {tokens} tokens x {heads} heads: no memory "
+                          "for its scratch (up to 8 MiB per thread); free memory or pass "
+                          "fewer tokens")
+    if rc != 0:
+        _raise("pthread_create", f"lookup with {threads} threads")
+
+
+def ngram_hashes(rows: np.ndarray, pad_id: int, multipliers: np.ndarray, max_ngram: int,
+                 primes: np.ndarray, n_head: int, threads: int = 1,
+                 hardware_division: bool = False) -> np.ndarray:
+    """int64 ``[n_rows, T, (max_ngram-1)*n_head]`` hashes of int64 ids
+    ``[n_rows, T]`` (the formula is in hashing.py).  ``hardware_division``:
+    the plain ``%`` path, the baseline the reciprocal path is benchmarked
+    against (same results)."""
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    multipliers = np.ascontiguousarray(multipliers, dtype=np.int64)
+    primes = np.ascontiguousarray(primes, dtype=np.int64)
+    if len(multipliers) < max_ngram or len(primes) != (max_ngram - 1) * n_head or \
+            (primes <= 0).any():
+        raise ValueError(f"{len(multipliers)} multipliers and {len(primes)} primes do not fit "
+                         f"max_ngram {max_ngram} x {n_head} heads")
+    out = np.empty((rows.shape[0], rows.shape[1], (max_ngram - 1) * n_head), dtype=np.int64)
+    if out.size and lib.ne_ngram_hashes(
+            _ptr(rows, "int64_t *"), rows.shape[0], rows.shape[1], pad_id,
+            _ptr(multipliers, "int64_t *"), max_ngram, _ptr(primes, "int64_t *"), n_head,
+            _ptr(out, "int64_t *"), threads, int(hardware_division)) != 0:
+        _raise("pthread_create", f"hashing with {threads} threads")
+    return out
+
+
+DEFAULT_PREFETCH = (lib.NE_PREFETCH_AHEAD, lib.NE_PREFETCH_HINT)
+
+
+def tune_prefetch(ahead: int, hint: int) -> None:
+    """How many rows ahead the lookup kernels prefetch (0-256) and with
+    which locality hint (0 = NTA ... 3 = T0), process-wide: for measuring
+    (tools/bench.py); the defaults are the measured best."""
+    if lib.ne_tune_prefetch(ahead, hint) != 0:
+        raise ValueError(f"prefetch distance {ahead} / hint {hint}: want 0..256 and 0..3")
+
+
+def read_rows(table: np.ndarray, rows: np.ndarray, ahead: int = 32, threads: int = 1) -> int:
+    """Read every cache line of ``table[rows]`` (uint8 [n, dim]), ``ahead``
+    rows in flight: the random-read ceiling a lookup is measured against.
+    Returns a checksum (so the reads happen)."""
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    if table.ndim != 2 or table.dtype != np.uint8 or not table.flags.c_contiguous:
+        raise ValueError("table must be a C-contiguous uint8 [rows, dim] array")
+    if rows.size and (rows.min() < 0 or rows.max() >= table.shape[0]):
+        raise ValueError(f"rows must be in [0, {table.shape[0]})")
+    total = ffi.new("uint64_t *")
+    if lib.ne_read_rows(_ptr(table, "uint8_t *"), table.shape[1], _ptr(rows, "int64_t *"),
+                        rows.size, ahead, threads, total) != 0:
+        _raise("pthread_create", f"reading with {threads} threads")
+    return int(total[0])
+
+
+def hash_windows(ids: np.ndarray, slots: np.ndarray, positions: np.ndarray,
+                 commit: np.ndarray, hist: np.ndarray, next_pos: np.ndarray,
+                 scratch: dict[str, np.ndarray], win: np.ndarray) -> tuple[int, int]:
+    """The serving hash state's sequential pass (see native.c): raw windows
+    into ``win [T, n]``, history updated in place on success.  Returns
+    (-1, 0), or (index of the first bad token, 1 slot / 2 position)."""
+    why = ffi.new("int64_t *")
+    bad = lib.ne_hash_windows(
+        _ptr(ids, "int64_t *"), _ptr(slots, "int64_t *"), _ptr(positions, "int64_t *"),
+        _ptr(commit, "uint8_t *"), len(ids), hist.shape[0], hist.shape[1],
+        _ptr(hist, "int64_t *"), _ptr(next_pos, "int64_t *"), _ptr(scratch["cur"], "int64_t *"),
+        _ptr(scratch["cur_next"], "int64_t *"), _ptr(scratch["last"], "int64_t *"),
+        _ptr(win, "int64_t *"), why)
+    return int(bad), int(why[0])
+
+
+def hash_window_batch(win: np.ndarray, pad_id: int, multipliers: np.ndarray,
+                      primes: np.ndarray, offsets: np.ndarray | None, n_head: int,
+                      out: np.ndarray, threads: int = 1) -> None:
+    """Hash ids of raw windows ``win [T, n]`` for every layer at once into
+    ``out [T, layers, cols]`` (global rows when ``offsets`` is given)."""
+    n_tokens, n = win.shape
+    if n > 64:
+        raise ValueError(f"max_ngram_size {n} is above the kernel's 64")
+    if n_tokens and lib.ne_hash_window_batch(
+            _ptr(win, "int64_t *"), n_tokens, n, pad_id, _ptr(multipliers, "int64_t *"),
+            _ptr(primes, "int64_t *"),
+            ffi.NULL if offsets is None else _ptr(offsets, "int64_t *"), multipliers.shape[0],
+            n_head, _ptr(out, "int64_t *"), threads) != 0:
+        _raise("pthread_create", f"hashing with {threads} threads")

@@ -1,0 +1,198 @@
+"""Capacity and memory accounting.
+
+Measured part (the /proc readers are procfs's): per-node Shmem, statvfs of a
+tmpfs, and a sum over a set of pids.  PSS, not RSS, is
+what tells one shared copy from N private ones.  No torch here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..bindings import native
+from ..errors import CapacityError
+from . import procfs
+from .topology import read_node_meminfo, read_online_nodes
+
+
+def sum_memory(pids: Iterable[int]) -> procfs.ProcessMemory:
+    """Totals over pids: summed RSS counts a shared table once per process,
+    summed PSS counts it once."""
+    rows = [procfs.smaps_rollup(p) for p in pids]
+    return procfs.ProcessMemory(-1, sum(r.rss for r in rows), sum(r.pss for r in rows),
+                         sum(r.pss_shmem for r in rows), sum(r.shared for r in rows))
+
+
+def node_shmem() -> dict[int, int]:
+    """Shmem bytes per NUMA node (nodeN/meminfo)."""
+    return {n: read_node_meminfo(n).get("Shmem", 0) for n in read_online_nodes()
+            if Path(f"/sys/devices/system/node/node{n}").exists()}
+
+
+def tmpfs_usage(directory: str = "/dev/shm") -> tuple[int, int]:
+    """(used bytes, total bytes) of a tmpfs."""
+    free, total = native.statvfs(directory)
+    return total - free, total
+
+
+# ---------------------------------------------------------- memory room --
+# Checked before a table is allocated, so a table that does not fit is a
+# CapacityError naming the numbers, never the OOM killer.
+
+UNLIMITED = 1 << 60  # cgroup "max" / v1's page-rounded LONG_MAX
+
+
+def node_free_bytes(node: int) -> int:
+    """Memory a node can give: MemFree + Inactive(file) (page cache, e.g. the
+    checkpoint being read, is reclaimable)."""
+    info = read_node_meminfo(node)
+    return info.get("MemFree", 0) + info.get("Inactive(file)", 0)
+
+
+@dataclass(frozen=True)
+class CgroupRoom:
+    path: str   # the cgroup directory whose limit this is
+    limit: int
+    usage: int
+
+    @property
+    def free(self) -> int:
+        return max(0, self.limit - self.usage)
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return UNLIMITED if text == "max" else int(text)
+
+
+def _cgroup_dirs(root: str = procfs.PROC) -> list[tuple[Path, Path, str]]:
+    """(this process's memory cgroup dir, its mount point, 'v1'|'v2') for
+    each memory hierarchy mounted here."""
+    mine = {}
+    for controllers, path in procfs.cgroups(root).items():
+        if controllers == "v2":
+            mine["v2"] = path
+        elif "memory" in controllers.split(","):
+            mine["v1"] = path
+    out = []
+    for fs_root, mount_point, fstype, options in procfs.mountinfo(root):
+        kind = ("v2" if fstype == "cgroup2" else
+                "v1" if fstype == "cgroup" and "memory" in options.split(",") else None)
+        if kind is None or kind not in mine:
+            continue
+        mount = Path(mount_point)
+        rel = os.path.relpath(mine[kind], fs_root) if mine[kind].startswith(fs_root) else "."
+        out.append((mount / rel if (mount / rel).is_dir() else mount, mount, kind))
+    return out
+
+
+def cgroup_memory_room() -> list[CgroupRoom]:
+    """The memory limit and usage of this process's cgroup and every
+    ancestor that sets one (v2 memory.max/current, v1 limit/usage_in_bytes)."""
+    names = {"v2": ("memory.max", "memory.current"),
+             "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes")}
+    out = []
+    for cgroup, mount, kind in _cgroup_dirs():
+        limit_name, usage_name = names[kind]
+        d = cgroup
+        while True:
+            limit, usage = _read_int(d / limit_name), _read_int(d / usage_name)
+            if limit is not None and usage is not None and limit < UNLIMITED:
+                out.append(CgroupRoom(str(d), limit, usage))
+            if d == mount or mount not in d.parents:
+                break
+            d = d.parent
+    return out
+
+
+def check_memory(size: int, bytes_per_node: dict[int, int] | None = None,
+                 what: str = "the table") -> None:
+    """Refuse (CapacityError naming the numbers) when ``size`` bytes do not
+    fit the host's MemAvailable, a planned node's free memory, or the
+    memory limit of this process's cgroup or any ancestor."""
+    gib = 2**30
+    available = procfs.meminfo().get("MemAvailable")
+    if available is not None and size > available:
+        raise CapacityError(
+            f"{what} needs {size / gib:.2f} GiB but the host has {available / gib:.2f} GiB "
+            "available (MemAvailable); free memory, use a smaller table or more shards")
+    for node, planned in sorted((bytes_per_node or {}).items()):
+        try:
+            free = node_free_bytes(node)
+        except OSError:
+            continue  # a simulated node: nothing to measure
+        if planned > free:
+            raise CapacityError(
+                f"{what} puts {planned / gib:.2f} GiB on NUMA node {node}, which has "
+                f"{free / gib:.2f} GiB free (MemFree + Inactive(file)); choose another "
+                "placement (e.g. interleave) or free memory on that node")
+    for room in cgroup_memory_room():
+        if size > room.free:
+            raise CapacityError(
+                f"{what} needs {size / gib:.2f} GiB but the memory cgroup {room.path} allows "
+                f"{room.free / gib:.2f} GiB more (limit {room.limit / gib:.2f} GiB, used "
+                f"{room.usage / gib:.2f} GiB); raise its limit or use a smaller table")
+
+
+# ------------------------------------------------------------ arithmetic --
+# Exact bytes from per-shard row counts (prime bucket sizes make W/T only
+# approximate).
+
+
+@dataclass(frozen=True)
+class ModeMemory:
+    mode: str
+    per_rank: dict[int, int]   # bytes each rank's shard(s) occupy (attributed, not PSS)
+    per_host: dict[int, int]   # physical bytes on each host (shared copies counted once)
+
+    @property
+    def per_node(self) -> dict[int, int]:
+        """Alias of per_host (from before "node" meant only a NUMA node)."""
+        return self.per_host
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_host.values())
+
+
+def shard_bytes(spec, layer_id: int, num_shards: int, rank: int, row_wise: bool = False) -> int:
+    from ..model.sharding import shard_heads, shard_rows
+
+    shard = shard_rows if row_wise else shard_heads
+    return shard(spec.bucket_sizes(layer_id), num_shards, rank).num_rows * spec.row_bytes
+
+
+def mode_memory(spec, mode: str, layout) -> ModeMemory:
+    """Host bytes per rank and per host of all Engram layers under a mode."""
+    from ..model.sharding import assign
+
+    per_rank: dict[int, int] = {}
+    per_host: Counter[int] = Counter()
+    holders: set[tuple[int, ...]] = set()
+    for rank in range(layout.world_size):
+        a = assign(mode, layout, rank)
+        size = sum(shard_bytes(spec, layer, a.num_shards, a.shard_index)
+                   for layer in spec.layer_ids)
+        per_rank[rank] = size
+        if a.sharing_group not in holders:  # one physical copy per sharing group
+            holders.add(a.sharing_group)
+            per_host[layout.host_of(rank)] += size
+    return ModeMemory(mode, per_rank, dict(sorted(per_host.items())))
+
+
+def query_payload(spec, tokens: int, heads: int | None = None) -> int:
+    """Bytes of FP8 rows (weights + scales) one layer's lookup reads for
+    ``tokens`` tokens over ``heads`` heads (all heads by default)."""
+    return tokens * (spec.n_hash_cols if heads is None else heads) * spec.row_bytes
+
+
+def dequantized_bytes(spec, tokens: int, heads: int | None = None) -> int:
+    """Bytes of the BF16 rows a lookup produces."""
+    return tokens * (spec.n_hash_cols if heads is None else heads) * spec.head_dim * 2

@@ -1,0 +1,238 @@
+"""Gather + FP8/ue8m0 dequantisation -> BF16 rows for one shard's heads.
+
+``lookup_rows`` runs the fused native kernel (one pass: gather, decode,
+scale, round, write into a torch tensor; threads pinned to the shard's node;
+GIL released).  ``reference_lookup`` is the plain torch path it must equal
+bit for bit; ``staged_lookup`` feeds a GPU through pinned memory, and
+``DeviceShard`` (cuda.py) reads registered tables zero-copy.  Every id is
+checked before any row is read: DEAD_ID (-1) gives a zero row, anything
+else outside its head's bucket range is refused.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..bindings import native
+from ..errors import LookupIdError
+from ..model.fp8 import bf16_out, dequantize_rows
+from ..model.sharding import prefix_offsets
+
+
+def lookup_rows(weights: np.ndarray, scales: np.ndarray, hash_ids, *, head_start: int,
+                bucket_sizes: Sequence[int], head_offsets: Sequence[int] | None = None,
+                out=None, threads: int = 1, cpus: Sequence[int] = (), block: int = 32):
+    """BF16 ``[T, n_heads, head_dim]`` rows for heads ``head_start ..
+    head_start + len(bucket_sizes)`` of ``hash_ids [T, n_hash_cols]``.
+
+    ``weights``/``scales`` are the shard's uint8 rows; ``head_offsets`` the
+    first shard row of each head (prefix sums of bucket_sizes by default)."""
+    ids = check_hash_ids(hash_ids)
+    result, bits = bf16_out(out, (ids.shape[0], len(bucket_sizes), weights.shape[1]))
+    gather(weights, scales, ids, head_start=head_start, bucket_sizes=bucket_sizes,
+           head_offsets=head_offsets, out=bits, threads=threads, cpus=cpus, block=block)
+    return result
+
+
+def check_hash_ids(hash_ids, n_cols: int | None = None) -> np.ndarray:
+    """2-D ``[T, n_cols]`` int64 hash ids as a numpy array, without a copy (a
+    CPU torch tensor is viewed through ``__array__``; rows may be strided,
+    e.g. ``out[:, layer]`` of ``HashState.hash``; columns must be adjacent).
+    int32 ids (as vLLM passes global rows) are widened, which copies.
+    ``n_cols=None`` accepts any column count."""
+    device = getattr(hash_ids, "device", None)
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
+        raise LookupIdError(f"hash ids are on {device}; the CPU lookup needs them on the CPU")
+    ids = hash_ids if isinstance(hash_ids, np.ndarray) else np.asarray(hash_ids)
+    if ids.dtype == np.int32:
+        ids = ids.astype(np.int64)
+    if ids.dtype != np.int64:
+        raise LookupIdError(f"hash ids have dtype {ids.dtype}; pass int64 or int32 "
+                            "(ids.astype(np.int64)) so no id can be truncated")
+    if ids.ndim != 2 or (n_cols is not None and ids.shape[1] != n_cols):
+        raise LookupIdError(f"hash ids have shape {list(ids.shape)}; expected "
+                            f"[T, {n_cols or 'n_hash_cols'}] (one bucket index per hash column)")
+    if ids.size and (ids.shape[0] > 1 and (ids.strides[0] % 8 or
+                                           ids.strides[0] < 8 * ids.shape[1]) or
+                     ids.shape[1] > 1 and ids.strides[1] != 8):
+        raise LookupIdError(f"hash ids have strides {ids.strides}: a token's columns must be "
+                            "adjacent and tokens must not overlap; call np.ascontiguousarray "
+                            "(or .contiguous() on a tensor) first")
+    return ids
+
+
+def check_ids_in_range(ids: np.ndarray, head_start: int, sizes: np.ndarray,
+                       id_base: np.ndarray | None = None) -> None:
+    """Every id of heads ``head_start ..`` is -1 (DEAD) or in its head's
+    buckets (global rows: in ``[id_base[h], id_base[h] + sizes[h])``)."""
+    bad = native.first_bad_id(ids, head_start, sizes, id_base)
+    if bad >= 0:
+        t, h = divmod(bad, len(sizes))
+        raise LookupIdError(bad_id_text(int(ids[t, head_start + h]), t, head_start + h,
+                                         int(sizes[h]), id_base, h))
+
+
+def bad_id_text(value: int, token: int, column: int, size: int, id_base, h: int,
+                 count: int = 1) -> str:
+    low = 0 if id_base is None else int(id_base[h])
+    what = "buckets" if id_base is None else "global rows"
+    more = f" ({count} bad ids in all)" if count > 1 else ""
+    return (f"hash id {value} at token {token}, column {column} is outside head {column}'s "
+            f"{what} [{low}, {low + size}){more}; use -1 (DEAD_ID) for padding")
+
+
+def gather(weights: np.ndarray, scales: np.ndarray, ids: np.ndarray, *, head_start: int,
+           bucket_sizes, out, head_offsets=None, threads: int = 1, cpus=(), block: int = 32,
+           id_base: np.ndarray | None = None) -> None:
+    """The one lookup path (tables, DP-sharded exchange, lookup_rows): rows
+    of heads ``head_start .. +len(bucket_sizes)`` of checked ``ids [T, cols]``
+    gathered from uint8 ``weights``/``scales`` into ``out``: BF16 bits
+    (uint16 ``[T, heads, head_dim]``), or, packed, the rows as stored
+    ``(uint8 [T, heads, head_dim], uint8 [T, heads, head_dim/block])``.
+    -1 gives a zero row; any other id outside its head is a LookupIdError
+    (``id_base``: each head's first global row, when ids are global rows)."""
+    sizes = np.ascontiguousarray(bucket_sizes, dtype=np.int64)
+    offsets = np.ascontiguousarray(prefix_offsets(sizes) if head_offsets is None else head_offsets,
+                                   dtype=np.int64)
+    if not 0 <= head_start <= ids.shape[1] - len(sizes):
+        raise LookupIdError(f"heads [{head_start}, {head_start + len(sizes)}) are not columns of "
+                            f"hash ids with {ids.shape[1]} columns")
+    if weights.shape[0] < int((offsets + sizes).max(initial=0)):
+        raise ValueError(f"weights hold {weights.shape[0]} rows, heads need "
+                         f"{int((offsets + sizes).max())}")
+    if weights.shape[1] % block or scales.shape != (weights.shape[0], weights.shape[1] // block):
+        raise ValueError(f"weights {weights.shape} and scales {scales.shape} do not match with "
+                         f"{block} values per scale")
+    _check_out(out, (ids.shape[0], len(sizes), weights.shape[1]), block)
+    if ids.shape[0] == 0:
+        return
+    base = None if id_base is None else np.ascontiguousarray(id_base, dtype=np.int64)
+    geometry = native.Geometry.of(weights, scales, offsets, sizes, base, block)
+    cpu_arr = np.asarray(list(cpus), dtype=np.int32) if len(cpus) else None
+    count, first, value = native.run_geometry_lookup(geometry, ids, head_start, base is not None,
+                                                     out, threads, cpu_arr, None)
+    if count:
+        t, h = divmod(first, len(sizes))
+        raise LookupIdError(bad_id_text(value, t, head_start + h, int(sizes[h]), base, h,
+                                         count))
+
+
+def _check_out(out, shape: tuple[int, ...], block: int) -> None:
+    """uint16 BF16 bits ``shape``, or (uint8 rows ``shape``, uint8 scales)."""
+    want = [(np.uint16, shape)] if not isinstance(out, tuple) else [
+        (np.uint8, shape), (np.uint8, (*shape[:2], shape[2] // block))]
+    arrays = out if isinstance(out, tuple) else (out,)
+    for arr, (dtype, dims) in zip(arrays, want):
+        if arr.dtype != dtype or arr.shape != dims or not arr.flags.c_contiguous:
+            raise ValueError(f"out must be C-contiguous {np.dtype(dtype).name} {list(dims)}, got "
+                             f"{arr.dtype} {list(arr.shape)}")
+
+
+def reference_lookup(weights: np.ndarray, scales: np.ndarray, hash_ids, *, head_start: int,
+                     bucket_sizes: Sequence[int], block: int = 32):
+    """The plain torch path: index rows, dequantise, zero the DEAD ones."""
+    import torch
+
+    sizes = np.asarray(bucket_sizes, dtype=np.int64)
+    offsets = prefix_offsets(sizes)
+    cols = np.asarray(hash_ids)[:, head_start:head_start + len(sizes)]
+    rows = np.where(cols >= 0, cols + offsets, 0)
+    w = torch.from_numpy(np.asarray(weights)[rows])  # a gathered (writable) copy
+    s = torch.from_numpy(np.asarray(scales)[rows])
+    out = dequantize_rows(w, s, block)
+    out[torch.from_numpy(cols < 0)] = 0
+    return out
+
+
+# ------------------------------------------------------------------ CUDA --
+
+ID_FORMATS = ("bucket", "global")
+
+
+def id_base(spec, layer_id: int, head_start: int, head_end: int,
+            id_format: str) -> np.ndarray | None:
+    """What a head's ids are relative to: None for bucket ids; for global
+    rows (rows of the layer's whole table) each head's first row."""
+    if id_format not in ID_FORMATS:
+        raise ValueError(f"id_format must be one of {ID_FORMATS}, got {id_format!r}")
+    if id_format == "bucket":
+        return None
+    return np.ascontiguousarray(spec.head_offsets(layer_id)[head_start:head_end])
+
+
+def aligned_empty(n: int, dtype=np.uint16) -> np.ndarray:
+    """``n`` items of ``dtype``, 64-byte aligned (the kernel's streaming
+    stores need whole cache lines), from numpy's allocator: it asks for
+    transparent huge pages (MADV_HUGEPAGE) on large arrays, and a lookup
+    writes its rows to scattered places in a 48 MiB output, one TLB miss per
+    row on 4 KiB pages (torch's CPU allocator does not ask)."""
+    itemsize = np.dtype(dtype).itemsize
+    raw = np.empty(n * itemsize + 64, dtype=np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + n * itemsize].view(dtype)
+
+
+class OutputPool:
+    """BF16 output buffers reused across lookups, so ``lookup(ids)`` without
+    ``out=`` costs what ``lookup(ids, out=buf)`` does (a fresh 48 MiB tensor
+    is a new mmap and ~12 k zero-fill faults per call).
+
+    A buffer is reused only when nothing else refers to its memory: every
+    numpy view and every tensor made from one (``torch.from_numpy`` keeps its
+    view alive) holds a reference to the buffer's owning array, so the
+    owner's reference count says whether any result of an earlier call is
+    still alive.  No finalizer per call (a ``weakref.finalize`` cost 20 us,
+    more than a decode step's lookup).  Thread-safe; at most ``max_free``
+    idle buffers are kept."""
+
+    def __init__(self, max_free: int = 4) -> None:
+        self.max_free = max_free
+        self._buffers: list[tuple[np.ndarray, np.ndarray]] = []  # (memory, its owner)
+        self._lock = threading.Lock()
+        self._free_refs: int | None = None
+
+    def take(self, shape: tuple[int, ...]):
+        """(BF16 tensor of ``shape``, uint16 numpy view of its bits)."""
+        import torch
+
+        n = math.prod(shape)
+        memory = self._reuse(n)
+        bits = memory[:n].reshape(shape)
+        return torch.from_numpy(bits).view(torch.bfloat16), bits
+
+    def _refs(self, entry: tuple[np.ndarray, np.ndarray]) -> int:
+        return sys.getrefcount(entry[1])
+
+    def _reuse(self, n: int) -> np.ndarray:
+        with self._lock:
+            for entry in self._buffers:  # the common case: the first idle one fits
+                if n <= len(entry[0]) <= 2 * n and self._refs(entry) == self._free_refs:
+                    return entry[0]
+            free = [e for e in self._buffers if self._refs(e) == self._free_refs]
+            memory = aligned_empty(max(n, 1), np.uint16)
+            entry = (memory, memory.base if memory.base is not None else memory)
+            if self._free_refs is None:  # what an idle buffer's owner counts, measured once
+                self._free_refs = self._refs(entry)
+            # idle buffers beyond max_free are dropped, oldest first
+            for old in free[:max(0, len(free) - self.max_free + 1)]:
+                self._buffers.remove(old)
+            self._buffers.append(entry)
+            return memory
+
+
+def staged_lookup(weights: np.ndarray, scales: np.ndarray, hash_ids, *, head_start: int,
+                  bucket_sizes: Sequence[int], pinned, out, threads: int = 1,
+                  cpus: Sequence[int] = (), block: int = 32):
+    """For hosts where UVA reads are slow: the native CPU lookup into a
+    pinned staging tensor, then an async host-to-device copy on the current
+    stream into ``out``."""
+    n = int(np.asarray(hash_ids).shape[0])
+    lookup_rows(weights, scales, hash_ids, head_start=head_start, bucket_sizes=bucket_sizes,
+                out=pinned[:n], threads=threads, cpus=cpus, block=block)
+    out[:n].copy_(pinned[:n], non_blocking=True)
+    return out[:n]

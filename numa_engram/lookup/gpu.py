@@ -1,0 +1,346 @@
+"""cudaHostRegister / Unregister / GetDevicePointer / GetLastError through
+cffi (ABI mode, dlopen of the CUDA runtime torch ships), registering in
+chunks of at most 64 GiB, and a device view of registered host memory.
+
+No torch import at module level: the runtime library is located on disk;
+``DeviceShard`` (the UVA gather + dequant) imports torch when built.  On a host without
+the runtime or a GPU every entry point raises CudaUnavailable with the
+reason, and the tests that need it skip printing that reason.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import glob
+import importlib.util
+import logging
+import os
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+from cffi import FFI
+
+from ..errors import CudaError, CudaUnavailable, LookupIdError, NumaEngramError
+from ..model.sharding import prefix_offsets
+
+CHUNK_BYTES = 64 << 30  # one call of >= 512 GiB fails on recent drivers
+HOST_REGISTER_DEFAULT, HOST_REGISTER_PORTABLE, HOST_REGISTER_MAPPED = 0, 1, 2
+HOST_REGISTER_READ_ONLY = 8
+
+_ffi = FFI()
+_ffi.cdef("""
+    int cudaHostRegister(void *ptr, size_t size, unsigned int flags);
+    int cudaHostUnregister(void *ptr);
+    int cudaHostGetDevicePointer(void **pdev, void *host, unsigned int flags);
+    int cudaGetLastError(void);
+    const char *cudaGetErrorString(int error);
+    int cudaSetDevice(int device);
+    int cudaGetDevice(int *device);
+    int cudaGetDeviceCount(int *count);
+""")
+_lib = None
+_why_not = ""
+
+
+def _candidates() -> list[str]:
+    out = []
+    spec = importlib.util.find_spec("torch")
+    if spec and spec.submodule_search_locations:
+        root = os.path.dirname(next(iter(spec.submodule_search_locations)))
+        out += sorted(glob.glob(os.path.join(root, "nvidia", "cuda_runtime", "lib",
+                                             "libcudart.so*")))
+        out += sorted(glob.glob(os.path.join(root, "nvidia", "cu*", "lib", "libcudart.so*")))
+        out += sorted(glob.glob(os.path.join(root, "torch", "lib", "libcudart*.so*")))
+    found = ctypes.util.find_library("cudart")
+    if found:
+        out.append(found)
+    return out
+
+
+def runtime():
+    """The dlopened CUDA runtime, or CudaUnavailable saying why not."""
+    global _lib, _why_not
+    if _lib is not None:
+        return _lib
+    if _why_not:
+        raise CudaUnavailable(_why_not)
+    errors = []
+    for path in _candidates():
+        try:
+            lib = _ffi.dlopen(path)
+        except OSError as exc:
+            errors.append(f"{path}: {exc}")
+            continue
+        count = _ffi.new("int *")
+        rc = lib.cudaGetDeviceCount(count)
+        if rc != 0 or count[0] == 0:
+            _why_not = f"CUDA runtime {path} found but no GPU is usable (error {rc})"
+            lib.cudaGetLastError()
+            raise CudaUnavailable(_why_not)
+        _lib = lib
+        return lib
+    _why_not = ("no CUDA runtime library (libcudart) found next to torch or on the loader path"
+                + (f": {'; '.join(errors)}" if errors else ""))
+    raise CudaUnavailable(_why_not)
+
+
+def available() -> tuple[bool, str]:
+    try:
+        runtime()
+        return True, ""
+    except CudaUnavailable as exc:
+        return False, str(exc)
+
+
+def _check(rc: int, call: str, detail: str) -> None:
+    if rc != 0:
+        lib = runtime()
+        msg = _ffi.string(lib.cudaGetErrorString(rc)).decode()
+        lib.cudaGetLastError()  # clear the sticky error so later calls are not blamed
+        raise CudaError(f"{call} failed: {msg} (error {rc}) [{detail}]")
+
+
+def _with_device(device: int):
+    lib = runtime()
+    cur = _ffi.new("int *")
+    _check(lib.cudaGetDevice(cur), "cudaGetDevice", "")
+    _check(lib.cudaSetDevice(device), "cudaSetDevice", f"device={device}")
+    return lib, cur[0]
+
+
+@dataclass
+class Registration:
+    address: int
+    length: int
+    device: int
+    chunks: tuple[tuple[int, int], ...]
+    seconds: float = 0.0
+
+
+def register(address: int, length: int, device: int, read_only: bool = False,
+             chunk_bytes: int = CHUNK_BYTES) -> Registration:
+    """Pin [address, address+length) for zero-copy reads by ``device``, in
+    chunks; a failure unregisters what was registered and raises."""
+    import time
+
+    lib, previous = _with_device(device)
+    flags = HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED | (
+        HOST_REGISTER_READ_ONLY if read_only else 0)
+    done: list[tuple[int, int]] = []
+    t0 = time.perf_counter()
+    try:
+        for start in range(0, length, chunk_bytes):
+            size = min(chunk_bytes, length - start)
+            ptr = _ffi.cast("void *", address + start)
+            _check(lib.cudaHostRegister(ptr, size, flags), "cudaHostRegister",
+                   f"offset={start} size={size} flags={flags} device={device}")
+            done.append((address + start, size))
+    except BaseException:
+        for a, _ in done:
+            lib.cudaHostUnregister(_ffi.cast("void *", a))
+        lib.cudaGetLastError()
+        raise
+    finally:
+        lib.cudaSetDevice(previous)
+    return Registration(address, length, device, tuple(done), time.perf_counter() - t0)
+
+
+class RegistrationLease:
+    """Keeps a registration, and the host memory under it, alive: the table
+    holds one reference and every device view another; when the last one is
+    gone the memory is unregistered (then unmapped), so ``close()`` with live
+    views defers the unregister and a table dropped without ``close()``
+    unregisters when its views die.  A captured CUDA graph holds raw
+    pointers into the table and no reference: it must not outlive the
+    table's views."""
+
+    def __init__(self, registration: Registration, keepalive: object = None) -> None:
+        self.registration = registration
+        self._finalizer = weakref.finalize(self, _unregister_quietly, registration, keepalive)
+
+    @property
+    def device(self) -> int:
+        return self.registration.device
+
+    @property
+    def seconds(self) -> float:
+        return self.registration.seconds
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive
+
+    def release(self) -> None:
+        """Unregister now (only when no device view can exist yet)."""
+        self._finalizer()
+
+
+def _unregister_quietly(reg: Registration, keepalive: object) -> None:
+    try:
+        unregister(reg)
+    except NumaEngramError as exc:  # at interpreter exit or from a finalizer: log, go on
+        logging.getLogger(__name__).warning("unregistering the table failed: %s", exc)
+
+
+def unregister(reg: Registration) -> None:
+    lib = runtime()
+    for a, size in reg.chunks:
+        _check(lib.cudaHostUnregister(_ffi.cast("void *", a)), "cudaHostUnregister",
+               f"address={a:#x} size={size}")
+
+
+def device_pointer(address: int) -> int:
+    lib = runtime()
+    out = _ffi.new("void **")
+    _check(lib.cudaHostGetDevicePointer(out, _ffi.cast("void *", address), 0),
+           "cudaHostGetDevicePointer", f"address={address:#x}")
+    return int(_ffi.cast("uintptr_t", out[0]))
+
+
+class DeviceView:
+    """``__cuda_array_interface__`` over registered host memory: give it to
+    ``torch.as_tensor(view, device=f"cuda:{view.device}")``, with exactly
+    that device, or torch copies the whole table."""
+
+    def __init__(self, address: int, shape: tuple[int, ...], device: int,
+                 lease: RegistrationLease | None = None) -> None:
+        self.device = device
+        self.lease = lease  # the tensor torch makes holds this view, so the registration
+        self.pointer = device_pointer(address)
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": "|u1",
+                                         "data": (self.pointer, True), "version": 3,
+                                         "strides": None}
+
+
+class DeviceShard:
+    """Zero-copy CUDA views of a registered shard and the GPU lookup on them.
+
+    The views come from ``__cuda_array_interface__`` with the registering
+    device; the constructor checks that torch did not copy the table."""
+
+    def __init__(self, weights: np.ndarray, scales: np.ndarray, device: int, head_start: int,
+                 bucket_sizes: np.ndarray, block: int = 32,
+                 lease: RegistrationLease | None = None,
+                 global_base: np.ndarray | None = None) -> None:
+        import torch
+
+        self.lease = lease
+        self.device = torch.device(f"cuda:{device}")
+        self.weights = self._view(weights, device)
+        self.scales = self._view(scales, device)
+        self.head_start, self.block = head_start, block
+        sizes = np.asarray(bucket_sizes, dtype=np.int64)
+        self.sizes = torch.from_numpy(sizes).to(self.device)
+        self.offsets = torch.from_numpy(prefix_offsets(sizes)).to(self.device)
+        # each head's first row in the layer's whole table (global ids)
+        self.global_base = None if global_base is None else torch.from_numpy(
+            np.ascontiguousarray(global_base, dtype=np.int64)).to(self.device)
+        self.zero_base = torch.zeros_like(self.sizes)
+        from .triton_kernels import new_error_record
+
+        self.errors = new_error_record(self.device)  # static: graph replays update it
+
+    def _view(self, array: np.ndarray, device: int):
+        import torch
+
+        view = DeviceView(array.ctypes.data, array.shape, device, self.lease)
+        tensor = torch.as_tensor(view, device=self.device)
+        if tensor.data_ptr() != view.pointer:
+            raise RuntimeError("torch copied the host table instead of viewing it; the device "
+                               f"must be the registering one (cuda:{device})")
+        return tensor
+
+    def lookup(self, hash_ids, out=None, *, id_format: str = "bucket", packed: bool = False,
+               out_scales=None, max_sms: int | None = None, background: bool = False):
+        """BF16 ``[T, heads, head_dim]`` on the device for ids ``[T, n_hash_cols]``
+        already on this GPU (int64 or int32; rows may be strided; bucket ids
+        or global rows), by the fused Triton kernel: no host sync, so a CUDA
+        graph can capture it (give ``out``).  Bad ids give zero rows and a
+        device error record: ``check_errors()`` raises for them.
+        ``packed=True``: the FP8 rows (uint8 ``out``) and scales
+        (``out_scales``) as stored.  ``max_sms`` caps the persistent grid
+        (``background=True``: half the SMs)."""
+        import torch
+
+        from . import triton_kernels as gpu_kernels
+
+        ids = self._device_ids(hash_ids)
+        shape = (ids.shape[0], len(self.sizes), self.weights.shape[1])
+        if packed:
+            out = torch.empty(shape, dtype=torch.uint8, device=self.device) if out is None \
+                else out
+            out_scales = torch.empty((*shape[:2], shape[2] // self.block), dtype=torch.uint8,
+                                     device=self.device) if out_scales is None else out_scales
+            bits = out
+        else:
+            out = torch.empty(shape, dtype=torch.bfloat16, device=self.device) if out is None \
+                else out
+            if out.dtype != torch.bfloat16 or tuple(out.shape) != shape or not out.is_contiguous():
+                raise ValueError(f"out must be a contiguous bfloat16 tensor {list(shape)} on "
+                                 f"{self.device}, got {out.dtype} {list(out.shape)}")
+            bits = out.view(torch.int16)
+        gpu_kernels.lookup(self.weights, self.scales, ids, head_start=self.head_start,
+                           sizes=self.sizes, offsets=self.offsets,
+                           base=self._base(id_format), out=bits, err=self.errors,
+                           out_scales=out_scales, block=self.block, max_sms=max_sms,
+                           background=background)
+        return (out, out_scales) if packed else out
+
+    def check_errors(self) -> None:
+        """Read (one sync) and clear the device error record; raise
+        LookupIdError naming the first bad id of the lookups since the last
+        check."""
+        from .triton_kernels import NO_ERROR
+
+        count, pos, value = (int(x) for x in self.errors.tolist())
+        if not count:
+            return
+        self.errors.copy_(self.errors.new_tensor([0, NO_ERROR, 0]))
+        t, h = divmod(pos, len(self.sizes))
+        raise LookupIdError(f"hash id {value} at token {t}, column {self.head_start + h} is "
+                            f"outside its head's range ({count} bad ids since the last check);"
+                            " their rows were written as zeros")
+
+    def _device_ids(self, hash_ids):
+        import torch
+
+        if not torch.is_tensor(hash_ids) or hash_ids.device != self.device:
+            where = hash_ids.device if torch.is_tensor(hash_ids) else "the host"
+            raise LookupIdError(f"hash ids are on {where}; the GPU lookup needs them on "
+                                f"{self.device} (copy them there once, ahead of the lookup)")
+        if hash_ids.dtype not in (torch.int64, torch.int32) or hash_ids.dim() != 2:
+            raise LookupIdError(f"hash ids must be int64 or int32 [T, n_hash_cols], got "
+                                f"{hash_ids.dtype} {list(hash_ids.shape)}")
+        return hash_ids
+
+    def _base(self, id_format: str):
+        if id_format == "bucket":
+            return self.zero_base
+        if id_format == "global" and self.global_base is not None:
+            return self.global_base
+        raise ValueError(f"id_format must be 'bucket' or 'global' (with the layer's head "
+                         f"offsets), got {id_format!r}")
+
+    def lookup_torch(self, hash_ids, *, id_format: str = "bucket"):
+        """The plain torch path (several kernels, a host sync for bad ids):
+        the reference the fused kernel is tested against."""
+        import torch
+
+        from ..model.fp8 import dequantize_rows
+
+        ids = self._device_ids(hash_ids).long()
+        heads = len(self.sizes)
+        raw = ids[:, self.head_start:self.head_start + heads]
+        dead = raw == -1
+        cols = raw - self._base(id_format)
+        bad = ~dead & ((cols < 0) | (cols >= self.sizes))
+        if bool(bad.any()):
+            t, h = (int(x) for x in bad.nonzero()[0])
+            raise LookupIdError(f"hash id {int(raw[t, h])} at token {t}, column "
+                                f"{self.head_start + h} is outside its head's range")
+        rows = torch.where(dead, 0, cols + self.offsets).reshape(-1)
+        w = self.weights.index_select(0, rows)  # zero-copy reads over PCIe
+        s = self.scales.index_select(0, rows)
+        vals = dequantize_rows(w, s, self.block).view(cols.shape[0], heads, -1)
+        return vals.masked_fill_(dead.unsqueeze(-1), 0)

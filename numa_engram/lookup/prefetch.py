@@ -1,0 +1,330 @@
+"""PrefetchScheduler: Engram lookups issued ahead of the layer that needs
+them, in FIFO order on one side stream, each layer with its own completion
+event.
+
+``submit(layer, hash_ids)`` enqueues the layer's lookup after the work
+already queued; ``wait(layer)`` blocks (CPU) or makes the consumer stream
+wait (CUDA) on that layer's event only, and returns its staged rows.
+Depth is bounded: a submit beyond ``depth`` outstanding lookups blocks until
+the oldest completes.  An error in a lookup is raised by that layer's
+``wait``.  Staging buffers are allocated once per layer (``max_tokens``
+rows) and reused every step, so a CUDA graph can be captured around them.
+
+Backends: ``cpu`` (a worker thread and threading events; the fully tested
+contract) and ``cuda`` (a side stream and CUDA events).
+
+Threads: ``submit``, ``wait``, ``reset`` and ``close`` may be called from any
+thread; every state change happens under one lock.  A layer has at most one
+lookup in flight (a second ``submit`` of it, from any thread, raises), and
+``close()`` wakes every thread blocked in ``submit`` or ``wait`` with
+PrefetchError.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import PrefetchError
+
+LookupFn = Callable[[Any, Any], Any]  # (hash_ids, out) -> out
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """Totals of one layer's lookups (``scheduler.stats()``)."""
+
+    lookups: int
+    lookup_seconds: float        # the lookups themselves (CUDA: from events, when done)
+    lead_seconds: float          # submit -> wait: how far ahead they were issued
+    exposed_wait_seconds: float  # wait -> rows ready: what the consumer lost
+
+
+@dataclass
+class LayerMetrics:
+    lookups: int = 0
+    lookup_s: float = 0.0   # time the lookup itself ran
+    lead_s: float = 0.0     # submit -> wait call
+    exposed_s: float = 0.0  # wait call -> rows ready (what the consumer lost)
+
+    def as_dict(self) -> dict:
+        n = max(1, self.lookups)
+        return {"lookups": self.lookups, "mean_lookup_s": self.lookup_s / n,
+                "mean_lead_s": self.lead_s / n, "mean_exposed_s": self.exposed_s / n}
+
+
+@dataclass
+class _Job:
+    layer: Any
+    ids: Any
+    out: Any
+    submitted: float
+    done: threading.Event = field(default_factory=threading.Event)
+    started: float = 0.0
+    finished: float = 0.0
+    error: BaseException | None = None
+    cancelled: bool = False
+    slot: bool = False  # holds one of the scheduler's `depth` slots
+    event: Any = None  # CUDA event: the lookup is done
+    start_event: Any = None  # CUDA event: the lookup started (timing)
+
+
+def _as_lookup(source: Any, backend: str = "cpu", max_sms: int | None = None,
+               background: bool = True, packed: bool = False) -> LookupFn:
+    if backend == "cuda" and hasattr(source, "lookup_cuda"):
+        # the fused kernel on the side stream, its grid capped so the
+        # consumer's kernels keep SMs (vLLM: half in background mode)
+        return lambda ids, out: source.lookup_cuda(ids, out=out, max_sms=max_sms,
+                                                   background=background)
+    if hasattr(source, "lookup"):
+        return lambda ids, out: source.lookup(ids, out=out, dequantize=not packed)
+    if packed:
+        raise PrefetchError("packed=True needs tables (with .lookup(dequantize=False)), not "
+                            f"callables: got {source!r}")
+    if callable(source):
+        return source
+    raise PrefetchError(f"{source!r} is neither a table (with .lookup) nor a callable")
+
+
+def _staging(torch, max_tokens: int, row_shape: tuple[int, int], dtype, device, table):
+    """The layer's static buffer: BF16 rows, or (FP8 rows, scales) of
+    ``table``'s block size when packed."""
+    if table is None:
+        return torch.empty((max_tokens, *row_shape), dtype=dtype or torch.bfloat16,
+                           device=device)
+    heads, dim = row_shape
+    return (torch.empty((max_tokens, heads, dim), dtype=torch.uint8),
+            torch.empty((max_tokens, heads, dim // table.spec.block), dtype=torch.uint8))
+
+
+class PrefetchScheduler:
+    """``lookups`` maps each Engram layer to its table (or a callable
+    ``(hash_ids, out) -> out``); ``row_shape`` maps each layer to
+    ``(heads_in_shard, head_dim)`` of its rows.  ``packed=True`` (CPU
+    backend, tables): stage the rows as stored, ``wait`` returns
+    ``(weights uint8 [T, heads, head_dim], scales uint8 [T, heads,
+    head_dim/block])``: half the host writes and 48% fewer bytes to copy to
+    a GPU that dequantises them (``fp8.dequantize_rows``)."""
+
+    def __init__(self, lookups: Mapping[Any, Any], row_shape: Mapping[Any, tuple[int, int]], *,
+                 max_tokens: int, depth: int = 2, backend: str = "cpu", device: Any = None,
+                 dtype: Any = None, max_sms: int | None = None,
+                 background: bool = True, packed: bool = False) -> None:
+        import torch
+
+        if depth < 1:
+            raise PrefetchError(f"depth must be >= 1, got {depth}")
+        if backend not in ("cpu", "cuda"):
+            raise PrefetchError(f"backend must be 'cpu' or 'cuda', got {backend!r}")
+        if packed and backend != "cpu":
+            raise PrefetchError("packed=True stages packed rows on the CPU backend; on the GPU "
+                                "call table.lookup_cuda(ids, packed=True) instead")
+        self._torch = torch
+        self.backend, self.depth, self.max_tokens = backend, depth, max_tokens
+        self._sources = dict(lookups)
+        self._lookups = {layer: _as_lookup(src, backend, max_sms, background, packed)
+                         for layer, src in lookups.items()}
+        self._gpu_times: list[tuple[Any, Any, Any]] = []  # (layer, start, end) not yet read
+        dev = torch.device("cpu") if backend == "cpu" else torch.device(device or "cuda")
+        self.staging = {layer: _staging(torch, max_tokens, row_shape[layer], dtype, dev,
+                                        self._sources[layer] if packed else None)
+                        for layer in self._lookups}
+        self.metrics = {layer: LayerMetrics() for layer in self._lookups}
+        self._inflight: dict[Any, _Job] = {}
+        self._outstanding = 0  # jobs holding one of the `depth` slots
+        self._lock = threading.Condition()
+        self._closed = False
+        if backend == "cpu":
+            self._queue: queue.Queue[_Job | None] = queue.Queue()
+            self._worker = threading.Thread(target=self._run_cpu, name="engram-prefetch",
+                                            daemon=True)
+            self._worker.start()
+        else:
+            self._stream = torch.cuda.Stream(device=dev)
+
+    # -------------------------------------------------------------- api --
+    def submit(self, layer: Any, hash_ids: Any) -> None:
+        """Queue the layer's lookup after everything already submitted."""
+        self._check_open()
+        if layer not in self._lookups:
+            raise PrefetchError(f"layer {layer!r} has no lookup; layers are "
+                                f"{list(self._lookups)}")
+        n = int(hash_ids.shape[0])
+        if n > self.max_tokens:
+            raise PrefetchError(f"{n} tokens for layer {layer!r} exceed max_tokens "
+                                f"{self.max_tokens} of the static staging buffer")
+        staged = self.staging[layer]
+        out = tuple(b[:n] for b in staged) if isinstance(staged, tuple) else staged[:n]
+        job = _Job(layer, hash_ids, out, time.perf_counter())
+        with self._lock:  # check and claim the layer in one step
+            self._check_open()
+            if layer in self._inflight:
+                raise PrefetchError(f"layer {layer!r} already has a lookup in flight; wait() "
+                                    "for it or reset() first")
+            self._inflight[layer] = job
+            # backpressure: at most `depth` lookups outstanding
+            self._lock.wait_for(lambda: self._outstanding < self.depth or self._closed
+                                or job.cancelled)
+            if self._closed or job.cancelled:
+                del self._inflight[layer]
+                raise PrefetchError(f"the scheduler was closed or reset while layer {layer!r} "
+                                    "waited for a slot")
+            self._outstanding += 1
+            job.slot = True
+            if self.backend == "cpu":  # under the lock: close() queues its stop after it
+                self._queue.put(job)
+        if self.backend == "cuda":
+            self._launch_cuda(job)
+
+    def wait(self, layer: Any, *, check_errors: bool = False):
+        """The layer's staged rows ``[T, heads, head_dim]`` once its lookup is
+        done (CPU) or ordered before the consumer's next work (CUDA).
+        ``check_errors``: also read the table's device error record (one
+        sync) and raise LookupIdError for bad ids."""
+        with self._lock:
+            self._check_open()
+            job = self._inflight.get(layer)
+        if job is None:
+            raise PrefetchError(f"wait({layer!r}) without a submit({layer!r}) this step")
+        called = time.perf_counter()
+        try:
+            if self.backend == "cpu":
+                job.done.wait()
+            else:
+                self._torch.cuda.current_stream(job.out.device).wait_event(job.event)
+            if job.cancelled:
+                raise PrefetchError(f"the lookup of layer {layer!r} was dropped: the scheduler "
+                                    "was closed or reset while it was awaited")
+            ready = time.perf_counter()
+            self._account(job, called, ready)
+            if job.error is not None:
+                raise job.error
+            source = self._sources[layer]
+            if check_errors and hasattr(source, "check_device_errors"):
+                source.check_device_errors()
+            return job.out
+        finally:
+            self._retire(job)
+
+    def reset(self) -> None:
+        """Drop every lookup not yet waited for (e.g. between steps after an
+        abort); a running one finishes but its rows are discarded."""
+        with self._lock:
+            pending = self._cancel_all()
+        for job in pending:
+            if self.backend == "cpu":
+                job.done.wait()
+            else:
+                job.event.synchronize()
+            self._retire(job)
+
+    def close(self) -> None:
+        """Drop what is queued, let a running lookup finish, wake every
+        waiter (PrefetchError) and stop the worker.  Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._cancel_all()
+        if self.backend == "cpu":
+            self._queue.put(None)
+            self._worker.join()  # skipped jobs and the running one set `done`
+
+    def stats(self) -> dict[Any, LayerStats]:
+        """Per layer totals since the scheduler started (no sync: CUDA
+        lookup times are counted once their events have completed)."""
+        self._read_gpu_times()
+        return {layer: LayerStats(m.lookups, m.lookup_s, m.lead_s, m.exposed_s)
+                for layer, m in self.metrics.items()}
+
+    def metrics_report(self) -> dict:
+        self._read_gpu_times()
+        return {str(layer): m.as_dict() for layer, m in self.metrics.items()}
+
+    def _read_gpu_times(self) -> None:
+        """CUDA lookup times from their events, for those already done
+        (``query()``, never a sync)."""
+        pending = []
+        for layer, start, end in self._gpu_times:
+            if end.query():
+                self.metrics[layer].lookup_s += start.elapsed_time(end) / 1e3
+            else:
+                pending.append((layer, start, end))
+        self._gpu_times = pending
+
+    def __enter__(self) -> PrefetchScheduler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --------------------------------------------------------- internals --
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PrefetchError("the scheduler is closed")
+
+    def _cancel_all(self) -> list[_Job]:
+        """Under the lock: mark every lookup not yet waited for dropped, wake
+        submitters waiting for a slot; the ones holding a slot (queued or
+        running) are returned."""
+        for job in self._inflight.values():
+            job.cancelled = True
+        self._lock.notify_all()
+        return [job for job in self._inflight.values() if job.slot]
+
+    def _retire(self, job: _Job) -> None:
+        with self._lock:
+            if self._inflight.get(job.layer) is job:
+                del self._inflight[job.layer]
+            if job.slot:
+                job.slot = False
+                self._outstanding -= 1
+                self._lock.notify_all()
+
+    def _account(self, job: _Job, called: float, ready: float) -> None:
+        m = self.metrics[job.layer]
+        m.lookups += 1
+        if self.backend == "cpu":
+            m.lookup_s += max(0.0, job.finished - job.started)
+        elif job.start_event is not None:
+            self._gpu_times.append((job.layer, job.start_event, job.event))
+        m.lead_s += called - job.submitted
+        m.exposed_s += ready - called
+
+    def _run_cpu(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            job.started = time.perf_counter()
+            if not job.cancelled:
+                try:
+                    self._lookups[job.layer](job.ids, job.out)
+                except BaseException as exc:  # surfaces at this layer's wait()
+                    job.error = exc
+            job.finished = time.perf_counter()
+            job.done.set()
+
+    def _launch_cuda(self, job: _Job) -> None:
+        torch = self._torch
+        consumer = torch.cuda.current_stream(job.out.device)
+        self._stream.wait_stream(consumer)  # after the work already queued
+        job.event = torch.cuda.Event(enable_timing=True)
+        job.start_event = torch.cuda.Event(enable_timing=True)
+        job.started = time.perf_counter()
+        if torch.is_tensor(job.ids) and job.ids.is_cuda:
+            # made on the consumer stream, read on ours: keep the allocator
+            # from reusing its memory before our lookup has run
+            job.ids.record_stream(self._stream)
+        with torch.cuda.stream(self._stream):
+            job.start_event.record(self._stream)
+            try:
+                self._lookups[job.layer](job.ids, job.out)
+            except BaseException as exc:
+                job.error = exc
+            job.event.record(self._stream)
+        job.finished = time.perf_counter()

@@ -1,0 +1,215 @@
+"""Serving-grade n-gram hashing with DeepSeek V4.1's semantics.
+
+A serving stack hashes packed batches that mix prefill chunks and 1-token
+decode steps of many requests.  ``HashState`` keeps, per request slot, the
+last ``max_ngram_size - 1`` compressed ids of its sequence and the next
+position, so every token looks back through its own sequence across calls:
+
+- the token at position p looks back at positions p-1 .. p-(N-1) of its own
+  sequence, from earlier tokens of this call (committed or not) or from the
+  slot's history;
+- the look-back stops at the sequence start and at any DEAD token (a
+  ``token_mask`` False, a negative id, an id outside the token map, one of
+  ``dead_ids``): from there on the pad id is used; a DEAD token itself
+  hashes as all-pad n-grams;
+- in batch order a slot's positions run next, next+1, ...; position 0
+  restarts the slot;
+- after the call a slot keeps the history as of its last committed token;
+  uncommitted tokens after it (speculative ones) leave it as it was.
+
+Output ``[T, len(spec.layer_ids), n_hash_cols]``: per-head bucket ids, or
+rows of each layer's whole table (``id_format="global"``), as the model and
+vLLM use them.  The sequential look-back pass and the hashing of every
+layer are native (the hashing threaded, GIL released).  No torch here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..bindings import native
+from ..errors import SpecError
+from .spec import EngramSpec, strict_int
+
+ID_FORMATS = ("bucket", "global")
+DEAD = -1
+# the slot's next position is position + 1: it must not wrap int64
+MAX_POSITION = 2**62
+
+
+def integer_array(values, name: str) -> np.ndarray:
+    """int64 array of ``values`` (Python ints or an integer array); floats,
+    bools and objects are refused, never truncated, and so are values
+    beyond int64."""
+    if isinstance(values, np.ndarray):
+        arr = values
+    else:
+        try:
+            arr = np.asarray(values)
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise SpecError(f"{name} must be integers: {exc}") from None
+    if arr.size == 0 and arr.dtype == np.float64 and not isinstance(values, np.ndarray):
+        arr = arr.astype(np.int64)  # [] is an empty list of ints
+    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+        raise SpecError(f"{name} must be integers (Python ints or an integer array), got "
+                        f"{arr.dtype}; floats are not truncated")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise SpecError(f"{name} holds {int(arr.max())}, beyond int64")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+class HashState:
+    """Per-request hashing state for ``max_requests`` slots.
+
+    ``token_map`` (tokenizer id -> compressed id, e.g. from
+    ``build_token_map``): ``hash`` then takes tokenizer ids.  ``dead_ids``
+    (e.g. an image placeholder id) are DEAD wherever they appear.  Methods
+    are not thread-safe: one state per scheduler thread."""
+
+    def __init__(self, spec: EngramSpec, max_requests: int, token_map: np.ndarray | None = None,
+                 dead_ids: Sequence[int] = ()) -> None:
+        if max_requests < 1:
+            raise SpecError(f"max_requests must be >= 1, got {max_requests}")
+        self.spec, self.max_requests = spec, int(max_requests)
+        self.token_map = None if token_map is None else np.ascontiguousarray(token_map,
+                                                                             dtype=np.int64)
+        self.dead_ids = np.asarray(sorted(set(int(i) for i in dead_ids)), dtype=np.int64)
+        n1 = spec.max_ngram_size - 1
+        self._hist = np.full((self.max_requests, n1), DEAD, dtype=np.int64)
+        self._next = np.zeros(self.max_requests, dtype=np.int64)
+        self._scratch = {"cur": np.empty_like(self._hist), "cur_next": np.empty_like(self._next),
+                         "last": np.empty_like(self._next)}
+        layers = spec.layer_ids
+        self._multipliers = np.ascontiguousarray(
+            [spec.multipliers(layer)[:spec.max_ngram_size] for layer in layers], dtype=np.int64)
+        self._primes = np.ascontiguousarray([spec.bucket_sizes(layer) for layer in layers],
+                                            dtype=np.int64)
+        self._offsets = np.ascontiguousarray([spec.head_offsets(layer) for layer in layers],
+                                             dtype=np.int64)
+
+    # ------------------------------------------------------------- api --
+    def hash(self, token_ids, slots, positions, token_mask=None, *, commit=True,
+             id_format: str = "bucket", threads: int = 1) -> np.ndarray:
+        """int64 ``[T, layers, n_hash_cols]`` for a packed batch (see the
+        module docstring for the rules).  A position that does not continue
+        its slot, a slot out of range or arrays of different lengths raise
+        SpecError naming the token; the state is then unchanged."""
+        if id_format not in ID_FORMATS:
+            raise SpecError(f"id_format must be one of {ID_FORMATS}, got {id_format!r}")
+        ids = self.compressed(token_ids, token_mask)
+        n = len(ids)
+        slots = self._column(slots, n, "slots")
+        positions = self._column(positions, n, "positions")
+        commits = self._commit_mask(commit, n)
+        win = np.empty((n, self.spec.max_ngram_size), dtype=np.int64)
+        bad, why = native.hash_windows(ids, slots, positions, commits, self._hist, self._next,
+                                       self._scratch, win)
+        if bad >= 0:
+            raise SpecError(self._misuse(bad, why, slots, positions))
+        out = np.empty((n, len(self.spec.layer_ids), self.spec.n_hash_cols), dtype=np.int64)
+        native.hash_window_batch(win, self.spec.pad_id, self._multipliers, self._primes,
+                                 self._offsets if id_format == "global" else None,
+                                 self.spec.n_head_per_ngram, out, threads)
+        return out
+
+    def release(self, slot: int) -> None:
+        """The request in ``slot`` finished: its next token must be position 0."""
+        self._check_slot(slot)
+        self._hist[slot] = DEAD
+        self._next[slot] = 0
+
+    def restore(self, slot: int, position: int, prefix_ids) -> None:
+        """A request resumed at ``position`` > 0 (a prefix-cache hit, a
+        preemption): ``prefix_ids`` are its ids before ``position`` (at least
+        the last ``max_ngram_size - 1``, or all of them), in the same id
+        space as ``hash`` takes."""
+        self._check_slot(slot)
+        position = strict_int(position, "position")
+        if not 0 <= position <= MAX_POSITION:
+            raise SpecError(f"restore position must be in 0..{MAX_POSITION}, got {position}")
+        n1 = self.spec.max_ngram_size - 1
+        prefix = self.compressed(integer_array(prefix_ids, "prefix_ids").reshape(-1), None)
+        need = min(position, n1)
+        if position < 0 or len(prefix) < need or len(prefix) > position:
+            raise SpecError(f"restore(slot {slot}, position {position}) needs the ids before "
+                            f"that position (at least the last {need}, at most {position}), "
+                            f"got {len(prefix)}")
+        last = prefix[len(prefix) - need:] if need else prefix[:0]
+        self._hist[slot] = DEAD
+        if need:
+            self._hist[slot, n1 - need:] = last
+        self._next[slot] = position
+
+    def next_position(self, slot: int) -> int:
+        """The position the slot's next token must have (0: a new request)."""
+        self._check_slot(slot)
+        return int(self._next[slot])
+
+    def compressed(self, token_ids, token_mask=None) -> np.ndarray:
+        """int64 compressed ids with DEAD (-1) for every token that takes no
+        part: masked, negative, outside the token map, or in ``dead_ids``."""
+        ids = np.asarray(token_ids)
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise SpecError(f"token ids must be a 1-D integer array [T], got {ids.dtype} "
+                            f"{list(ids.shape)}")
+        ids = ids.astype(np.int64, copy=False)
+        dead = ids < 0
+        if len(self.dead_ids):
+            dead |= np.isin(ids, self.dead_ids)
+        if self.token_map is not None:
+            dead |= ids >= len(self.token_map)
+            ids = self.token_map[np.clip(ids, 0, len(self.token_map) - 1)]
+            dead |= ids < 0
+        if token_mask is not None:
+            mask = np.asarray(token_mask, dtype=bool)
+            if mask.shape != ids.shape:
+                raise SpecError(f"token_mask has shape {list(mask.shape)}, token ids "
+                                f"{list(ids.shape)}: pass one flag per token")
+            dead |= ~mask
+        return np.ascontiguousarray(np.where(dead, DEAD, ids), dtype=np.int64)
+
+    # --------------------------------------------------------- internals --
+    def _check_slot(self, slot: int) -> None:
+        slot = strict_int(slot, "slot")
+        if not 0 <= slot < self.max_requests:
+            raise SpecError(f"slot {slot} is outside 0..{self.max_requests - 1} "
+                            "(max_requests)")
+
+    @staticmethod
+    def _column(values, n: int, name: str) -> np.ndarray:
+        arr = integer_array(values, name)
+        if arr.shape != (n,):
+            raise SpecError(f"{name} has shape {list(arr.shape)} but there are {n} tokens: "
+                            "pass one per token")
+        if name == "positions" and n and not (arr.min() >= 0 and arr.max() <= MAX_POSITION):
+            raise SpecError(f"positions must be in 0..{MAX_POSITION}, got "
+                            f"{int(arr.min())}..{int(arr.max())}")
+        return arr
+
+    @staticmethod
+    def _commit_mask(commit, n: int) -> np.ndarray:
+        if isinstance(commit, (bool, np.bool_)):
+            return np.full(n, bool(commit), dtype=np.uint8)
+        mask = np.asarray(commit)
+        if mask.shape != (n,) or mask.dtype != bool:
+            raise SpecError(f"commit must be a bool or a bool array of {n} (one per token), "
+                            f"got {mask.dtype} {list(mask.shape)}")
+        return np.ascontiguousarray(mask, dtype=np.uint8)
+
+    def _misuse(self, index: int, why: int, slots: np.ndarray, positions: np.ndarray) -> str:
+        slot, pos = int(slots[index]), int(positions[index])
+        if why == 1:
+            return (f"token {index}: slot {slot} is outside 0..{self.max_requests - 1} "
+                    "(max_requests)")
+        expected = int(self._expected_next(index, slots, positions))
+        kind = "a gap" if pos > expected else "a replay"
+        return (f"token {index}: slot {slot} position {pos} does not continue its sequence "
+                f"({kind}: expected {expected}, or 0 to start a new request; restore() a "
+                "request resumed elsewhere)")
+
+    def _expected_next(self, index: int, slots: np.ndarray, positions: np.ndarray) -> int:
+        slot = slots[index]
+        earlier = np.flatnonzero(slots[:index] == slot)
+        return positions[earlier[-1]] + 1 if len(earlier) else self._next[slot]
