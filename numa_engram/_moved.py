@@ -17,7 +17,7 @@ from types import ModuleType
 
 MOVED = {
     "native": "bindings.native",
-    "cuda": "lookup.gpu",
+    "cuda": "bindings.cudart",  # its DeviceShard is numa_engram.lookup.gpu now
     "spec": "model.spec", "sharding": "model.sharding", "hashing": "model.hashing",
     "hashstate": "model.hashstate", "tokenmap": "model.tokenmap", "fp8": "model.fp8",
     "procfs": "host.procfs", "topology": "host.topology", "hugepages": "host.hugepages",

@@ -187,7 +187,7 @@ def dp_sharded(rank, world, *, tp, dp, counts, n_head_per_ngram, max_ngram, max_
     ids = ngram_hashes(spec, rng.integers(0, 1000, counts[dp_rank]), LAYER)
     if dp_rank == 2:
         ids[:] = -1  # a replica whose ids are all DEAD
-    sharded = DPShardedLookup(table, heads, edp_rank, group.pg, max_tokens=max_tokens)
+    sharded = DPShardedLookup(table, heads, edp_rank, group.process_group, max_tokens=max_tokens)
     # the replicas' counts as a serving stack knows them (this EDP group's, in EDP order)
     edp_counts = [counts[layout.coords(r)[1]] for r in group.ranks]
     got = sharded.lookup(ids, counts=edp_counts if given_counts else None)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+from numa_engram.bindings import cudart as cuda
 from numa_engram.errors import LookupIdError
-from numa_engram.lookup import gpu as cuda
 from numa_engram.lookup.cpu import staged_lookup
 from numa_engram.model.hashing import ngram_hashes
 from numa_engram.sharing.checkpoint import write_synthetic_checkpoint

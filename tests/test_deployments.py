@@ -38,7 +38,7 @@ def test_identity_groups_follow_where_ranks_are_not_rank_arithmetic():
 
 
 def test_register_device_without_a_gpu_is_cuda_unavailable():
-    from numa_engram.lookup import gpu as cuda
+    from numa_engram.bindings import cudart as cuda
 
     ok, why = cuda.available()
     if ok:
@@ -75,20 +75,45 @@ class FakeRuntime:
     def cudaGetLastError(self):
         return 0
 
+    def cudaDeviceGetPCIBusId(self, buf, length, device):
+        from numa_engram.bindings.cudart import _ffi
+
+        if device != 0:
+            return 101  # cudaErrorInvalidDevice
+        _ffi.memmove(buf, b"00000000:3B:00.0\0", 17)  # as the runtime spells it
+        return 0
+
+    def cudaGetErrorString(self, rc):
+        from numa_engram.bindings.cudart import _ffi
+
+        return _ffi.new("char[]", b"invalid device ordinal")
+
 
 def ffi_cast(ptr):
-    from numa_engram.lookup.gpu import _ffi
+    from numa_engram.bindings.cudart import _ffi
 
     return _ffi.cast("uintptr_t", ptr)
 
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    from numa_engram.lookup import gpu as cuda
+    from numa_engram.bindings import cudart as cuda
 
     fake = FakeRuntime()
     monkeypatch.setattr(cuda, "runtime", lambda: fake)
     return fake
+
+
+def test_a_gpus_numa_node_comes_from_the_runtimes_pci_address(fake_cuda, tmp_path):
+    from numa_engram.host.topology import gpu_node
+
+    (tmp_path / "0000:3b:00.0").mkdir()
+    (tmp_path / "0000:3b:00.0" / "numa_node").write_text("1\n")
+    assert gpu_node(0, root=tmp_path) == 1
+    assert gpu_node(1, root=tmp_path) is None  # the runtime has no such device
+    assert gpu_node(None, root=tmp_path) is None
+    (tmp_path / "0000:3b:00.0" / "numa_node").write_text("-1\n")  # no affinity
+    assert gpu_node(0, root=tmp_path) is None
 
 
 def _registered_table():

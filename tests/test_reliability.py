@@ -669,8 +669,8 @@ def test_a_group_timeout_names_the_members_that_did_not_arrive():
 
 
 def test_register_device_without_a_gpu_fails_at_join_before_anything_exists():
+    from numa_engram.bindings import cudart as cuda
     from numa_engram.errors import CudaUnavailable
-    from numa_engram.lookup import gpu as cuda
 
     if cuda.available()[0]:
         pytest.skip("a GPU is usable here: register_device works")

@@ -61,7 +61,7 @@ def main() -> int:
     import torch
 
     from numa_engram import EngramSpec, SharedEngramTable, shard_heads
-    from numa_engram.lookup import gpu as cuda
+    from numa_engram.bindings import cudart as cuda
     from numa_engram.lookup.prefetch import PrefetchScheduler
 
     p = argparse.ArgumentParser()

@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..errors import TopologyError
+from ..errors import NumaEngramError, TopologyError
 from . import procfs
 
 SYS_NODE = Path("/sys/devices/system/node")
@@ -82,6 +82,22 @@ def read_pci_numa_node(bus_id: str, root: Path = SYS_PCI) -> int:
         return int(path.read_text())
     except (OSError, ValueError):
         return -1
+
+
+def gpu_node(device: int | None, root: Path = SYS_PCI) -> int | None:
+    """The NUMA node of a CUDA device (by the PCI bus id the CUDA runtime
+    reports: CUDA and PCI order may differ), or None when it cannot be told
+    (no device given, no runtime or GPU, no NUMA affinity in sysfs)."""
+    if device is None:
+        return None
+    from ..bindings import cudart
+
+    try:
+        bus_id = cudart.pci_bus_id(device)
+    except NumaEngramError:  # no runtime, no GPU, or no such device
+        return None
+    node = read_pci_numa_node(bus_id, root)
+    return node if node >= 0 else None
 
 
 def read_nvidia_gpus(root: Path = SYS_PCI) -> tuple[GpuInfo, ...]:

@@ -15,8 +15,10 @@ rank's heads (shard index ``tp_rank * edp + edp_rank``).  A lookup:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,6 +26,9 @@ from ..errors import LookupIdError, SpecError, TopologyError
 from ..lookup.cpu import OutputPool, check_hash_ids, check_ids_in_range, id_base
 from ..model.sharding import DEAD_ID, ShardInfo, shard_heads
 from ..model.spec import EngramSpec
+
+if TYPE_CHECKING:
+    from .table import SharedEngramTable
 
 
 @dataclass(frozen=True)
@@ -77,15 +82,23 @@ class DPShardedLookup:
     """Lookup of a TP rank's heads in the DP-sharded mode.
 
     ``table`` holds this member's head slice (``heads.members[edp_rank]``);
-    ``process_group`` is the node-local EDP group in EDP-rank order: a torch
-    ProcessGroup (gloo or NCCL), or any Group whose ``process_group`` is set
-    (what ``sharing_groups`` returns, or an adapted serving-stack group)."""
+    ``group`` is the node-local EDP group in EDP-rank order: any Group whose
+    ``process_group`` is set (what ``sharing_groups`` returns, or an adapted
+    serving-stack group), or a torch ProcessGroup itself (gloo or NCCL;
+    None: the world).  ``process_group=`` is its old, deprecated name."""
 
-    def __init__(self, table, heads: ShardedHeads, edp_rank: int, process_group=None, *,
-                 max_tokens: int | None = None) -> None:
+    def __init__(self, table: SharedEngramTable, heads: ShardedHeads, edp_rank: int,
+                 group: Any = None, *, max_tokens: int | None = None,
+                 process_group: Any = None) -> None:
         import torch.distributed as dist
 
         from .group import Group
+
+        if process_group is not None:
+            warnings.warn("DPShardedLookup(process_group=...) is now group=...",
+                          DeprecationWarning, stacklevel=2)
+            group = process_group if group is None else group
+        process_group = group
 
         if not isinstance(heads, ShardedHeads):
             raise SpecError(f"heads must be the ShardedHeads of the layer (ShardedHeads.of(spec, "

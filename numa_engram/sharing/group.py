@@ -15,15 +15,16 @@ import pickle
 import queue
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import GroupTimeout, NumaEngramError, TopologyError
 from ..host import procfs
+from ..host.topology import gpu_node
 from ..model.sharding import WorldLayout
 from ..store.storage import describe_device, directory_id
 
@@ -34,13 +35,23 @@ log = logging.getLogger(__name__)
 class Group(Protocol):
     """What the sharing protocol needs of a group; any object with these
     members works (a serving stack can pass its own).  ``process_group`` is
-    the torch ProcessGroup behind it, or None."""
+    the torch ProcessGroup behind it, or None; ``identity`` says what the
+    members share (host, directory, socket), "" when nothing was measured;
+    ``bounded(t)`` bounds every collective made inside it by t seconds (a
+    group that bounds its collectives itself returns a no-op context)."""
 
-    rank: int  # in the group; 0 leads
-    size: int
-    ranks: tuple[int, ...]  # world ranks of the members, in group order
-    process_group: Any
+    @property
+    def rank(self) -> int: ...  # in the group; 0 leads
+    @property
+    def size(self) -> int: ...
+    @property
+    def ranks(self) -> tuple[int, ...]: ...  # world ranks of the members, in group order
+    @property
+    def process_group(self) -> Any: ...
+    @property
+    def identity(self) -> str: ...
 
+    def bounded(self, timeout_s: float) -> AbstractContextManager[None]: ...
     def broadcast(self, obj: Any, step: str) -> Any: ...
     def all_gather(self, obj: Any, step: str) -> list[Any]: ...
     def barrier(self, step: str) -> None: ...
@@ -52,6 +63,7 @@ class SingleProcessGroup:
     rank = 0
     size = 1
     process_group = None
+    identity = "this process"
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -60,6 +72,9 @@ class SingleProcessGroup:
 
         dist = sys.modules.get("torch.distributed")
         return (dist.get_rank(),) if dist is not None and dist.is_initialized() else (0,)
+
+    def bounded(self, timeout_s: float) -> AbstractContextManager[None]:
+        return nullcontext()  # nothing to wait for
 
     def broadcast(self, obj: Any, step: str) -> Any:
         return obj
@@ -78,28 +93,46 @@ class TorchGroup:
     waited for at most ``timeout_s`` (gloo's own timeout does not fire when a
     member is stopped); after a timeout the group is broken: make a new one."""
 
-    def __init__(self, process_group=None, timeout_s: float = 300.0) -> None:
+    def __init__(self, process_group: Any = None, timeout_s: float = 300.0,
+                 identity: str = "") -> None:
         import torch.distributed as dist
 
         if not dist.is_initialized():
             raise NumaEngramError("torch.distributed is not initialised: call "
                                   "init_process_group('gloo', ...) first")
         self._dist = dist
-        self.pg = process_group
+        self._pg = process_group
         self.timeout_s = timeout_s
-        self.rank = dist.get_rank(process_group)
-        self.size = dist.get_world_size(process_group)
-        self.ranks = tuple(dist.get_process_group_ranks(process_group)) if process_group \
-            else tuple(range(self.size))
-        self.leader_global_rank = self.ranks[0]
-        self._roll = RollCall(self.ranks, dist.get_rank())
+        self._rank = dist.get_rank(process_group)
+        self._size = dist.get_world_size(process_group)
+        self._ranks = tuple(dist.get_process_group_ranks(process_group)) if process_group \
+            else tuple(range(self._size))
+        self._identity = identity
+        self.leader_global_rank = self._ranks[0]
+        self._roll = RollCall(self._ranks, dist.get_rank())
 
     @property
-    def process_group(self):
-        return self.pg
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self._ranks
+
+    @property
+    def process_group(self) -> Any:
+        return self._pg
+
+    @property
+    def identity(self) -> str:
+        return self._identity
 
     @contextmanager
-    def bounded(self, timeout_s: float):
+    def bounded(self, timeout_s: float) -> Iterator[None]:
         """Every collective of the group bounded by ``timeout_s`` while inside."""
         saved, self.timeout_s = self.timeout_s, timeout_s
         try:
@@ -127,9 +160,9 @@ class TorchGroup:
         dist, size = self._dist, torch.tensor([len(data or b"")], dtype=torch.int64)
         if src is None:
             sizes = [torch.empty(1, dtype=torch.int64) for _ in range(self.size)]
-            self._run(step, lambda: dist.all_gather(sizes, size, group=self.pg, async_op=True))
+            self._run(step, lambda: dist.all_gather(sizes, size, group=self._pg, async_op=True))
         else:
-            self._run(step, lambda: dist.broadcast(size, src=src, group=self.pg, async_op=True))
+            self._run(step, lambda: dist.broadcast(size, src=src, group=self._pg, async_op=True))
             sizes = [size]
         longest = max(int(n) for n in sizes)
         buf = torch.zeros(max(1, longest), dtype=torch.uint8)
@@ -137,9 +170,9 @@ class TorchGroup:
             buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         if src is None:
             outs = [torch.empty_like(buf) for _ in range(self.size)]
-            self._run(step, lambda: dist.all_gather(outs, buf, group=self.pg, async_op=True))
+            self._run(step, lambda: dist.all_gather(outs, buf, group=self._pg, async_op=True))
         else:
-            self._run(step, lambda: dist.broadcast(buf, src=src, group=self.pg, async_op=True))
+            self._run(step, lambda: dist.broadcast(buf, src=src, group=self._pg, async_op=True))
             outs = [buf]
         return [o[:int(n)].numpy().tobytes() for o, n in zip(outs, sizes)]
 
@@ -341,6 +374,7 @@ def sharing_groups(world_group: Any = None, *, tp_rank: int | None = None,
     identities = world.all_gather(local_identity(me, tp_rank, directory, numa_socket, limit),
                                   "identity")
     groups = identity_groups(identities, per_socket)
+    ident = next(i for i in identities if i.rank == me)
     mine = None
     for ranks in groups:
         if world_group is None:  # every world rank creates every group, in one order
@@ -352,10 +386,8 @@ def sharing_groups(world_group: Any = None, *, tp_rank: int | None = None,
         else:
             continue
         if me in ranks:
-            mine = TorchGroup(pg, timeout_s)
+            mine = TorchGroup(pg, timeout_s, identity=ident.describe(per_socket))
     assert mine is not None  # every rank is in exactly one group
-    ident = next(i for i in identities if i.rank == me)
-    mine.identity = ident.describe(per_socket)
     if limit is not None and limit != tuple(mine.ranks):
         log.warning("rank %d: the caller's layout or within= gives sharing group %s; the "
                     "measured identities allow only %s, which is used", me, list(limit),
@@ -363,23 +395,3 @@ def sharing_groups(world_group: Any = None, *, tp_rank: int | None = None,
     log.info("rank %d: sharing group %s (%s; host %s, mount ns %s)", me, list(mine.ranks),
              mine.identity, ident.hostname, ident.mount_ns)
     return mine
-
-
-def gpu_node(device: int | None) -> int | None:
-    """The NUMA node of a CUDA device (by the PCI bus id CUDA reports; CUDA
-    and PCI order may differ), or None when it cannot be told."""
-    if device is None:
-        return None
-    from ..host.topology import read_pci_numa_node
-
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return None
-        p = torch.cuda.get_device_properties(device)
-        bus_id = f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
-    except (ImportError, RuntimeError, AttributeError, AssertionError):
-        return None
-    node = read_pci_numa_node(bus_id)
-    return node if node >= 0 else None

@@ -16,7 +16,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +34,7 @@ from ..errors import (
 )
 from ..host import hugepages, procfs
 from ..host.accounting import check_memory
-from ..host.topology import Topology, current_node
+from ..host.topology import Topology, current_node, gpu_node
 from ..lookup.cpu import (
     ID_FORMATS,
     OutputPool,
@@ -51,7 +50,7 @@ from ..store.placement import PlacementPlan, PlacementReport, Region, plan_place
 from ..store.storage import BackingFile, check_directory_room, describe_device, directory_id
 from .checkpoint import CheckpointPlan, Progress, TensorNames
 from .checkpoint import resolve as resolve_checkpoint
-from .group import Group, SingleProcessGroup, as_group, gpu_node
+from .group import Group, SingleProcessGroup, as_group
 from .loading import bytes_done, load_part, load_parts, loaders_of, wait_for_parts
 
 log = logging.getLogger(__name__)
@@ -191,12 +190,6 @@ def _all(grp: Group, step: str, fn: Callable[[], Any]) -> tuple[Any, list[Outcom
     return value, outcomes
 
 
-def _bounded(grp: Group, timeout_s: float):
-    """Our groups' collectives bounded by timeout_s while inside; a serving
-    stack's own Group bounds its collectives itself."""
-    return grp.bounded(timeout_s) if hasattr(grp, "bounded") else nullcontext()
-
-
 def _as_group(group: Any, timeout_s: float) -> Group:
     """None: a private table; anything else adapted by ``as_group``."""
     return SingleProcessGroup() if group is None else as_group(group, timeout_s)
@@ -280,7 +273,7 @@ class SharedEngramTable:
         _check_shard(spec, layer_id, shard)
         page = hugepages.parse_page_size(page_size)
         grp = _as_group(group, timeout_s)
-        with _bounded(grp, timeout_s):
+        with grp.bounded(timeout_s):
             return cls._create(spec, layer_id, shard, grp, placement=placement,
                                directory=directory, checkpoint=checkpoint,
                                register_device=register_device, timeout_s=timeout_s, mode=mode,
@@ -359,7 +352,7 @@ class SharedEngramTable:
                 load_threads, _reader_cpus(plan, topology), timeout_s))
             _step("after-load")
             # the last step is acknowledged by everyone: all end the same way
-            with _bounded(grp, min(timeout_s, ACK_TIMEOUT_S)):
+            with grp.bounded(min(timeout_s, ACK_TIMEOUT_S)):
                 _, outcomes = _all(grp, "ready", lambda: _raise_unless(loaded))
             _raise_failures(outcomes, grp.ranks, "ready")
         except BaseException:
@@ -693,7 +686,7 @@ def _placement_text(placement: Any) -> str | None:
 
 
 def _check_device(device: Any) -> None:
-    from ..lookup import gpu as cuda
+    from ..bindings import cudart as cuda
 
     if isinstance(device, bool) or not isinstance(device, int) or device < 0:
         raise SpecError(f"register_device must be a CUDA device index >= 0, got {device!r}")
@@ -858,7 +851,7 @@ def _peer_attach(path: str, spec: EngramSpec, layout: Layout, key: ShardKey,
 
 
 def _register(backing: BackingFile, device: int):
-    from ..lookup import gpu as cuda
+    from ..bindings import cudart as cuda
 
     # peers map the table read-only; CUDA must be told, or pinning it fails
     reg = cuda.register(backing.mapping.address, backing.mapping.length, device,
