@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
 from . import _moved
 from ._version import __version__
@@ -55,6 +56,15 @@ _LAZY = {
     "as_group": "sharing.group",
 }
 
+if TYPE_CHECKING:  # what _LAZY gives, as the real names for type checkers
+    from .lookup.cpu import lookup_rows
+    from .lookup.prefetch import PrefetchScheduler
+    from .model.fp8 import dequantize_rows, quantize_rows
+    from .model.hashstate import HashState
+    from .model.tokenmap import build_token_map
+    from .sharing.exchange import DPShardedLookup, ShardedHeads
+    from .sharing.group import as_group, sharing_groups
+    from .sharing.table import SharedEngramTable
 
 _moved.install(__name__)
 
@@ -62,7 +72,7 @@ _moved.install(__name__)
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'numa_engram' has no attribute {name!r}")
@@ -70,10 +80,12 @@ def __getattr__(name: str):
 
 __all__ = [
     "__version__", "DEAD_ID", "CapacityError", "CheckpointError", "CudaError", "CudaUnavailable",
-    "EngramSpec",
-    "GroupTimeout", "LookupIdError", "MemberFailure", "NumaEngramError", "PlacementError",
-    "PlacementPlan", "PlacementRange", "PlacementReport", "PrefetchError", "ShardInfo",
-    "SpecError", "SpecMismatchError", "StorageError", "SyscallError", "Topology",
-    "TopologyError", "WorldLayout", "compress_ids", "ngram_hashes", "plan_placement",
-    "shard_heads", "shard_rows", *_LAZY,
+    "DPShardedLookup", "EngramSpec", "GroupTimeout", "HashState", "LookupIdError",
+    "MemberFailure", "NumaEngramError", "PlacementError", "PlacementPlan", "PlacementRange",
+    "PlacementReport", "PrefetchError", "PrefetchScheduler", "ShardInfo", "SharedEngramTable",
+    "ShardedHeads", "SpecError", "SpecMismatchError", "StorageError", "SyscallError", "Topology",
+    "TopologyError", "WorldLayout", "as_group", "build_token_map", "compress_ids",
+    "dequantize_rows", "lookup_rows", "ngram_hashes", "plan_placement", "quantize_rows",
+    "shard_heads", "shard_rows", "sharing_groups",
 ]
+assert set(_LAZY) <= set(__all__)

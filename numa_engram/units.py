@@ -41,14 +41,13 @@ def node_list(nodes: Iterable[int]) -> str:
     """numactl's form of a node set: [0, 1, 3] -> '0-1,3' ('-' if empty)."""
     ids = sorted(set(nodes))
     parts: list[str] = []
-    start = prev = None
-    for n in ids + [None]:
-        if start is not None and (n is None or n != prev + 1):
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-            start = None
-        if n is not None and start is None:
-            start = n
-        prev = n
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive ids
+    for n in ids:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    parts = [str(a) if a == b else f"{a}-{b}" for a, b in runs]
     return ",".join(parts) or "-"
 
 

@@ -117,13 +117,13 @@ def _store_outlives_the_roll_call(rank, waiting):
 
 
 def leader_killed(rank, world):
-    import numa_engram.sharing.table as table_mod
+    import numa_engram.sharing.steps as steps
 
     if rank == 0:
         def die(step):
             if step == "after-create":
                 os.kill(os.getpid(), signal.SIGKILL)
-        table_mod._STEP_HOOK = die
+        steps.STEP_HOOK = die
     _whole_table_on_world(make_spec(200), 10)
     return {}
 
@@ -222,7 +222,7 @@ def dp_sharded(rank, world, *, tp, dp, counts, n_head_per_ngram, max_ngram, max_
 
 def _hook(rank, victim, point, action):
     """Step hook: at `point` of the protocol, `victim` kills or stops itself."""
-    import numa_engram.sharing.table as table_mod
+    import numa_engram.sharing.steps as steps
 
     if rank != victim:
         return
@@ -233,7 +233,7 @@ def _hook(rank, victim, point, action):
         if step == point and not fired:  # once: a resumed member goes on
             fired.append(step)
             os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGSTOP)
-    table_mod._STEP_HOOK = hook
+    steps.STEP_HOOK = hook
 
 
 def fault(rank, world, *, victim, point, action, bound_s, checkpoint):
@@ -270,7 +270,7 @@ def split_load(rank, world, *, checkpoint, fail_rank=None, error="foreign"):
     raises in the middle of its part (``error``: a foreign OSError, our
     CheckpointError, or ``truncate``: it cuts the checkpoint file before
     its load, a real truncation the others may or may not meet)."""
-    import numa_engram.sharing.table as table_mod
+    import numa_engram.sharing.steps as steps
     from numa_engram.errors import CheckpointError
     from numa_engram.sharing.loading import DONE
 
@@ -281,7 +281,7 @@ def split_load(rank, world, *, checkpoint, fail_rank=None, error="foreign"):
             elif error != "truncate" and step == "load-progress":
                 raise (OSError(5, f"disk gone under rank {rank}") if error == "foreign" else
                        CheckpointError(f"bad rows under rank {rank}"))
-        table_mod._STEP_HOOK = hook
+        steps.STEP_HOOK = hook
     spec = make_spec(1000)
     t0 = time.monotonic()
     try:
@@ -307,7 +307,7 @@ def peer_raises(rank, world, *, error):
     """Members fail while mapping: a SyscallError on one, RuntimeErrors on two."""
     import errno
 
-    import numa_engram.sharing.table as table_mod
+    import numa_engram.sharing.protocol as protocol
     from numa_engram.errors import SyscallError
 
     def boom(*args, **kwargs):
@@ -315,7 +315,7 @@ def peer_raises(rank, world, *, error):
             raise SyscallError("mmap", errno.ENOMEM, "length=1")
         raise RuntimeError(f"not ours, rank {rank}")
     if (error == "syscall" and rank == 1) or (error == "foreign" and rank in (1, 2)):
-        table_mod._peer_attach = boom
+        protocol.peer_attach = boom
     try:
         _whole_table_on_world(make_spec(200), 30)
     except Exception as exc:
@@ -335,10 +335,10 @@ def peer_stops_itself(rank, world, *, bound_s):
 
 def slow_load(rank, world, *, bound_s, checkpoint, pause_s):
     """A healthy load longer than timeout_s: the leader makes progress."""
-    import numa_engram.sharing.table as table_mod
+    import numa_engram.sharing.steps as steps
 
     if rank == 0:
-        table_mod._STEP_HOOK = lambda step: time.sleep(pause_s) if step == "load-progress" \
+        steps.STEP_HOOK = lambda step: time.sleep(pause_s) if step == "load-progress" \
             else None
     t0 = time.monotonic()
     t = _whole_table_on_world(make_spec(4000), bound_s, checkpoint=checkpoint)
@@ -477,10 +477,10 @@ def coordinator_group(rank, world):
 def replace_during_load(rank, world, *, checkpoint, other, replacer):
     """``replacer`` swaps the checkpoint for another version (os.replace)
     just before its own load: no member may build a table from two versions."""
-    import numa_engram.sharing.table as table_mod
+    import numa_engram.sharing.steps as steps
 
     if rank == replacer:
-        table_mod._STEP_HOOK = lambda step: step == "before-load" and os.replace(other,
+        steps.STEP_HOOK = lambda step: step == "before-load" and os.replace(other,
                                                                                 checkpoint)
     t0 = time.monotonic()
     try:

@@ -125,7 +125,7 @@ def _registered_table():
 def test_registrations_equal_unregistrations_in_every_path(fake_cuda, monkeypatch):
     import gc
 
-    import numa_engram.sharing.table as table_mod
+    import numa_engram.sharing.steps as steps
 
     t = _registered_table()                       # close() with no views: unregisters now
     t.close()
@@ -145,7 +145,7 @@ def test_registrations_equal_unregistrations_in_every_path(fake_cuda, monkeypatc
 
     spec = EngramSpec.small()                     # a create that fails after registering
     bad = checkpoint_in_tmp(spec)  # truncated once the create is under way
-    monkeypatch.setattr(table_mod, "_STEP_HOOK",
+    monkeypatch.setattr(steps, "STEP_HOOK",
                         lambda step: step == "before-load" and os.truncate(bad, 4096))
     with pytest.raises(NumaEngramError):
         SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0),

@@ -257,6 +257,15 @@ def _corrupt(kind: str):
     return spec, shard, f
 
 
+def _request(spec, shard):
+    from numa_engram.sharing.request import CreateRequest
+
+    return CreateRequest.of(spec, 1, shard, mode="auto", placement=None, directory="/dev/shm",
+                            page_size="4K", checkpoint=None, names=None, register_device=None,
+                            timeout_s=30, topology=None, progress=None, lookup_threads=1,
+                            load_threads=1)
+
+
 @pytest.mark.parametrize("kind, text", [
     ("overlap", "region 'scales' starts at 4096, inside region 'weights'"),
     ("over-header", "region 'weights' starts at 0, inside the header page"),
@@ -264,13 +273,13 @@ def _corrupt(kind: str):
 ])
 def test_a_corrupt_header_layout_is_refused_on_attach_naming_the_field(kind, text):
     from numa_engram import SharedEngramTable
-    from numa_engram.sharing.table import _peer_attach, shard_key, table_layout
+    from numa_engram.sharing.protocol import peer_attach
 
     spec, shard, f = _corrupt(kind)
     try:
         with pytest.raises(StorageError, match=text):
             SharedEngramTable.attach(spec, 1, shard, fd=f.fd)
         with pytest.raises(StorageError, match=text):  # as a peer maps it, by path
-            _peer_attach(f.path, spec, table_layout(spec, shard), shard_key(1, shard))
+            peer_attach(f.path, _request(spec, shard))
     finally:
         f.close()

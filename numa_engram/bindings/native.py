@@ -347,12 +347,13 @@ class Geometry:
     @classmethod
     def of(cls, weights: np.ndarray, scales: np.ndarray, offsets: np.ndarray,
            sizes: np.ndarray, global_base: np.ndarray | None, block: int) -> Geometry:
-        keep = tuple(np.ascontiguousarray(a, dtype=np.int64) if a is not None else None
-                     for a in (offsets, sizes, global_base))
+        offs = np.ascontiguousarray(offsets, dtype=np.int64)
+        counts = np.ascontiguousarray(sizes, dtype=np.int64)
+        base = None if global_base is None else np.ascontiguousarray(global_base, dtype=np.int64)
         return cls(_ptr(weights, "uint8_t *"), _ptr(scales, "uint8_t *"), weights.shape[1],
-                   block, len(sizes), _ptr(keep[0], "int64_t *"), _ptr(keep[1], "int64_t *"),
-                   ffi.NULL if keep[2] is None else _ptr(keep[2], "int64_t *"),
-                   (weights, scales, *keep))
+                   block, len(counts), _ptr(offs, "int64_t *"), _ptr(counts, "int64_t *"),
+                   ffi.NULL if base is None else _ptr(base, "int64_t *"),
+                   (weights, scales, offs, counts, base))
 
 
 def run_geometry_lookup(geom: Geometry, ids: np.ndarray, col0: int, global_ids: bool, out,

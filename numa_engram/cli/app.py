@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 from ..errors import NumaEngramError, StorageError, TopologyError
 
@@ -177,7 +178,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from ..store.fileformat import PREFIX
 
     if args.pid is not None:
-        targets = [(f"pid {args.pid} fd {fd} ({name})", procfs.open_fd(args.pid, fd))
+        targets: list[tuple[str, int | None]] = [
+            (f"pid {args.pid} fd {fd} ({name})", procfs.open_fd(args.pid, fd))
                    for fd, name in procfs.fd_targets(procfs.check_pid(args.pid))
                    if PREFIX in name]
         if not targets:
@@ -218,11 +220,13 @@ def _verify_one(label: str, path: str | None, fd: int | None) -> tuple[dict, str
             f"{label} [{state}; {holder}]\n{report.format()}")
 
 
-def _holder_status(path: str) -> str:
+def _holder_status(path: str | None) -> str:
     """Whether a live process holds the table (each holder keeps a lock on
     it for its life, whatever pid namespace it runs in)."""
     from ..store.gc import OPEN_TO_INSPECT, holders_alive
 
+    if path is None:
+        return "holder unknown"
     try:
         fd = os.open(path, OPEN_TO_INSPECT)
     except OSError:
@@ -244,7 +248,7 @@ def cmd_mem(args: argparse.Namespace) -> int:
 
     pids = ([procfs.check_pid(p) for p in args.pids]
             or procfs.pids_with_cmdline(args.match))
-    rows = []
+    rows: list[dict[str, Any]] = []
     for pid in pids:
         try:
             m = procfs.smaps_rollup(pid)
@@ -259,8 +263,9 @@ def cmd_mem(args: argparse.Namespace) -> int:
     nodes = sorted(shmem)
     name, scale = unit_for(*(r["rss"] for r in rows), *shmem.values(), *huge.values())
     header = ["pid", "RSS", "PSS", "PSS shmem"] + [f"Node {n}" for n in nodes]
-    table = [[r["pid"]] + [f"{r[k] / scale:.2f}" for k in ("rss", "pss", "pss_shmem")]
-             + [f"{r['bytes_per_node'].get(n, 0) / scale:.2f}" for n in nodes] for r in rows]
+    table: list[list[Any]] = [
+        [r["pid"]] + [f"{r[k] / scale:.2f}" for k in ("rss", "pss", "pss_shmem")]
+        + [f"{r['bytes_per_node'].get(n, 0) / scale:.2f}" for n in nodes] for r in rows]
     table.append(["Total"] + [f"{sum(r[k] for r in rows) / scale:.2f}"
                               for k in ("rss", "pss", "pss_shmem")]
                  + [f"{sum(r['bytes_per_node'].get(n, 0) for r in rows) / scale:.2f}"

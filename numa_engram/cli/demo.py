@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 
@@ -76,7 +77,7 @@ def _replica(rank: int, procs: int, port: int, spec_doc: dict, ckpt: str, direct
         result.update(exact=bool(exact), rows_per_s=float(np.mean(rate)),
                       pss_rss=(memory.pss, memory.rss),
                       modes=[t.mode_report() for t in tables.values()],
-                      placement=[t.placement_report().to_dict() for t in tables.values()],
+                      placement=[_placement_dict(t) for t in tables.values()],
                       ok=True)
         if procs > 1:
             dist.barrier()
@@ -118,6 +119,11 @@ def run_demo(spec_name: str = "small", procs: int = 2, directory: str = "/dev/sh
                         w.terminate()
                         w.join()
     return _summarise(spec, procs, results)
+
+
+def _placement_dict(table: Any) -> dict | None:
+    report = table.placement_report()
+    return None if report is None else report.to_dict()
 
 
 def _collect(pipes) -> list[dict]:

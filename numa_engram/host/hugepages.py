@@ -30,10 +30,10 @@ _ENTRY = 8
 def parse_page_size(text: str | int) -> int:
     """'4K' | '2M' | '1G' (or the byte count) -> bytes."""
     try:
-        size = text if isinstance(text, int) else parse_bytes(str(text))
+        size: int | None = text if isinstance(text, int) else parse_bytes(str(text))
     except ValueError:
         size = None
-    if size in SIZES.values():
+    if size is not None and size in SIZES.values():
         return size
     raise StorageError(f"page size {text!r} is not one of {list(SIZES)}; use 4K for ordinary "
                        "shared memory, 2M or 1G for hugetlb pages")

@@ -9,6 +9,7 @@ No torch here.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -236,7 +237,7 @@ class Topology:
         raise TopologyError(f"NUMA node {node_id} does not exist on this host; "
                             f"nodes are {list(self.node_ids)}")
 
-    def check_nodes(self, nodes) -> tuple[int, ...]:
+    def check_nodes(self, nodes: Iterable[int]) -> tuple[int, ...]:
         nodes = tuple(nodes)
         if not nodes:
             raise TopologyError("empty NUMA node set: name at least one of "

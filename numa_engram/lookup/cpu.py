@@ -20,8 +20,10 @@ import numpy as np
 
 from ..bindings import native
 from ..errors import LookupIdError
+from ..literals import IdFormat, check_id_format
 from ..model.fp8 import bf16_out, dequantize_rows
 from ..model.sharding import prefix_offsets
+from ..model.spec import EngramSpec
 
 
 def lookup_rows(weights: np.ndarray, scales: np.ndarray, hash_ids, *, head_start: int,
@@ -151,16 +153,11 @@ def reference_lookup(weights: np.ndarray, scales: np.ndarray, hash_ids, *, head_
 
 # ------------------------------------------------------------------ CUDA --
 
-ID_FORMATS = ("bucket", "global")
-
-
-def id_base(spec, layer_id: int, head_start: int, head_end: int,
-            id_format: str) -> np.ndarray | None:
+def id_base(spec: EngramSpec, layer_id: int, head_start: int, head_end: int,
+            id_format: IdFormat) -> np.ndarray | None:
     """What a head's ids are relative to: None for bucket ids; for global
     rows (rows of the layer's whole table) each head's first row."""
-    if id_format not in ID_FORMATS:
-        raise ValueError(f"id_format must be one of {ID_FORMATS}, got {id_format!r}")
-    if id_format == "bucket":
+    if check_id_format(id_format) == "bucket":
         return None
     return np.ascontiguousarray(spec.head_offsets(layer_id)[head_start:head_end])
 

@@ -6,10 +6,13 @@ The registration itself is the runtime binding, ``numa_engram.bindings.cudart``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..bindings.cudart import RegistrationLease, device_pointer
-from ..errors import LookupIdError
+from ..errors import LookupIdError, SpecError
+from ..literals import IdFormat, check_id_format
 from ..model.sharding import prefix_offsets
 
 
@@ -66,7 +69,7 @@ class DeviceShard:
                                f"must be the registering one (cuda:{device})")
         return tensor
 
-    def lookup(self, hash_ids, out=None, *, id_format: str = "bucket", packed: bool = False,
+    def lookup(self, hash_ids, out=None, *, id_format: IdFormat = "bucket", packed: bool = False,
                out_scales=None, max_sms: int | None = None, background: bool = False):
         """BF16 ``[T, heads, head_dim]`` on the device for ids ``[T, n_hash_cols]``
         already on this GPU (int64 or int32; rows may be strided; bucket ids
@@ -129,15 +132,15 @@ class DeviceShard:
                                 f"{hash_ids.dtype} {list(hash_ids.shape)}")
         return hash_ids
 
-    def _base(self, id_format: str):
-        if id_format == "bucket":
+    def _base(self, id_format: IdFormat) -> Any:
+        if check_id_format(id_format) == "bucket":
             return self.zero_base
-        if id_format == "global" and self.global_base is not None:
-            return self.global_base
-        raise ValueError(f"id_format must be 'bucket' or 'global' (with the layer's head "
-                         f"offsets), got {id_format!r}")
+        if self.global_base is None:
+            raise SpecError("id_format='global' needs the layer's head offsets: build the "
+                            "DeviceShard with global_base= (table.device_view() does)")
+        return self.global_base
 
-    def lookup_torch(self, hash_ids, *, id_format: str = "bucket"):
+    def lookup_torch(self, hash_ids, *, id_format: IdFormat = "bucket"):
         """The plain torch path (several kernels, a host sync for bad ids):
         the reference the fused kernel is tested against."""
         import torch

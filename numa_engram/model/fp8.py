@@ -12,6 +12,7 @@ paths disagree on NaN bits, the reference must not).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -19,13 +20,13 @@ BF16_NAN_BITS = 0x7FC0
 E4M3_MAX = 448.0
 
 
-def _torch():
+def _torch() -> Any:
     import torch  # lazily: storage/placement users never pay for it
 
     return torch
 
 
-def dequantize_rows(weights_u8, scales_u8, block: int = 32):
+def dequantize_rows(weights_u8: Any, scales_u8: Any, block: int = 32) -> Any:
     """BF16 torch tensor ``[..., d]`` from uint8 weights ``[..., d]`` and
     uint8 scales ``[..., d / block]`` (numpy arrays or torch tensors)."""
     torch = _torch()
@@ -44,7 +45,7 @@ def dequantize_rows(weights_u8, scales_u8, block: int = 32):
     return out
 
 
-def bf16_out(out, shape: tuple[int, ...]):
+def bf16_out(out: Any, shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:
     """A contiguous CPU BF16 tensor of ``shape`` (``out`` checked, or a new
     one) and a uint16 numpy view of its bits for the native kernel."""
     torch = _torch()

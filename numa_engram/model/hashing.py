@@ -11,6 +11,7 @@ threaded); ``ngram_hashes_numpy`` is the same in vectorised numpy.
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ..bindings import native
 from ..errors import SpecError
@@ -28,7 +29,7 @@ def compress_ids(token_ids: np.ndarray, compression: np.ndarray) -> np.ndarray:
     return np.where(ids >= 0, table[np.clip(ids, 0, None)], ids)
 
 
-def ngram_hashes(spec: EngramSpec, compressed_ids, layer_id: int, *,
+def ngram_hashes(spec: EngramSpec, compressed_ids: ArrayLike, layer_id: int, *,
                  threads: int = 1) -> np.ndarray:
     """int64 ``[..., T, n_hash_cols]`` per-head bucket indices for ids
     ``[..., T]`` (a single sequence or a batch of rows): one native pass per
@@ -40,7 +41,7 @@ def ngram_hashes(spec: EngramSpec, compressed_ids, layer_id: int, *,
     return out.reshape(*lead, rows.shape[1], spec.n_hash_cols)
 
 
-def _as_rows(compressed_ids) -> tuple[np.ndarray, tuple[int, ...]]:
+def _as_rows(compressed_ids: ArrayLike) -> tuple[np.ndarray, tuple[int, ...]]:
     x = np.ascontiguousarray(compressed_ids, dtype=np.int64)
     if x.ndim == 0:
         raise SpecError("compressed_ids must have a token axis: shape [..., T]")
@@ -48,7 +49,7 @@ def _as_rows(compressed_ids) -> tuple[np.ndarray, tuple[int, ...]]:
     return x.reshape(int(np.prod(lead, dtype=np.int64)), t), lead  # -1 cannot infer 0 tokens
 
 
-def ngram_hashes_numpy(spec: EngramSpec, compressed_ids, layer_id: int) -> np.ndarray:
+def ngram_hashes_numpy(spec: EngramSpec, compressed_ids: ArrayLike, layer_id: int) -> np.ndarray:
     """The same hashes in vectorised numpy: each product computed once, the
     mix of order n+1 extending that of order n."""
     rows, lead = _as_rows(compressed_ids)

@@ -28,18 +28,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ..bindings import native
 from ..errors import SpecError
+from ..literals import IdFormat, check_id_format
 from .spec import EngramSpec, strict_int
 
-ID_FORMATS = ("bucket", "global")
 DEAD = -1
 # the slot's next position is position + 1: it must not wrap int64
 MAX_POSITION = 2**62
 
 
-def integer_array(values, name: str) -> np.ndarray:
+def integer_array(values: ArrayLike, name: str) -> np.ndarray:
     """int64 array of ``values`` (Python ints or an integer array); floats,
     bools and objects are refused, never truncated, and so are values
     beyond int64."""
@@ -90,14 +91,14 @@ class HashState:
                                              dtype=np.int64)
 
     # ------------------------------------------------------------- api --
-    def hash(self, token_ids, slots, positions, token_mask=None, *, commit=True,
-             id_format: str = "bucket", threads: int = 1) -> np.ndarray:
+    def hash(self, token_ids: ArrayLike, slots: ArrayLike, positions: ArrayLike,
+             token_mask: ArrayLike | None = None, *, commit: bool | ArrayLike = True,
+             id_format: IdFormat = "bucket", threads: int = 1) -> np.ndarray:
         """int64 ``[T, layers, n_hash_cols]`` for a packed batch (see the
         module docstring for the rules).  A position that does not continue
         its slot, a slot out of range or arrays of different lengths raise
         SpecError naming the token; the state is then unchanged."""
-        if id_format not in ID_FORMATS:
-            raise SpecError(f"id_format must be one of {ID_FORMATS}, got {id_format!r}")
+        check_id_format(id_format)
         ids = self.compressed(token_ids, token_mask)
         n = len(ids)
         slots = self._column(slots, n, "slots")
@@ -120,7 +121,7 @@ class HashState:
         self._hist[slot] = DEAD
         self._next[slot] = 0
 
-    def restore(self, slot: int, position: int, prefix_ids) -> None:
+    def restore(self, slot: int, position: int, prefix_ids: ArrayLike) -> None:
         """A request resumed at ``position`` > 0 (a prefix-cache hit, a
         preemption): ``prefix_ids`` are its ids before ``position`` (at least
         the last ``max_ngram_size - 1``, or all of them), in the same id
@@ -147,7 +148,7 @@ class HashState:
         self._check_slot(slot)
         return int(self._next[slot])
 
-    def compressed(self, token_ids, token_mask=None) -> np.ndarray:
+    def compressed(self, token_ids: ArrayLike, token_mask: ArrayLike | None = None) -> np.ndarray:
         """int64 compressed ids with DEAD (-1) for every token that takes no
         part: masked, negative, outside the token map, or in ``dead_ids``."""
         ids = np.asarray(token_ids)
@@ -178,7 +179,7 @@ class HashState:
                             "(max_requests)")
 
     @staticmethod
-    def _column(values, n: int, name: str) -> np.ndarray:
+    def _column(values: ArrayLike, n: int, name: str) -> np.ndarray:
         arr = integer_array(values, name)
         if arr.shape != (n,):
             raise SpecError(f"{name} has shape {list(arr.shape)} but there are {n} tokens: "
@@ -189,7 +190,7 @@ class HashState:
         return arr
 
     @staticmethod
-    def _commit_mask(commit, n: int) -> np.ndarray:
+    def _commit_mask(commit: bool | ArrayLike, n: int) -> np.ndarray:
         if isinstance(commit, (bool, np.bool_)):
             return np.full(n, bool(commit), dtype=np.uint8)
         mask = np.asarray(commit)

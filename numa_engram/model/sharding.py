@@ -67,12 +67,12 @@ def valid_head_shard_counts(n_heads: int, upto: int | None = None) -> list[int]:
             if (s - 1) * math.ceil(n_heads / s) < n_heads]
 
 
-def prefix_offsets(sizes: Sequence[int]) -> np.ndarray:
+def prefix_offsets(sizes: Sequence[int] | np.ndarray) -> np.ndarray:
     """Each head's first row: int64 exclusive prefix sums of its bucket
     sizes (the one spelling of it in the package)."""
-    sizes = np.asarray(sizes, dtype=np.int64)
-    out = np.zeros(len(sizes), dtype=np.int64)
-    np.cumsum(sizes[:-1], out=out[1:])
+    counts = np.asarray(sizes, dtype=np.int64)
+    out = np.zeros(len(counts), dtype=np.int64)
+    np.cumsum(counts[:-1], out=out[1:])
     return out
 
 

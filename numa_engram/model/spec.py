@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -75,8 +76,8 @@ class EngramSpec:
     a compressed id; ``head_dim`` is the width of one hash head's row;
     ``block`` is the number of values one ue8m0 scale covers."""
 
-    layer_ids: tuple[int, ...]
-    engram_vocab_sizes: tuple[int, ...]
+    layer_ids: Sequence[int]  # any sequence; stored as a tuple
+    engram_vocab_sizes: Sequence[int]  # any sequence; stored as a tuple
     max_ngram_size: int
     n_head_per_ngram: int
     head_dim: int
@@ -305,11 +306,11 @@ class EngramSpec:
         return hashlib.sha256(doc.encode()).digest()
 
 
-def _config_field(doc: dict):
+def _config_field(doc: dict) -> Callable[..., Any]:
     """A reader of the config's integer fields (a list of them where
     ``list_ok``), each type-checked: a null, float or string is a SpecError
     naming the field."""
-    def field(name: str, list_ok: bool = False):
+    def field(name: str, list_ok: bool = False) -> Any:
         if name not in doc:
             raise SpecError(f"the config has no {name!r}; is it a DeepSeek V4.1 config.json "
                             "with Engram layers?")

@@ -21,7 +21,7 @@ from ..errors import SpecError
 PRIVATE_SPACE = "\ue000"  # keeps a lone-space token from collapsing to ""
 
 
-def v41_normalizer():
+def v41_normalizer() -> Any:
     """NFKC, NFD, StripAccents, Lowercase, whitespace runs -> " ", a lone
     space -> U+E000, Strip, U+E000 -> " "."""
     try:

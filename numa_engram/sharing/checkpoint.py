@@ -429,7 +429,7 @@ def _describe(ident: FileIdentity) -> str:
 
 def _pread_rows(fd: int, loc: TensorLocation, a: int, b: int, out: np.ndarray) -> None:
     width = loc.shape[1]
-    view = memoryview(out.reshape(-1))
+    view = memoryview(out.reshape(-1).data)
     offset = loc.data_offset + a * width
     got = 0
     while got < len(view):

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import LookupIdError, SpecError, TopologyError
+from ..literals import IdFormat
 from ..lookup.cpu import OutputPool, check_hash_ids, check_ids_in_range, id_base
 from ..model.sharding import DEAD_ID, ShardInfo, shard_heads
 from ..model.spec import EngramSpec
@@ -127,7 +128,7 @@ class DPShardedLookup:
         # the table's own outputs do: no fresh mmap and page faults per step
         self._outputs = OutputPool()
 
-    def lookup(self, hash_ids, *, id_format: str = "bucket",
+    def lookup(self, hash_ids, *, id_format: IdFormat = "bucket",
                counts: Sequence[int] | None = None):
         """BF16 ``[T, tp_heads, head_dim]`` for this member's ``hash_ids [T, n_hash_cols]``
         (T may be 0: an idle replica still takes part); ``id_format="global"``
@@ -148,7 +149,7 @@ class DPShardedLookup:
         # and the group stays in step for the next lookup
         problem = self._check_ids(ids, id_format)
         given = counts is not None
-        if given:
+        if counts is not None:
             counts = self._check_counts(counts)
         else:
             counts, oks = self._gather_counts(ids.shape[0], problem is None)
@@ -221,7 +222,7 @@ class DPShardedLookup:
     def _tp_heads(self) -> int:
         return self.heads.head_end - self.heads.head_start
 
-    def _check_ids(self, ids: np.ndarray, id_format: str) -> str | None:
+    def _check_ids(self, ids: np.ndarray, id_format: IdFormat) -> str | None:
         spec, layer = self.table.spec, self.table.layer_id
         first, end = self.heads.head_start, self.heads.head_end
         sizes = np.asarray(spec.bucket_sizes(layer)[first:end], dtype=np.int64)

@@ -9,34 +9,23 @@ in every member and nothing left in /dev/shm.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import socket
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import errors
 from ..bindings import native
 from ..errors import (
     LookupIdError,
-    NumaEngramError,
-    PlacementError,
-    SpecError,
-    SpecMismatchError,
     StorageError,
-    TopologyError,
 )
-from ..host import hugepages, procfs
-from ..host.accounting import check_memory
-from ..host.topology import Topology, current_node, gpu_node
+from ..host.topology import Topology, current_node
+from ..literals import CreateMode, IdFormat, PageSize, check_id_format
 from ..lookup.cpu import (
-    ID_FORMATS,
     OutputPool,
     bad_id_text,
     check_hash_ids,
@@ -45,30 +34,19 @@ from ..lookup.cpu import (
 from ..model.fp8 import bf16_out
 from ..model.sharding import ShardInfo, prefix_offsets
 from ..model.spec import EngramSpec
-from ..store.fileformat import DEFAULT_DIRECTORY, STATE_READY, Layout, ShardKey
-from ..store.placement import PlacementPlan, PlacementReport, Region, plan_placement, verify
-from ..store.storage import BackingFile, check_directory_room, describe_device, directory_id
-from .checkpoint import CheckpointPlan, Progress, TensorNames
-from .checkpoint import resolve as resolve_checkpoint
-from .group import Group, SingleProcessGroup, as_group
-from .loading import bytes_done, load_part, load_parts, loaders_of, wait_for_parts
+from ..store.fileformat import DEFAULT_DIRECTORY, STATE_READY
+from ..store.placement import PlacementPlan, PlacementReport, verify
+from ..store.storage import BackingFile
+from . import protocol
+from .checkpoint import Progress, TensorNames
+from .group import SingleProcessGroup, as_group
+from .membership import MemberInfo, identity_key
+from .request import CREATE_MODES, CreateRequest, check_shard, shard_key, table_layout
+
+if TYPE_CHECKING:
+    from ..lookup.gpu import DeviceShard
 
 log = logging.getLogger(__name__)
-
-CREATE_MODES = ("auto", "dp_shared", "independent")
-DEFAULT_POLICY = "gpu-local"
-# Test hook: called with "before-<step>" and "after-<step>" of each protocol
-# step (join, decide, create, map, unlink, load, ready; and "load-progress")
-# e.g. to kill the leader between create and unlink.  None in production.
-_STEP_HOOK: Callable[[str], None] | None = None
-# The last step is a short all-gather that every member reaches at once
-# (after the load): bounded by this, so a member lost there costs little.
-ACK_TIMEOUT_S = 10.0
-
-
-def _step(name: str) -> None:
-    if _STEP_HOOK is not None:
-        _STEP_HOOK(name)
 
 
 @dataclass(frozen=True)
@@ -88,116 +66,6 @@ class TableStats:
     lookup_seconds: float   # CPU lookups' wall time (GPU time: the scheduler's CUDA events)
     fraction_on_plan: float | None
     bytes_per_node: dict[int, int]
-
-
-@dataclass(frozen=True)
-class MemberInfo:
-    rank: int  # world rank
-    pid: int
-    uid: int
-    node: int
-    device: int | None
-    fingerprint: bytes
-    key: ShardKey = ShardKey()
-    mode: str = "auto"
-    boot_id: bytes = b""
-    directory_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the table directory
-    hostname: str = ""
-    directory: str = ""
-    page_size: int = native.PAGE_SIZE
-    directory_problem: str = ""  # why this member has no directory for the table
-    placement: str | None = None  # as this member asked for it (None: follow the leader)
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What one member reports after a step: ok (with a value), or its
-    error as (type name, message, structured fields)."""
-
-    ok: bool
-    error_type: str = ""
-    message: str = ""
-    value: Any = None
-    fields: dict = field(default_factory=dict)
-
-
-def _attempt(fn: Callable[[], Any]) -> tuple[Any, Outcome]:
-    """Run one member's part of a step; every Exception becomes an Outcome
-    the others see (KeyboardInterrupt and SystemExit still propagate)."""
-    try:
-        return fn(), Outcome(True)
-    except Exception as exc:
-        log.debug("member step failed", exc_info=True)
-        fields = exc.fields() if isinstance(exc, NumaEngramError) else {}
-        return None, Outcome(False, type(exc).__name__, str(exc), fields=fields)
-
-
-def _error_class(type_name: str) -> type[NumaEngramError] | None:
-    cls = getattr(errors, type_name, None)
-    return cls if isinstance(cls, type) and issubclass(cls, NumaEngramError) else None
-
-
-def _cause(outcomes: list[Outcome]) -> Outcome:
-    """The failure that explains the others: the first that is not a
-    loader's echo of another member's failed load."""
-    failed = [o for o in outcomes if not o.ok]
-    return next((o for o in failed if o.error_type != errors.PeerLoadFailed.__name__), failed[0])
-
-
-def _raise_failures(outcomes: list[Outcome], ranks: tuple[int, ...], step: str) -> None:
-    """The same exception in every member: the failing member's class (ours
-    as itself, with its fields; anything else as MemberFailure); the
-    message names every failing member."""
-    failures = [(member, ranks[member] if member < len(ranks) else member, step,
-                 o.error_type, o.message) for member, o in enumerate(outcomes) if not o.ok]
-    if not failures:
-        return
-    cause = _cause(outcomes)
-    cls = _error_class(cause.error_type) or errors.MemberFailure
-    if len(failures) == 1:
-        member, rank, _, type_name, message = failures[0]
-        text = (f"sharing group failed at step '{step}' on member {member} (rank {rank}): "
-                f"{message}")
-    else:
-        text = f"sharing group failed at step '{step}' on {len(failures)} members: " + "; ".join(
-            f"member {m} (rank {r}) {t}: {msg}" for m, r, _, t, msg in failures)
-    exc = cls.rebuild(text, cause.fields)
-    exc.failures = failures
-    raise exc
-
-
-def _lead(grp: Group, step: str, fn: Callable[[], Any]) -> Any:
-    """A step only the leader works in: its outcome (and value) broadcast;
-    every member raises alike when it failed."""
-    _step(f"before-{step}")
-    outcome = None
-    if grp.rank == 0:
-        value, outcome = _attempt(fn)
-        outcome = Outcome(True, value=value) if outcome.ok else outcome
-    outcome = grp.broadcast(outcome, step)
-    _step(f"after-{step}")
-    _raise_failures([outcome], grp.ranks[:1], step)
-    return outcome.value
-
-
-def _all(grp: Group, step: str, fn: Callable[[], Any]) -> tuple[Any, list[Outcome]]:
-    """A step every member works in: its value, and every member's outcome
-    (the caller raises alike from them with ``_raise_failures``)."""
-    _step(f"before-{step}")
-    value, outcome = _attempt(fn)
-    outcomes = grp.all_gather(Outcome(True, value=value) if outcome.ok else outcome, step)
-    _step(f"after-{step}")
-    return value, outcomes
-
-
-def _as_group(group: Any, timeout_s: float) -> Group:
-    """None: a private table; anything else adapted by ``as_group``."""
-    return SingleProcessGroup() if group is None else as_group(group, timeout_s)
-
-
-def table_layout(spec: EngramSpec, shard: ShardInfo, page_size: int = native.PAGE_SIZE) -> Layout:
-    return Layout.of([("weights", shard.num_rows * spec.head_dim),
-                      ("scales", shard.num_rows * spec.scales_per_row)], page_size)
 
 
 class SharedEngramTable:
@@ -224,12 +92,12 @@ class SharedEngramTable:
         self._bucket_sizes = np.asarray(
             spec.bucket_sizes(layer_id)[shard.head_start:shard.head_end], dtype=np.int64)
         # the kernel's fixed arguments, cast once: a call adds only ids and output
-        self._geometry = native.Geometry.of(
+        self._geometry: native.Geometry | None = native.Geometry.of(
             self.weights, self.scales, prefix_offsets(self._bucket_sizes), self._bucket_sizes,
             self.id_base("global"), spec.block)
         self._workers: native.Workers | None = None  # made at the first threaded lookup
         self._n_cols, self._row_shape = spec.n_hash_cols, (shard.num_heads, spec.head_dim)
-        self._device_shard = None
+        self._device_shard: DeviceShard | None = None
         self._closed = False
         # lookups in flight: close() waits for them (they finish normally)
         self._active = 0
@@ -241,11 +109,11 @@ class SharedEngramTable:
     @classmethod
     def create(cls, spec: EngramSpec, layer_id: int, shard: ShardInfo, *, group: Any = None,
                placement: str | PlacementPlan | None = None,
-               directory: str = DEFAULT_DIRECTORY, checkpoint: Any = None,
+               directory: str | None = DEFAULT_DIRECTORY, checkpoint: Any = None,
                register_device: int | None = None, timeout_s: float = 300.0,
-               mode: str = "auto", topology: Topology | None = None,
+               mode: CreateMode = "auto", topology: Topology | None = None,
                names: TensorNames | None = None, progress: Progress | None = None,
-               lookup_threads: int = 1, page_size: str | int = "4K",
+               lookup_threads: int = 1, page_size: PageSize | int = "4K",
                load_threads: int | None = None) -> SharedEngramTable:
         """Collective over ``group`` (its rank 0 leads; None: a private table).
 
@@ -268,102 +136,21 @@ class SharedEngramTable:
         ``timeout_s``; a load waits as long as the loader makes progress.
         Every member ends the same way: all return a table, or all raise the
         same class (our own, or MemberFailure) naming every failing member."""
-        if mode not in CREATE_MODES:
-            raise SpecError(f"mode must be one of {CREATE_MODES}, got {mode!r}")
-        _check_shard(spec, layer_id, shard)
-        page = hugepages.parse_page_size(page_size)
-        grp = _as_group(group, timeout_s)
-        with grp.bounded(timeout_s):
-            return cls._create(spec, layer_id, shard, grp, placement=placement,
-                               directory=directory, checkpoint=checkpoint,
-                               register_device=register_device, timeout_s=timeout_s, mode=mode,
-                               topology=topology, names=names, progress=progress,
-                               lookup_threads=lookup_threads, page_size=page,
-                               load_threads=load_threads or _default_load_threads())
-
-    @classmethod
-    def _create(cls, spec, layer_id, shard, grp: Group, *, placement, directory, checkpoint,
-                register_device, timeout_s, mode, topology, names, progress,
-                lookup_threads, page_size, load_threads) -> SharedEngramTable:
-        topo = topology or Topology.detect()
-        layout = table_layout(spec, shard, page_size)
-        key = shard_key(layer_id, shard)
-        me, joined = _attempt(lambda: _member_info(grp, topo, register_device, spec, key, mode,
-                                                   directory, page_size, placement, layout))
-        _, outcomes = _all(grp, "join", lambda: _raise_unless(joined) or me)     # everyone here
-        _raise_failures(outcomes, grp.ranks, "join")
-        members = [o.value for o in outcomes]
-        directory = me.directory or None  # this member's (a hugetlbfs mount for huge pages)
-        # the leader resolves the whole checkpoint (files, tensors, offsets, the
-        # spec) before anything is decided or allocated: a wrong tensor fails
-        # in a second, not after a populate; every loader reads that plan
-        ckpt, actual, reason = _lead(grp, "decide", lambda: (
-            _resolve(checkpoint, spec, layer_id, names),
-            *_decide(mode, members, layout, directory)))
-        if actual == "independent":
-            if reason and grp.size > 1:
-                log.warning("Engram layer %d: sharing falls back to independent copies: %s",
-                            layer_id, reason)
-                if grp.rank != 0:  # another host may keep the checkpoint elsewhere
-                    ckpt = _resolve(checkpoint, spec, layer_id, names)
-            # a private copy needs no path: an anonymous memfd, never in /dev/shm
-            grp, members, directory = SingleProcessGroup(), [me], None
-        args = dict(placement=placement, directory=directory, checkpoint=ckpt,
-                    register_device=register_device, topology=topo, names=names,
-                    progress=progress, timeout_s=timeout_s, key=key,
-                    load_threads=load_threads)
-        table = cls._share(spec, layer_id, shard, grp, members, layout, **args)
-        table.mode, table.requested_mode, table.fallback_reason = actual, mode, reason
-        table.lookup_threads = lookup_threads
-        table.lookup_cpus = _reader_cpus(table.plan, topo)
+        req = CreateRequest.of(spec, layer_id, shard, mode=mode, placement=placement,
+                               directory=directory, page_size=page_size, checkpoint=checkpoint,
+                               names=names, register_device=register_device,
+                               timeout_s=timeout_s, topology=topology, progress=progress,
+                               lookup_threads=lookup_threads, load_threads=load_threads)
+        grp = SingleProcessGroup() if group is None else as_group(group)
+        with grp.bounded(req.timeout_s):
+            built = protocol.create(grp, req)
+        table = cls(spec, layer_id, shard, built.backing, mode=built.mode, requested_mode=mode,
+                    members=built.members, leader=built.leader, plan=built.plan,
+                    report=built.report, registration=built.registration,
+                    fallback_reason=built.fallback_reason, lookup_threads=req.lookup_threads,
+                    lookup_cpus=built.lookup_cpus)
         log.info("Engram table: %s", table.mode_report())
         return table
-
-    @classmethod
-    def _share(cls, spec, layer_id, shard, grp: Group, members, layout, *, placement, directory,
-               checkpoint, register_device, topology, names, progress, timeout_s,
-               key, load_threads) -> SharedEngramTable:
-        """DESIGN.md section 3, steps 1-10, for a group that shares one file."""
-        leader = grp.rank == 0
-        state: dict[str, Any] = {"backing": None, "registration": None, "report": None}
-        try:
-            # steps 1-7 (leader): plan, check, create, size, map, no THP, bind, populate, verify
-            path, plan, cooperative = _lead(grp, "create", lambda: _leader_create(
-                state, layout, spec.fingerprint, directory, placement, members, topology,
-                key, load_threads))
-            # who loads which rows: the members on the rows' node(s), else the leader
-            parts = load_parts(shard.num_rows, [m.node for m in members], _bound_nodes(plan),
-                               cooperative and checkpoint is not None)
-            part = parts[grp.rank]
-            # step 8: every member maps the file (by the leader's path) and registers it
-            _, outcomes = _all(grp, "map", lambda: _member_map(
-                state, leader, path, directory, spec, layout, key, register_device,
-                writable=part[1] > part[0]))
-            _raise_failures(outcomes, grp.ranks, "map")
-            # step 9: all mapped, so the path can go; step 10: the loaders load
-            _step("before-unlink")
-            if leader:
-                state["backing"].unlink()
-            _step("after-unlink")
-            _step("before-load")
-            _, loaded = _attempt(lambda: _load(
-                state["backing"], spec, layer_id, shard, checkpoint, names,
-                (progress or _log_progress(layer_id)) if leader else None, parts, grp.rank,
-                load_threads, _reader_cpus(plan, topology), timeout_s))
-            _step("after-load")
-            # the last step is acknowledged by everyone: all end the same way
-            with grp.bounded(min(timeout_s, ACK_TIMEOUT_S)):
-                _, outcomes = _all(grp, "ready", lambda: _raise_unless(loaded))
-            _raise_failures(outcomes, grp.ranks, "ready")
-        except BaseException:
-            _cleanup(state["backing"], state["registration"])
-            raise
-        backing = state["backing"]
-        if checkpoint is not None and backing.mapping.writable:
-            backing.seal()  # loaded: read-only from now on, in every member
-        return cls(spec, layer_id, shard, backing, mode="dp_shared" if grp.size > 1 else
-                   "independent", requested_mode="", members=list(members), leader=leader,
-                   plan=plan, report=state["report"], registration=state["registration"])
 
     @classmethod
     def attach(cls, spec: EngramSpec, layer_id: int, shard: ShardInfo, *,
@@ -371,7 +158,7 @@ class SharedEngramTable:
         """Map a READY table handed over outside a group (its path before the
         unlink, or an fd passed over a Unix socket), read-only, after the
         same checks a peer makes (spec, size, layer and shard)."""
-        _check_shard(spec, layer_id, shard)
+        check_shard(spec, layer_id, shard)
         backing = BackingFile.attach(path, fd=fd, fingerprint=spec.fingerprint,
                                      key=shard_key(layer_id, shard),
                                      layout_for=lambda page: table_layout(spec, shard, page))
@@ -389,7 +176,8 @@ class SharedEngramTable:
             raise
 
     # ------------------------------------------------------------ lookup --
-    def lookup(self, hash_ids, out=None, *, id_format: str = "bucket", dequantize: bool = True):
+    def lookup(self, hash_ids: Any, out: Any = None, *, id_format: IdFormat = "bucket",
+               dequantize: bool = True) -> Any:
         """BF16 ``[T, heads_in_shard, head_dim]`` rows for ``hash_ids
         [T, n_hash_cols]`` (int64 or int32; rows may be strided, e.g.
         ``out[:, i]`` of ``HashState.hash``); DEAD_ID (-1) gives zero rows.
@@ -399,8 +187,7 @@ class SharedEngramTable:
         rows as stored, ``(weights uint8 [T, heads, head_dim], scales uint8
         [T, heads, head_dim/block])`` (half the output bytes; for a GPU
         that dequantises after the copy; ``out`` a pair of such tensors)."""
-        if id_format not in ID_FORMATS:
-            raise ValueError(f"id_format must be one of {ID_FORMATS}, got {id_format!r}")
+        check_id_format(id_format)
         # one lock round trip in and one out: a decode step's lookup is a few us
         self._enter_lookup()
         started, rows = time.perf_counter(), -1  # -1: failed, not counted
@@ -423,6 +210,8 @@ class SharedEngramTable:
     def _gather(self, ids: np.ndarray, bits, global_ids: bool) -> None:
         """The kernel over this shard's cached geometry, on this table's
         persistent workers when it looks up with several threads."""
+        if self._geometry is None:  # _enter_lookup refuses a closed table first
+            raise StorageError(f"table {self.path} is closed")
         count, first, value = native.run_geometry_lookup(
             self._geometry, ids, self.shard.head_start, global_ids, bits, self.lookup_threads,
             self._cpu_array, self._lookup_workers())
@@ -468,7 +257,7 @@ class SharedEngramTable:
         if workers is not None and workers.usable:
             workers.close()
 
-    def id_base(self, id_format: str) -> np.ndarray | None:
+    def id_base(self, id_format: IdFormat) -> np.ndarray | None:
         """Each shard head's first global row (None for bucket ids)."""
         return id_base(self.spec, self.layer_id, self.shard.head_start, self.shard.head_end,
                        id_format)
@@ -488,7 +277,7 @@ class SharedEngramTable:
                                              self.id_base("global"))
         return self._device_shard
 
-    def lookup_cuda(self, hash_ids, out=None, *, id_format: str = "bucket",
+    def lookup_cuda(self, hash_ids, out=None, *, id_format: IdFormat = "bucket",
                     packed: bool = False, max_sms: int | None = None,
                     background: bool = False):
         """The lookup on the GPU that registered the table: one fused kernel
@@ -527,9 +316,10 @@ class SharedEngramTable:
         report = self._report
         with self._idle:
             counts = dict(self._counts)
+        rows = int(counts["rows"])
         return TableStats(self.layer_id, self.shard.head_start, self.shard.head_end, self.mode,
-                          self.backing_bytes, counts["lookups"], counts["rows"],
-                          counts["rows"] * self.spec.row_bytes, counts["seconds"],
+                          self.backing_bytes, int(counts["lookups"]), rows,
+                          rows * self.spec.row_bytes, counts["seconds"],
                           None if report is None else report.fraction_on_plan,
                           report.bytes_per_node() if report is not None else {})
 
@@ -551,7 +341,7 @@ class SharedEngramTable:
             "registered_device": None if self.registration is None else
             self.registration.device,
             "lookup_threads": self.lookup_threads, "lookup_cpus": list(self.lookup_cpus),
-            "identity": _identity_key(self.members[0]),
+            "identity": identity_key(self.members[0]),
         }
 
     # ------------------------------------------------------------- close --
@@ -565,11 +355,15 @@ class SharedEngramTable:
             self._closed = True
             self._idle.wait_for(lambda: self._active == 0)
         self._drop_workers()  # no lookup runs now: the threads stop here
-        self.weights = self.scales = self._device_shard = self._geometry = None
+        # no view of the mapping may outlive close: empty arrays of the same
+        # row shape stand in for the rows
+        self.weights = np.empty((0, self.weights.shape[1]), np.uint8)
+        self.scales = np.empty((0, self.scales.shape[1]), np.uint8)
+        self._device_shard = self._geometry = None
         # device views still alive keep the registration (and the memory)
         # until they are dropped; without any, this unregisters now
         self.registration = None
-        _cleanup(self._backing, None)
+        self._backing.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -602,29 +396,6 @@ class SharedEngramTable:
 
 # --------------------------------------------------------------- steps --
 
-def _check_shard(spec: EngramSpec, layer_id: int, shard: ShardInfo) -> None:
-    sizes = spec.bucket_sizes(layer_id)
-    if not 0 <= shard.head_start < shard.head_end <= len(sizes):
-        raise TopologyError(f"shard heads [{shard.head_start}, {shard.head_end}) are not heads "
-                            f"of layer {layer_id} (0..{len(sizes)})")
-    if (shard.row_start, shard.row_end) != (sum(sizes[:shard.head_start]),
-                                            sum(sizes[:shard.head_end])):
-        raise TopologyError(f"shard rows [{shard.row_start}, {shard.row_end}) are not the rows "
-                            "of its heads; build it with shard_heads()")
-
-
-def _member_node(topo: Topology, device: int | None) -> int:
-    """The node this member reads from: its GPU's, else the CPU it runs on."""
-    if device is None:
-        return current_node(topo)
-    node = gpu_node(device)
-    if node is not None:
-        return node
-    if topo.gpus:
-        return topo.nearest_node(device)
-    return current_node(topo)
-
-
 def _packed_out(out, shape: tuple[int, ...], block: int):
     """(rows, scales) uint8 CPU tensors for a packed lookup, and their numpy views."""
     import torch
@@ -640,274 +411,4 @@ def _packed_out(out, shape: tuple[int, ...], block: int):
     return out, (out[0].numpy(), out[1].numpy())
 
 
-def _identity_key(m: MemberInfo) -> dict:
-    """What the sharing group's members have in common (the leader's)."""
-    return {"boot_id": m.boot_id.hex(), "uid": m.uid, "directory": m.directory or None,
-            "directory_device": None if m.directory_id is None else
-            describe_device(m.directory_id),
-            "host": m.hostname}
-
-
-def shard_key(layer_id: int, shard: ShardInfo) -> ShardKey:
-    return ShardKey(layer_id, shard.head_start, shard.head_end, shard.row_start, shard.row_end)
-
-
-def _member_info(grp: Group, topo: Topology, device: int | None, spec: EngramSpec,
-                 key: ShardKey, mode: str, directory: str, page_size: int, placement: Any,
-                 layout: Layout) -> MemberInfo:
-    # huge pages: this member's hugetlbfs mount of that size (a container may
-    # mount it elsewhere; the identity check then compares the file systems).
-    # None, with the reason, where there is none: a private copy (memfd)
-    # needs no mount, so only sharing fails for it.
-    problem = ""
-    try:
-        directory = hugepages.resolve_directory(directory, page_size, DEFAULT_DIRECTORY)
-    except StorageError as exc:
-        directory, problem = None, str(exc)
-    if device is not None:  # before the leader allocates anything
-        _check_device(device)
-    node = _member_node(topo, device)
-    if placement is not None:  # this member's own argument, valid on its own host
-        reader = MemberInfo(0, 0, 0, node, device, b"")
-        _plan(placement, layout, [reader], topo)
-    return MemberInfo(grp.ranks[grp.rank], os.getpid(), os.geteuid(), node,
-                      device, spec.fingerprint, key, mode, procfs.boot_id(),
-                      directory_id(directory) if directory else None, socket.gethostname(),
-                      directory or "", page_size, problem, _placement_text(placement))
-
-
-def _placement_text(placement: Any) -> str | None:
-    """What members compare: the policy string, or a plan's JSON."""
-    if placement is None or isinstance(placement, str):
-        return placement
-    if isinstance(placement, PlacementPlan):
-        return json.dumps(placement.to_dict(), sort_keys=True)
-    return repr(placement)
-
-
-def _check_device(device: Any) -> None:
-    from ..bindings import cudart as cuda
-
-    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
-        raise SpecError(f"register_device must be a CUDA device index >= 0, got {device!r}")
-    ok, why = cuda.available()
-    if not ok:
-        raise errors.CudaUnavailable(f"register_device={device}: {why}; pass "
-                                     "register_device=None to keep the table on the CPU")
-
-
-def _check_agreement(members: list[MemberInfo]) -> None:
-    """Every member must ask for the same table: spec, layer and shard, mode."""
-    first = members[0]
-    odd = [m.rank for m in members if m.fingerprint != first.fingerprint]
-    if odd:
-        raise SpecMismatchError(f"members {odd} have another Engram spec than the leader; every "
-                                "member must build the same EngramSpec")
-    for m in members[1:]:
-        if m.key != first.key:
-            raise SpecMismatchError(f"rank {m.rank} asked for {m.key}, the leader (rank "
-                                    f"{first.rank}) for {first.key}; every member of a sharing "
-                                    "group must pass the same layer and shard (same TP rank)")
-        if m.mode != first.mode:
-            raise TopologyError(f"rank {m.rank} asked for mode {m.mode!r}, the leader (rank "
-                                f"{first.rank}) for {first.mode!r}; every member must pass the "
-                                "same mode")
-        if m.placement is not None and m.placement != _leader_placement(first):
-            raise SpecMismatchError(f"rank {m.rank} asked for placement {m.placement!r}, the "
-                                    f"leader (rank {first.rank}) for "
-                                    f"{_leader_placement(first)!r}; every member must pass the "
-                                    "same placement, or None to follow the leader")
-        if m.page_size != first.page_size:
-            raise StorageError(f"rank {m.rank} asked for {hugepages.name_of(m.page_size)} "
-                               f"pages, the leader (rank {first.rank}) for "
-                               f"{hugepages.name_of(first.page_size)}; every member must pass "
-                               "the same page_size")
-
-
-def _leader_placement(leader: MemberInfo) -> str:
-    return leader.placement or DEFAULT_POLICY
-
-
-def _identity_difference(members: list[MemberInfo]) -> str:
-    """Why these members cannot map one file ('' if they can): the same
-    boot (host), user and table directory (device and inode) are needed."""
-    first = members[0]
-    for m in members:
-        if m.directory_problem:
-            return f"rank {m.rank}: {m.directory_problem}"
-    for m in members[1:]:
-        if m.boot_id != first.boot_id:
-            return (f"rank {m.rank} runs on another host (boot id differs; host "
-                    f"{m.hostname!r} vs {first.hostname!r})")
-        if m.uid != first.uid:
-            return f"rank {m.rank} runs as uid {m.uid}, the leader as uid {first.uid}"
-        if m.directory_id != first.directory_id:
-            return (f"rank {m.rank} has another {m.directory} ({describe_device(m.directory_id)}"
-                    f" vs {describe_device(first.directory_id)})")
-    return ""
-
-
-def _decide(mode: str, members: list[MemberInfo], layout: Layout,
-            directory: str) -> tuple[str, str]:
-    """Leader: which mode really runs, and why (or why not)."""
-    _check_agreement(members)
-    if mode == "independent":
-        return "independent", ""
-    reason, error = "", StorageError
-    if len(members) < 2:
-        reason = "the sharing group has one member"
-    else:
-        reason = _identity_difference(members)
-        if not reason:
-            try:
-                check_directory_room(directory, layout)
-            except StorageError as exc:
-                reason, error = str(exc), type(exc)
-    if not reason:
-        return "dp_shared", ""
-    if mode == "dp_shared":
-        raise error(f"dp_shared requested but {reason}")
-    here = sum(m.boot_id == members[0].boot_id for m in members)
-    what = "the table" if len(members) == 1 else f"{here} independent copies (the fallback)"
-    if hugepages.is_huge(layout.page_size):
-        hugepages.check_pool(here * layout.file_size, layout.page_size, what=what)
-    else:
-        check_memory(here * layout.file_size, what=what)
-    return "independent", reason
-
-
-def _plan(placement, layout: Layout, members: list[MemberInfo],
-          topology: Topology) -> PlacementPlan | None:
-    if isinstance(placement, PlacementPlan):
-        return placement
-    if placement is not None and not isinstance(placement, str):
-        raise PlacementError(f"placement must be a policy string (e.g. 'gpu-local', 'node:0', "
-                             f"'interleave') or a PlacementPlan, got {type(placement).__name__} "
-                             f"{placement!r}")
-    policy = placement or DEFAULT_POLICY
-    readers = tuple(m.node for m in members)
-    regions = [Region(r.name, r.offset, r.length, readers) for r in layout.regions]
-    return plan_placement(policy, regions, topology)
-
-
-def _weights_range(plan: PlacementPlan | None):
-    """The plan's range for the weights region (None without a plan)."""
-    return next((r for r in plan.ranges if r.name == "weights"), None) if plan else None
-
-
-def _bound_nodes(plan: PlacementPlan | None) -> tuple[int, ...] | None:
-    """The nodes the weights are bound (or preferred) to; None when their
-    pages may be on any node (interleave, first touch, no plan)."""
-    weights = _weights_range(plan)
-    if weights is None or weights.mode not in ("bind", "preferred"):
-        return None
-    return weights.nodes
-
-
-def _reader_cpus(plan: PlacementPlan | None, topology: Topology) -> tuple[int, ...]:
-    """CPUs of the node the weights are bound to: lookup threads run there so
-    their reads stay local.  Empty (no pinning) for interleave or no plan."""
-    weights = _weights_range(plan)
-    if weights is None or topology.simulated or weights.mode != "bind" \
-            or len(weights.nodes) != 1:
-        return ()
-    allowed = os.sched_getaffinity(0)
-    return tuple(c for c in topology.node(weights.nodes[0]).cpus if c in allowed)
-
-
-def _resolve(checkpoint: Any, spec: EngramSpec, layer_id: int,
-             names: TensorNames | None) -> CheckpointPlan | None:
-    return None if checkpoint is None else resolve_checkpoint(checkpoint, spec, layer_id, names)
-
-
-def _leader_create(state: dict, layout, fingerprint, directory, placement, members, topology,
-                   key: ShardKey, threads: int) -> tuple[str, PlacementPlan | None, bool]:
-    plan = _plan(placement, layout, members, topology)
-    backing = BackingFile.create(layout, fingerprint, directory=directory, placement=plan,
-                                 topology=topology, key=key, threads=threads)
-    state["backing"] = backing
-    state["report"] = verify(backing.mapping, plan) if plan is not None else None
-    return backing.path, plan, threads > 1
-
-
-def _member_map(state: dict, leader: bool, path: str, directory: str, spec: EngramSpec,
-                layout: Layout, key: ShardKey, device: int | None, writable: bool) -> None:
-    if not leader:
-        # by basename in our own directory: a container may mount the tmpfs elsewhere
-        mine = os.path.join(directory, os.path.basename(path))
-        state["backing"] = _peer_attach(mine, spec, layout, key, writable)
-    if device is not None:
-        state["registration"] = _register(state["backing"], device)
-
-
-def _peer_attach(path: str, spec: EngramSpec, layout: Layout, key: ShardKey,
-                 writable: bool = False) -> BackingFile:
-    # writable only for a member that loads a part (sealed once loaded)
-    backing = BackingFile.attach(path, fingerprint=spec.fingerprint, file_size=layout.file_size,
-                                 key=key, writable=writable, layout_for=lambda page: layout)
-    # map the pages now (cheap, no copy) so reads do not fault one by one
-    native.madvise(backing.mapping, native.MADV_POPULATE_READ)
-    return backing
-
-
-def _register(backing: BackingFile, device: int):
-    from ..bindings import cudart as cuda
-
-    # peers map the table read-only; CUDA must be told, or pinning it fails
-    reg = cuda.register(backing.mapping.address, backing.mapping.length, device,
-                        read_only=not backing.owner)
-    return cuda.RegistrationLease(reg, backing.mapping.keepalive())
-
-
-def _load(backing: BackingFile, spec, layer_id, shard, checkpoint, names, progress,
-          parts: list[tuple[int, int]], member: int, threads: int, cpus: tuple[int, ...],
-          timeout_s: float) -> None:
-    """This member's part of the load (bumping its progress slot as it
-    goes), then the wait for every loader; the leader then marks READY.
-    Any error marks the table FAILED, which ends the others' waits."""
-    loaders = loaders_of(parts)
-    slot = {m: k for k, m in enumerate(loaders)}
-    total = shard.num_rows * spec.row_bytes
-
-    def report() -> None:
-        _step("load-progress")
-        if progress is not None:
-            progress(bytes_done(backing, range(len(loaders))), total)
-    if member in slot:
-        load_part(backing, spec, layer_id, shard, checkpoint, names, parts[member],
-                  slot[member], threads, cpus, report)
-    wait_for_parts(backing, range(len(loaders)), timeout_s)
-    if member == 0:
-        backing.mark_ready()
-
-
-def _default_load_threads() -> int:
-    return max(1, min(8, len(os.sched_getaffinity(0))))
-
-
-def _raise_unless(outcome: Outcome) -> None:
-    if not outcome.ok:
-        raise (_error_class(outcome.error_type) or errors.MemberFailure).rebuild(
-            outcome.message, outcome.fields)
-
-
-def _log_progress(layer_id: int) -> Progress:
-    last = [0]
-
-    def report(done: int, total: int) -> None:
-        if done == total or done - last[0] >= 1 << 30:
-            last[0] = done
-            log.info("Engram layer %d: loaded %.2f of %.2f GiB", layer_id, done / 2**30,
-                     total / 2**30)
-    return report
-
-
-def _cleanup(backing: BackingFile | None, lease) -> None:
-    """A failed create: unregister (no device view exists yet), unmap."""
-    if lease is not None:
-        lease.release()
-    if backing is not None:
-        backing.close()
-
-
-__all__ = ["SharedEngramTable", "SpecMismatchError", "table_layout"]
+__all__ = ["CREATE_MODES", "SharedEngramTable", "TableStats", "table_layout"]

@@ -155,7 +155,7 @@ class Header:
             raise StorageError(f"{where} header claims {count} regions (1 to {MAX_REGIONS})")
         if len(data) < _HEAD.size + count * _REGION.size:
             raise StorageError(f"{where} is too short ({len(data)} bytes) for its header")
-        regions = []
+        regions: list[LayoutRegion] = []
         for i in range(count):
             name, offset, length = _REGION.unpack_from(data, _HEAD.size + i * _REGION.size)
             try:

@@ -153,7 +153,7 @@ def plan_placement(policy: str, regions: Sequence[Region], topology: Topology) -
         topology.check_nodes(nodes)
     ranges = []
     for reg in regions:
-        if kind in ("bind", "preferred"):
+        if kind in ("bind", "preferred") and nodes is not None:  # parse_policy gives them
             ranges.append(PlacementRange(reg.name, reg.offset, reg.length, kind, nodes))
         elif kind == "interleave":
             ranges.append(PlacementRange(reg.name, reg.offset, reg.length, "interleave",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import logging
 import os
 import secrets
@@ -198,10 +199,7 @@ class BackingFile:
         if (path is None) == (fd is None):
             raise ValueError("give exactly one of path= or fd=")
         where = path if path is not None else f"fd {fd}"
-        if path is not None:
-            fd = _open_existing(path, writable)
-        else:
-            fd = os.dup(fd)
+        fd = _open_existing(path, writable) if path is not None else os.dup(int(fd or 0))
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             header = _check_file(fd, where, fingerprint, file_size, key)
@@ -242,9 +240,8 @@ class BackingFile:
         mapped the same way here."""
         for offset, length in spans or [(0, self.mapping.length)]:
             if length > 0:
-                _parallel_chunks(length, self.mapping.page_size, threads, lambda a, n, o=offset:
-                                 native.madvise(self.mapping, native.MADV_POPULATE_WRITE,
-                                                o + a, n))
+                _parallel_chunks(length, self.mapping.page_size, threads,
+                                 functools.partial(self._populate, offset))
 
     def seal(self) -> None:
         """Read-only from now on (a loaded table is never written again)."""
@@ -279,13 +276,14 @@ class BackingFile:
                 pass
             self.unlinked = True
 
+    def _populate(self, offset: int, start: int, length: int) -> None:
+        native.madvise(self.mapping, native.MADV_POPULATE_WRITE, offset + start, length)
+
     def close(self) -> None:
         """Unmap and close (idempotent).  The creator also unlinks."""
         if self.owner:
             self.unlink()
-        if self.mapping is not None:
-            self.mapping.close()
-            self.mapping = None
+        self.mapping.close()  # idempotent; the object stays, closed
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

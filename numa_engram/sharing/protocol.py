@@ -1,0 +1,269 @@
+"""The create protocol: how a sharing group turns one ``CreateRequest`` per
+member into one table file that every member maps (docs/design.md, "Order
+of operations").  Each step is a named function that returns what it
+produces; the collective around it (``every`` or ``lead``) makes every
+member end a failed step the same way, and whatever a failed create made
+(the file, the registration) is released.
+
+    join    every member: who it is, what it asks for (MemberInfo)
+    decide  leader: the checkpoint resolved, the mode that really runs
+    create  leader: plan, check, create, size, map, no THP, bind, populate, verify
+    map     every member: map the leader's file (by basename), register it
+    unlink  leader: the path goes (every member holds the mapping)
+    load    the loaders: their parts of the checkpoint; the leader marks READY
+    ready   every member: acknowledged, so all end the same way
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..bindings import native
+from ..host.topology import Topology
+from ..store.placement import PlacementPlan, PlacementRange, PlacementReport, verify
+from ..store.storage import BackingFile
+from .checkpoint import CheckpointPlan, Progress
+from .checkpoint import resolve as resolve_checkpoint
+from .group import Group, SingleProcessGroup
+from .loading import bytes_done, load_part, load_parts, loaders_of, wait_for_parts
+from .membership import MemberInfo, decide, member_info, plan_for
+from .request import CreateRequest
+from .steps import attempt, every, lead, raise_failures, raise_unless, step_hook, unless_failed
+
+log = logging.getLogger(__name__)
+
+# The last step is a short all-gather that every member reaches at once
+# (after the load): bounded by this, so a member lost there costs little.
+ACK_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Built:
+    """Everything a table is made of, as the protocol leaves it."""
+
+    backing: BackingFile
+    mode: str  # the mode that runs: dp_shared or independent
+    fallback_reason: str  # why auto did not share ("" when it did, or was not asked to)
+    members: list[MemberInfo]
+    leader: bool
+    plan: PlacementPlan | None
+    report: PlacementReport | None
+    registration: Any  # a cudart.RegistrationLease, or None
+    lookup_cpus: tuple[int, ...]
+
+
+class _Held:
+    """What this member has made so far, released if the create fails."""
+
+    def __init__(self) -> None:
+        self.backing: BackingFile | None = None
+        self.registration: Any = None
+        self.report: PlacementReport | None = None
+
+    def mapped(self) -> BackingFile:
+        if self.backing is None:  # the map step ran before any use
+            raise RuntimeError("the table file is not mapped yet")
+        return self.backing
+
+    def release(self) -> None:
+        """A failed create: unregister (no device view exists yet), unmap."""
+        if self.registration is not None:
+            self.registration.release()
+        if self.backing is not None:
+            self.backing.close()
+
+
+def create(grp: Group, req: CreateRequest) -> Built:
+    """Run the protocol in this member; every member returns, or every
+    member raises the same class naming every failing member."""
+    me, members = join(grp, req)
+    directory = me.directory or None  # this member's (a hugetlbfs mount for huge pages)
+    checkpoint, mode, reason = decide_mode(grp, req, members, directory)
+    if mode == "independent":
+        if reason and grp.size > 1:
+            log.warning("Engram layer %d: sharing falls back to independent copies: %s",
+                        req.layer_id, reason)
+            if grp.rank != 0:  # another host may keep the checkpoint elsewhere
+                checkpoint = resolve(req)
+        # a private copy needs no path: an anonymous memfd, never in /dev/shm
+        grp, members, directory, req = SingleProcessGroup(), [me], None, req.private()
+    built = share(grp, req, members, directory, checkpoint)
+    return replace(built, mode=mode, fallback_reason=reason)
+
+
+def join(grp: Group, req: CreateRequest) -> tuple[MemberInfo, list[MemberInfo]]:
+    """Every member's MemberInfo, in group order (this member's first)."""
+    me, joined = attempt(lambda: member_info(grp, req))
+    _, outcomes = every(grp, "join", lambda: unless_failed(joined, me))     # everyone here
+    raise_failures(outcomes, grp.ranks, "join")
+    return me, [o.value for o in outcomes]
+
+
+def decide_mode(grp: Group, req: CreateRequest, members: list[MemberInfo],
+                directory: str | None) -> tuple[CheckpointPlan | None, str, str]:
+    """The leader resolves the whole checkpoint (files, tensors, offsets, the
+    spec) before anything is decided or allocated: a wrong tensor fails in a
+    second, not after a populate; every loader reads that plan.  Then the
+    mode that runs, and why."""
+    checkpoint, mode, reason = lead(grp, "decide", lambda: (
+        resolve(req), *decide(req.mode, members, req.layout, directory)))
+    return checkpoint, mode, reason
+
+
+def share(grp: Group, req: CreateRequest, members: list[MemberInfo], directory: str | None,
+          checkpoint: CheckpointPlan | None) -> Built:
+    """The steps from create to ready, for a group that shares one file."""
+    leader = grp.rank == 0
+    held = _Held()
+    try:
+        path, plan, cooperative = lead(grp, "create", lambda: create_file(
+            held, req, members, directory))
+        cpus = reader_cpus(plan, req.topology)
+        # who loads which rows: the members on the rows' node(s), else the
+        # leader (the leader's load_threads decide whether loading is shared)
+        parts = load_parts(req.shard.num_rows, [m.node for m in members], _bound_nodes(plan),
+                           cooperative and checkpoint is not None)
+        part = parts[grp.rank]
+        _, outcomes = every(grp, "map", lambda: map_file(
+            held, leader, path, directory, req, writable=part[1] > part[0]))
+        raise_failures(outcomes, grp.ranks, "map")
+        unlink(held, leader)
+        step_hook("before-load")
+        _, loaded = attempt(lambda: load(
+            held.mapped(), req, checkpoint, (req.progress or _log_progress(req.layer_id))
+            if leader else None, parts, grp.rank, cpus))
+        step_hook("after-load")
+        with grp.bounded(min(req.timeout_s, ACK_TIMEOUT_S)):
+            _, outcomes = every(grp, "ready", lambda: raise_unless(loaded))
+        raise_failures(outcomes, grp.ranks, "ready")
+    except BaseException:
+        held.release()
+        raise
+    backing = held.mapped()
+    if checkpoint is not None and backing.mapping.writable:
+        backing.seal()  # loaded: read-only from now on, in every member
+    return Built(backing, "dp_shared" if grp.size > 1 else "independent", "", list(members),
+                 leader, plan, held.report, held.registration, cpus)
+
+
+def create_file(held: _Held, req: CreateRequest, members: list[MemberInfo],
+                directory: str | None) -> tuple[str, PlacementPlan | None, bool]:
+    """Leader: the file planned, created, sized, mapped, bound, populated,
+    verified; its path, the plan and whether loading is cooperative."""
+    plan = plan_for(req.placement, req.layout, members, req.topology)
+    backing = BackingFile.create(req.layout, req.spec.fingerprint, directory=directory,
+                                 placement=plan, topology=req.topology, key=req.key,
+                                 threads=req.load_threads)
+    held.backing = backing
+    held.report = verify(backing.mapping, plan) if plan is not None else None
+    return backing.path, plan, req.cooperative
+
+
+def map_file(held: _Held, leader: bool, path: str, directory: str | None,
+             req: CreateRequest, writable: bool) -> None:
+    """Every member maps the leader's file and registers it for its GPU."""
+    if not leader:
+        # by basename in our own directory: a container may mount the tmpfs elsewhere
+        mine = os.path.join(directory or "", os.path.basename(path))
+        held.backing = peer_attach(mine, req, writable)
+    if req.register_device is not None:
+        held.registration = register(held.mapped(), req.register_device)
+
+
+def unlink(held: _Held, leader: bool) -> None:
+    """All members mapped the file, so its path can go."""
+    step_hook("before-unlink")
+    if leader:
+        held.mapped().unlink()
+    step_hook("after-unlink")
+
+
+def peer_attach(path: str, req: CreateRequest, writable: bool = False) -> BackingFile:
+    """A peer's mapping of the leader's file, after the checks a peer
+    makes; writable only for a member that loads a part (sealed once
+    loaded)."""
+    layout = req.layout
+    backing = BackingFile.attach(path, fingerprint=req.spec.fingerprint,
+                                 file_size=layout.file_size, key=req.key, writable=writable,
+                                 layout_for=lambda page: layout)
+    # map the pages now (cheap, no copy) so reads do not fault one by one
+    native.madvise(backing.mapping, native.MADV_POPULATE_READ)
+    return backing
+
+
+def register(backing: BackingFile, device: int) -> Any:
+    """Pin the mapping for zero-copy reads by ``device``; the lease keeps
+    the memory alive while device views exist."""
+    from ..bindings import cudart
+
+    # peers map the table read-only; CUDA must be told, or pinning it fails
+    reg = cudart.register(backing.mapping.address, backing.mapping.length, device,
+                          read_only=not backing.owner)
+    return cudart.RegistrationLease(reg, backing.mapping.keepalive())
+
+
+def load(backing: BackingFile, req: CreateRequest, checkpoint: CheckpointPlan | None,
+         progress: Progress | None, parts: list[tuple[int, int]], member: int,
+         cpus: tuple[int, ...]) -> None:
+    """This member's part of the load (bumping its progress slot as it
+    goes), then the wait for every loader; the leader then marks READY.
+    Any error marks the table FAILED, which ends the others' waits."""
+    loaders = loaders_of(parts)
+    slot = {m: k for k, m in enumerate(loaders)}
+    total = req.shard.num_rows * req.spec.row_bytes
+
+    def report() -> None:
+        step_hook("load-progress")
+        if progress is not None:
+            progress(bytes_done(backing, range(len(loaders))), total)
+    if member in slot:
+        load_part(backing, req.spec, req.layer_id, req.shard, checkpoint, req.names,
+                  parts[member], slot[member], req.load_threads, cpus, report)
+    wait_for_parts(backing, range(len(loaders)), req.timeout_s)
+    if member == 0:
+        backing.mark_ready()
+
+
+def resolve(req: CreateRequest) -> CheckpointPlan | None:
+    if req.checkpoint is None:
+        return None
+    return resolve_checkpoint(req.checkpoint, req.spec, req.layer_id, req.names)
+
+
+def _weights_range(plan: PlacementPlan | None) -> PlacementRange | None:
+    """The plan's range for the weights region (None without a plan)."""
+    return next((r for r in plan.ranges if r.name == "weights"), None) if plan else None
+
+
+def _bound_nodes(plan: PlacementPlan | None) -> tuple[int, ...] | None:
+    """The nodes the weights are bound (or preferred) to; None when their
+    pages may be on any node (interleave, first touch, no plan)."""
+    weights = _weights_range(plan)
+    if weights is None or weights.mode not in ("bind", "preferred"):
+        return None
+    return weights.nodes
+
+
+def reader_cpus(plan: PlacementPlan | None, topology: Topology) -> tuple[int, ...]:
+    """CPUs of the node the weights are bound to: lookup threads run there so
+    their reads stay local.  Empty (no pinning) for interleave or no plan."""
+    weights = _weights_range(plan)
+    if weights is None or topology.simulated or weights.mode != "bind" \
+            or len(weights.nodes) != 1:
+        return ()
+    allowed = os.sched_getaffinity(0)
+    return tuple(c for c in topology.node(weights.nodes[0]).cpus if c in allowed)
+
+
+def _log_progress(layer_id: int) -> Progress:
+    last = [0]
+
+    def report(done: int, total: int) -> None:
+        if done == total or done - last[0] >= 1 << 30:
+            last[0] = done
+            log.info("Engram layer %d: loaded %.2f of %.2f GiB", layer_id, done / 2**30,
+                     total / 2**30)
+    return report

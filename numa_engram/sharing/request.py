@@ -1,0 +1,130 @@
+"""One ``SharedEngramTable.create`` call as a frozen request, checked once.
+
+What can be checked without the group is checked here, in the calling
+member, before any collective: the mode, the shard, the page size, the
+thread counts and the timeout.  What depends on the member's host (its
+huge-page mount, its GPU, whether its placement is valid there) is checked
+in the join step instead, so a member that fails it fails the whole group
+at once rather than leaving the others waiting.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..bindings import native
+from ..errors import SpecError, TopologyError
+from ..host import hugepages
+from ..host.topology import Topology
+from ..literals import CREATE_MODES, CreateMode, PageSize
+from ..model.sharding import ShardInfo
+from ..model.spec import EngramSpec, strict_int
+from ..store.fileformat import Layout, ShardKey
+from ..store.placement import PlacementPlan
+from .checkpoint import Progress, TensorNames
+
+DEFAULT_POLICY = "gpu-local"
+# a load copies with at most this many threads by default: more saturate
+# neither the checkpoint's reads nor the node's memory bandwidth further
+MAX_DEFAULT_LOAD_THREADS = 8
+
+
+def table_layout(spec: EngramSpec, shard: ShardInfo, page_size: int = native.PAGE_SIZE) -> Layout:
+    """The table file's regions for one shard: FP8 rows, then their scales."""
+    return Layout.of([("weights", shard.num_rows * spec.head_dim),
+                      ("scales", shard.num_rows * spec.scales_per_row)], page_size)
+
+
+def shard_key(layer_id: int, shard: ShardInfo) -> ShardKey:
+    return ShardKey(layer_id, shard.head_start, shard.head_end, shard.row_start, shard.row_end)
+
+
+def check_shard(spec: EngramSpec, layer_id: int, shard: ShardInfo) -> None:
+    sizes = spec.bucket_sizes(layer_id)
+    if not 0 <= shard.head_start < shard.head_end <= len(sizes):
+        raise TopologyError(f"shard heads [{shard.head_start}, {shard.head_end}) are not heads "
+                            f"of layer {layer_id} (0..{len(sizes)})")
+    if (shard.row_start, shard.row_end) != (sum(sizes[:shard.head_start]),
+                                            sum(sizes[:shard.head_end])):
+        raise TopologyError(f"shard rows [{shard.row_start}, {shard.row_end}) are not the rows "
+                            "of its heads; build it with shard_heads()")
+
+
+def default_load_threads() -> int:
+    return max(1, min(MAX_DEFAULT_LOAD_THREADS, len(os.sched_getaffinity(0))))
+
+
+def _positive_seconds(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise SpecError(f"timeout_s must be a number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def _load_threads(value: Any) -> int:
+    if value is None:
+        return default_load_threads()
+    threads = strict_int(value, "load_threads")
+    if threads < 1:
+        raise SpecError(f"load_threads must be >= 1 (1: a single-thread copy, no cooperative "
+                        f"load) or None (one per CPU, at most {MAX_DEFAULT_LOAD_THREADS}), got "
+                        f"{value!r}")
+    return threads
+
+
+@dataclass(frozen=True)
+class CreateRequest:
+    """What one member asks ``create`` for, every argument checked and in
+    its final form (the page size in bytes, the load threads counted, the
+    topology detected)."""
+
+    spec: EngramSpec
+    layer_id: int
+    shard: ShardInfo
+    mode: CreateMode
+    placement: str | PlacementPlan | None
+    directory: str | None  # as asked; None: an anonymous memfd (a private copy)
+    page_size: int
+    checkpoint: Any
+    names: TensorNames | None
+    register_device: int | None
+    timeout_s: float
+    topology: Topology
+    progress: Progress | None
+    lookup_threads: int
+    load_threads: int
+
+    @classmethod
+    def of(cls, spec: EngramSpec, layer_id: int, shard: ShardInfo, *, mode: str,
+           placement: str | PlacementPlan | None, directory: str | None,
+           page_size: PageSize | int, checkpoint: Any, names: TensorNames | None,
+           register_device: int | None, timeout_s: float, topology: Topology | None,
+           progress: Progress | None, lookup_threads: int,
+           load_threads: int | None) -> CreateRequest:
+        if mode not in CREATE_MODES:
+            raise SpecError(f"mode must be one of {CREATE_MODES}, got {mode!r}")
+        check_shard(spec, layer_id, shard)
+        return cls(spec, layer_id, shard, mode,  # type: ignore[arg-type]  # checked above
+                   placement, directory, hugepages.parse_page_size(page_size), checkpoint,
+                   names, register_device, _positive_seconds(timeout_s),
+                   topology or Topology.detect(), progress, max(1, int(lookup_threads)),
+                   _load_threads(load_threads))
+
+    @property
+    def layout(self) -> Layout:
+        return table_layout(self.spec, self.shard, self.page_size)
+
+    @property
+    def key(self) -> ShardKey:
+        return shard_key(self.layer_id, self.shard)
+
+    @property
+    def cooperative(self) -> bool:
+        """Whether members on the rows' nodes load parts in parallel."""
+        return self.load_threads > 1
+
+    def private(self) -> CreateRequest:
+        """The same request for a copy of this member's own (the fallback of
+        ``auto``): no path, an anonymous memfd, never in /dev/shm."""
+        return replace(self, directory=None)
