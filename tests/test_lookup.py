@@ -228,7 +228,7 @@ def test_packed_fp8_output_dequantises_to_the_lookup():
         table.weights[:] = rng.integers(0, 256, table.weights.shape, dtype=np.uint8)
         table.scales[:] = rng.integers(0, 256, table.scales.shape, dtype=np.uint8)
         ids = np.stack([rng.integers(-1, n, 300) for n in spec.bucket_sizes(1)], 1)
-        rows, scales = table.lookup(ids, dequantize=False)
+        rows, scales = table.lookup(ids, packed=True)
         assert rows.shape == (300, 4, 64) and scales.shape == (300, 4, 2)
         got = dequantize_rows(rows.reshape(-1, 64), scales.reshape(-1, 2)).view(300, 4, 64)
         want = table.lookup(ids)
@@ -239,11 +239,14 @@ def test_packed_fp8_output_dequantises_to_the_lookup():
         with pytest.raises(LookupIdError, match="column 5"):
             bad = ids.copy()
             bad[7, 5] = 10**6
-            table.lookup(bad, dequantize=False, out=(rows, scales))
+            table.lookup(bad, packed=True, out=(rows, scales))
         for threads in (1, 2):
             table.lookup_threads = threads
-            again = table.lookup(ids, dequantize=False)
+            again = table.lookup(ids, packed=True)
             assert torch.equal(again[0], first)
+        with pytest.warns(DeprecationWarning, match="packed"):  # the old spelling still works
+            old = table.lookup(ids, dequantize=False)
+        assert torch.equal(old[0], first)
 
 
 def _packed_reference(w, s, ids, sizes):

@@ -195,7 +195,7 @@ def bench_default_out(table_gib: float, tokens: int, id_sets: int = 16) -> None:
             return sets[turn[0] % id_sets]
         best = best_interleaved({"default": lambda: table.lookup(ids()),
                                  "out": lambda: table.lookup(ids(), out=out),
-                                 "packed": lambda: table.lookup(ids(), dequantize=False)}, 15)
+                                 "packed": lambda: table.lookup(ids(), packed=True)}, 15)
     print(f"== lookup output: {tokens} tokens x 24 heads, {table_gib:.1f} GiB table, "
           f"{id_sets} rotating id sets")
     print(f"  lookup(ids)          : {best['default'] * 1e3:7.2f} ms")
@@ -251,7 +251,7 @@ def _serving_variants(spec, table, tokens: int, rng, id_sets: int = 16) -> dict:
     return {
         "lookup(ids)": lambda: table.lookup(sets[nxt()]),
         "lookup(ids, out=)": lambda: table.lookup(sets[nxt()], out=out),
-        "packed": lambda: table.lookup(sets[nxt()], dequantize=False),
+        "packed": lambda: table.lookup(sets[nxt()], packed=True),
         "numpy take": lambda: _take(table.weights, table.scales, flats[nxt()], gathered_w,
                                     gathered_s),
         "bare native": lambda: _bare_native(table, sets[nxt()], bits),

@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 "$PY" -m ruff check numa_engram tests tools cffi_build
+"$PY" -m mypy  # the package ([tool.mypy] in pyproject.toml); public modules fully typed
 "$PY" -m pytest -q -rs "$@"
 PYTHON="$PY" tools/check_package.sh
 nodes=$(ls -d /sys/devices/system/node/node[0-9]* 2>/dev/null | wc -l)

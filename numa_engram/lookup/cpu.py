@@ -15,6 +15,7 @@ import math
 import sys
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,10 +26,14 @@ from ..model.fp8 import bf16_out, dequantize_rows
 from ..model.sharding import prefix_offsets
 from ..model.spec import EngramSpec
 
+if TYPE_CHECKING:
+    import torch
 
-def lookup_rows(weights: np.ndarray, scales: np.ndarray, hash_ids, *, head_start: int,
+
+def lookup_rows(weights: np.ndarray, scales: np.ndarray, hash_ids: Any, *, head_start: int,
                 bucket_sizes: Sequence[int], head_offsets: Sequence[int] | None = None,
-                out=None, threads: int = 1, cpus: Sequence[int] = (), block: int = 32):
+                out: torch.Tensor | None = None, threads: int = 1, cpus: Sequence[int] = (),
+                block: int = 32) -> torch.Tensor:
     """BF16 ``[T, n_heads, head_dim]`` rows for heads ``head_start ..
     head_start + len(bucket_sizes)`` of ``hash_ids [T, n_hash_cols]``.
 
@@ -41,7 +46,7 @@ def lookup_rows(weights: np.ndarray, scales: np.ndarray, hash_ids, *, head_start
     return result
 
 
-def check_hash_ids(hash_ids, n_cols: int | None = None) -> np.ndarray:
+def check_hash_ids(hash_ids: Any, n_cols: int | None = None) -> np.ndarray:
     """2-D ``[T, n_cols]`` int64 hash ids as a numpy array, without a copy (a
     CPU torch tensor is viewed through ``__array__``; rows may be strided,
     e.g. ``out[:, layer]`` of ``HashState.hash``; columns must be adjacent).
@@ -79,7 +84,8 @@ def check_ids_in_range(ids: np.ndarray, head_start: int, sizes: np.ndarray,
                                          int(sizes[h]), id_base, h))
 
 
-def bad_id_text(value: int, token: int, column: int, size: int, id_base, h: int,
+def bad_id_text(value: int, token: int, column: int, size: int, id_base: np.ndarray | None,
+                h: int,
                  count: int = 1) -> str:
     low = 0 if id_base is None else int(id_base[h])
     what = "buckets" if id_base is None else "global rows"
@@ -89,8 +95,10 @@ def bad_id_text(value: int, token: int, column: int, size: int, id_base, h: int,
 
 
 def gather(weights: np.ndarray, scales: np.ndarray, ids: np.ndarray, *, head_start: int,
-           bucket_sizes, out, head_offsets=None, threads: int = 1, cpus=(), block: int = 32,
-           id_base: np.ndarray | None = None) -> None:
+           bucket_sizes: Sequence[int] | np.ndarray,
+           out: np.ndarray | tuple[np.ndarray, np.ndarray],
+           head_offsets: Sequence[int] | np.ndarray | None = None, threads: int = 1,
+           cpus: Sequence[int] = (), block: int = 32, id_base: np.ndarray | None = None) -> None:
     """The one lookup path (tables, DP-sharded exchange, lookup_rows): rows
     of heads ``head_start .. +len(bucket_sizes)`` of checked ``ids [T, cols]``
     gathered from uint8 ``weights``/``scales`` into ``out``: BF16 bits
@@ -124,7 +132,8 @@ def gather(weights: np.ndarray, scales: np.ndarray, ids: np.ndarray, *, head_sta
                                          count))
 
 
-def _check_out(out, shape: tuple[int, ...], block: int) -> None:
+def _check_out(out: np.ndarray | tuple[np.ndarray, np.ndarray], shape: tuple[int, ...],
+               block: int) -> None:
     """uint16 BF16 bits ``shape``, or (uint8 rows ``shape``, uint8 scales)."""
     want = [(np.uint16, shape)] if not isinstance(out, tuple) else [
         (np.uint8, shape), (np.uint8, (*shape[:2], shape[2] // block))]
@@ -135,8 +144,9 @@ def _check_out(out, shape: tuple[int, ...], block: int) -> None:
                              f"{arr.dtype} {list(arr.shape)}")
 
 
-def reference_lookup(weights: np.ndarray, scales: np.ndarray, hash_ids, *, head_start: int,
-                     bucket_sizes: Sequence[int], block: int = 32):
+def reference_lookup(weights: np.ndarray, scales: np.ndarray, hash_ids: Any, *,
+                     head_start: int, bucket_sizes: Sequence[int] | np.ndarray,
+                     block: int = 32) -> torch.Tensor:
     """The plain torch path: index rows, dequantise, zero the DEAD ones."""
     import torch
 
@@ -162,7 +172,7 @@ def id_base(spec: EngramSpec, layer_id: int, head_start: int, head_end: int,
     return np.ascontiguousarray(spec.head_offsets(layer_id)[head_start:head_end])
 
 
-def aligned_empty(n: int, dtype=np.uint16) -> np.ndarray:
+def aligned_empty(n: int, dtype: Any = np.uint16) -> np.ndarray:
     """``n`` items of ``dtype``, 64-byte aligned (the kernel's streaming
     stores need whole cache lines), from numpy's allocator: it asks for
     transparent huge pages (MADV_HUGEPAGE) on large arrays, and a lookup
@@ -193,7 +203,7 @@ class OutputPool:
         self._lock = threading.Lock()
         self._free_refs: int | None = None
 
-    def take(self, shape: tuple[int, ...]):
+    def take(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
         """(BF16 tensor of ``shape``, uint16 numpy view of its bits)."""
         import torch
 
@@ -222,9 +232,9 @@ class OutputPool:
             return memory
 
 
-def staged_lookup(weights: np.ndarray, scales: np.ndarray, hash_ids, *, head_start: int,
-                  bucket_sizes: Sequence[int], pinned, out, threads: int = 1,
-                  cpus: Sequence[int] = (), block: int = 32):
+def staged_lookup(weights: np.ndarray, scales: np.ndarray, hash_ids: Any, *, head_start: int,
+                  bucket_sizes: Sequence[int], pinned: torch.Tensor, out: torch.Tensor,
+                  threads: int = 1, cpus: Sequence[int] = (), block: int = 32) -> torch.Tensor:
     """For hosts where UVA reads are slow: the native CPU lookup into a
     pinned staging tensor, then an async host-to-device copy on the current
     stream into ``out``."""

@@ -27,9 +27,14 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import PrefetchError
+
+if TYPE_CHECKING:
+    import torch
+
+    Rows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 LookupFn = Callable[[Any, Any], Any]  # (hash_ids, out) -> out
 
@@ -81,16 +86,17 @@ def _as_lookup(source: Any, backend: str = "cpu", max_sms: int | None = None,
         return lambda ids, out: source.lookup_cuda(ids, out=out, max_sms=max_sms,
                                                    background=background)
     if hasattr(source, "lookup"):
-        return lambda ids, out: source.lookup(ids, out=out, dequantize=not packed)
+        return lambda ids, out: source.lookup(ids, out=out, packed=packed)
     if packed:
-        raise PrefetchError("packed=True needs tables (with .lookup(dequantize=False)), not "
+        raise PrefetchError("packed=True needs tables (with .lookup(packed=True)), not "
                             f"callables: got {source!r}")
     if callable(source):
         return source
     raise PrefetchError(f"{source!r} is neither a table (with .lookup) nor a callable")
 
 
-def _staging(torch, max_tokens: int, row_shape: tuple[int, int], dtype, device, table):
+def _staging(torch: Any, max_tokens: int, row_shape: tuple[int, int], dtype: Any, device: Any,
+             table: Any) -> Rows:
     """The layer's static buffer: BF16 rows, or (FP8 rows, scales) of
     ``table``'s block size when packed."""
     if table is None:
@@ -180,7 +186,7 @@ class PrefetchScheduler:
         if self.backend == "cuda":
             self._launch_cuda(job)
 
-    def wait(self, layer: Any, *, check_errors: bool = False):
+    def wait(self, layer: Any, *, check_errors: bool = False) -> Rows:
         """The layer's staged rows ``[T, heads, head_dim]`` once its lookup is
         done (CPU) or ordered before the consumer's next work (CUDA).
         ``check_errors``: also read the table's device error record (one

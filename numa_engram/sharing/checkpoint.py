@@ -128,7 +128,7 @@ def _open_regular(path: str) -> int:
 def _read_index(index: str) -> dict[str, str]:
     """The index's weight_map, checked for shape: a dict of str -> str, no
     tensor named twice.  Never quotes the file's contents."""
-    def no_duplicates(pairs):
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: dict = {}
         for key, value in pairs:
             if key in seen and isinstance(value, str) and isinstance(seen[key], str):

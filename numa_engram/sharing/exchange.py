@@ -29,6 +29,8 @@ from ..model.sharding import DEAD_ID, ShardInfo, shard_heads
 from ..model.spec import EngramSpec
 
 if TYPE_CHECKING:
+    import torch
+
     from .table import SharedEngramTable
 
 
@@ -128,8 +130,8 @@ class DPShardedLookup:
         # the table's own outputs do: no fresh mmap and page faults per step
         self._outputs = OutputPool()
 
-    def lookup(self, hash_ids, *, id_format: IdFormat = "bucket",
-               counts: Sequence[int] | None = None):
+    def lookup(self, hash_ids: Any, *, id_format: IdFormat = "bucket",
+               counts: Sequence[int] | None = None) -> torch.Tensor:
         """BF16 ``[T, tp_heads, head_dim]`` for this member's ``hash_ids [T, n_hash_cols]``
         (T may be 0: an idle replica still takes part); ``id_format="global"``
         for rows of the layer's whole table.
@@ -249,7 +251,7 @@ class DPShardedLookup:
         self._dist.all_gather(out, mine, group=self.pg)
         return torch.cat(out).numpy()
 
-    def _exchange(self, rows, slot: int):
+    def _exchange(self, rows: torch.Tensor, slot: int) -> torch.Tensor:
         """all-to-all: chunk j of ours (our heads, j's tokens) goes to member j."""
         import torch
 

@@ -15,7 +15,7 @@ import pickle
 import queue
 import socket
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -140,7 +140,7 @@ class TorchGroup:
         finally:
             self.timeout_s = saved
 
-    def _run(self, step: str, start):
+    def _run(self, step: str, start: Callable[[], Any]) -> None:
         """Start an async collective and wait at most timeout_s for it: a
         member that is stopped (SIGSTOP) or hung never answers, and gloo's
         own timeout does not fire then; the wait's does."""
@@ -208,7 +208,7 @@ class RollCall:
         self._ranks, self._me, self._calls = ranks, me, 0
         self._jobs: queue.SimpleQueue | None = None
 
-    def _submit(self, fn) -> Future:
+    def _submit(self, fn: Callable[[], Any]) -> Future:
         """Run fn on this roll call's worker, a daemon thread (a store call
         stuck on a stopped host must not hold up the interpreter's exit)."""
         if self._jobs is None:
@@ -227,7 +227,7 @@ class RollCall:
         self._jobs.put((fn, future))
         return future
 
-    def _store(self):
+    def _store(self) -> Any:
         from torch.distributed import distributed_c10d
 
         return distributed_c10d._get_default_store()

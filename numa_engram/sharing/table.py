@@ -13,8 +13,10 @@ import logging
 import os
 import threading
 import time
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
@@ -44,6 +46,9 @@ from .membership import MemberInfo, identity_key
 from .request import CREATE_MODES, CreateRequest, check_shard, shard_key, table_layout
 
 if TYPE_CHECKING:
+    import torch
+
+    Rows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
     from ..lookup.gpu import DeviceShard
 
 log = logging.getLogger(__name__)
@@ -176,25 +181,42 @@ class SharedEngramTable:
             raise
 
     # ------------------------------------------------------------ lookup --
+    @overload
     def lookup(self, hash_ids: Any, out: Any = None, *, id_format: IdFormat = "bucket",
-               dequantize: bool = True) -> Any:
+               packed: Literal[False] = False,
+               dequantize: bool | None = None) -> torch.Tensor: ...
+    @overload
+    def lookup(self, hash_ids: Any, out: Any = None, *, id_format: IdFormat = "bucket",
+               packed: Literal[True], dequantize: bool | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def lookup(self, hash_ids: Any, out: Any = None, *, id_format: IdFormat = "bucket",
+               packed: bool = False, dequantize: bool | None = None) -> Rows:
         """BF16 ``[T, heads_in_shard, head_dim]`` rows for ``hash_ids
         [T, n_hash_cols]`` (int64 or int32; rows may be strided, e.g.
         ``out[:, i]`` of ``HashState.hash``); DEAD_ID (-1) gives zero rows.
         ``id_format="global"``: ids are rows of the layer's whole table, as
         V4.1's model code and vLLM pass them; each column of this shard must
-        be -1 or inside its head's global rows.  ``dequantize=False``: the
+        be -1 or inside its head's global rows.  ``packed=True``: the
         rows as stored, ``(weights uint8 [T, heads, head_dim], scales uint8
         [T, heads, head_dim/block])`` (half the output bytes; for a GPU
-        that dequantises after the copy; ``out`` a pair of such tensors)."""
+        that dequantises after the copy; ``out`` a pair of such tensors), as
+        ``lookup_cuda(packed=True)`` gives them (``dequantize=False`` is its
+        old, deprecated spelling)."""
         check_id_format(id_format)
+        if dequantize is not None:
+            warnings.warn("lookup(dequantize=...) is now lookup(packed=...), its opposite",
+                          DeprecationWarning, stacklevel=2)
+            packed = not dequantize
         # one lock round trip in and one out: a decode step's lookup is a few us
         self._enter_lookup()
         started, rows = time.perf_counter(), -1  # -1: failed, not counted
         try:
             ids = check_hash_ids(hash_ids, self._n_cols)
             shape = (ids.shape[0], *self._row_shape)
-            if not dequantize:
+            result: Any
+            bits: Any
+            if packed:
                 result, bits = _packed_out(out, shape, self.spec.block)
             elif out is not None:
                 result, bits = bf16_out(out, shape)
@@ -207,7 +229,8 @@ class SharedEngramTable:
         finally:
             self._leave_lookup(rows, time.perf_counter() - started)
 
-    def _gather(self, ids: np.ndarray, bits, global_ids: bool) -> None:
+    def _gather(self, ids: np.ndarray, bits: np.ndarray | tuple[np.ndarray, np.ndarray],
+                global_ids: bool) -> None:
         """The kernel over this shard's cached geometry, on this table's
         persistent workers when it looks up with several threads."""
         if self._geometry is None:  # _enter_lookup refuses a closed table first
@@ -226,7 +249,7 @@ class SharedEngramTable:
         return self._lookup_cpus
 
     @lookup_cpus.setter
-    def lookup_cpus(self, cpus) -> None:
+    def lookup_cpus(self, cpus: Sequence[int]) -> None:
         self._lookup_cpus = tuple(cpus)
         self._cpu_array = np.asarray(self._lookup_cpus, dtype=np.int32) if cpus else None
         self._drop_workers()  # pinned to the old CPUs
@@ -262,7 +285,7 @@ class SharedEngramTable:
         return id_base(self.spec, self.layer_id, self.shard.head_start, self.shard.head_end,
                        id_format)
 
-    def device_view(self):
+    def device_view(self) -> DeviceShard:
         """Zero-copy CUDA views of this shard (needs register_device=)."""
         from ..lookup.gpu import DeviceShard
 
@@ -277,9 +300,9 @@ class SharedEngramTable:
                                              self.id_base("global"))
         return self._device_shard
 
-    def lookup_cuda(self, hash_ids, out=None, *, id_format: IdFormat = "bucket",
+    def lookup_cuda(self, hash_ids: Any, out: Any = None, *, id_format: IdFormat = "bucket",
                     packed: bool = False, max_sms: int | None = None,
-                    background: bool = False):
+                    background: bool = False) -> Rows:
         """The lookup on the GPU that registered the table: one fused kernel
         reading rows over PCIe (zero-copy) and dequantising on the device;
         ids must already be on that GPU; no host sync (bad ids: zero rows,
@@ -396,7 +419,8 @@ class SharedEngramTable:
 
 # --------------------------------------------------------------- steps --
 
-def _packed_out(out, shape: tuple[int, ...], block: int):
+def _packed_out(out: Any, shape: tuple[int, ...], block: int
+                ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[np.ndarray, np.ndarray]]:
     """(rows, scales) uint8 CPU tensors for a packed lookup, and their numpy views."""
     import torch
 
@@ -407,7 +431,7 @@ def _packed_out(out, shape: tuple[int, ...], block: int):
             torch.is_tensor(t) and t.dtype == torch.uint8 and t.device.type == "cpu"
             for t in out)):
         raise ValueError("out must be a (rows, scales) pair of uint8 CPU tensors for "
-                         "dequantize=False")
+                         "packed=True")
     return out, (out[0].numpy(), out[1].numpy())
 
 

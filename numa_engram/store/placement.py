@@ -19,6 +19,8 @@ import numpy as np
 from ..bindings import native
 from ..errors import PlacementError, TopologyError
 from ..host.topology import Topology, parse_cpulist
+from ..model.sharding import WorldLayout
+from ..model.spec import EngramSpec
 from ..units import fmt_bytes, node_list, text_table, unit_for
 
 MPOL_MODES = {"bind": native.MPOL_BIND, "preferred": native.MPOL_PREFERRED,
@@ -319,7 +321,8 @@ def plan_of_mapping(mapping: native.Mapping,
     return PlacementPlan(tuple(out), "from-file")
 
 
-def host_regions(spec, layout, mode: str, topology: Topology) -> list[Region]:
+def host_regions(spec: EngramSpec, layout: WorldLayout, mode: str,
+                 topology: Topology) -> list[Region]:
     """The regions one host's tables occupy under ``mode`` (one per layer
     and distinct shard copy), each with the NUMA nodes of the GPUs that
     read it: what ``plan_placement`` places.  ``layout``: a WorldLayout."""
