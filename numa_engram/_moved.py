@@ -1,4 +1,4 @@
-"""The flat module paths of releases before 0.4 (``numa_engram.table``,
+"""The flat module paths of releases before 0.3 (``numa_engram.table``,
 ``numa_engram.group``, ...), kept working as deprecated aliases.
 
 ``import numa_engram.group`` finds ``numa_engram.sharing.group`` and binds

@@ -37,6 +37,18 @@ def fmt_bytes(value: int, unit: tuple[str, int] | None = None, digits: int = 2) 
     return f"{value / size:.{digits}f} {name}"
 
 
+def parse_cpulist(text: str) -> tuple[int, ...]:
+    """The kernel's (and numactl's) list form: '0-3,8,10-11' -> (0, 1, 2, 3, 8,
+    10, 11); ``node_list`` is its inverse."""
+    out: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return tuple(out)
+
+
 def node_list(nodes: Iterable[int]) -> str:
     """numactl's form of a node set: [0, 1, 3] -> '0-1,3' ('-' if empty)."""
     ids = sorted(set(nodes))

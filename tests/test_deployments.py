@@ -107,13 +107,15 @@ def fake_cuda(monkeypatch):
 def test_a_gpus_numa_node_comes_from_the_runtimes_pci_address(fake_cuda, tmp_path):
     from numa_engram.host.topology import gpu_node
 
-    (tmp_path / "0000:3b:00.0").mkdir()
-    (tmp_path / "0000:3b:00.0" / "numa_node").write_text("1\n")
-    assert gpu_node(0, root=tmp_path) == 1
-    assert gpu_node(1, root=tmp_path) is None  # the runtime has no such device
-    assert gpu_node(None, root=tmp_path) is None
-    (tmp_path / "0000:3b:00.0" / "numa_node").write_text("-1\n")  # no affinity
-    assert gpu_node(0, root=tmp_path) is None
+    dev = tmp_path / "bus" / "pci" / "devices" / "0000:3b:00.0"  # a sysfs tree (root=)
+    dev.mkdir(parents=True)
+    (dev / "numa_node").write_text("1\n")
+    root = str(tmp_path)
+    assert gpu_node(0, root=root) == 1
+    assert gpu_node(1, root=root) is None  # the runtime has no such device
+    assert gpu_node(None, root=root) is None
+    (dev / "numa_node").write_text("-1\n")  # no affinity
+    assert gpu_node(0, root=root) is None
 
 
 def _registered_table():

@@ -162,12 +162,14 @@ def test_fingerprint_mismatch(backing):
 
 
 def test_shmem_thp_force_is_refused(tmp_path):
-    knob = tmp_path / "shmem_enabled"
+    knob = tmp_path / "kernel" / "mm" / "transparent_hugepage" / "shmem_enabled"
+    knob.parent.mkdir(parents=True)
     knob.write_text("always within_size advise never deny [force]\n")
     with pytest.raises(StorageError, match="echo never"):
-        check_shmem_thp(knob)
+        check_shmem_thp(root=str(tmp_path))
     knob.write_text("always within_size advise [never] deny force\n")
-    check_shmem_thp(knob)
+    check_shmem_thp(root=str(tmp_path))
+    check_shmem_thp(root=str(tmp_path / "none"))  # a kernel without the knob: nothing to refuse
 
 
 def test_gc_removes_file_of_killed_creator_and_keeps_live_ones(backing):

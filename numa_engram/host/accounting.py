@@ -15,8 +15,7 @@ from pathlib import Path
 
 from ..bindings import native
 from ..errors import CapacityError
-from . import procfs
-from .topology import read_node_meminfo, read_online_nodes
+from . import procfs, sysfs
 
 
 def sum_memory(pids: Iterable[int]) -> procfs.ProcessMemory:
@@ -29,8 +28,8 @@ def sum_memory(pids: Iterable[int]) -> procfs.ProcessMemory:
 
 def node_shmem() -> dict[int, int]:
     """Shmem bytes per NUMA node (nodeN/meminfo)."""
-    return {n: read_node_meminfo(n).get("Shmem", 0) for n in read_online_nodes()
-            if Path(f"/sys/devices/system/node/node{n}").exists()}
+    return {n: sysfs.node_meminfo(n).get("Shmem", 0) for n in sysfs.online_nodes()
+            if sysfs.node_exists(n)}
 
 
 def tmpfs_usage(directory: str = "/dev/shm") -> tuple[int, int]:
@@ -49,7 +48,7 @@ UNLIMITED = 1 << 60  # cgroup "max" / v1's page-rounded LONG_MAX
 def node_free_bytes(node: int) -> int:
     """Memory a node can give: MemFree + Inactive(file) (page cache, e.g. the
     checkpoint being read, is reclaimable)."""
-    info = read_node_meminfo(node)
+    info = sysfs.node_meminfo(node)
     return info.get("MemFree", 0) + info.get("Inactive(file)", 0)
 
 

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping as MappingType
-from pathlib import Path
 
 from ..bindings import native
 from ..errors import CapacityError, StorageError
 from ..units import fmt_bytes, parse_bytes
-from . import procfs
+from . import procfs, sysfs
 
 SIZES = {"4K": 4 << 10, "2M": 2 << 20, "1G": 1 << 30}
-NODE_ROOT = Path("/sys/devices/system/node")
-POOL_ROOT = Path("/sys/kernel/mm/hugepages")
 # bytes of page table (last level) per mapped page: 8-byte entries, and a
 # 2 MiB page is one PMD entry, a 1 GiB page one PUD entry
 _ENTRY = 8
@@ -132,18 +129,9 @@ def memfd_flags(page_size: int) -> int:
     return flags
 
 
-def _pool_dir(page_size: int, node: int | None) -> Path:
-    """sysfs directory of the pool of ``page_size`` pages, host-wide or of a node."""
-    base = POOL_ROOT if node is None else NODE_ROOT / f"node{node}" / "hugepages"
-    return base / f"hugepages-{page_size >> 10}kB"
-
-
 def pool_pages(page_size: int, node: int | None = None, what: str = "free_hugepages") -> int:
     """Pages of the pool, host-wide or on one node (0 if none reserved)."""
-    try:
-        return int((_pool_dir(page_size, node) / what).read_text())
-    except (OSError, ValueError):
-        return 0
+    return sysfs.hugepage_pool(page_size, node, what)
 
 
 def bytes_in_use(node: int | None = None) -> int:
@@ -154,7 +142,7 @@ def bytes_in_use(node: int | None = None) -> int:
 
 
 def _fix(page_size: int, node: int | None, pages: int) -> str:
-    return f"echo {pages} > {_pool_dir(page_size, node) / 'nr_hugepages'}"
+    return f"echo {pages} > {sysfs.hugepage_pool_dir(page_size, node) / 'nr_hugepages'}"
 
 
 def check_pool(size: int, page_size: int, bytes_per_node: MappingType[int, int] | None = None,

@@ -11,15 +11,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from ..errors import NumaEngramError, TopologyError
-from . import procfs
-
-SYS_NODE = Path("/sys/devices/system/node")
-SYS_PCI = Path("/sys/bus/pci/devices")
-NVIDIA_VENDOR = "0x10de"
-DISPLAY_CLASSES = ("0x0300", "0x0302")  # VGA and 3D controllers
+from . import procfs, sysfs
 
 
 @dataclass(frozen=True)
@@ -39,53 +33,15 @@ class GpuInfo:
     name: str = ""
 
 
-def parse_cpulist(text: str) -> tuple[int, ...]:
-    """'0-3,8,10-11' -> (0, 1, 2, 3, 8, 10, 11)."""
-    out: list[int] = []
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return tuple(out)
+def read_online_nodes(root: str = sysfs.SYS) -> tuple[int, ...]:
+    return sysfs.online_nodes(root)
 
 
-def read_online_nodes(root: Path = SYS_NODE) -> tuple[int, ...]:
-    path = root / "online"
-    if not path.exists():  # kernel without NUMA support: one node
-        return (0,)
-    return parse_cpulist(path.read_text())
+def read_node_meminfo(node: int, root: str = sysfs.SYS) -> dict[str, int]:
+    return sysfs.node_meminfo(node, root)
 
 
-def read_node_cpus(node: int, root: Path = SYS_NODE) -> tuple[int, ...]:
-    return parse_cpulist((root / f"node{node}" / "cpulist").read_text())
-
-
-def read_node_meminfo(node: int, root: Path = SYS_NODE) -> dict[str, int]:
-    """nodeN/meminfo as bytes: {'MemTotal': ..., 'MemFree': ..., 'Shmem': ...}."""
-    out: dict[str, int] = {}
-    for line in (root / f"node{node}" / "meminfo").read_text().splitlines():
-        # "Node 0 MemTotal:       24576 kB" or "Node 0 HugePages_Total:     0"
-        parts = line.split()
-        if len(parts) >= 4:
-            scale = 1024 if parts[-1] == "kB" else 1
-            out[parts[2].rstrip(":")] = int(parts[3]) * scale
-    return out
-
-
-def read_node_distances(node: int, root: Path = SYS_NODE) -> tuple[int, ...]:
-    return tuple(int(x) for x in (root / f"node{node}" / "distance").read_text().split())
-
-
-def read_pci_numa_node(bus_id: str, root: Path = SYS_PCI) -> int:
-    path = root / bus_id.lower() / "numa_node"
-    try:
-        return int(path.read_text())
-    except (OSError, ValueError):
-        return -1
-
-
-def gpu_node(device: int | None, root: Path = SYS_PCI) -> int | None:
+def gpu_node(device: int | None, root: str = sysfs.SYS) -> int | None:
     """The NUMA node of a CUDA device (by the PCI bus id the CUDA runtime
     reports: CUDA and PCI order may differ), or None when it cannot be told
     (no device given, no runtime or GPU, no NUMA affinity in sysfs)."""
@@ -97,25 +53,14 @@ def gpu_node(device: int | None, root: Path = SYS_PCI) -> int | None:
         bus_id = cudart.pci_bus_id(device)
     except NumaEngramError:  # no runtime, no GPU, or no such device
         return None
-    node = read_pci_numa_node(bus_id, root)
+    node = sysfs.pci_numa_node(bus_id, root)
     return node if node >= 0 else None
 
 
-def read_nvidia_gpus(root: Path = SYS_PCI) -> tuple[GpuInfo, ...]:
-    """NVIDIA display/3D controllers in PCI bus order (= CUDA order with
-    CUDA_DEVICE_ORDER=PCI_BUS_ID)."""
-    if not root.exists():
-        return ()
-    found = []
-    for dev in sorted(root.iterdir()):
-        try:
-            vendor = (dev / "vendor").read_text().strip()
-            klass = (dev / "class").read_text().strip()
-        except OSError:
-            continue
-        if vendor == NVIDIA_VENDOR and klass[:6] in DISPLAY_CLASSES:
-            found.append(dev.name)
-    return tuple(GpuInfo(i, bus, read_pci_numa_node(bus, root)) for i, bus in enumerate(found))
+def read_nvidia_gpus(root: str = sysfs.SYS) -> tuple[GpuInfo, ...]:
+    """NVIDIA GPUs in PCI bus order (= CUDA order with CUDA_DEVICE_ORDER=PCI_BUS_ID)."""
+    return tuple(GpuInfo(i, bus, sysfs.pci_numa_node(bus, root))
+                 for i, bus in enumerate(sysfs.nvidia_gpus(root)))
 
 
 def libnuma_view() -> dict | None:
@@ -138,11 +83,11 @@ def libnuma_view() -> dict | None:
 
 def _read_node(n: int) -> NodeInfo:
     """One node from sysfs; a kernel without NUMA sysfs is one node holding every cpu."""
-    if not (SYS_NODE / f"node{n}").exists():
+    if not sysfs.node_exists(n):
         return NodeInfo(n, tuple(range(os.cpu_count() or 1)), 0, 0, (10,))
-    mem = read_node_meminfo(n)
-    return NodeInfo(n, read_node_cpus(n), mem.get("MemTotal", 0), mem.get("MemFree", 0),
-                    read_node_distances(n))
+    mem = sysfs.node_meminfo(n)
+    return NodeInfo(n, sysfs.node_cpus(n), mem.get("MemTotal", 0), mem.get("MemFree", 0),
+                    sysfs.node_distances(n))
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ import numpy as np
 
 from ..bindings import native
 from ..errors import PlacementError, TopologyError
-from ..host.topology import Topology, parse_cpulist
+from ..host.topology import Topology
 from ..model.sharding import WorldLayout
 from ..model.spec import EngramSpec
-from ..units import fmt_bytes, node_list, text_table, unit_for
+from ..units import fmt_bytes, node_list, parse_cpulist, text_table, unit_for
 
 MPOL_MODES = {"bind": native.MPOL_BIND, "preferred": native.MPOL_PREFERRED,
          "interleave": native.MPOL_INTERLEAVE, "default": native.MPOL_DEFAULT}

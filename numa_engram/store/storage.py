@@ -16,14 +16,13 @@ import secrets
 import stat
 import struct
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from ..bindings import native
 from ..errors import CapacityError, SpecMismatchError, StorageError, SyscallError
-from ..host import hugepages, procfs
+from ..host import hugepages, procfs, sysfs
 from ..host.accounting import check_memory
 from ..host.topology import Topology
 from .chunks import for_each_chunk
@@ -47,7 +46,6 @@ log = logging.getLogger(__name__)
 
 NO_KEY = ShardKey()
 POPULATE_CHUNK = 64 << 20  # progress granularity of populate
-SHMEM_THP = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 
 
 class RangePolicy(Protocol):
@@ -82,13 +80,11 @@ def describe_device(dir_id: tuple[int, int] | None) -> str:
     return f"dev {os.major(dev)}:{os.minor(dev)}" + (f" inode {ino}" if ino > 2 else "")
 
 
-def check_shmem_thp(path: Path = SHMEM_THP) -> None:
+def check_shmem_thp(root: str = sysfs.SYS) -> None:
     """Refuse to run when shared-memory THP is forced on every mount."""
-    try:
-        text = path.read_text()
-    except OSError:
-        return
-    if "[force]" in text:
+    text = sysfs.shmem_thp(root)
+    path = sysfs.shmem_thp_path(root)
+    if text is not None and "[force]" in text:
         raise StorageError(
             f"{path} is 'force': shared memory would use huge pages, which pinning splits and "
             f"placement cannot verify; run 'echo never > {path}' (or 'advise') as root")
