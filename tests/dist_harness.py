@@ -53,8 +53,6 @@ def _worker(rank, world, port, scenario, kwargs, conn, pg_timeout_s, host=None):
         enter_host(*host)
     import torch.distributed as dist
 
-    from tests import dist_scenarios
-
     logs = _Collect()
     logging.getLogger("numa_engram").addHandler(logs)
     logging.getLogger("numa_engram").setLevel(logging.INFO)
@@ -64,7 +62,7 @@ def _worker(rank, world, port, scenario, kwargs, conn, pg_timeout_s, host=None):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=pg_timeout_s))
         t0 = time.monotonic()  # the scenario's time, not the world's start-up
-        result.update(getattr(dist_scenarios, scenario)(rank, world, **kwargs) or {})
+        result.update(scenario(rank, world, **kwargs) or {})
         result["ok"] = True
     except BaseException as exc:  # report, do not hang
         result.update(ok=False, error_type=type(exc).__name__, message=str(exc),
@@ -87,7 +85,9 @@ def _stopped(pid: int) -> bool:
 
 def run_world(world, scenario, timeout_s=180, pg_timeout_s=60, resume_stopped=False,
               hosts=None, **kwargs):
-    """Each rank's result dict (ok, error_type, message, seconds, exitcode).
+    """Run ``scenario`` (a module-level function of tests/dist_scenarios.py,
+    called as scenario(rank, world, **kwargs)) in ``world`` spawned ranks;
+    each rank's result dict (ok, error_type, message, seconds, exitcode).
     ``resume_stopped``: once every rank that has not reported is stopped
     (SIGSTOP), they get SIGCONT and their results are collected too
     (marked ``resumed``).  ``hosts``: for each rank, (tmpfs dir, hostname,

@@ -13,6 +13,7 @@ from numa_engram.errors import CudaUnavailable, NumaEngramError
 from numa_engram.sharing.checkpoint import write_synthetic_checkpoint
 from numa_engram.sharing.group import RankIdentity, identity_groups
 
+from . import dist_scenarios as scenarios
 from .dist_harness import run_world
 from .dist_scenarios import make_spec
 
@@ -211,7 +212,7 @@ def _check_copies(results, groups):
 
 @pytest.mark.multiproc
 def test_tp2_dp4_on_two_hosts(hosts, ckpt):
-    results = run_world(8, "share_on_hosts", hosts=_on(hosts, "AAAABBBB"), tp=2,
+    results = run_world(8, scenarios.share_on_hosts, hosts=_on(hosts, "AAAABBBB"), tp=2,
                         mode="dp_shared", checkpoint=ckpt, rows_per_head=ROWS)
     _check_copies(results, [(0, 2), (1, 3), (4, 6), (5, 7)])
     assert {r["hostname"] for r in results} == {"hostA", "hostB"}
@@ -221,14 +222,14 @@ def test_tp2_dp4_on_two_hosts(hosts, ckpt):
 
 @pytest.mark.multiproc
 def test_interleaved_ranks_share_by_identity(hosts, ckpt):
-    results = run_world(4, "share_on_hosts", hosts=_on(hosts, "ABAB"), tp=1,
+    results = run_world(4, scenarios.share_on_hosts, hosts=_on(hosts, "ABAB"), tp=1,
                         mode="dp_shared", checkpoint=ckpt, rows_per_head=ROWS)
     _check_copies(results, [(0, 2), (1, 3)])
 
 
 @pytest.mark.multiproc
 def test_uneven_hosts_three_share_one_alone(hosts, ckpt):
-    results = run_world(4, "share_on_hosts", hosts=_on(hosts, "AAAB"), tp=1,
+    results = run_world(4, scenarios.share_on_hosts, hosts=_on(hosts, "AAAB"), tp=1,
                         mode="auto", checkpoint=ckpt, rows_per_head=ROWS)
     _check_copies(results, [(0, 1, 2), (3,)])
     assert [r["report"]["mode"] for r in results] == ["dp_shared"] * 3 + ["independent"]
@@ -239,19 +240,20 @@ def test_containers_sharing_one_tmpfs_at_other_paths_share(hosts, ckpt):
     """Two containers of one host: separate mount namespaces, the same tmpfs,
     mounted at /dev/shm in one and /run/engram in the other."""
     where = [(hosts["A"], "podA", "/run/engram"), (hosts["A"], "podB", "/run/engram")]
-    results = run_world(2, "share_on_hosts", hosts=where, tp=1, mode="dp_shared",
+    results = run_world(2, scenarios.share_on_hosts, hosts=where, tp=1, mode="dp_shared",
                         checkpoint=ckpt, rows_per_head=ROWS, directory="/run/engram")
     _check_copies(results, [(0, 1)])
 
 
 @pytest.mark.multiproc
 def test_a_group_spanning_hosts_is_refused_or_falls_back(hosts):
-    results = run_world(4, "world_group_across_hosts", hosts=_on(hosts, "AABB"),
+    results = run_world(4, scenarios.world_group_across_hosts, hosts=_on(hosts, "AABB"),
                         mode="dp_shared")
     for r in results:
         assert not r["ok"] and r["error_type"] == "StorageError", r
         assert "rank 2 has another /dev/shm (dev" in r["message"], r["message"]
-    results = run_world(4, "world_group_across_hosts", hosts=_on(hosts, "AABB"), mode="auto")
+    results = run_world(4, scenarios.world_group_across_hosts, hosts=_on(hosts, "AABB"),
+                        mode="auto")
     for r in results:
         assert r["ok"], r
         assert r["report"]["mode"] == "independent"
@@ -260,7 +262,7 @@ def test_a_group_spanning_hosts_is_refused_or_falls_back(hosts):
 
 @pytest.mark.multiproc
 def test_a_serving_stacks_coordinator_plugs_in():
-    results = run_world(3, "coordinator_group")
+    results = run_world(3, scenarios.coordinator_group)
     for r in results:
         assert r["ok"], r.get("traceback") or r
         assert r["report"]["mode"] == "dp_shared" and r["exact"]

@@ -9,6 +9,7 @@ from numa_engram.errors import LookupIdError
 from numa_engram.model.spec import EngramSpec
 from numa_engram.sharing.exchange import ShardedHeads, pad_hash_ids
 
+from . import dist_scenarios as scenarios
 from .dist_harness import run_world
 
 pytestmark = pytest.mark.multiproc
@@ -18,7 +19,7 @@ COUNTS = [5, 0, 3, 9]  # by DP rank: replica 1 idle, replica 2 all DEAD
 @pytest.mark.parametrize("tp, dp", [(1, 4), (2, 2)])
 @pytest.mark.parametrize("heads_per_order, orders", [(4, 3), (7, 2)])  # 8 heads, 7 heads
 def test_every_replica_gets_exact_rows(tp, dp, heads_per_order, orders):
-    results = run_world(4, "dp_sharded", tp=tp, dp=dp, counts=COUNTS,
+    results = run_world(4, scenarios.dp_sharded, tp=tp, dp=dp, counts=COUNTS,
                         n_head_per_ngram=heads_per_order, max_ngram=orders, max_tokens=16)
     _check_exact(results, tp, heads_per_order, orders)
 
@@ -28,7 +29,7 @@ def test_counts_given_by_the_caller_skip_the_count_gather_bit_exact(tp, dp):
     """vLLM's num_tokens_across_dp passed in: the same rows with one
     collective per direction; a count that disagrees with a member's ids is
     refused in every member, which then look up again in step."""
-    results = run_world(4, "dp_sharded", tp=tp, dp=dp, counts=COUNTS, n_head_per_ngram=4,
+    results = run_world(4, scenarios.dp_sharded, tp=tp, dp=dp, counts=COUNTS, n_head_per_ngram=4,
                         max_ngram=3, max_tokens=16, given_counts=True)
     _check_exact(results, tp, 4, 3)
     for r in results:
@@ -50,7 +51,7 @@ def _check_exact(results, tp, heads_per_order, orders):
 
 
 def test_oversized_batch_fails_in_every_member():
-    results = run_world(4, "dp_sharded", tp=1, dp=4, counts=[5, 0, 3, 20],
+    results = run_world(4, scenarios.dp_sharded, tp=1, dp=4, counts=[5, 0, 3, 20],
                         n_head_per_ngram=4, max_ngram=3, max_tokens=16)
     for r in results:
         assert not r["ok"] and r["error_type"] == "LookupIdError", r

@@ -19,7 +19,7 @@ def _signed(x: int) -> int:
 
 
 def v41_rule(spec: EngramSpec, seq: list[int], layer: int, p: int) -> list[int]:
-    """The rule as written (REFERENCE.md 1b), one token at a time: source
+    """The rule as written (docs/design.md, "Hashes"), one token at a time: source
     at p-s; blocked from the first s before the start or DEAD (< 0);
     blocked tokens are pad_id; XOR of products, floor modulo per head."""
     m = [int(x) for x in spec.multipliers(layer)]

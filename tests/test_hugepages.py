@@ -18,6 +18,7 @@ from numa_engram.sharing.checkpoint import write_synthetic_checkpoint
 from numa_engram.store.fileformat import PREFIX, Layout
 from numa_engram.store.storage import BackingFile
 
+from . import dist_scenarios as scenarios
 from .conftest import run_python
 from .dist_harness import run_world
 from .dist_scenarios import make_spec
@@ -95,7 +96,7 @@ def test_shared_table_on_hugetlbfs_is_one_copy_for_the_group(tmp_path, huge_pool
     ckpt = str(write_synthetic_checkpoint(tmp_path / "engram.safetensors", spec))
     huge_pool.reserve(16)
     in_use = hugepages.bytes_in_use()
-    results = run_world(2, "share", tp=1, dp=2, mode="dp_shared", checkpoint=ckpt,
+    results = run_world(2, scenarios.share, tp=1, dp=2, mode="dp_shared", checkpoint=ckpt,
                         rows_per_head=ROWS_PER_HEAD, page_size="2M",
                         directory=huge_pool.mount)
     for r in results:
@@ -150,7 +151,7 @@ def test_verify_reads_the_plan_from_a_hugetlb_files_header(huge_pool):
 
 
 def test_members_must_agree_on_the_page_size(tmp_path, huge_pool):
-    results = run_world(2, "other_page_size", directory=huge_pool.mount)
+    results = run_world(2, scenarios.other_page_size, directory=huge_pool.mount)
     assert all(not r["ok"] and r["error_type"] == "StorageError" for r in results), results
     assert all("page_size" in r["message"] for r in results)
 

@@ -19,6 +19,7 @@ from numa_engram.store.fileformat import Layout
 from numa_engram.store.placement import PlacementPlan, PlacementRange, verify
 from numa_engram.store.storage import BackingFile
 
+from . import dist_scenarios as scenarios
 from .conftest import run_python
 from .dist_harness import run_world
 from .dist_scenarios import LAYER, make_spec
@@ -104,7 +105,7 @@ def test_a_group_shares_one_hugetlb_copy_placed_on_the_readers_node(tmp_path, nu
         huge_pool.reserve(8, n)
     spec = make_spec(ROWS_PER_HEAD)
     ckpt = str(write_synthetic_checkpoint(tmp_path / "engram.safetensors", spec))
-    results = run_world(2, "share", tp=1, dp=2, mode="dp_shared", checkpoint=ckpt,
+    results = run_world(2, scenarios.share, tp=1, dp=2, mode="dp_shared", checkpoint=ckpt,
                         rows_per_head=ROWS_PER_HEAD, page_size="2M",
                         directory=huge_pool.mount)
     for r in results:

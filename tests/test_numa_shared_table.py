@@ -3,13 +3,14 @@
 
 import pytest
 
+from . import dist_scenarios as scenarios
 from .dist_harness import run_world
 
 pytestmark = [pytest.mark.numa, pytest.mark.multiproc]
 
 
 def test_two_tp_shards_on_two_nodes_report_full_placement_from_every_member(numa_nodes):
-    results = run_world(4, "share_placed", timeout_s=900, pg_timeout_s=600, tp=2, dp=2)
+    results = run_world(4, scenarios.share_placed, timeout_s=900, pg_timeout_s=600, tp=2, dp=2)
     for r in results:
         assert r["ok"], r.get("traceback") or r
         node = r["rank"] % 2

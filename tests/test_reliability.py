@@ -24,6 +24,7 @@ from numa_engram.store.fileformat import PREFIX, Layout
 from numa_engram.store.gc import gc_stale_files
 from numa_engram.store.storage import BackingFile, check_directory
 
+from . import dist_scenarios as scenarios
 from .conftest import SHM, run_python, shm_files
 from .dist_harness import run_world
 from .dist_scenarios import make_spec
@@ -44,7 +45,7 @@ def _same_failure(results, error_type, text=None, ranks=None):
 
 @multiproc
 def test_member_asking_for_another_shard_fails_everywhere():
-    results = run_world(3, "other_shard")
+    results = run_world(3, scenarios.other_shard)
     _same_failure(results, "SpecMismatchError", "rank 1 asked for layer 1, heads [4, 8)")
     assert "the leader (rank 0) for layer 1, heads [0, 4)" in results[0]["message"]
 
@@ -233,7 +234,7 @@ def test_auto_falls_back_only_to_copies_that_fit(tmp_path):
         from numa_engram.host.accounting import cgroup_memory_room
 
         room = min(r.free for r in cgroup_memory_room())
-        results = run_world(2, "memory_fallback", directory=str(tiny), room=room)
+        results = run_world(2, scenarios.memory_fallback, directory=str(tiny), room=room)
     finally:
         cg.leave()
         cg.remove()
@@ -323,7 +324,7 @@ def test_fault_matrix(victim, point, action, ckpt):
     later ends like them, and gc then leaves /dev/shm clean."""
     timeout_s = 4
     before = shm_files()
-    results = run_world(3, "fault", timeout_s=90, pg_timeout_s=120, resume_stopped=True,
+    results = run_world(3, scenarios.fault, timeout_s=90, pg_timeout_s=120, resume_stopped=True,
                         victim=victim, point=point, action=action, bound_s=timeout_s,
                         checkpoint=ckpt)
     survivors = [r for r in results if r["rank"] != victim or action == "stop"]
@@ -346,7 +347,7 @@ def test_fault_matrix(victim, point, action, ckpt):
 @multiproc
 def test_timeout_bounds_collectives_not_the_process_group():
     """A stopped peer, a 40 s process-group timeout, create(timeout_s=5)."""
-    results = run_world(3, "peer_stops_itself", timeout_s=90, pg_timeout_s=40, bound_s=5)
+    results = run_world(3, scenarios.peer_stops_itself, timeout_s=90, pg_timeout_s=40, bound_s=5)
     _same_failure(results, "GroupTimeout", "step 'join'", ranks={0, 1})
     assert all(r["seconds"] < 5 + 10 for r in results[:2]), [r["seconds"] for r in results]
 
@@ -355,7 +356,7 @@ def test_timeout_bounds_collectives_not_the_process_group():
 
 @multiproc
 def test_syscall_error_on_a_peer_is_raised_as_itself_everywhere():
-    results = run_world(3, "peer_raises", error="syscall")
+    results = run_world(3, scenarios.peer_raises, error="syscall")
     for r in results:
         assert r["raised"] == "SyscallError", r
         assert "step 'map' on member 1 (rank 1): mmap failed: ENOMEM" in r["text"], r["text"]
@@ -364,7 +365,7 @@ def test_syscall_error_on_a_peer_is_raised_as_itself_everywhere():
 
 @multiproc
 def test_foreign_errors_become_member_failure_listing_every_member():
-    results = run_world(3, "peer_raises", error="foreign")
+    results = run_world(3, scenarios.peer_raises, error="foreign")
     for r in results:
         assert r["raised"] == "MemberFailure", r
         assert "member 1 (rank 1) RuntimeError: not ours, rank 1" in r["text"]
@@ -378,7 +379,7 @@ def test_foreign_errors_become_member_failure_listing_every_member():
 def test_a_slow_but_healthy_load_outlasts_the_timeout(tmp_path):
     path = tmp_path / "c.safetensors"
     write_synthetic_checkpoint(path, make_spec(4000))
-    results = run_world(3, "slow_load", pg_timeout_s=3, bound_s=3, checkpoint=str(path),
+    results = run_world(3, scenarios.slow_load, pg_timeout_s=3, bound_s=3, checkpoint=str(path),
                         pause_s=2.0)
     for r in results:
         assert r["ok"], r
@@ -390,7 +391,7 @@ def test_a_slow_but_healthy_load_outlasts_the_timeout(tmp_path):
 def test_fifo_checkpoint_is_refused_up_front(tmp_path):
     fifo = tmp_path / "ckpt.safetensors"
     os.mkfifo(fifo)
-    results = run_world(3, "load_from", timeout_s=60, checkpoint=str(fifo))
+    results = run_world(3, scenarios.load_from, timeout_s=60, checkpoint=str(fifo))
     _same_failure(results, "CheckpointError", "is not a regular file")
     assert all(r["seconds"] < 10 for r in results)
 
@@ -399,7 +400,7 @@ def test_fifo_checkpoint_is_refused_up_front(tmp_path):
 
 @multiproc
 def test_dp_sharded_bad_id_fails_all_at_once_and_the_group_stays_usable():
-    results = run_world(2, "dp_sharded_bad_id")
+    results = run_world(2, scenarios.dp_sharded_bad_id)
     for r in results:
         assert r["ok"], r
         assert "EDP member(s) [1]" in r["first"] and r["took"] < 5
@@ -515,7 +516,7 @@ def _is_tmpfs(path) -> bool:
 
 @multiproc
 def test_members_must_agree_on_the_mode():
-    results = run_world(3, "other_mode")
+    results = run_world(3, scenarios.other_mode)
     _same_failure(results, "TopologyError", "rank 2 asked for mode 'independent'")
 
 
@@ -563,7 +564,7 @@ def test_load_parts_go_to_the_members_on_the_rows_node():
 
 
 def test_every_member_loads_its_part_and_the_rows_are_exact(ckpt):
-    results = run_world(3, "split_load", checkpoint=ckpt)
+    results = run_world(3, scenarios.split_load, checkpoint=ckpt)
     assert all(r["ok"] and r["raised"] is None for r in results), results
     for r in results:
         assert r["exact"] and r["done"] and r["sealed"]
@@ -573,7 +574,7 @@ def test_every_member_loads_its_part_and_the_rows_are_exact(ckpt):
 
 
 def test_a_loader_failing_mid_part_fails_every_member_at_once(ckpt):
-    results = run_world(3, "split_load", checkpoint=ckpt, fail_rank=2)
+    results = run_world(3, scenarios.split_load, checkpoint=ckpt, fail_rank=2)
     assert all(r["ok"] for r in results), results
     assert len({r["raised"] for r in results}) == 1 and results[0]["raised"], results
     assert all("disk gone under rank 2" in r["text"] for r in results)
@@ -595,7 +596,7 @@ def two_versions(tmp_path):
 @pytest.mark.parametrize("replacer", [0, 2], ids=["leader", "peer-loader"])
 def test_a_checkpoint_replaced_during_the_load_fails_every_member(two_versions, replacer):
     path, other = two_versions
-    results = run_world(3, "replace_during_load", checkpoint=path, other=other,
+    results = run_world(3, scenarios.replace_during_load, checkpoint=path, other=other,
                         replacer=replacer)
     for r in results:
         assert r["ok"] and r["raised"] == "CheckpointError", r
@@ -608,7 +609,7 @@ def test_every_member_refuses_a_truncated_checkpoint_naming_file_and_tensor(tmp_
     path = tmp_path / "cut.safetensors"
     write_synthetic_checkpoint(path, make_spec(200))
     os.truncate(path, os.path.getsize(path) - 100)
-    results = run_world(3, "load_from", timeout_s=60, checkpoint=str(path))
+    results = run_world(3, scenarios.load_from, timeout_s=60, checkpoint=str(path))
     _same_failure(results, "CheckpointError", f"{path}: tensor ")
     for r in results:
         assert "needs bytes up to" in r["message"] and "truncated or corrupt" in r["message"]
@@ -623,7 +624,7 @@ def test_every_member_refuses_a_truncated_checkpoint_naming_file_and_tensor(tmp_
 def test_a_split_load_fails_with_the_class_of_the_member_that_failed(tmp_path, error, cls):
     path = tmp_path / "c.safetensors"
     write_synthetic_checkpoint(path, make_spec(1000))
-    results = run_world(3, "split_load", checkpoint=str(path), fail_rank=2, error=error)
+    results = run_world(3, scenarios.split_load, checkpoint=str(path), fail_rank=2, error=error)
     for r in results:
         assert r["ok"] and r["raised"] == cls, r
         assert r["seconds"] < 20, r
@@ -631,23 +632,23 @@ def test_a_split_load_fails_with_the_class_of_the_member_that_failed(tmp_path, e
 
 @multiproc
 def test_placement_disagreement_and_bad_nodes_fail_in_every_member():
-    results = run_world(3, "other_placement", placement="interleave")
+    results = run_world(3, scenarios.other_placement, placement="interleave")
     _same_failure(results, "SpecMismatchError", "rank 1 asked for placement 'interleave', "
                                                 "the leader (rank 0) for 'gpu-local'")
-    results = run_world(3, "other_placement", placement="node:999")
+    results = run_world(3, scenarios.other_placement, placement="node:999")
     _same_failure(results, "TopologyError", "step 'join' on member 1 (rank 1)")
     assert "999" in results[0]["message"]
-    results = run_world(3, "other_placement", placement="gpu-local")
+    results = run_world(3, scenarios.other_placement, placement="gpu-local")
     assert all(r["ok"] and r["policy"] == "gpu-local" for r in results), results
 
 
 @multiproc
 def test_sharing_groups_never_merge_what_the_caller_separated():
-    results = run_world(4, "groups_limited", gpus_per_host=2)
+    results = run_world(4, scenarios.groups_limited, gpus_per_host=2)
     assert [r["group"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]], results
-    results = run_world(4, "groups_limited", within=[[0, 3], [1, 2]])
+    results = run_world(4, scenarios.groups_limited, within=[[0, 3], [1, 2]])
     assert [r["group"] for r in results] == [[0, 3], [1, 2], [1, 2], [0, 3]], results
-    results = run_world(4, "groups_limited", gpus_per_host=2, within=[[0], [1, 2, 3]])
+    results = run_world(4, scenarios.groups_limited, gpus_per_host=2, within=[[0], [1, 2, 3]])
     assert [r["group"] for r in results] == [[0], [1], [2, 3], [2, 3]], results
 
 
@@ -655,7 +656,7 @@ def test_sharing_groups_never_merge_what_the_caller_separated():
 def test_a_peers_syscall_error_keeps_its_errno_and_call_everywhere():
     import errno
 
-    results = run_world(3, "peer_raises", error="syscall")
+    results = run_world(3, scenarios.peer_raises, error="syscall")
     for r in results:
         assert r["raised"] == "SyscallError" and r["is_oserror"], r
         assert r["errno"] == errno.ENOMEM and r["call"] == "mmap", r
@@ -663,7 +664,7 @@ def test_a_peers_syscall_error_keeps_its_errno_and_call_everywhere():
 
 @multiproc
 def test_a_group_timeout_names_the_members_that_did_not_arrive():
-    results = run_world(3, "peer_never_joins", timeout_s=60)
+    results = run_world(3, scenarios.peer_never_joins, timeout_s=60)
     _same_failure(results, "GroupTimeout", "member(s) at world rank(s) [2] did not arrive",
                   ranks={0, 1})
 

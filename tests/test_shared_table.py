@@ -10,6 +10,7 @@ from numa_engram.errors import SpecMismatchError, StorageError, TopologyError
 from numa_engram.sharing.checkpoint import synthetic_layer, write_synthetic_checkpoint
 from numa_engram.store.gc import gc_stale_files
 
+from . import dist_scenarios as scenarios
 from .conftest import shm_files
 from .dist_harness import run_world
 from .dist_scenarios import make_spec
@@ -31,10 +32,10 @@ def _all_ok(results):
 
 @pytest.mark.parametrize("tp, dp", [(1, 4), (2, 2)])
 def test_dp_shared_one_copy_vs_independent_four(tmp_path, checkpoint, tp, dp):
-    shared = run_world(4, "share", tp=tp, dp=dp, mode="dp_shared",
+    shared = run_world(4, scenarios.share, tp=tp, dp=dp, mode="dp_shared",
                        checkpoint=checkpoint, rows_per_head=ROWS_PER_HEAD)
     _all_ok(shared)
-    indep = run_world(4, "share", tp=tp, dp=dp, mode="independent",
+    indep = run_world(4, scenarios.share, tp=tp, dp=dp, mode="independent",
                       checkpoint=checkpoint, rows_per_head=ROWS_PER_HEAD)
     _all_ok(indep)
     one_copy = sum(r["backing_bytes"] for r in shared[:tp])  # the TP shards of one replica
@@ -60,7 +61,7 @@ def test_dp_shared_one_copy_vs_independent_four(tmp_path, checkpoint, tp, dp):
 
 def test_per_socket_groups_hold_one_copy_per_socket(checkpoint):
     """replicate-per-node: DP replicas on GPUs of two sockets, a copy each."""
-    results = run_world(4, "share", tp=1, dp=4, mode="dp_shared", checkpoint=checkpoint,
+    results = run_world(4, scenarios.share, tp=1, dp=4, mode="dp_shared", checkpoint=checkpoint,
                         rows_per_head=ROWS_PER_HEAD, socket_of=[0, 0, 1, 1])
     _all_ok(results)
     assert [r["report"]["sharing_group"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
@@ -80,7 +81,7 @@ def _assert_all_failed(results, error_type, text, ranks=None):
 
 
 def test_peer_that_never_joins_times_out_everywhere(tmp_path):
-    results = run_world(4, "peer_never_joins", timeout_s=40, pg_timeout_s=5)
+    results = run_world(4, scenarios.peer_never_joins, timeout_s=40, pg_timeout_s=5)
     _assert_all_failed(results, "GroupTimeout", "step 'join'", ranks={0, 1, 2})
     assert all(r["seconds"] < 5 + 10 for r in results[:3]), "no hang past the timeout"
     assert not shm_files()
@@ -88,7 +89,7 @@ def test_peer_that_never_joins_times_out_everywhere(tmp_path):
 
 def test_leader_killed_before_unlink_leaves_a_file_gc_removes(tmp_path):
     before = shm_files()
-    results = run_world(4, "leader_killed", timeout_s=90, pg_timeout_s=10)
+    results = run_world(4, scenarios.leader_killed, timeout_s=90, pg_timeout_s=10)
     assert results[0]["exitcode"] == -9
     _assert_all_failed(results, "GroupTimeout", "did not complete", ranks={1, 2, 3})
     assert all(r["seconds"] < 10 + 10 for r in results[1:]), "no hang past the timeout"
@@ -110,13 +111,13 @@ def small_tmpfs(tmp_path):
 
 
 def test_tmpfs_too_small_explicit_mode_fails_everywhere(tmp_path, small_tmpfs):
-    results = run_world(4, "small_tmpfs", directory=small_tmpfs, mode="dp_shared")
+    results = run_world(4, scenarios.small_tmpfs, directory=small_tmpfs, mode="dp_shared")
     _assert_all_failed(results, "CapacityError", "dp_shared requested but")
     assert not os.listdir(small_tmpfs)
 
 
 def test_tmpfs_too_small_auto_mode_falls_back_and_logs(tmp_path, small_tmpfs):
-    results = run_world(4, "small_tmpfs", directory=small_tmpfs, mode="auto")
+    results = run_world(4, scenarios.small_tmpfs, directory=small_tmpfs, mode="auto")
     _all_ok(results)
     for r in results:
         assert r["report"]["mode"] == "independent" and "GiB free" in r["report"][
@@ -126,14 +127,14 @@ def test_tmpfs_too_small_auto_mode_falls_back_and_logs(tmp_path, small_tmpfs):
 
 
 def test_peer_with_another_spec_fails_everywhere(tmp_path):
-    results = run_world(4, "fingerprint_differs")
+    results = run_world(4, scenarios.fingerprint_differs)
     _assert_all_failed(results, "SpecMismatchError", "members [2] have another Engram spec")
 
 
 def test_peer_of_another_uid_is_refused_at_join(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("needs root to start a member as another uid")
-    results = run_world(4, "other_uid")
+    results = run_world(4, scenarios.other_uid)
     _assert_all_failed(results, "StorageError", "rank 1 runs as uid 65534, the leader as uid 0")
 
 

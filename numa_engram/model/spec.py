@@ -1,7 +1,7 @@
 """EngramSpec: the configuration that decides a table's bytes.
 
 Prime bucket sizes and multipliers are chosen exactly as DeepSeek's
-reference demo chooses them (REFERENCE.md section 1): primes distinct across
+reference demo chooses them (docs/design.md, "Hashes"): primes distinct across
 the whole model, searched upwards from each order's engram vocab size.
 """
 

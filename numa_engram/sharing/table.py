@@ -1,10 +1,11 @@
 """SharedEngramTable: one shard of one Engram layer in host memory, one
 physical copy per sharing group.
 
-``create`` is the leader/peer protocol of DESIGN.md section 3, written as
-one visible sequence of named steps; every collective is bounded by the
-group's timeout, and a failure anywhere ends with the same clear exception
-in every member and nothing left in /dev/shm.
+``create`` turns its arguments into one ``CreateRequest`` and runs the
+leader/peer protocol (``protocol``; docs/design.md, "Order of operations");
+every collective is bounded by the request's timeout, and a failure
+anywhere ends with the same clear exception in every member and nothing
+left in /dev/shm.
 """
 
 from __future__ import annotations

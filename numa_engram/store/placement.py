@@ -2,7 +2,7 @@
 to a NUMA policy, ``apply`` binds them before population and ``verify``
 reports, page by page, where they really are.
 
-Policies an operator chooses from (DESIGN.md section 4): ``gpu-local``,
+Policies an operator chooses from (docs/design.md, "Modes and placement"): ``gpu-local``,
 ``node:N``, ``interleave``, ``replicate-per-node`` (one copy per node, each
 bound locally) and ``none`` (first touch).  No torch here.
 """

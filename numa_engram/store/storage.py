@@ -1,8 +1,9 @@
 """Backing-file lifecycle on tmpfs or hugetlbfs: check, create, place,
 populate, attach, unlink, close (the format is fileformat's, gc is gc's).
 
-``BackingFile.create`` is DESIGN.md section 3 steps 1-7 in one visible
-sequence; ``attach`` is what a peer does in step 8.  No torch here.
+``BackingFile.create`` is the protocol's create step (docs/design.md,
+"Order of operations", step 3) in one visible sequence; ``attach`` is what
+a peer does in the map step.  No torch here.
 """
 
 from __future__ import annotations
