@@ -1,0 +1,92 @@
+"""README.md's Python blocks, run as written, so the README cannot drift
+from the code.  The blocks form one program (the serving section goes on
+with the table of the API section); it needs a sharing group, so it runs in
+4 real processes (TP 2 x DP 2) launched as torchrun launches a job (env://
+on 127.0.0.1), in a directory holding the checkpoint the README names.
+The inputs the README leaves to the reader (a tokenizer's ids and token
+map, a scheduler's batch) get small stand-ins, defined before the blocks."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from numa_engram import EngramSpec
+from numa_engram.sharing.checkpoint import write_synthetic_checkpoint
+
+from .dist_harness import free_port
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+WORLD = 4
+
+# what the README's reader brings: a tokenizer's ids and compressed map, an
+# image token, and a scheduler's packed batches (request A in slot 0, B in 1)
+STAND_INS = '''
+import numpy as np
+compression_table = np.arange(129_280) % 99_092
+IMAGE_TOKEN_ID = 128_000
+token_ids = np.array([5, 17, 128_000, 128_000, 42, 7, 9, 11, 3, 3, 8, 1000])
+slots = [0] * 7 + [1] * 5
+positions = list(range(7)) + list(range(5))
+is_image_token = token_ids == IMAGE_TOKEN_ID
+len_a, len_b = 7, 5
+next_ids = [77, 78]
+draft_ids = token_ids[::-1].copy()
+is_verified = np.arange(len(draft_ids)) < 6
+position, prefix_ids = 3, token_ids[7:10]
+'''
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.M | re.S)
+
+
+def _spec_of(program: str) -> EngramSpec:
+    """The spec the README builds (its checkpoint must carry the same)."""
+    start = program.index("EngramSpec(")
+    depth, end = 0, start
+    for end, ch in enumerate(program[start:], start):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == ")" and depth == 0:
+            break
+    expression = re.sub(r"#[^\n]*", "", program[start:end + 1])
+    return eval(expression, {"EngramSpec": EngramSpec})  # the README's own expression
+
+
+def test_the_readme_has_the_python_blocks_this_test_runs():
+    blocks = python_blocks(README.read_text())
+    assert len(blocks) >= 2, "README.md lost its Python examples"
+    assert "SharedEngramTable.create" in blocks[0] and "HashState" in blocks[1]
+
+
+@pytest.mark.multiproc
+def test_the_readmes_python_runs_as_written(tmp_path):
+    program = "\n".join(python_blocks(README.read_text()))
+    checkpoint = re.search(r'checkpoint=\["([^"]+)"\]', program).group(1)
+    write_synthetic_checkpoint(tmp_path / checkpoint, _spec_of(program))
+    script = tmp_path / "readme_program.py"
+    script.write_text(STAND_INS + program + "\nprint('README-PROGRAM-DONE', rows.shape)\n")
+    port = free_port()
+    procs = []
+    for rank in range(WORLD):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outputs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for q in procs:  # only the processes this test started
+                q.kill()
+            raise
+        outputs.append((p.returncode, out))
+    for rank, (code, out) in enumerate(outputs):
+        assert code == 0, f"rank {rank} failed:\n{out[-3000:]}"
+        assert "README-PROGRAM-DONE torch.Size([12, 12, 256])" in out, out[-2000:]
+        assert "'mode': 'dp_shared'" in out, out[-2000:]
