@@ -135,3 +135,14 @@ def run_world(world, scenario, timeout_s=180, pg_timeout_s=60, resume_stopped=Fa
         res["resumed"] = r in resumed
         results.append(res)
     return results
+
+
+def same_failure(results, error_type, text=None, ranks=None):
+    """Every rank (of ``ranks``, default all) failed with ``error_type``,
+    its message containing ``text``."""
+    for r in results:
+        if ranks is not None and r["rank"] not in ranks:
+            continue
+        assert not r["ok"] and r["error_type"] == error_type, r
+        if text is not None:
+            assert text in r["message"], r["message"]

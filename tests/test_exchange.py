@@ -2,11 +2,12 @@
 test contract: bit-exact rows for every replica, an idle replica, an
 all-DEAD replica, a padded head column, oversized batches refused."""
 
+
 import numpy as np
 import pytest
 
+from numa_engram import EngramSpec
 from numa_engram.errors import LookupIdError
-from numa_engram.model.spec import EngramSpec
 from numa_engram.sharing.exchange import ShardedHeads, pad_hash_ids
 
 from . import dist_scenarios as scenarios
@@ -71,3 +72,13 @@ def test_sharded_heads_are_tp_major():
     tp1 = ShardedHeads.of(spec, 1, tp=2, edp=2, tp_rank=1)
     assert [(m.head_start, m.head_end) for m in tp1.members] == [(4, 6), (6, 8)]
     assert (tp1.head_start, tp1.head_end) == (4, 8)
+
+
+@pytest.mark.multiproc
+def test_dp_sharded_bad_id_fails_all_at_once_and_the_group_stays_usable():
+    results = run_world(2, scenarios.dp_sharded_bad_id)
+    for r in results:
+        assert r["ok"], r
+        assert "EDP member(s) [1]" in r["first"] and r["took"] < 5
+        assert r["exact"]
+    assert "hash id 1000000000 at token 7, column 3" in results[1]["first"]

@@ -169,3 +169,65 @@ def test_packed_staging_needs_tables_on_the_cpu_backend():
         PrefetchScheduler({1: lambda ids, out: out}, {1: (1, 32)}, max_tokens=1, packed=True)
     with pytest.raises(PrefetchError, match="lookup_cuda"):
         PrefetchScheduler({}, {}, max_tokens=1, backend="cuda", packed=True)
+
+
+def _scheduler(lookup):
+    from numa_engram.lookup.prefetch import PrefetchScheduler
+
+    return PrefetchScheduler({"a": lookup, "b": lookup}, {"a": (1, 4), "b": (1, 4)},
+                             max_tokens=8, depth=1)
+
+
+
+def test_prefetch_close_wakes_a_waiting_thread():
+    import torch
+
+    gate = threading.Event()
+
+    def slow(ids, out):
+        gate.wait(10)
+        return out
+    s = _scheduler(slow)
+    s.submit("a", torch.zeros((2, 1)))
+    errors = []
+
+    def waiter():
+        try:
+            s.wait("a")
+        except PrefetchError as exc:
+            errors.append(exc)
+    th = threading.Thread(target=waiter)
+    th.start()
+    time.sleep(0.1)
+    closer = threading.Thread(target=s.close)
+    closer.start()
+    gate.set()
+    th.join(10)
+    closer.join(10)
+    assert not th.is_alive() and not closer.is_alive(), "close() left a thread hanging"
+    assert errors and "closed" in str(errors[0])
+
+
+
+def test_prefetch_same_layer_from_two_threads_is_accepted_once():
+    import torch
+
+    s = _scheduler(lambda ids, out: out)
+    outcomes = []
+    barrier = threading.Barrier(2)
+
+    def submit():
+        barrier.wait()
+        try:
+            s.submit("a", torch.zeros((2, 1)))
+            outcomes.append("ok")
+        except PrefetchError:
+            outcomes.append("refused")
+    threads = [threading.Thread(target=submit) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(10)
+    assert sorted(outcomes) == ["ok", "refused"]
+    s.wait("a")
+    s.close()

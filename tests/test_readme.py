@@ -47,10 +47,10 @@ def python_blocks(text: str) -> list[str]:
 def _spec_of(program: str) -> EngramSpec:
     """The spec the README builds (its checkpoint must carry the same)."""
     start = program.index("EngramSpec(")
-    depth, end = 0, start
-    for end, ch in enumerate(program[start:], start):
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if ch == ")" and depth == 0:
+    depth = 0
+    for end in range(start, len(program)):
+        depth += {"(": 1, ")": -1}.get(program[end], 0)
+        if program[end] == ")" and depth == 0:
             break
     expression = re.sub(r"#[^\n]*", "", program[start:end + 1])
     return eval(expression, {"EngramSpec": EngramSpec})  # the README's own expression

@@ -1,11 +1,11 @@
 import os
-import signal
 import struct
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 from numa_engram.bindings import native
 from numa_engram.errors import (
     CapacityError,
@@ -15,11 +15,10 @@ from numa_engram.errors import (
     TopologyError,
 )
 from numa_engram.store.fileformat import FORMAT_VERSION, MAGIC, PREFIX, Layout
-from numa_engram.store.gc import gc_stale_files
 from numa_engram.store.placement import PlacementPlan, PlacementRange
-from numa_engram.store.storage import BackingFile, check_shmem_thp
+from numa_engram.store.storage import BackingFile, check_directory, check_shmem_thp
 
-from .conftest import run_python, shm_files
+from .conftest import SHM, run_python, shm_files
 
 FP = bytes(range(32))
 LAYOUT = Layout.of([("weights", 3 * native.PAGE_SIZE + 5), ("scales", 100)])
@@ -172,27 +171,6 @@ def test_shmem_thp_force_is_refused(tmp_path):
     check_shmem_thp(root=str(tmp_path / "none"))  # a kernel without the knob: nothing to refuse
 
 
-def test_gc_removes_file_of_killed_creator_and_keeps_live_ones(backing):
-    child = run_python("""
-        import os, signal
-        from numa_engram.store.fileformat import Layout
-        from numa_engram.store.storage import BackingFile
-        f = BackingFile.create(Layout.of([("w", 4096)]), bytes(32))
-        print(f.path, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-    """)
-    assert child.returncode == -signal.SIGKILL
-    dead_path = child.stdout.strip()
-    assert os.path.exists(dead_path)
-    preview = {e.path: e for e in gc_stale_files(dry_run=True)}
-    assert not preview[dead_path].removed and os.path.exists(dead_path)
-    entries = {e.path: e for e in gc_stale_files()}
-    assert entries[dead_path].removed and "dead" in entries[dead_path].reason
-    assert not os.path.exists(dead_path)
-    assert entries[backing.path].reason.startswith("kept: in use")
-    assert os.path.exists(backing.path)
-
-
 def _plausible_header(regions, size):
     """A header that passes the magic/version/uid/size checks, with fuzzed regions."""
     head = struct.pack("<8sIIIIQ16s32sQIiIIQQ", MAGIC, FORMAT_VERSION, 1, 1, os.geteuid(), 0,
@@ -240,7 +218,6 @@ def _corrupt(kind: str):
     """A table file of a small spec whose header's layout is damaged."""
     from dataclasses import replace
 
-    from numa_engram import EngramSpec, shard_heads
     from numa_engram.sharing.table import shard_key, table_layout
     from numa_engram.store.fileformat import STATE_READY, Header, LayoutRegion
 
@@ -274,7 +251,6 @@ def _request(spec, shard):
     ("row-short", r"header: region 'weights' length is \d+, expected \d+; a corrupt header"),
 ])
 def test_a_corrupt_header_layout_is_refused_on_attach_naming_the_field(kind, text):
-    from numa_engram import SharedEngramTable
     from numa_engram.sharing.protocol import peer_attach
 
     spec, shard, f = _corrupt(kind)
@@ -285,3 +261,46 @@ def test_a_corrupt_header_layout_is_refused_on_attach_naming_the_field(kind, tex
             peer_attach(f.path, _request(spec, shard))
     finally:
         f.close()
+
+
+def test_directory_must_be_a_real_tmpfs_directory(tmp_path):
+    if os.statvfs(str(tmp_path)).f_fsid and _is_tmpfs(tmp_path):
+        pytest.skip(f"{tmp_path} is itself a tmpfs here")
+    with pytest.raises(StorageError, match="not on tmpfs or hugetlbfs"):
+        check_directory(str(tmp_path))
+    link = tmp_path / "link"
+    link.symlink_to(SHM)
+    with pytest.raises(StorageError, match="is a symlink"):
+        check_directory(str(link))
+    regular = tmp_path / "file"
+    regular.write_text("x")
+    with pytest.raises(StorageError, match="is not a directory"):
+        check_directory(str(regular))
+    with pytest.raises(StorageError, match="not on tmpfs"):
+        BackingFile.create(Layout.of([("w", 4096)]), bytes(32), directory=str(tmp_path))
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(PREFIX)]
+
+
+
+def _is_tmpfs(path) -> bool:
+    from numa_engram.bindings import native
+
+    return native.statfs_type(str(path)) == native.TMPFS_MAGIC
+
+
+
+def test_header_with_no_regions_is_refused(tmp_path):
+    import struct
+
+    from numa_engram.store.fileformat import FORMAT_VERSION, MAGIC
+
+    path = os.path.join(SHM, f"{PREFIX}test-noregions")
+    head = struct.pack("<8sIIIIQ16s32sQIiIIQQQ", MAGIC, FORMAT_VERSION, 1, 1, os.geteuid(), 0,
+                       b"\0" * 16, b"\0" * 32, 8192, 0, 1, 0, 1, 0, 1, 4096)
+    with open(path, "wb") as f:
+        f.write(head.ljust(8192, b"\0"))
+    try:
+        with pytest.raises(StorageError, match="0 regions"):
+            BackingFile.attach(path)
+    finally:
+        os.unlink(path)

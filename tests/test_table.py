@@ -1,0 +1,273 @@
+"""SharedEngramTable on its own: attach checks, capacity refused before allocating, lookups racing
+ids changes and close, bad arguments named, sealed views."""
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+from numa_engram.errors import (
+    CapacityError,
+    PlacementError,
+    SpecMismatchError,
+    StorageError,
+)
+from numa_engram.sharing.checkpoint import write_synthetic_checkpoint
+from numa_engram.store.fileformat import Layout
+from numa_engram.store.storage import BackingFile
+
+from . import dist_scenarios as scenarios
+from .conftest import run_python, shm_files
+from .dist_harness import run_world, same_failure
+from .dist_scenarios import make_spec
+
+
+def test_attach_checks_layer_and_shard():
+    spec = EngramSpec.small()
+    shard = shard_heads(spec.bucket_sizes(1), 1, 0)
+    with SharedEngramTable.create(spec, 1, shard) as table:
+        other = shard_heads(spec.bucket_sizes(14), 1, 0)
+        with pytest.raises(SpecMismatchError, match="holds layer 1, .*but layer 14, .*asked"):
+            SharedEngramTable.attach(spec, 14, other, fd=table._backing.fd)
+        two = shard_heads(spec.bucket_sizes(1), 2, 1)
+        with pytest.raises(SpecMismatchError, match=r"heads \[0, 8\).*heads \[4, 8\)"):
+            SharedEngramTable.attach(spec, 1, two, fd=table._backing.fd)
+
+
+
+@pytest.fixture
+def big_tmpfs(tmp_path):
+    """A tmpfs mounted larger than the machine's RAM (nothing is written)."""
+    mnt = tmp_path / "big"
+    mnt.mkdir()
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if os.system(f"mount -t tmpfs -o size={2 * ram} tmpfs {mnt} 2>/dev/null") != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root and mount permission)")
+    yield str(mnt)
+    os.system(f"umount {mnt}")
+
+
+
+def test_table_larger_than_memory_on_a_huge_tmpfs_is_refused(big_tmpfs):
+    from numa_engram.host.procfs import meminfo as read_meminfo
+
+    size = read_meminfo()["MemAvailable"] + (1 << 30)
+    with pytest.raises(CapacityError, match="MemAvailable"):
+        BackingFile.create(Layout.of([("w", size)]), bytes(32), directory=big_tmpfs)
+    with pytest.raises(CapacityError, match="MemAvailable"):
+        BackingFile.create(Layout.of([("w", size)]), bytes(32), directory=None)  # memfd
+    assert not os.listdir(big_tmpfs)
+
+
+class MemoryCgroup:
+    """A child memory cgroup (v2 with the memory controller, else v1) of
+    this process's own, with a limit; ``enter`` moves this process in and
+    ``leave`` moves it back (children started inside stay charged there)."""
+
+    def __init__(self, limit: int) -> None:
+        from numa_engram.host.accounting import _cgroup_dirs
+
+        for cgroup, _mount, kind in _cgroup_dirs():
+            names = {"v2": ("memory.max", "memory.current"),
+                     "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes")}[kind]
+            if kind == "v2" and "memory" not in (cgroup / "cgroup.controllers").read_text():
+                continue
+            path = cgroup / f"numa-engram-test-{os.getpid()}"
+            try:
+                path.mkdir()
+                (path / names[0]).write_text(str(limit))
+            except OSError:
+                continue
+            self.path, self.home = path, cgroup
+            return
+        pytest.skip("no writable memory cgroup (v2 with the memory controller or v1) here")
+
+    def enter(self) -> None:
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def leave(self) -> None:
+        (self.home / "cgroup.procs").write_text(str(os.getpid()))
+
+    def remove(self) -> None:
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except OSError:  # children still exiting
+                time.sleep(0.1)
+
+
+
+def test_private_table_beyond_the_cgroup_limit_is_a_capacity_error():
+    cg = MemoryCgroup(256 << 20)
+    try:
+        cg.enter()
+        child = run_python("""
+            from numa_engram.errors import CapacityError
+            from numa_engram.store.fileformat import Layout
+            from numa_engram.store.storage import BackingFile
+            try:
+                BackingFile.create(Layout.of([("w", 512 << 20)]), bytes(32), directory=None)
+            except CapacityError as exc:
+                print("refused:", exc)
+        """)
+    finally:
+        cg.leave()
+        cg.remove()
+    assert child.returncode == 0, child.stderr
+    assert "refused:" in child.stdout and "memory cgroup" in child.stdout, child.stdout
+
+
+
+@pytest.mark.multiproc
+def test_auto_falls_back_only_to_copies_that_fit(tmp_path):
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    if os.system(f"mount -t tmpfs -o size=512k tmpfs {tiny} 2>/dev/null") != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root and mount permission)")
+    cg = MemoryCgroup(3 << 30)
+    try:
+        cg.enter()
+        from numa_engram.host.accounting import cgroup_memory_room
+
+        room = min(r.free for r in cgroup_memory_room())
+        results = run_world(2, scenarios.memory_fallback, directory=str(tiny), room=room)
+    finally:
+        cg.leave()
+        cg.remove()
+        os.system(f"umount {tiny}")
+    same_failure(results, "CapacityError", "2 independent copies (the fallback)")
+
+
+
+def test_ids_changed_by_another_thread_never_read_outside_the_table():
+    child = run_python("""
+        import threading
+        import numpy as np
+        from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+        from numa_engram.errors import LookupIdError
+        spec = EngramSpec.small(rows_per_head=2000)
+        t = SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0))
+        t.lookup_threads = 2
+        ids = np.zeros((4096, spec.n_hash_cols), np.int64)
+        stop = False
+        def flip():
+            while not stop:
+                ids[:, 3] = 1 << 40
+                ids[:, 3] = 0
+        th = threading.Thread(target=flip)
+        th.start()
+        refused = 0
+        for _ in range(300):
+            try:
+                t.lookup(ids)
+            except LookupIdError:
+                refused += 1
+        stop = True
+        th.join()
+        print("survived", refused)
+    """, timeout=300)
+    assert child.returncode == 0, f"crashed: {child.returncode} {child.stderr[-500:]}"
+    assert "survived" in child.stdout
+
+
+
+def test_close_waits_for_running_lookups_and_later_lookups_raise():
+    spec = EngramSpec.small(rows_per_head=2000)
+    table = SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0))
+    ids = np.zeros((20000, spec.n_hash_cols), np.int64)
+    outcomes = []
+
+    def reader():
+        for _ in range(50):
+            try:
+                table.lookup(ids)
+                outcomes.append("ok")
+            except StorageError as exc:
+                outcomes.append(str(exc))
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for th in threads:
+        th.start()
+    time.sleep(0.05)
+    table.close()
+    for th in threads:
+        th.join(60)
+    assert "ok" in outcomes and "the table is closed" in outcomes
+    assert set(outcomes) <= {"ok", "the table is closed"}
+
+
+
+def test_failed_attaches_keep_no_descriptor():
+    spec = EngramSpec.small()
+    shard = shard_heads(spec.bucket_sizes(1), 1, 0)
+    with SharedEngramTable.create(spec, 1, shard) as table:
+        fd = table._backing.fd
+        table._backing.set_state(0)
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(50):
+            with pytest.raises(StorageError):
+                SharedEngramTable.attach(spec, 1, shard, fd=fd)
+            with pytest.raises(SpecMismatchError):
+                SharedEngramTable.attach(spec, 14, shard_heads(spec.bucket_sizes(14), 1, 0),
+                                         fd=fd)
+        assert len(os.listdir("/proc/self/fd")) == before
+
+
+
+def test_placement_of_the_wrong_type_is_a_clear_error():
+    spec = EngramSpec.small()
+    with pytest.raises(PlacementError, match="got int 123"):
+        SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0), placement=123)
+
+
+
+def test_huge_output_is_a_capacity_error():
+    from numa_engram.model.fp8 import bf16_out
+
+    with pytest.raises(CapacityError, match="look up fewer tokens"):
+        bf16_out(None, (1 << 40, 24, 256))
+
+
+
+def test_register_device_without_a_gpu_fails_at_join_before_anything_exists():
+    from numa_engram.bindings import cudart as cuda
+    from numa_engram.errors import CudaUnavailable
+
+    if cuda.available()[0]:
+        pytest.skip("a GPU is usable here: register_device works")
+    spec = EngramSpec.small()
+    before = shm_files()
+    with pytest.raises(CudaUnavailable, match="step 'join'.*register_device=0"):
+        SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0),
+                                 register_device=0)
+    assert shm_files() == before
+
+
+
+def test_misused_arguments_are_library_errors_naming_what_to_pass():
+    from numa_engram.errors import SpecError
+    from numa_engram.sharing.exchange import DPShardedLookup
+
+    spec = EngramSpec.small()
+    shard = shard_heads(spec.bucket_sizes(1), 1, 0)
+    with pytest.raises(SpecError, match=r"mode must be one of \('auto', 'dp_shared', "
+                                        r"'independent'\), got 'indepndent'"):
+        SharedEngramTable.create(spec, 1, shard, mode="indepndent")
+    with SharedEngramTable.create(spec, 1, shard) as table, \
+            pytest.raises(SpecError, match="heads must be the ShardedHeads.*got ShardInfo"):
+        DPShardedLookup(table, shard, 0)
+
+
+
+def test_a_sealed_tables_views_cannot_be_made_writable(tmp_path):
+    spec = make_spec(200)
+    path = write_synthetic_checkpoint(tmp_path / "c.safetensors", spec)
+    with SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0),
+                                  checkpoint=str(path)) as table:
+        for view in (table.weights, table.scales):
+            with pytest.raises(ValueError, match="WRITEABLE"):
+                view.flags.writeable = True
+        assert int(table.weights[0, 0]) >= 0  # still readable
