@@ -6,7 +6,8 @@ from hypothesis import strategies as st
 
 from numa_engram.bindings import native
 from numa_engram.errors import LookupIdError
-from numa_engram.lookup.cpu import OutputPool, aligned_empty, gather, lookup_rows, reference_lookup
+from numa_engram.lookup.cpu import gather, lookup_rows, reference_lookup
+from numa_engram.lookup.outputs import OutputPool, aligned_empty
 from numa_engram.model.fp8 import random_rows
 
 SIZES = [97, 101, 103, 107, 109, 113, 127, 131]  # 8 heads, like vLLM's test

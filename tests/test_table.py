@@ -225,7 +225,7 @@ def test_placement_of_the_wrong_type_is_a_clear_error():
 
 
 def test_huge_output_is_a_capacity_error():
-    from numa_engram.model.fp8 import bf16_out
+    from numa_engram.lookup.outputs import bf16_out
 
     with pytest.raises(CapacityError, match="look up fewer tokens"):
         bf16_out(None, (1 << 40, 24, 256))

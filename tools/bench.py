@@ -76,7 +76,8 @@ def bench_lookup(table_gib: float, tokens: int, heads: int = 24, head_dim: int =
 
     from numa_engram.errors import CapacityError
     from numa_engram.host import hugepages
-    from numa_engram.lookup.cpu import aligned_empty, gather, lookup_rows, reference_lookup
+    from numa_engram.lookup.cpu import gather, lookup_rows, reference_lookup
+    from numa_engram.lookup.outputs import aligned_empty
 
     per_head = int(table_gib * 2**30) // (head_dim + head_dim // 32) // heads
     rows, sizes = per_head * heads, [per_head] * heads
@@ -231,7 +232,7 @@ def _serving_variants(spec, table, tokens: int, rng, id_sets: int = 16) -> dict:
     """Every variant of one size, each call on the next of ``id_sets`` id sets."""
     import torch
 
-    from numa_engram.lookup.cpu import aligned_empty
+    from numa_engram.lookup.outputs import aligned_empty
 
     sizes = spec.bucket_sizes(1)
     offsets = spec.head_offsets(1)

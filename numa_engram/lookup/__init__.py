@@ -7,6 +7,7 @@ May import: ``errors``, ``units``, ``bindings``, ``model``, ``host``,
 where README has always documented them (``numa_engram.lookup.aligned_empty``).
 """
 
-from .cpu import OutputPool, aligned_empty, gather, lookup_rows, reference_lookup
+from .cpu import gather, lookup_rows, reference_lookup
+from .outputs import OutputPool, aligned_empty
 
 __all__ = ["OutputPool", "aligned_empty", "gather", "lookup_rows", "reference_lookup"]

@@ -11,9 +11,6 @@ else outside its head's bucket range is refused.
 
 from __future__ import annotations
 
-import math
-import sys
-import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,9 +19,10 @@ import numpy as np
 from ..bindings import native
 from ..errors import LookupIdError
 from ..literals import IdFormat, check_id_format
-from ..model.fp8 import bf16_out, dequantize_rows
+from ..model.fp8 import dequantize_rows
 from ..model.sharding import prefix_offsets
 from ..model.spec import EngramSpec
+from .outputs import bf16_out
 
 if TYPE_CHECKING:
     import torch
@@ -170,66 +168,6 @@ def id_base(spec: EngramSpec, layer_id: int, head_start: int, head_end: int,
     if check_id_format(id_format) == "bucket":
         return None
     return np.ascontiguousarray(spec.head_offsets(layer_id)[head_start:head_end])
-
-
-def aligned_empty(n: int, dtype: Any = np.uint16) -> np.ndarray:
-    """``n`` items of ``dtype``, 64-byte aligned (the kernel's streaming
-    stores need whole cache lines), from numpy's allocator: it asks for
-    transparent huge pages (MADV_HUGEPAGE) on large arrays, and a lookup
-    writes its rows to scattered places in a 48 MiB output, one TLB miss per
-    row on 4 KiB pages (torch's CPU allocator does not ask)."""
-    itemsize = np.dtype(dtype).itemsize
-    raw = np.empty(n * itemsize + 64, dtype=np.uint8)
-    start = -raw.ctypes.data % 64
-    return raw[start:start + n * itemsize].view(dtype)
-
-
-class OutputPool:
-    """BF16 output buffers reused across lookups, so ``lookup(ids)`` without
-    ``out=`` costs what ``lookup(ids, out=buf)`` does (a fresh 48 MiB tensor
-    is a new mmap and ~12 k zero-fill faults per call).
-
-    A buffer is reused only when nothing else refers to its memory: every
-    numpy view and every tensor made from one (``torch.from_numpy`` keeps its
-    view alive) holds a reference to the buffer's owning array, so the
-    owner's reference count says whether any result of an earlier call is
-    still alive.  No finalizer per call (a ``weakref.finalize`` cost 20 us,
-    more than a decode step's lookup).  Thread-safe; at most ``max_free``
-    idle buffers are kept."""
-
-    def __init__(self, max_free: int = 4) -> None:
-        self.max_free = max_free
-        self._buffers: list[tuple[np.ndarray, np.ndarray]] = []  # (memory, its owner)
-        self._lock = threading.Lock()
-        self._free_refs: int | None = None
-
-    def take(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
-        """(BF16 tensor of ``shape``, uint16 numpy view of its bits)."""
-        import torch
-
-        n = math.prod(shape)
-        memory = self._reuse(n)
-        bits = memory[:n].reshape(shape)
-        return torch.from_numpy(bits).view(torch.bfloat16), bits
-
-    def _refs(self, entry: tuple[np.ndarray, np.ndarray]) -> int:
-        return sys.getrefcount(entry[1])
-
-    def _reuse(self, n: int) -> np.ndarray:
-        with self._lock:
-            for entry in self._buffers:  # the common case: the first idle one fits
-                if n <= len(entry[0]) <= 2 * n and self._refs(entry) == self._free_refs:
-                    return entry[0]
-            free = [e for e in self._buffers if self._refs(e) == self._free_refs]
-            memory = aligned_empty(max(n, 1), np.uint16)
-            entry = (memory, memory.base if memory.base is not None else memory)
-            if self._free_refs is None:  # what an idle buffer's owner counts, measured once
-                self._free_refs = self._refs(entry)
-            # idle buffers beyond max_free are dropped, oldest first
-            for old in free[:max(0, len(free) - self.max_free + 1)]:
-                self._buffers.remove(old)
-            self._buffers.append(entry)
-            return memory
 
 
 def staged_lookup(weights: np.ndarray, scales: np.ndarray, hash_ids: Any, *, head_start: int,

@@ -11,7 +11,6 @@ paths disagree on NaN bits, the reference must not).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -43,26 +42,6 @@ def dequantize_rows(weights_u8: Any, scales_u8: Any, block: int = 32) -> Any:
     bits = out.view(torch.int16)
     bits.masked_fill_(torch.isnan(out), BF16_NAN_BITS)
     return out
-
-
-def bf16_out(out: Any, shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:
-    """A contiguous CPU BF16 tensor of ``shape`` (``out`` checked, or a new
-    one) and a uint16 numpy view of its bits for the native kernel."""
-    torch = _torch()
-    if out is None:
-        try:
-            out = torch.empty(shape, dtype=torch.bfloat16)
-        except (RuntimeError, MemoryError) as exc:
-            from ..errors import CapacityError
-
-            raise CapacityError(f"the output of {list(shape)} BF16 values ({2 * math.prod(shape)}"
-                                f" bytes) cannot be allocated ({str(exc).splitlines()[0][:120]});"
-                                " look up fewer tokens per call") from exc
-    elif out.dtype != torch.bfloat16 or tuple(out.shape) != tuple(shape) \
-            or not out.is_contiguous() or out.device.type != "cpu":
-        raise ValueError(f"out must be a contiguous CPU bfloat16 tensor of shape {list(shape)}, "
-                         f"got {out.dtype} {list(out.shape)} on {out.device}")
-    return out, out.view(torch.int16).numpy().view(np.uint16)
 
 
 def quantize_rows(values: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:

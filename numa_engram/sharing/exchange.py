@@ -24,7 +24,8 @@ import numpy as np
 
 from ..errors import LookupIdError, SpecError, TopologyError
 from ..literals import IdFormat
-from ..lookup.cpu import OutputPool, check_hash_ids, check_ids_in_range, id_base
+from ..lookup.cpu import check_hash_ids, check_ids_in_range, id_base
+from ..lookup.outputs import OutputPool
 from ..model.sharding import DEAD_ID, ShardInfo, shard_heads
 from ..model.spec import EngramSpec
 

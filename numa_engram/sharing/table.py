@@ -29,12 +29,11 @@ from ..errors import (
 from ..host.topology import Topology, current_node
 from ..literals import CreateMode, IdFormat, PageSize, check_id_format
 from ..lookup.cpu import (
-    OutputPool,
     bad_id_text,
     check_hash_ids,
     id_base,
 )
-from ..model.fp8 import bf16_out
+from ..lookup.outputs import OutputPool, bf16_out, packed_out
 from ..model.sharding import ShardInfo, prefix_offsets
 from ..model.spec import EngramSpec
 from ..store.fileformat import DEFAULT_DIRECTORY, STATE_READY
@@ -218,7 +217,7 @@ class SharedEngramTable:
             result: Any
             bits: Any
             if packed:
-                result, bits = _packed_out(out, shape, self.spec.block)
+                result, bits = packed_out(out, shape, self.spec.block)
             elif out is not None:
                 result, bits = bf16_out(out, shape)
             else:
@@ -416,24 +415,6 @@ class SharedEngramTable:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# --------------------------------------------------------------- steps --
-
-def _packed_out(out: Any, shape: tuple[int, ...], block: int
-                ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[np.ndarray, np.ndarray]]:
-    """(rows, scales) uint8 CPU tensors for a packed lookup, and their numpy views."""
-    import torch
-
-    if out is None:
-        out = (torch.empty(shape, dtype=torch.uint8),
-               torch.empty((*shape[:2], shape[2] // block), dtype=torch.uint8))
-    if not (isinstance(out, tuple) and len(out) == 2 and all(
-            torch.is_tensor(t) and t.dtype == torch.uint8 and t.device.type == "cpu"
-            for t in out)):
-        raise ValueError("out must be a (rows, scales) pair of uint8 CPU tensors for "
-                         "packed=True")
-    return out, (out[0].numpy(), out[1].numpy())
 
 
 __all__ = ["CREATE_MODES", "SharedEngramTable", "TableStats", "table_layout"]
