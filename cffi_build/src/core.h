@@ -1,0 +1,112 @@
+/* core.h: what every part of the C core shares, and none of the Python
+ * interface: the system headers, the CPU features (resolved once per
+ * process), and the one way work is split over threads.
+ *
+ * The core is one translation unit (native.c includes the parts in
+ * order), so these helpers are static and inline where they are hot. */
+#ifndef NE_CORE_H
+#define NE_CORE_H
+
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/statfs.h>
+#include <sys/statvfs.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+/* Threads one call may use: a two-socket host's cores on one node are far
+ * fewer, and the per-call job arrays live on the stack at this size. */
+enum { NE_MAX_THREADS = 256 };
+
+/* What the CPU can do and the environment allows (NUMA_ENGRAM_NO_AVX512,
+ * NUMA_ENGRAM_NO_AVX2 switch paths off, for tests and benchmarks): read
+ * once per process, not per call (a small lookup is a few us). */
+struct ne_cpu {
+    int avx2, avx512bw, avx512dq;
+};
+
+static struct ne_cpu cpu_features;
+static pthread_once_t cpu_once = PTHREAD_ONCE_INIT;
+
+static void read_cpu_features(void)
+{
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    const int no512 = getenv("NUMA_ENGRAM_NO_AVX512") != NULL;
+    cpu_features.avx512bw = __builtin_cpu_supports("avx512bw") && !no512;
+    cpu_features.avx512dq = __builtin_cpu_supports("avx512f") &&
+                            __builtin_cpu_supports("avx512dq") && !no512;
+    cpu_features.avx2 = __builtin_cpu_supports("avx2") && getenv("NUMA_ENGRAM_NO_AVX2") == NULL;
+#endif
+}
+
+static const struct ne_cpu *ne_cpu(void)
+{
+    pthread_once(&cpu_once, read_cpu_features);
+    return &cpu_features;
+}
+
+/* Threads to use: at least 1, at most NE_MAX_THREADS and one per item. */
+static int clamp_threads(int n_threads, int64_t n_items)
+{
+    if (n_threads > NE_MAX_THREADS)
+        n_threads = NE_MAX_THREADS;
+    if (n_threads > n_items)
+        n_threads = (int)n_items;
+    return n_threads < 1 ? 1 : n_threads;
+}
+
+/* Part i of n of [0, total): contiguous, in order, sizes differing by at
+ * most one part's rounding (the last may be short or empty). */
+static void split_range(int64_t total, int n, int i, int64_t *begin, int64_t *end)
+{
+    int64_t per = (total + n - 1) / n;
+    *begin = i * per < total ? i * per : total;
+    *end = (i + 1) * per < total ? (i + 1) * per : total;
+}
+
+/* Run fn on each of n jobs (an array of job_size-byte structs), one thread
+ * each, and join them all.  0, or -1 with errno when a thread cannot start
+ * (the ones started are still joined). */
+static int run_threads(void *(*fn)(void *), void *jobs, size_t job_size, int n)
+{
+    pthread_t threads[NE_MAX_THREADS];
+    int started = 0, err = 0;
+    for (; started < n && started < NE_MAX_THREADS; started++) {
+        err = pthread_create(&threads[started], NULL, fn, (char *)jobs + started * job_size);
+        if (err)
+            break;
+    }
+    for (int i = 0; i < started; i++)
+        pthread_join(threads[i], NULL);
+    if (err) {
+        errno = err;
+        return -1;
+    }
+    return 0;
+}
+
+/* Pin the calling thread to one CPU (cpu < 0: leave it where it is). */
+static void pin_self(int cpu)
+{
+    if (cpu < 0)
+        return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+}
+
+#endif

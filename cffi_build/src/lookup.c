@@ -1,0 +1,617 @@
+/* lookup.c: gathering a shard's rows for a batch of hash ids, BF16
+ * (dequantised, rows.c) or packed (the FP8 bytes and scales as stored),
+ * split by token over threads: fresh ones, a table's persistent pool
+ * (pool.c) or the caller's own. */
+#include "core.h"
+#include "lookup.h"
+#include "pool.h"
+
+/* Every id in ids[t * stride + h] (t < n_tokens, h < n_heads) must be -1
+ * (DEAD) or in [0, bucket_sizes[h]) after subtracting id_base[h] (the
+ * head's first global row; NULL for bucket ids).  Returns the flat index
+ * t*n_heads+h of the first that is not, or -1 when all are good. */
+/* The bucket of a (not DEAD) id of head h, or -1 when it is outside the
+ * head: global rows (id_base = each head's first row in the layer's
+ * table) or bucket ids (id_base NULL) are checked alike.  The one check. */
+static inline int64_t bucket_of(int64_t id, int64_t h, const int64_t *bucket_sizes,
+                                const int64_t *id_base)
+{
+    int64_t bucket = id_base ? id - id_base[h] : id;
+    return bucket >= 0 && bucket < bucket_sizes[h] ? bucket : -1;
+}
+
+int64_t ne_first_bad_id(const int64_t *ids, int64_t n_tokens, int64_t stride,
+                        int64_t n_heads, const int64_t *bucket_sizes, const int64_t *id_base)
+{
+    for (int64_t t = 0; t < n_tokens; t++)
+        for (int64_t h = 0; h < n_heads; h++) {
+            int64_t id = ids[t * stride + h];
+            if (id != -1 && bucket_of(id, h, bucket_sizes, id_base) < 0)
+                return t * n_heads + h;
+        }
+    return -1;
+}
+
+struct lookup_job {
+    const uint8_t *weights, *scales;
+    int64_t dim, block;
+    const int64_t *ids;
+    int64_t stride, n_heads;
+    const int64_t *head_offsets, *bucket_sizes, *id_base;
+    uint16_t *out;
+    uint8_t *raw_w, *raw_s; /* packed output instead of out: the rows as stored */
+    int64_t t_begin, t_end;
+    int cpu;
+    /* ids outside their head's buckets (neither DEAD nor valid): written
+     * as zero rows, counted, the first one (flat index, value) kept */
+    int64_t bad_count, first_bad, first_bad_id;
+    int error; /* errno of a job that could not run (ENOMEM for its scratch) */
+};
+
+/* Rows some lookups ahead are prefetched: random 264-byte rows are
+ * memory-latency bound, not compute bound.  How far ahead and with which
+ * locality hint is tunable (ne_tune_prefetch) so tools/bench.py can measure
+ * the choice; the defaults are what it measured best (64 rows ahead, hint 1
+ * = PREFETCHT2).  The helpers that issue prefetches are always_inline: a
+ * call to a function whose only effect is __builtin_prefetch is one GCC
+ * may drop as having no effect (it did at -O3 without -fwrapv). */
+#define NE_PREFETCH_AHEAD 64 /* rows ahead: bench's best on 2- and 4-node hosts */
+#define NE_PREFETCH_HINT 1   /* PREFETCHT2: rows are read once, not kept in L1 */
+enum { MAX_PREFETCH_AHEAD = 256 };
+static int prefetch_ahead = NE_PREFETCH_AHEAD, prefetch_hint = NE_PREFETCH_HINT;
+
+int ne_tune_prefetch(int ahead, int hint)
+{
+    if (ahead < 0 || ahead > MAX_PREFETCH_AHEAD || hint < 0 || hint > 3) {
+        errno = EINVAL;
+        return -1;
+    }
+    prefetch_ahead = ahead;
+    prefetch_hint = hint;
+    return 0;
+}
+
+/* __builtin_prefetch takes its hint as a constant */
+static inline __attribute__((always_inline)) void
+prefetch_row(const char *p, int64_t bytes)
+{
+    for (int64_t off = 0; off < bytes; off += 64) {
+        switch (prefetch_hint) {
+        case 3: __builtin_prefetch(p + off, 0, 3); break;
+        case 2: __builtin_prefetch(p + off, 0, 2); break;
+        case 1: __builtin_prefetch(p + off, 0, 1); break;
+        default: __builtin_prefetch(p + off, 0, 0); break;
+        }
+    }
+}
+
+/* A (token, head) cursor over the job: rows in output order, no division. */
+struct cursor {
+    int64_t t, h;
+};
+
+/* The table row of the cursor's id, or -1 (DEAD or bad: a zero row).  The
+ * id is read exactly once, checked and used from a local: a caller thread
+ * that changes the ids meanwhile can get wrong rows, never a read outside
+ * the table.  *id_out is the value that was read. */
+static inline int64_t cursor_row(const struct lookup_job *j, const struct cursor *c,
+                                 int64_t *id_out)
+{
+    int64_t id = __atomic_load_n(&j->ids[c->t * j->stride + c->h], __ATOMIC_RELAXED);
+    *id_out = id;
+    if (id == -1)
+        return -1;
+    int64_t bucket = bucket_of(id, c->h, j->bucket_sizes, j->id_base);
+    return bucket >= 0 ? bucket + j->head_offsets[c->h] : -1;
+}
+
+static void note_bad(struct lookup_job *j, int64_t flat, int64_t id)
+{
+    if (j->bad_count++ == 0) {
+        j->first_bad = flat;
+        j->first_bad_id = id;
+    }
+}
+
+static inline void cursor_next(const struct lookup_job *j, struct cursor *c)
+{
+    if (++c->h == j->n_heads) {
+        c->h = 0;
+        c->t++;
+    }
+}
+
+/* One row's bytes.  The model's shape (256 FP8 bytes and 8 scale bytes)
+ * gets fixed-size copies the compiler inlines as a few vector moves; a
+ * libc memcpy call per 256-byte row was a quarter of a gather's time. */
+static inline void copy_row(uint8_t *dst, const uint8_t *src, int64_t bytes)
+{
+    if (bytes == 256)
+        memcpy(dst, src, 256);
+    else if (bytes == 8)
+        memcpy(dst, src, 8);
+    else
+        memcpy(dst, src, (size_t)bytes);
+}
+
+/* ------------------------------------------------ rows in table order --- */
+
+/* A job reads its rows in table order, not token order: its ids are read
+ * (once each) and counting-sorted on the top ORDER_BITS bits of the row, so
+ * nearby rows are read one after another.  Random rows cost a TLB miss and
+ * a page walk each; rows in address order share page-table cache lines and
+ * DRAM pages, and repeated ids become neighbours.  The rows are written to
+ * their token's place in the output, so the result is the same.  Measured
+ * (tools/bench.py lookup, 2 GiB table, 98 k rows): 1.4-1.5x token order on
+ * one thread; chunks of 8-32 k rows sorted apart gained less, so a chunk is
+ * 2^18 rows (scratch up to 8 MiB per thread). */
+enum { ORDER_BITS = 12, ORDER_CHUNK = 1 << 18 };
+
+struct order {
+    int64_t *rows;    /* the table row of each id in token order, -1 for none */
+    int64_t *row;     /* valid rows in table order ... */
+    int64_t *pos;     /* ... and their index in the chunk (output place) */
+    int64_t *counts;  /* 1 << ORDER_BITS buckets */
+    int64_t n;        /* valid rows in the chunk */
+    int shift;        /* row >> shift is the bucket */
+};
+
+static void order_free(struct order *o)
+{
+    free(o->rows);
+    free(o->row);
+    free(o->pos);
+    free(o->counts);
+}
+
+/* Scratch for chunks of up to `cap` rows; 0, or -1 when out of memory. */
+static int order_alloc(struct order *o, const struct lookup_job *j, int64_t cap)
+{
+    int64_t end = 1;
+    for (int64_t h = 0; h < j->n_heads; h++)
+        if (j->head_offsets[h] + j->bucket_sizes[h] > end)
+            end = j->head_offsets[h] + j->bucket_sizes[h];
+    int bits = 64 - __builtin_clzll((uint64_t)end);
+    *o = (struct order){0};
+    o->shift = bits > ORDER_BITS ? bits - ORDER_BITS : 0;
+    o->rows = malloc((size_t)cap * sizeof(int64_t));
+    o->row = malloc((size_t)cap * sizeof(int64_t));
+    o->pos = malloc((size_t)cap * sizeof(int64_t));
+    o->counts = malloc(sizeof(int64_t) << ORDER_BITS);
+    if (o->rows && o->row && o->pos && o->counts)
+        return 0;
+    order_free(o);
+    return -1;
+}
+
+/* A zero row for a DEAD or bad id at flat output index k. */
+static void zero_row(const struct lookup_job *j, int64_t k)
+{
+    const int64_t n_scales = j->dim / j->block;
+    if (j->raw_w) {
+        memset(j->raw_w + k * j->dim, 0, (size_t)j->dim);
+        memset(j->raw_s + k * n_scales, 0, (size_t)n_scales);
+    } else {
+        memset(j->out + k * j->dim, 0, (size_t)j->dim * 2);
+    }
+}
+
+/* Read the n ids from flat index k0 on (the cursor's position), zero the
+ * rows of DEAD and bad ids (noting the bad ones in order), and sort the
+ * others into o->row / o->pos. */
+static void order_chunk(struct lookup_job *j, struct cursor *cur, int64_t k0, int64_t n,
+                        struct order *o)
+{
+    int64_t *counts = o->counts;
+    memset(counts, 0, sizeof(int64_t) << ORDER_BITS);
+    for (int64_t i = 0; i < n; i++, cursor_next(j, cur)) {
+        int64_t id, row = cursor_row(j, cur, &id);
+        o->rows[i] = row;
+        if (row >= 0) {
+            counts[row >> o->shift]++;
+            continue;
+        }
+        if (id != -1)
+            note_bad(j, k0 + i, id);
+        zero_row(j, k0 + i);
+    }
+    int64_t sum = 0;
+    for (int64_t b = 0; b < (1 << ORDER_BITS); b++) {
+        int64_t c = counts[b];
+        counts[b] = sum;
+        sum += c;
+    }
+    o->n = sum;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t row = o->rows[i];
+        if (row >= 0) {
+            int64_t at = counts[row >> o->shift]++;
+            o->row[at] = row;
+            o->pos[at] = i;
+        }
+    }
+}
+
+/* Rows are gathered STAGE_ROWS at a time into a small cache-resident
+ * buffer with plain copies (many independent misses in flight, as in a
+ * memcpy-style gather), then dequantised from there with streaming stores:
+ * the dequant code is long enough per row that, interleaved with the misses,
+ * it would starve the out-of-order window of memory parallelism (measured:
+ * interleaving prefetches with the dequant was 0.6-0.7x these phases). */
+enum { STAGE_ROWS = 64, MAX_STAGE_BYTES = 1024, MAX_STAGE_SCALES = 64 };
+
+/* Row q + ahead of the chunk, weights and scale bytes, on its way to cache. */
+static inline __attribute__((always_inline)) void
+prefetch_ahead_of(const struct lookup_job *j, const struct order *o, int64_t q, int ahead_n,
+                  int64_t n_scales)
+{
+    if (ahead_n > 0 && q + ahead_n < o->n) {
+        int64_t row = o->row[q + ahead_n];
+        prefetch_row((const char *)(j->weights + row * j->dim), j->dim);
+        prefetch_row((const char *)(j->scales + row * n_scales), 1);
+    }
+}
+
+/* The chunk's rows dequantised, STAGE_ROWS at a time: copied (prefetched
+ * ahead) into the stage, then dequantised from there with the row's
+ * scales.  The scale bytes are read in the same loop as the weights: in
+ * table order they are close together (measured: 1.1-1.4x a separate pass
+ * over them). */
+__attribute__((target_clones("arch=x86-64-v4", "default")))
+static void dequant_chunk(const struct lookup_job *j, const struct order *o, int64_t k0,
+                          row_fn row_dequant)
+{
+    const int64_t n_scales = j->dim / j->block;
+    const int staged = j->dim <= MAX_STAGE_BYTES && n_scales <= MAX_STAGE_SCALES;
+    const int ahead_n = prefetch_ahead;
+#if defined(__x86_64__)
+    const int avx2_stream = have_avx2_stream() && row_dequant == row_generic && j->block == 32 &&
+                            j->dim % 32 == 0 && ((uintptr_t)j->out & 31) == 0;
+#else
+    const int avx2_stream = 0;
+#endif
+    uint8_t w_stage[STAGE_ROWS * MAX_STAGE_BYTES] __attribute__((aligned(64)));
+    uint8_t s_stage[STAGE_ROWS * MAX_STAGE_SCALES] __attribute__((aligned(64)));
+    for (int64_t q0 = 0; q0 < o->n; q0 += STAGE_ROWS) {
+        int64_t n = o->n - q0 < STAGE_ROWS ? o->n - q0 : STAGE_ROWS;
+        for (int64_t q = q0; q < q0 + n; q++) {
+            prefetch_ahead_of(j, o, q, ahead_n, n_scales);
+            if (!staged) /* rows too wide for the stage: read in place below */
+                continue;
+            copy_row(w_stage + (q - q0) * j->dim, j->weights + o->row[q] * j->dim, j->dim);
+            copy_row(s_stage + (q - q0) * n_scales, j->scales + o->row[q] * n_scales, n_scales);
+        }
+        for (int64_t q = q0; q < q0 + n; q++) {
+            const uint8_t *w = staged ? w_stage + (q - q0) * j->dim
+                                      : j->weights + o->row[q] * j->dim;
+            const uint8_t *s = staged ? s_stage + (q - q0) * n_scales
+                                      : j->scales + o->row[q] * n_scales;
+            uint16_t *out = j->out + (k0 + o->pos[q]) * j->dim;
+#if defined(__x86_64__)
+            if (row_dequant == row_avx512) /* a direct call the AVX-512 clone inlines */
+                row_avx512(w, s, j->dim, j->block, out);
+            else if (avx2_stream)
+                row_avx2_stream(w, s, j->dim, j->block, out);
+            else
+#else
+            (void)avx2_stream;
+#endif
+                row_dequant(w, s, j->dim, j->block, out);
+        }
+    }
+}
+
+#if defined(__x86_64__)
+/* Whole cache lines with streaming stores: rows in table order land at
+ * scattered output places, where plain stores would first read each line
+ * (measured on 2 MiB pages: 1.2x plain copies). */
+__attribute__((target("avx512f")))
+static void stream_lines(uint8_t *dst, const uint8_t *src, int64_t bytes)
+{
+    for (int64_t off = 0; off < bytes; off += 64)
+        _mm512_stream_si512((__m512i *)(dst + off), _mm512_loadu_si512(src + off));
+}
+#endif
+
+/* The packed variant: each row's FP8 bytes and scale bytes copied as they
+ * are stored, prefetched ahead like the lookup.  No stage here: the plain
+ * copies overlap the misses (measured: staged phases were 0.75-0.8x). */
+__attribute__((target_clones("arch=x86-64-v4", "default")))
+static void gather_chunk(const struct lookup_job *j, const struct order *o, int64_t k0,
+                         int stream)
+{
+    const int64_t n_scales = j->dim / j->block;
+    const int ahead_n = prefetch_ahead;
+    for (int64_t q = 0; q < o->n; q++) {
+        prefetch_ahead_of(j, o, q, ahead_n, n_scales);
+        int64_t row = o->row[q], k = k0 + o->pos[q];
+#if defined(__x86_64__)
+        if (stream)
+            stream_lines(j->raw_w + k * j->dim, j->weights + row * j->dim, j->dim);
+        else
+#endif
+            copy_row(j->raw_w + k * j->dim, j->weights + row * j->dim, j->dim);
+        copy_row(j->raw_s + k * n_scales, j->scales + row * n_scales, n_scales);
+    }
+}
+
+static void run_sorted_job(struct lookup_job *j);
+
+/* Small calls (a decode step: 1-256 tokens x 24 heads) skip the sort: its
+ * 4,096-bucket histogram and scratch cost more than the page walks it saves
+ * there, so rows are read in token order (still prefetched ahead, through
+ * the same stage) from stack scratch.  The threshold is tunable
+ * (ne_tune_small_rows) so tools/bench.py can measure it and tests can run
+ * both sides; the default is what bench measured. */
+#define NE_SMALL_ROWS 2048
+enum { MAX_SMALL_ROWS = 4096 };
+static int64_t small_rows = NE_SMALL_ROWS;
+
+int ne_tune_small_rows(int64_t rows)
+{
+    if (rows < 0 || rows > MAX_SMALL_ROWS) {
+        errno = EINVAL;
+        return -1;
+    }
+    small_rows = rows;
+    return 0;
+}
+
+/* The n rows from flat index k0 on, in token order: DEAD and bad ids get
+ * zero rows (bad ones noted), the others go to o->row / o->pos. */
+static void direct_chunk(struct lookup_job *j, struct cursor *cur, int64_t k0, int64_t n,
+                         struct order *o)
+{
+    o->n = 0;
+    for (int64_t i = 0; i < n; i++, cursor_next(j, cur)) {
+        int64_t id, row = cursor_row(j, cur, &id);
+        if (row >= 0) {
+            o->row[o->n] = row;
+            o->pos[o->n++] = i;
+            continue;
+        }
+        if (id != -1)
+            note_bad(j, k0 + i, id);
+        zero_row(j, k0 + i);
+    }
+}
+
+static int use_streaming(const struct lookup_job *j, row_fn row_dequant)
+{
+#if defined(__x86_64__)
+    /* streaming needs AVX-512 (the picked row function says whether it is
+     * there and allowed) and whole 64-byte lines at every output row */
+    return row_dequant == row_avx512 && j->dim % 64 == 0 && ((uintptr_t)j->raw_w & 63) == 0;
+#else
+    (void)j;
+    (void)row_dequant;
+    return 0;
+#endif
+}
+
+static void finish_stores(void)
+{
+#if defined(__x86_64__)
+    _mm_sfence(); /* streaming stores are visible before the caller reads */
+#endif
+}
+
+/* A job's tokens, ORDER_CHUNK rows at a time: ordered, then dequantised
+ * (or packed); at most small_rows rows: read in token order.  Sets
+ * j->error to ENOMEM when the scratch cannot be allocated (this job
+ * writes nothing then). */
+static void run_job(struct lookup_job *j)
+{
+    const int64_t n_rows = (j->t_end - j->t_begin) * j->n_heads;
+    if (n_rows > 0 && n_rows <= small_rows) {
+        const row_fn row_dequant = pick_row_fn();
+        int64_t row[MAX_SMALL_ROWS], pos[MAX_SMALL_ROWS];
+        struct order o = {.row = row, .pos = pos};
+        struct cursor cur = {j->t_begin, 0};
+        direct_chunk(j, &cur, j->t_begin * j->n_heads, n_rows, &o);
+        if (j->raw_w)
+            gather_chunk(j, &o, j->t_begin * j->n_heads, use_streaming(j, row_dequant));
+        else
+            dequant_chunk(j, &o, j->t_begin * j->n_heads, row_dequant);
+        finish_stores();
+        return;
+    }
+    run_sorted_job(j);
+}
+
+static void run_sorted_job(struct lookup_job *j)
+{
+    const row_fn row_dequant = pick_row_fn();
+    const int64_t k_begin = j->t_begin * j->n_heads, k_end = j->t_end * j->n_heads;
+    const int64_t cap = k_end - k_begin < ORDER_CHUNK ? k_end - k_begin : ORDER_CHUNK;
+    const int stream = use_streaming(j, row_dequant);
+    struct cursor cur = {j->t_begin, 0};
+    struct order o;
+    if (cap <= 0)
+        return;
+    if (order_alloc(&o, j, cap) != 0) {
+        j->error = ENOMEM;
+        return;
+    }
+    for (int64_t k0 = k_begin; k0 < k_end; k0 += cap) {
+        order_chunk(j, &cur, k0, k_end - k0 < cap ? k_end - k0 : cap, &o);
+        if (j->raw_w)
+            gather_chunk(j, &o, k0, stream);
+        else
+            dequant_chunk(j, &o, k0, row_dequant);
+    }
+    order_free(&o);
+    finish_stores();
+}
+
+static void *lookup_thread(void *arg)
+{
+    struct lookup_job *j = arg;
+    pin_self(j->cpu);
+    run_job(j);
+    return NULL;
+}
+
+/* run_job as the pool's job function. */
+static void run_job_of(void *job)
+{
+    run_job(job);
+}
+
+/* One job on the calling thread.  A large one runs on a CPU of the rows'
+ * node (cpus) when the caller is not on one and is allowed there: its
+ * affinity is set for the call and put back after (two syscalls, nothing
+ * next to a large gather); a small one runs where the caller is. */
+static void run_on_caller(struct lookup_job *j, const int *cpus, int n_cpus)
+{
+    const int64_t n_rows = (j->t_end - j->t_begin) * j->n_heads;
+    cpu_set_t saved, want;
+    int moved = 0;
+    if (n_cpus > 0 && n_rows > small_rows) {
+        int here = sched_getcpu(), local = 0;
+        CPU_ZERO(&want);
+        for (int i = 0; i < n_cpus; i++) {
+            local |= cpus[i] == here;
+            if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE)
+                CPU_SET(cpus[i], &want);
+        }
+        if (!local && pthread_getaffinity_np(pthread_self(), sizeof saved, &saved) == 0)
+            moved = pthread_setaffinity_np(pthread_self(), sizeof want, &want) == 0;
+    }
+    run_job(j);
+    if (moved)
+        pthread_setaffinity_np(pthread_self(), sizeof saved, &saved);
+}
+
+/* Split proto's tokens over n_threads jobs and run them: on the pool's
+ * threads when a pool of this process is given and more than one job is
+ * worth it, else on the calling thread (one job) or on fresh threads
+ * (thread i pinned to cpus[i % n_cpus] when n_cpus > 0).  Report bad ids
+ * in bad[0..2] = (count, first flat index t*n_heads+h, its value). */
+static int run_lookup_jobs(const struct lookup_job *proto, int64_t n_tokens, int n_threads,
+                           const int *cpus, int n_cpus, int64_t *bad, struct ne_pool *pool)
+{
+    struct lookup_job jobs[NE_MAX_THREADS];
+    int rc = 0;
+    const int pool_threads = ne_pool_size(pool);
+    if (pool_threads > 0 && n_threads > pool_threads)
+        n_threads = pool_threads;
+    n_threads = clamp_threads(n_threads, n_tokens);
+    for (int i = 0; i < n_threads; i++) {
+        jobs[i] = *proto;
+        split_range(n_tokens, n_threads, i, &jobs[i].t_begin, &jobs[i].t_end);
+        jobs[i].cpu = n_cpus > 0 ? cpus[i % n_cpus] : -1;
+    }
+    if (n_threads == 1)
+        run_on_caller(&jobs[0], cpus, n_cpus); /* a thread handoff costs more than it saves */
+    else if (pool_threads > 0)
+        pool_run(pool, run_job_of, jobs, sizeof(jobs[0]), n_threads);
+    else
+        rc = run_threads(lookup_thread, jobs, sizeof(jobs[0]), n_threads);
+    bad[0] = 0;
+    bad[1] = -1;
+    for (int i = 0; i < n_threads; i++)   /* jobs are in token order */
+        if (jobs[i].bad_count) {
+            if (bad[0] == 0) {
+                bad[1] = jobs[i].first_bad;
+                bad[2] = jobs[i].first_bad_id;
+            }
+            bad[0] += jobs[i].bad_count;
+        }
+    for (int i = 0; i < n_threads && rc == 0; i++)
+        if (jobs[i].error) {
+            errno = jobs[i].error;
+            rc = -1;
+        }
+    return rc;
+}
+
+/* Gather + dequantise the rows of n_heads heads for n_tokens tokens into
+ * out[n_tokens][n_heads][dim] (bf16 bits).  Each id is checked against its
+ * head's bucket_sizes as it is read (after subtracting id_base[h], the
+ * head's first global row, when ids are global rows; NULL for bucket ids);
+ * -1 is DEAD; bad ones give zero rows and are
+ * reported in bad[0..2] = (count, first flat index t*n_heads+h, its value).
+ * Work is split by token over n_threads threads, thread i pinned to
+ * cpus[i % n_cpus] when n_cpus > 0.  Returns 0, or -1 with errno when a
+ * thread cannot be started (EAGAIN) or its scratch (ENOMEM) allocated. */
+int ne_lookup_bf16(const uint8_t *weights, const uint8_t *scales, int64_t dim,
+                   int64_t block, const int64_t *ids, int64_t n_tokens,
+                   int64_t stride, int64_t n_heads, const int64_t *head_offsets,
+                   const int64_t *bucket_sizes, const int64_t *id_base, uint16_t *out,
+                   int n_threads, const int *cpus, int n_cpus, int64_t *bad,
+                   struct ne_pool *pool)
+{
+    rows_ready();
+    struct lookup_job proto = {weights, scales, dim, block, ids, stride, n_heads, head_offsets,
+                               bucket_sizes, id_base, out, NULL, NULL, 0, 0, -1, 0, -1, 0, 0};
+    return run_lookup_jobs(&proto, n_tokens, n_threads, cpus, n_cpus, bad, pool);
+}
+
+/* The same rows as ne_lookup_bf16, packed: out_w[n_tokens][n_heads][dim]
+ * FP8 bytes and out_s[n_tokens][n_heads][dim / block] scale bytes, as the
+ * table stores them (half the output bytes; dequantised later, e.g. on the
+ * GPU after the copy).  Same checks, threads and return values. */
+int ne_gather_fp8(const uint8_t *weights, const uint8_t *scales, int64_t dim, int64_t block,
+                  const int64_t *ids, int64_t n_tokens, int64_t stride, int64_t n_heads,
+                  const int64_t *head_offsets, const int64_t *bucket_sizes,
+                  const int64_t *id_base, uint8_t *out_w, uint8_t *out_s, int n_threads,
+                  const int *cpus, int n_cpus, int64_t *bad, struct ne_pool *pool)
+{
+    struct lookup_job proto = {weights, scales, dim, block, ids, stride, n_heads, head_offsets,
+                               bucket_sizes, id_base, NULL, out_w, out_s, 0, 0, -1, 0, -1, 0, 0};
+    return run_lookup_jobs(&proto, n_tokens, n_threads, cpus, n_cpus, bad, pool);
+}
+
+/* ------------------------------------------- the random-read limit --- */
+
+/* What the memory system gives a plain gather: read every cache line of
+ * rows[i] (dim bytes each) with `ahead` rows prefetched, summing one word
+ * per line so nothing is optimised away.  Rows/s of this is the ceiling a
+ * lookup kernel is measured against (tools/bench.py). */
+struct read_job {
+    const uint8_t *table;
+    int64_t dim;
+    const int64_t *rows;
+    int64_t begin, end;
+    int ahead;
+    uint64_t sum;
+};
+
+static void *read_thread(void *arg)
+{
+    struct read_job *j = arg;
+    uint64_t sum = 0;
+    for (int64_t i = j->begin; i < j->end; i++) {
+        if (i + j->ahead < j->end) {
+            const uint8_t *q = j->table + j->rows[i + j->ahead] * j->dim;
+            for (int64_t off = 0; off < j->dim; off += 64)
+                __builtin_prefetch(q + off, 0, 3);
+        }
+        const uint8_t *p = j->table + j->rows[i] * j->dim;
+        for (int64_t off = 0; off < j->dim; off += 64) {
+            uint64_t word;
+            memcpy(&word, p + off, sizeof word);
+            sum += word;
+        }
+    }
+    j->sum = sum;
+    return NULL;
+}
+
+int ne_read_rows(const uint8_t *table, int64_t dim, const int64_t *rows, int64_t n, int ahead,
+                 int n_threads, uint64_t *sum)
+{
+    struct read_job jobs[NE_MAX_THREADS];
+    n_threads = clamp_threads(n_threads, n);
+    for (int i = 0; i < n_threads; i++) {
+        jobs[i] = (struct read_job){table, dim, rows, 0, 0, ahead, 0};
+        split_range(n, n_threads, i, &jobs[i].begin, &jobs[i].end);
+    }
+    int rc = n_threads == 1 ? (read_thread(&jobs[0]), 0)
+                            : run_threads(read_thread, jobs, sizeof(jobs[0]), n_threads);
+    *sum = 0;
+    for (int i = 0; i < n_threads; i++)
+        *sum += jobs[i].sum;
+    return rc;
+}

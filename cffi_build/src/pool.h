@@ -1,0 +1,15 @@
+/* pool.h: persistent worker threads, one pool per table that looks up
+ * with several threads: pinned once to the rows' node's CPUs and woken per
+ * call (creating, pinning and joining pthreads cost ~50 us a call).  One
+ * call at a time per pool.  A forked child inherits the memory but not the
+ * threads: every entry point checks the pid (ne_pool_size is 0 there).
+ * The builder reads this header as the cffi declarations. */
+#ifndef NE_POOL_H
+#define NE_POOL_H
+
+struct ne_pool;
+struct ne_pool *ne_pool_new(int n, const int *cpus, int n_cpus);
+void ne_pool_free(struct ne_pool *pool);
+int ne_pool_size(const struct ne_pool *pool);
+
+#endif

@@ -1,0 +1,198 @@
+/* rows.c: FP8 e4m3 rows with ue8m0 block scales -> BF16 rows, one row
+ * function per ISA (portable, AVX2 with streaming stores, AVX-512BW).
+ * The values are bit-exact with numa_engram.model.fp8.dequantize_rows,
+ * the reference every path is tested against. */
+#include "core.h"
+
+/* bf16 of fp8_e4m3fn(w) * 2^(s - 127) for every (s, w): the exact value,
+ * built once from fp32 arithmetic and round-to-nearest-even, NaN -> 0x7FC0
+ * (what torch does).  Blocks whose scale could leave the normal fp32 range
+ * read this table; the others use the branch-free formula below. */
+static uint16_t exact_lut[256][256];
+static pthread_once_t lut_once = PTHREAD_ONCE_INIT;
+
+static float e4m3_to_float(uint8_t w)
+{
+    int sign = w >> 7, exp = (w >> 3) & 0xF, mant = w & 7;
+    float v;
+    if (exp == 0xF && mant == 7)
+        return __builtin_nanf("");
+    if (exp == 0)
+        v = (float)mant / 8.0f / 64.0f; /* subnormal: mant/8 * 2^-6 */
+    else
+        v = (1.0f + (float)mant / 8.0f) * __builtin_ldexpf(1.0f, exp - 7);
+    return sign ? -v : v;
+}
+
+static float e8m0_to_float(uint8_t s)
+{
+    uint32_t bits;
+    float f;
+    if (s == 255)
+        return __builtin_nanf("");
+    bits = s == 0 ? 0x00400000u : (uint32_t)s << 23; /* 2^-127 is subnormal */
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static uint16_t float_to_bf16(float f)
+{
+    uint32_t u;
+    if (f != f)
+        return 0x7FC0;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + (((u >> 16) & 1) + 0x7FFF)) >> 16);
+}
+
+static void build_exact_lut(void)
+{
+    for (int s = 0; s < 256; s++) {
+        float scale = e8m0_to_float((uint8_t)s);
+        for (int w = 0; w < 256; w++) {
+            volatile float product = e4m3_to_float((uint8_t)w) * scale;
+            exact_lut[s][w] = float_to_bf16(product);
+        }
+    }
+}
+
+/* 32 values sharing scale byte s, 10 <= s <= 246: every product is a normal
+ * fp32 with at most 4 significant bits, so its bf16 is exact: the e4m3 bits
+ * re-biased plus (s - 127) in the exponent field.  Branch-free with a
+ * constant trip count, so GCC vectorises it (16 or 32 lanes). */
+static inline void dequant_fast32(const uint8_t *restrict w, uint16_t shift,
+                                  uint16_t *restrict out)
+{
+    for (int i = 0; i < 32; i++) {
+        uint16_t v = w[i];
+        uint16_t mag = v & 0x7F;
+        uint16_t m = v & 7;
+        /* subnormal e4m3: m * 2^-9, as bf16 bits before the scale */
+        uint16_t sub = m >= 4 ? (uint16_t)((120 << 7) | ((m & 3) << 5))
+                     : m >= 2 ? (uint16_t)((119 << 7) | ((m & 1) << 6))
+                              : (uint16_t)(118 << 7);
+        uint16_t normal = (uint16_t)((mag << 4) + (120 << 7));
+        uint16_t r = (uint16_t)(((mag >> 3) ? normal : sub) + shift);
+        r = mag == 0 ? 0 : r;
+        r |= (uint16_t)((v & 0x80) << 8);
+        out[i] = mag == 0x7F ? 0x7FC0 : r;
+    }
+}
+
+static inline void dequant_block(const uint8_t *restrict w, uint8_t s, int64_t n,
+                                 uint16_t *restrict out)
+{
+    if (n == 32 && s >= 10 && s <= 246) {
+        dequant_fast32(w, (uint16_t)(((int)s - 127) << 7), out);
+        return;
+    }
+    const uint16_t *lut = exact_lut[s]; /* scales near the fp32 range edges, NaN */
+    for (int64_t i = 0; i < n; i++)
+        out[i] = lut[w[i]];
+}
+
+typedef void (*row_fn)(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block,
+                       uint16_t *out);
+
+/* Portable row: one clone per ISA, picked when the module loads (GCC
+ * vectorises dequant_fast32 for each); nothing assumes the build host. */
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+static void row_generic(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block,
+                        uint16_t *out)
+{
+    for (int64_t b = 0; b < dim / block; b++)
+        dequant_block(w + b * block, s[b], block, out + b * block);
+}
+
+#if defined(__x86_64__)
+/* AVX2 row for block 32 with streaming stores: each block is dequantised
+ * into a cache-line scratch (GCC vectorises dequant_fast32 for AVX2 here)
+ * and written with two 32-byte non-temporal stores, so the scattered
+ * output lines of a table-order gather are not read for ownership first
+ * (the AVX-512 row's trick, for CPUs without AVX-512).  Blocks with a scale
+ * near the fp32 range edges take the exact table, as everywhere.  Needs a
+ * 32-byte aligned output row (checked by the caller). */
+__attribute__((target("avx2")))
+static void row_avx2_stream(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block,
+                            uint16_t *out)
+{
+    uint16_t line[32] __attribute__((aligned(32)));
+    for (int64_t b = 0; b < dim / 32; b++) {
+        if (s[b] >= 10 && s[b] <= 246)
+            dequant_fast32(w + b * 32, (uint16_t)(((int)s[b] - 127) << 7), line);
+        else
+            dequant_block(w + b * 32, s[b], 32, line);
+        _mm256_stream_si256((__m256i *)(out + b * 32), _mm256_load_si256((const __m256i *)line));
+        _mm256_stream_si256((__m256i *)(out + b * 32 + 16),
+                            _mm256_load_si256((const __m256i *)(line + 16)));
+    }
+    (void)block;
+}
+
+/* AVX-512BW row (block 32): 32 values per instruction, the subnormal e4m3
+ * table in one vpermw, and streaming stores: the BF16 output is twice the
+ * bytes read and is not read back by this thread, so skipping the
+ * read-for-ownership of its cache lines saves a third of the traffic. */
+__attribute__((target("avx512f,avx512bw")))
+static void row_avx512(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block,
+                       uint16_t *out)
+{
+    const __m512i sub_table = _mm512_set_epi16(
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        0, 0, 0, 0, 0, 0, 0, 0,
+        (120 << 7) | 0x60, (120 << 7) | 0x40, (120 << 7) | 0x20, 120 << 7,
+        (119 << 7) | 0x40, 119 << 7, 118 << 7, 0);
+    const __m512i k7f = _mm512_set1_epi16(0x7F), k7 = _mm512_set1_epi16(7);
+    const __m512i k80 = _mm512_set1_epi16(0x80), bias = _mm512_set1_epi16(120 << 7);
+    const __m512i nan = _mm512_set1_epi16(0x7FC0), eight = _mm512_set1_epi16(8);
+    const int aligned = ((uintptr_t)out & 63) == 0;
+    if (block != 32) {
+        row_generic(w, s, dim, block, out);
+        return;
+    }
+    for (int64_t b = 0; b < dim / 32; b++) {
+        uint8_t sb = s[b];
+        uint16_t *dst = out + b * 32;
+        if (sb < 10 || sb > 246) {
+            dequant_block(w + b * 32, sb, 32, dst);
+            continue;
+        }
+        __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + b * 32)));
+        __m512i mag = _mm512_and_si512(v, k7f);
+        __m512i sub = _mm512_permutexvar_epi16(_mm512_and_si512(v, k7), sub_table);
+        __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), bias);
+        __mmask32 is_normal = _mm512_cmpge_epu16_mask(mag, eight);
+        __m512i r = _mm512_mask_blend_epi16(is_normal, sub, normal);
+        r = _mm512_add_epi16(r, _mm512_set1_epi16((short)(((int)sb - 127) << 7)));
+        r = _mm512_maskz_mov_epi16(_mm512_cmpneq_epu16_mask(mag, _mm512_setzero_si512()), r);
+        r = _mm512_or_si512(r, _mm512_slli_epi16(_mm512_and_si512(v, k80), 8));
+        r = _mm512_mask_blend_epi16(_mm512_cmpeq_epu16_mask(mag, k7f), r, nan);
+        if (aligned)
+            _mm512_stream_si512((__m512i *)dst, r);
+        else
+            _mm512_storeu_si512(dst, r);
+    }
+}
+#endif
+
+/* The row function: picked from the CPU's features, which are read once
+ * per process (core.h). */
+static row_fn pick_row_fn(void)
+{
+#if defined(__x86_64__)
+    if (ne_cpu()->avx512bw)
+        return row_avx512;
+#endif
+    return row_generic;
+}
+
+/* The AVX2 streaming row may stand in for the portable one. */
+static int have_avx2_stream(void)
+{
+    return ne_cpu()->avx2;
+}
+
+/* The exact table, built once before the first BF16 lookup. */
+static void rows_ready(void)
+{
+    pthread_once(&lut_once, build_exact_lut);
+}
