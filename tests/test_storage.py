@@ -242,7 +242,7 @@ def _request(spec, shard):
     return CreateRequest.of(spec, 1, shard, mode="auto", placement=None, directory="/dev/shm",
                             page_size="4K", checkpoint=None, names=None, register_device=None,
                             timeout_s=30, topology=None, progress=None, lookup_threads=1,
-                            load_threads=1)
+                            load_threads=1, shared_load=False)
 
 
 @pytest.mark.parametrize("kind, text", [

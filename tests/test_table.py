@@ -271,3 +271,44 @@ def test_a_sealed_tables_views_cannot_be_made_writable(tmp_path):
             with pytest.raises(ValueError, match="WRITEABLE"):
                 view.flags.writeable = True
         assert int(table.weights[0, 0]) >= 0  # still readable
+
+
+def _request(**kwargs):
+    from numa_engram.sharing.request import CreateRequest
+
+    spec = EngramSpec.small()
+    args = dict(mode="auto", placement=None, directory="/dev/shm", page_size="4K",
+                checkpoint=None, names=None, register_device=None, timeout_s=30,
+                topology=None, progress=None, lookup_threads=1, load_threads=None)
+    args.update(kwargs)
+    return CreateRequest.of(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0), **args)
+
+
+def test_a_create_request_gives_each_name_one_meaning():
+    req = _request(load_threads=3)
+    assert (req.load_threads, req.shared_load, req.stall_timeout_s) == (3, True, 30.0)
+    assert _request(shared_load=False, load_threads=4).shared_load is False
+    assert _request(load_threads=1, shared_load=True).shared_load is True  # 1 thread, shared
+    assert _request(stall_timeout_s=5).stall_timeout_s == 5.0  # the collectives keep 30
+    assert _request(page_size="2M").page_size == 2 << 20
+
+
+def test_load_threads_1_alone_keeps_its_old_meaning_with_a_warning():
+    with pytest.warns(DeprecationWarning, match="shared_load=False"):
+        assert _request(load_threads=1).shared_load is False
+
+
+@pytest.mark.parametrize("kwargs, text", [
+    ({"timeout_s": 0}, "timeout_s must be a number of seconds > 0, got 0"),
+    ({"stall_timeout_s": -1}, "stall_timeout_s must be a number of seconds > 0"),
+    ({"timeout_s": True}, "timeout_s must be"),
+    ({"load_threads": 0}, "load_threads must be >= 1"),
+    ({"load_threads": 2.5}, "load_threads"),
+    ({"mode": "indepndent"}, "mode must be one of"),
+])
+def test_a_create_request_names_the_bad_argument(kwargs, text):
+    from numa_engram.errors import SpecError
+
+    with pytest.raises(SpecError, match=text):
+        _request(**kwargs)
+

@@ -445,7 +445,8 @@ def bench_load(gib: float) -> None:
             # timed from create() to READY: allocate, place, populate, load
             return lambda: SharedEngramTable.create(spec, 1, shard, checkpoint=path,
                                                     page_size=page_size,
-                                                    load_threads=load_threads).close()
+                                                    load_threads=load_threads,
+                                                    shared_load=load_threads > 1).close()
 
         variants = {"copy": plain_copy, "old": create("4K", 1), "new 4K": create("4K", 2)}
         try:

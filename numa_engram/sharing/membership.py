@@ -39,7 +39,7 @@ class MemberInfo:
     boot_id: bytes = b""
     directory_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the table directory
     hostname: str = ""
-    directory: str = ""
+    directory: str | None = None  # this member's table directory (None: none usable)
     page_size: int = native.PAGE_SIZE
     directory_problem: str = ""  # why this member has no directory for the table
     placement: str | None = None  # as this member asked for it (None: follow the leader)
@@ -47,7 +47,7 @@ class MemberInfo:
 
 def identity_key(m: MemberInfo) -> dict:
     """What the sharing group's members have in common (the leader's)."""
-    return {"boot_id": m.boot_id.hex(), "uid": m.uid, "directory": m.directory or None,
+    return {"boot_id": m.boot_id.hex(), "uid": m.uid, "directory": m.directory,
             "directory_device": None if m.directory_id is None else
             describe_device(m.directory_id),
             "host": m.hostname}
@@ -77,7 +77,7 @@ def member_info(grp: Group, req: CreateRequest) -> MemberInfo:
     return MemberInfo(grp.ranks[grp.rank], os.getpid(), os.geteuid(), node,
                       device, req.spec.fingerprint, req.key, req.mode, procfs.boot_id(),
                       directory_id(directory) if directory else None, socket.gethostname(),
-                      directory or "", req.page_size, problem, placement_text(req.placement))
+                      directory, req.page_size, problem, placement_text(req.placement))
 
 
 def placement_text(placement: Any) -> str | None:

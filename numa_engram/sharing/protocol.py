@@ -80,7 +80,7 @@ def create(grp: Group, req: CreateRequest) -> Built:
     """Run the protocol in this member; every member returns, or every
     member raises the same class naming every failing member."""
     me, members = join(grp, req)
-    directory = me.directory or None  # this member's (a hugetlbfs mount for huge pages)
+    directory = me.directory  # this member's (a hugetlbfs mount for huge pages)
     checkpoint, mode, reason = decide_mode(grp, req, members, directory)
     if mode == "independent":
         if reason and grp.size > 1:
@@ -123,7 +123,7 @@ def share(grp: Group, req: CreateRequest, members: list[MemberInfo], directory: 
             held, req, members, directory))
         cpus = reader_cpus(plan, req.topology)
         # who loads which rows: the members on the rows' node(s), else the
-        # leader (the leader's load_threads decide whether loading is shared)
+        # leader (the leader's request decides whether loading is shared)
         parts = load_parts(req.shard.num_rows, [m.node for m in members], _bound_nodes(plan),
                            cooperative and checkpoint is not None)
         part = parts[grp.rank]
@@ -159,7 +159,7 @@ def create_file(held: _Held, req: CreateRequest, members: list[MemberInfo],
                                  threads=req.load_threads)
     held.backing = backing
     held.report = verify(backing.mapping, plan) if plan is not None else None
-    return backing.path, plan, req.cooperative
+    return backing.path, plan, req.shared_load
 
 
 def map_file(held: _Held, leader: bool, path: str, directory: str | None,
@@ -222,7 +222,7 @@ def load(backing: BackingFile, req: CreateRequest, checkpoint: CheckpointPlan | 
     if member in slot:
         load_part(backing, req.spec, req.layer_id, req.shard, checkpoint, req.names,
                   parts[member], slot[member], req.load_threads, cpus, report)
-    wait_for_parts(backing, range(len(loaders)), req.timeout_s)
+    wait_for_parts(backing, range(len(loaders)), req.stall_timeout_s)
     if member == 0:
         backing.mark_ready()
 

@@ -11,6 +11,7 @@ at once rather than leaving the others waiting.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -56,10 +57,25 @@ def default_load_threads() -> int:
     return max(1, min(MAX_DEFAULT_LOAD_THREADS, len(os.sched_getaffinity(0))))
 
 
-def _positive_seconds(value: Any) -> float:
+def _positive_seconds(value: Any, name: str = "timeout_s") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise SpecError(f"timeout_s must be a number of seconds > 0, got {value!r}")
+        raise SpecError(f"{name} must be a number of seconds > 0, got {value!r}")
     return float(value)
+
+
+def _shared_load(shared: bool | None, load_threads: int | None) -> bool:
+    """Whether the load is split over the members (one name, one meaning:
+    ``load_threads`` only counts threads).  ``load_threads=1`` alone keeps
+    its old meaning, the leader's plain load, with a warning."""
+    if shared is not None:
+        return bool(shared)
+    if load_threads == 1:
+        warnings.warn("load_threads=1 no longer switches shared loading off on its own: pass "
+                      "shared_load=False for the leader's single-thread load (or "
+                      "shared_load=True for one thread per loader)", DeprecationWarning,
+                      stacklevel=4)
+        return False
+    return True
 
 
 def _load_threads(value: Any) -> int:
@@ -94,6 +110,8 @@ class CreateRequest:
     progress: Progress | None
     lookup_threads: int
     load_threads: int
+    shared_load: bool  # the members on the rows' node load parts (False: the leader alone)
+    stall_timeout_s: float  # how long a load may make no progress before it fails
 
     @classmethod
     def of(cls, spec: EngramSpec, layer_id: int, shard: ShardInfo, *, mode: str,
@@ -101,7 +119,8 @@ class CreateRequest:
            page_size: PageSize | int, checkpoint: Any, names: TensorNames | None,
            register_device: int | None, timeout_s: float, topology: Topology | None,
            progress: Progress | None, lookup_threads: int,
-           load_threads: int | None) -> CreateRequest:
+           load_threads: int | None, shared_load: bool | None = None,
+           stall_timeout_s: float | None = None) -> CreateRequest:
         if mode not in CREATE_MODES:
             raise SpecError(f"mode must be one of {CREATE_MODES}, got {mode!r}")
         check_shard(spec, layer_id, shard)
@@ -109,7 +128,9 @@ class CreateRequest:
                    placement, directory, hugepages.parse_page_size(page_size), checkpoint,
                    names, register_device, _positive_seconds(timeout_s),
                    topology or Topology.detect(), progress, max(1, int(lookup_threads)),
-                   _load_threads(load_threads))
+                   _load_threads(load_threads), _shared_load(shared_load, load_threads),
+                   _positive_seconds(timeout_s if stall_timeout_s is None else stall_timeout_s,
+                                     "stall_timeout_s"))
 
     @property
     def layout(self) -> Layout:
@@ -118,11 +139,6 @@ class CreateRequest:
     @property
     def key(self) -> ShardKey:
         return shard_key(self.layer_id, self.shard)
-
-    @property
-    def cooperative(self) -> bool:
-        """Whether members on the rows' nodes load parts in parallel."""
-        return self.load_threads > 1
 
     def private(self) -> CreateRequest:
         """The same request for a copy of this member's own (the fallback of

@@ -119,7 +119,8 @@ class SharedEngramTable:
                mode: CreateMode = "auto", topology: Topology | None = None,
                names: TensorNames | None = None, progress: Progress | None = None,
                lookup_threads: int = 1, page_size: PageSize | int = "4K",
-               load_threads: int | None = None) -> SharedEngramTable:
+               load_threads: int | None = None, shared_load: bool | None = None,
+               stall_timeout_s: float | None = None) -> SharedEngramTable:
         """Collective over ``group`` (its rank 0 leads; None: a private table).
 
         page_size: ``4K`` (shmem: /dev/shm or a memfd), ``2M`` or ``1G``
@@ -127,10 +128,12 @@ class SharedEngramTable:
         when ``directory`` is left at its default, or an MFD_HUGETLB memfd;
         each planned node's pool must have the pages free).
 
-        load_threads: threads that pre-fault the table and copy the
-        checkpoint, pinned to the CPUs of the node the rows are bound to
-        (None: one per CPU this process may use, at most 8; 1: the plain
-        single-thread copy).
+        load_threads: threads per loader that pre-fault the table and copy
+        the checkpoint, pinned to the CPUs of the node the rows are bound to
+        (None: one per CPU this process may use, at most 8).  shared_load:
+        the members on the rows' node each load a part (the default; False:
+        the leader loads everything).  stall_timeout_s: how long the load
+        may make no progress before every member fails (None: timeout_s).
 
         mode: ``dp_shared`` (one copy for the group; fails loudly when it
         cannot share), ``independent`` (each member its own copy) or ``auto``
@@ -138,14 +141,16 @@ class SharedEngramTable:
         and the tmpfs has room, else falls back to independent copies, when
         those fit in memory, with a warning).  Every member must pass the
         same layer, shard and mode.  Every collective is bounded by
-        ``timeout_s``; a load waits as long as the loader makes progress.
+        ``timeout_s``; a load waits as long as some loader makes progress
+        (at most ``stall_timeout_s`` without any).
         Every member ends the same way: all return a table, or all raise the
         same class (our own, or MemberFailure) naming every failing member."""
         req = CreateRequest.of(spec, layer_id, shard, mode=mode, placement=placement,
                                directory=directory, page_size=page_size, checkpoint=checkpoint,
                                names=names, register_device=register_device,
                                timeout_s=timeout_s, topology=topology, progress=progress,
-                               lookup_threads=lookup_threads, load_threads=load_threads)
+                               lookup_threads=lookup_threads, load_threads=load_threads,
+                               shared_load=shared_load, stall_timeout_s=stall_timeout_s)
         grp = SingleProcessGroup() if group is None else as_group(group)
         with grp.bounded(req.timeout_s):
             built = protocol.create(grp, req)
