@@ -326,12 +326,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
                             "deployment really has")
     spec, topo = load_spec(args.spec), load_topology(args.simulate)
     per_host = args.gpus_per_host or max(1, len(topo.gpus)) or args.tp * args.dp
-    layout = WorldLayout(args.tp, args.dp, per_host)
-    regions = host_regions(spec, layout, args.mode, topo)
+    world = WorldLayout(args.tp, args.dp, per_host)
+    regions = host_regions(spec, world, args.mode, topo)
     plan = plan_placement(args.policy, regions, topo)
     per_node = planned_bytes_per_node(plan, regions, topo)
     remote = expected_remote_fraction(plan, regions)
-    modes = {m: mode_memory(spec, m, layout).per_host
+    modes = {m: mode_memory(spec, m, world).per_host
              for m in ("independent", "dp_shared", "dp_sharded")}
     mapped = sum(r.length for r in regions)
     tables = {name: hugepages.page_table_bytes(mapped, size)

@@ -168,21 +168,21 @@ def shard_bytes(spec, layer_id: int, num_shards: int, rank: int, row_wise: bool 
     return shard(spec.bucket_sizes(layer_id), num_shards, rank).num_rows * spec.row_bytes
 
 
-def mode_memory(spec, mode: str, layout) -> ModeMemory:
+def mode_memory(spec, mode: str, world) -> ModeMemory:
     """Host bytes per rank and per host of all Engram layers under a mode."""
     from ..model.sharding import assign
 
     per_rank: dict[int, int] = {}
     per_host: Counter[int] = Counter()
     holders: set[tuple[int, ...]] = set()
-    for rank in range(layout.world_size):
-        a = assign(mode, layout, rank)
+    for rank in range(world.world_size):
+        a = assign(mode, world, rank)
         size = sum(shard_bytes(spec, layer, a.num_shards, a.shard_index)
                    for layer in spec.layer_ids)
         per_rank[rank] = size
         if a.sharing_group not in holders:  # one physical copy per sharing group
             holders.add(a.sharing_group)
-            per_host[layout.host_of(rank)] += size
+            per_host[world.host_of(rank)] += size
     return ModeMemory(mode, per_rank, dict(sorted(per_host.items())))
 
 

@@ -309,13 +309,13 @@ def local_identity(rank: int, tp_rank: int, directory: str,
                         procfs.namespace("mnt"), limit)
 
 
-def _caller_limit(rank: int, layout: WorldLayout | None, socket_of: Sequence[int] | None,
+def _caller_limit(rank: int, world_layout: WorldLayout | None, socket_of: Sequence[int] | None,
                   within: Sequence[Sequence[int]] | None) -> tuple[int, ...] | None:
     """The ranks the caller allows ``rank`` to share with: its layout group
     intersected with its within= group (None: no limit given)."""
     allowed: set[int] | None = None
-    if layout is not None:
-        allowed = set(layout.edp_group(rank, socket_of))
+    if world_layout is not None:
+        allowed = set(world_layout.edp_group(rank, socket_of))
     if within is not None:
         mine = [tuple(int(r) for r in g) for g in within if rank in g]
         if len(mine) != 1:
@@ -356,12 +356,12 @@ def sharing_groups(world_group: Any = None, *, tp_rank: int | None = None,
     a file), never merge ranks the caller put apart; a split is logged."""
     import torch.distributed as dist
 
-    layout = world_group if isinstance(world_group, WorldLayout) else None
-    if layout is not None:
+    world_layout = world_group if isinstance(world_group, WorldLayout) else None
+    if world_layout is not None:
         world_group = None
     me = dist.get_rank()
-    if layout is not None and tp_rank is None:
-        tp_rank = layout.coords(me)[0]
+    if world_layout is not None and tp_rank is None:
+        tp_rank = world_layout.coords(me)[0]
     if tp_rank is None:
         raise TopologyError("sharing_groups needs tp_rank= (this rank's tensor-parallel rank)")
     numa_socket = None
@@ -369,7 +369,7 @@ def sharing_groups(world_group: Any = None, *, tp_rank: int | None = None,
         per_socket, numa_socket = True, int(socket_of[me])
     elif per_socket:
         numa_socket = gpu_node(device)
-    limit = _caller_limit(me, layout, socket_of, within)
+    limit = _caller_limit(me, world_layout, socket_of, within)
     world = TorchGroup(world_group, timeout_s)
     identities = world.all_gather(local_identity(me, tp_rank, directory, numa_socket, limit),
                                   "identity")

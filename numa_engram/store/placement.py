@@ -321,18 +321,18 @@ def plan_of_mapping(mapping: native.Mapping,
     return PlacementPlan(tuple(out), "from-file")
 
 
-def host_regions(spec: EngramSpec, layout: WorldLayout, mode: str,
+def host_regions(spec: EngramSpec, world: WorldLayout, mode: str,
                  topology: Topology) -> list[Region]:
     """The regions one host's tables occupy under ``mode`` (one per layer
     and distinct shard copy), each with the NUMA nodes of the GPUs that
-    read it: what ``plan_placement`` places.  ``layout``: a WorldLayout."""
+    read it: what ``plan_placement`` places.  ``world``: the WorldLayout."""
     from ..host.accounting import shard_bytes
     from ..model.sharding import assign
 
-    per_host = layout.gpus_per_host
+    per_host = world.gpus_per_host
     regions, offset, seen = [], 0, set()
-    for rank in range(min(layout.world_size, per_host)):  # the first host's ranks
-        a = assign(mode, layout, rank)
+    for rank in range(min(world.world_size, per_host)):  # the first host's ranks
+        a = assign(mode, world, rank)
         key = (a.shard_index, a.sharing_group)
         if key in seen:
             continue
