@@ -70,7 +70,8 @@ def test_policy_is_kept_on_the_file(numa_nodes):
         peer = BackingFile.attach(table.path)
         stored = plan_of_mapping(peer.mapping, [(r.name, r.offset, r.length)
                                                 for r in layout.regions])
-        assert [(r.mode, r.nodes) for r in stored.ranges] == [("bind", (n,)) for n in numa_nodes]
+        assert [(r.memory_policy, r.nodes) for r in stored.ranges] == [("bind", (n,))
+                                                                       for n in numa_nodes]
         peer.close()
 
 

@@ -21,7 +21,7 @@ REGIONS = [Region("weights", 4096, 1 << 20, (0,)), Region("scales", 4096 + (1 <<
 ])
 def test_node_list_policies_plan_every_range(policy, mode, nodes):
     plan = plan_placement(policy, REGIONS, TOPO)
-    assert [(r.mode, r.nodes) for r in plan.ranges] == [(mode, nodes)] * 2
+    assert [(r.memory_policy, r.nodes) for r in plan.ranges] == [(mode, nodes)] * 2
 
 
 @pytest.mark.parametrize("policy, text", [
@@ -40,3 +40,15 @@ def test_malformed_policies_name_themselves(policy, text):
 def test_nodes_the_host_lacks_are_refused():
     with pytest.raises(TopologyError, match="7"):
         plan_placement("bind:0,7", REGIONS, TOPO)
+
+
+def test_a_plan_round_trips_and_reads_the_pre_0_3_key():
+    from numa_engram.store.placement import PlacementPlan, PlacementRange
+
+    plan = PlacementPlan((PlacementRange("w", 4096, 8192, "bind", (1,)),), "node:1")
+    doc = plan.to_dict()
+    assert doc["ranges"][0]["memory_policy"] == "bind" and "mode" not in doc["ranges"][0]
+    assert PlacementPlan.from_dict(doc) == plan
+    old = {**doc, "ranges": [{"name": "w", "offset": 4096, "length": 8192, "mode": "bind",
+                              "nodes": [1]}]}  # as a 0.2 table header stores it
+    assert PlacementPlan.from_dict(old) == plan

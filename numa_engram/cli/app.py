@@ -338,7 +338,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
               for name, size in hugepages.SIZES.items()}
     unit = unit_for(*(r.length for r in regions), *per_node.values())
     rows = [[r.name, f"{r.length / unit[1]:.2f}", node_list(r.reader_nodes),
-             f"{pr.mode} {node_list(pr.nodes)}"] for r, pr in zip(regions, plan.ranges)]
+             f"{pr.memory_policy} {node_list(pr.nodes)}"] for r, pr in zip(regions, plan.ranges)]
     host_unit = unit_for(*(b for nodes in modes.values() for b in nodes.values()))
     lines = [f"spec {args.spec}: {len(spec.layer_ids)} layers, {spec.n_hash_cols} heads, "
              f"{fmt_bytes(spec.table_bytes())} in all; TP{args.tp} x DP{args.dp}, "

@@ -242,7 +242,7 @@ def _bound_nodes(plan: PlacementPlan | None) -> tuple[int, ...] | None:
     """The nodes the weights are bound (or preferred) to; None when their
     pages may be on any node (interleave, first touch, no plan)."""
     weights = _weights_range(plan)
-    if weights is None or weights.mode not in ("bind", "preferred"):
+    if weights is None or weights.memory_policy not in ("bind", "preferred"):
         return None
     return weights.nodes
 
@@ -251,7 +251,7 @@ def reader_cpus(plan: PlacementPlan | None, topology: Topology) -> tuple[int, ..
     """CPUs of the node the weights are bound to: lookup threads run there so
     their reads stay local.  Empty (no pinning) for interleave or no plan."""
     weights = _weights_range(plan)
-    if weights is None or topology.simulated or weights.mode != "bind" \
+    if weights is None or topology.simulated or weights.memory_policy != "bind" \
             or len(weights.nodes) != 1:
         return ()
     allowed = os.sched_getaffinity(0)

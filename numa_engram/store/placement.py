@@ -39,7 +39,7 @@ class PlacementRange:
     name: str
     offset: int
     length: int
-    mode: str  # bind | preferred | interleave | default
+    memory_policy: str  # the kernel's: bind | preferred | interleave | default
     nodes: tuple[int, ...] = ()
 
 
@@ -67,19 +67,19 @@ class PlacementPlan:
         page = page_size
         spans = []
         for r in self.ranges:
-            if r.mode not in MPOL_MODES:
-                raise PlacementError(f"range {r.name!r}: mode {r.mode!r} is not one of "
-                                     f"{sorted(MPOL_MODES)}")
+            if r.memory_policy not in MPOL_MODES:
+                raise PlacementError(f"range {r.name!r}: memory policy {r.memory_policy!r} is not "
+                                     f"one of {sorted(MPOL_MODES)}")
             if r.offset < 0 or r.offset % page:
                 raise PlacementError(f"range {r.name!r}: offset {r.offset} is not aligned to the "
                                      f"page size {page}; align range starts to pages")
             if r.length <= 0 or r.offset + r.length > file_size:
                 raise PlacementError(f"range {r.name!r}: [{r.offset}, {r.offset + r.length}) is "
                                      f"outside the file of {file_size} bytes")
-            if r.mode != "default":
+            if r.memory_policy != "default":
                 if not r.nodes:
-                    raise TopologyError(f"range {r.name!r}: empty node set for mode {r.mode}; "
-                                        "name at least one NUMA node")
+                    raise TopologyError(f"range {r.name!r}: empty node set for memory policy "
+                                        f"{r.memory_policy}; name at least one NUMA node")
                 if topology is not None:
                     topology.check_nodes(r.nodes)
             spans.append((r.offset, r.offset + r.length, r.name))
@@ -95,7 +95,7 @@ class PlacementPlan:
         self.validate(mapping.length, topology or Topology.detect(), mapping.page_size)
         for r in self.ranges:
             length = min(_round_up(r.length, mapping.page_size), mapping.length - r.offset)
-            native.mbind(mapping, r.offset, length, MPOL_MODES[r.mode], r.nodes)
+            native.mbind(mapping, r.offset, length, MPOL_MODES[r.memory_policy], r.nodes)
 
     def bytes_per_node(self) -> dict[int, int]:
         """Planned bytes on each node (interleave split evenly)."""
@@ -114,8 +114,11 @@ class PlacementPlan:
     def from_dict(cls, doc: dict) -> PlacementPlan:
         """The plan ``to_dict`` wrote (e.g. the one stored in a table's header)."""
         try:
+            # "mode": the key's name before 0.3 (a table file made by 0.2)
             ranges = tuple(PlacementRange(r["name"], int(r["offset"]), int(r["length"]),
-                                          r["mode"], tuple(int(n) for n in r["nodes"]))
+                                          str(r["memory_policy"] if "memory_policy" in r
+                                              else r["mode"]),
+                                          tuple(int(n) for n in r["nodes"]))
                            for r in doc["ranges"])
             return cls(ranges, str(doc.get("policy", "custom")), int(doc.get("copies", 1)))
         except (KeyError, TypeError, ValueError) as exc:
@@ -189,7 +192,7 @@ def expected_remote_fraction(plan: PlacementPlan, regions: Sequence[Region]) -> 
         placed = by_name[reg.name]
         for reader in reg.reader_nodes:
             total += reg.length
-            if placed.mode == "default" or not placed.nodes:
+            if placed.memory_policy == "default" or not placed.nodes:
                 continue  # first touch: unknown, counted local
             local = placed.nodes.count(reader) / len(placed.nodes)
             remote += reg.length * (1.0 - local)
@@ -203,7 +206,7 @@ class RangeReport:
     name: str
     offset: int
     length: int
-    mode: str
+    memory_policy: str
     planned_nodes: tuple[int, ...]
     pages: int
     pages_per_node: dict[int, int] = field(default_factory=dict)
@@ -212,7 +215,7 @@ class RangeReport:
 
     @property
     def pages_on_plan(self) -> int:
-        if self.mode == "default" or not self.planned_nodes:
+        if self.memory_policy == "default" or not self.planned_nodes:
             return self.pages - self.unmapped_pages
         return sum(c for n, c in self.pages_per_node.items() if n in self.planned_nodes)
 
@@ -228,7 +231,7 @@ class RangeReport:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "offset": self.offset, "length": self.length,
-                "mode": self.mode, "planned_nodes": list(self.planned_nodes),
+                "memory_policy": self.memory_policy, "planned_nodes": list(self.planned_nodes),
                 "pages": self.pages, "pages_per_node": dict(self.pages_per_node),
                 "unmapped_pages": self.unmapped_pages, "page_size": self.page_size,
                 "fraction_on_plan": self.fraction_on_plan}
@@ -272,13 +275,13 @@ class PlacementReport:
         unit = unit_for(*(r.length for r in self.ranges))
         rows = []
         for r in self.ranges:
-            rows.append([r.name, r.mode, node_list(r.planned_nodes)]
+            rows.append([r.name, r.memory_policy, node_list(r.planned_nodes)]
                         + [f"{r.pages_per_node.get(n, 0) * r.page_size / unit[1]:.2f}"
                            for n in nodes] + [f"{r.fraction_on_plan:.1%}"])
         total = self.bytes_per_node()
         rows.append(["Total", "", ""] + [f"{total.get(n, 0) / unit[1]:.2f}" for n in nodes]
                     + [f"{self.fraction_on_plan:.1%}"])
-        header = (["range", "mode", "plan"] + [f"Node {n} ({unit[0]})" for n in nodes]
+        header = (["range", "memory policy", "plan"] + [f"Node {n} ({unit[0]})" for n in nodes]
                   + ["on plan"])
         pages = self.pages_per_node()
         sizes = sorted({r.page_size for r in self.ranges})
@@ -300,8 +303,9 @@ def verify(mapping: native.Mapping, plan: PlacementPlan) -> PlacementReport:
         status = native.page_nodes(mapping, r.offset, length)
         counts = np.bincount(status[status >= 0])
         per_node = {node: int(c) for node, c in enumerate(counts) if c}
-        reports.append(RangeReport(r.name, r.offset, r.length, r.mode, r.nodes, len(status),
-                                   per_node, int((status < 0).sum()), mapping.page_size))
+        reports.append(RangeReport(r.name, r.offset, r.length, r.memory_policy, r.nodes,
+                                   len(status), per_node, int((status < 0).sum()),
+                                   mapping.page_size))
     return PlacementReport(tuple(reports))
 
 
