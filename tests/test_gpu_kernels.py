@@ -123,6 +123,8 @@ def test_device_shard_host_side_on_cpu_tensors(shard):
     view.sizes = torch.from_numpy(sizes)
     view.offsets = torch.from_numpy(np.concatenate(([0], np.cumsum(sizes)[:-1])))
     view.global_base = torch.from_numpy(spec.head_offsets(1))
+    view._host_sizes, view._host_global_base = sizes, spec.head_offsets(1)
+    view._formats = set()
     view.zero_base = torch.zeros_like(view.sizes)
     view.errors = gk.new_error_record("cpu")
     ids = torch.from_numpy(ngram_hashes(spec, np.arange(30), 1))
@@ -132,6 +134,7 @@ def test_device_shard_host_side_on_cpu_tensors(shard):
     bad = ids.clone()
     bad[4, 6] = 10**9
     view.lookup(bad)  # no raise, no sync: recorded
-    with pytest.raises(LookupIdError, match="hash id 1000000000 at token 4, column 6"):
+    with pytest.raises(LookupIdError, match="hash id 1000000000 at token 4, column 6") as caught:
         view.check_errors()
+    assert "head 6's buckets [0, " in str(caught.value)  # the CPU path's message
     view.check_errors()  # cleared

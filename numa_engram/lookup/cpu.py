@@ -83,8 +83,8 @@ def check_ids_in_range(ids: np.ndarray, head_start: int, sizes: np.ndarray,
 
 
 def bad_id_text(value: int, token: int, column: int, size: int, id_base: np.ndarray | None,
-                h: int,
-                 count: int = 1) -> str:
+                h: int, count: int = 1) -> str:
+    """The one message for an id outside its head (CPU and GPU paths)."""
     low = 0 if id_base is None else int(id_base[h])
     what = "buckets" if id_base is None else "global rows"
     more = f" ({count} bad ids in all)" if count > 1 else ""

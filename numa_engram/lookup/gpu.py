@@ -14,6 +14,7 @@ from ..bindings.cudart import RegistrationLease, device_pointer
 from ..errors import LookupIdError, SpecError
 from ..literals import IdFormat, check_id_format
 from ..model.sharding import prefix_offsets
+from .cpu import bad_id_text
 
 
 class DeviceView:
@@ -49,6 +50,8 @@ class DeviceShard:
         self.scales = self._view(scales, device)
         self.head_start, self.block = head_start, block
         sizes = np.asarray(bucket_sizes, dtype=np.int64)
+        self._host_sizes, self._host_global_base = sizes, global_base  # for messages
+        self._formats: set[str] = set()  # the id formats looked up since the last check
         self.sizes = torch.from_numpy(sizes).to(self.device)
         self.offsets = torch.from_numpy(prefix_offsets(sizes)).to(self.device)
         # each head's first row in the layer's whole table (global ids)
@@ -84,6 +87,8 @@ class DeviceShard:
         from . import triton_kernels as gpu_kernels
 
         ids = self._device_ids(hash_ids)
+        base = self._base(id_format)
+        self._formats.add(id_format)
         shape = (ids.shape[0], len(self.sizes), self.weights.shape[1])
         if packed:
             out = torch.empty(shape, dtype=torch.uint8, device=self.device) if out is None \
@@ -100,7 +105,7 @@ class DeviceShard:
             bits = out.view(torch.int16)
         gpu_kernels.lookup(self.weights, self.scales, ids, head_start=self.head_start,
                            sizes=self.sizes, offsets=self.offsets,
-                           base=self._base(id_format), out=bits, err=self.errors,
+                           base=base, out=bits, err=self.errors,
                            out_scales=out_scales, block=self.block, max_sms=max_sms,
                            background=background)
         return (out, out_scales) if packed else out
@@ -112,13 +117,21 @@ class DeviceShard:
         from .triton_kernels import NO_ERROR
 
         count, pos, value = (int(x) for x in self.errors.tolist())
+        formats, self._formats = self._formats, set()
         if not count:
             return
         self.errors.copy_(self.errors.new_tensor([0, NO_ERROR, 0]))
         t, h = divmod(pos, len(self.sizes))
-        raise LookupIdError(f"hash id {value} at token {t}, column {self.head_start + h} is "
-                            f"outside its head's range ({count} bad ids since the last check);"
-                            " their rows were written as zeros")
+        raise LookupIdError(self._bad_id(value, t, h, formats, count) +
+                            " (since the last check; their rows were written as zeros)")
+
+    def _bad_id(self, value: int, t: int, h: int, formats: set[str], count: int = 1) -> str:
+        """The one bad-id message (lookup.cpu.bad_id_text), with the head's
+        range in the id format that was looked up."""
+        base = self._host_global_base if formats == {"global"} else None
+        text = bad_id_text(value, t, self.head_start + h, int(self._host_sizes[h]), base, h,
+                           count)
+        return text if len(formats) < 2 else text + " (bucket and global ids were both used)"
 
     def _device_ids(self, hash_ids):
         import torch
@@ -155,8 +168,8 @@ class DeviceShard:
         bad = ~dead & ((cols < 0) | (cols >= self.sizes))
         if bool(bad.any()):
             t, h = (int(x) for x in bad.nonzero()[0])
-            raise LookupIdError(f"hash id {int(raw[t, h])} at token {t}, column "
-                                f"{self.head_start + h} is outside its head's range")
+            raise LookupIdError(self._bad_id(int(raw[t, h]), t, h, {id_format},
+                                             int(bad.sum())))
         rows = torch.where(dead, 0, cols + self.offsets).reshape(-1)
         w = self.weights.index_select(0, rows)  # zero-copy reads over PCIe
         s = self.scales.index_select(0, rows)
