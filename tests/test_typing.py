@@ -27,8 +27,13 @@ def test_a_misspelt_mode_or_id_format_fails_the_type_check(tmp_path):
         "spec = EngramSpec.small()\n"
         "shard = shard_heads(spec.bucket_sizes(1), 1, 0)\n"
         "t = SharedEngramTable.create(spec, 1, shard, mode='indepndent')\n"
-        "rows = t.lookup([[0]], id_format='globl')\n"))
+        "rows = t.lookup([[0]], id_format='globl')\n"
+        "where = t.mode_report()['backing_pth']\n"
+        "from numa_engram import HashState\n"
+        "state = HashState(spec, max_requests='many')\n"))
     assert "caller.py:4: error" in out and "indepndent" in out, out
+    assert "caller.py:6: error" in out and "backing_pth" in out, out  # a TypedDict key
+    assert "caller.py:8: error" in out and "max_requests" in out, out
     assert "caller.py:5: error" in out, out  # no lookup overload takes id_format="globl"
 
 

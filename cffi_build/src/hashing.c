@@ -37,6 +37,8 @@ static inline int64_t floor_mod(int64_t x, const struct fastdiv *f)
     return (int64_t)((r ^ s) + (f->d & s));
 }
 
+/* Columns with reciprocals (16 KiB of them, on the heap); a layout with
+ * more divides in hardware (slower, same values). */
 enum { MAX_FAST_COLS = 512 };
 
 /* Every column's divisor, structure of arrays: the heads of one n-gram

@@ -57,7 +57,7 @@ struct lookup_job {
  * may drop as having no effect (it did at -O3 without -fwrapv). */
 #define NE_PREFETCH_AHEAD 64 /* rows ahead: bench's best on 2- and 4-node hosts */
 #define NE_PREFETCH_HINT 1   /* PREFETCHT2: rows are read once, not kept in L1 */
-enum { MAX_PREFETCH_AHEAD = 256 };
+enum { MAX_PREFETCH_AHEAD = 256 }; /* beyond this the rows are evicted before they are read */
 static int prefetch_ahead = NE_PREFETCH_AHEAD, prefetch_hint = NE_PREFETCH_HINT;
 
 int ne_tune_prefetch(int ahead, int hint)
@@ -343,8 +343,8 @@ static void run_sorted_job(struct lookup_job *j);
  * the same stage) from stack scratch.  The threshold is tunable
  * (ne_tune_small_rows) so tools/bench.py can measure it and tests can run
  * both sides; the default is what bench measured. */
-#define NE_SMALL_ROWS 2048
-enum { MAX_SMALL_ROWS = 4096 };
+#define NE_SMALL_ROWS 2048 /* rows: bench's crossover of token order and table order */
+enum { MAX_SMALL_ROWS = 4096 }; /* the small path's scratch is on the stack (64 KiB) */
 static int64_t small_rows = NE_SMALL_ROWS;
 
 int ne_tune_small_rows(int64_t rows)

@@ -43,7 +43,7 @@ long ne_get_mempolicy(int *mode, unsigned long *nodemask, unsigned long maxnode,
  * chunks so the pointer array stays on the stack. */
 long ne_page_nodes(void *addr, size_t length, size_t page_size, int *status)
 {
-    enum { CHUNK = 1024 };
+    enum { CHUNK = 1024 }; /* pages per move_pages call: 8 KiB of pointers on the stack */
     void *pages[CHUNK];
     size_t count = (length + page_size - 1) / page_size;
     for (size_t done = 0; done < count; done += CHUNK) {

@@ -9,7 +9,7 @@
  * One call at a time per pool; a caller that finds it busy waits.  A
  * forked child inherits the memory but not the threads: every entry point
  * checks the pid, and the child's Python side makes a pool of its own. */
-enum { MAX_POOL = NE_MAX_THREADS };
+enum { MAX_POOL = NE_MAX_THREADS }; /* a pool runs one call's jobs, one per thread */
 
 struct ne_pool {
     pid_t pid;

@@ -18,7 +18,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 
@@ -80,6 +80,20 @@ def pad_hash_ids(hash_ids: np.ndarray, slot: int) -> np.ndarray:
     out = np.full((slot, ids.shape[1]), DEAD_ID, dtype=np.int64)
     out[: ids.shape[0]] = ids
     return out
+
+
+class ShardedModeReport(TypedDict):
+    """What ``DPShardedLookup.mode_report()`` says (JSON-ready)."""
+
+    mode: str  # dp_sharded
+    embedding_dp_size: int
+    edp_rank: int
+    tp_rank: int
+    tp_heads: list[int]  # [first, end) of this TP rank's heads
+    owned_heads: list[int]  # [first, end) of the heads this member holds
+    row_start: int
+    row_end: int
+    max_tokens: int | None
 
 
 class DPShardedLookup:
@@ -211,7 +225,7 @@ class DPShardedLookup:
         self._raise_unless_all_ok(oks, problem)
         return np.ascontiguousarray(blocks[:, :slot]).reshape(self.heads.edp * slot, -1)
 
-    def mode_report(self) -> dict:
+    def mode_report(self) -> ShardedModeReport:
         """What this member really runs, for the deployment log."""
         mine = self.heads.members[self.edp_rank]
         return {"mode": "dp_sharded", "embedding_dp_size": self.heads.edp,

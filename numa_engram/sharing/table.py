@@ -17,7 +17,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
 
 import numpy as np
 
@@ -71,6 +71,38 @@ class TableStats:
     lookup_seconds: float   # CPU lookups' wall time (GPU time: the scheduler's CUDA events)
     fraction_on_plan: float | None
     bytes_per_node: dict[int, int]
+
+
+class PlacementSummary(TypedDict):
+    policy: str
+    planned_bytes_per_node: dict[int, int]
+    fraction_on_plan: float | None
+    pages_per_node: dict[int, int] | None
+
+
+class ModeReport(TypedDict):
+    """What ``mode_report()`` says a member really runs (JSON-ready)."""
+
+    mode: str  # dp_shared | independent | attached
+    requested_mode: str  # auto | dp_shared | independent | attach
+    fallback_reason: str
+    embedding_dp_size: int
+    layer_id: int
+    head_start: int
+    head_end: int
+    row_start: int
+    row_end: int
+    num_rows: int
+    sharing_group: list[int]  # world ranks
+    member_pids: list[int]
+    leader: bool
+    backing_path: str
+    backing_bytes: int
+    placement: PlacementSummary | None
+    registered_device: int | None
+    lookup_threads: int
+    lookup_cpus: list[int]
+    identity: dict[str, Any]
 
 
 class SharedEngramTable:
@@ -351,7 +383,7 @@ class SharedEngramTable:
                           None if report is None else report.fraction_on_plan,
                           report.bytes_per_node() if report is not None else {})
 
-    def mode_report(self) -> dict:
+    def mode_report(self) -> ModeReport:
         report = self._report
         return {
             "mode": self.mode, "requested_mode": self.requested_mode,
@@ -422,4 +454,4 @@ class SharedEngramTable:
         self.close()
 
 
-__all__ = ["CREATE_MODES", "SharedEngramTable", "TableStats", "table_layout"]
+__all__ = ["CREATE_MODES", "ModeReport", "SharedEngramTable", "TableStats", "table_layout"]
