@@ -1,0 +1,26 @@
+"""numa-engram gc: remove table files nobody holds."""
+
+from __future__ import annotations
+
+import argparse
+
+from .args import emit
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from ..store.gc import gc_stale_files
+    from ..units import text_table, unit_for
+
+    entries = gc_stale_files(args.directory, dry_run=args.dry_run, all_users=args.all_users)
+
+    def verdict(e) -> str:
+        if e.removed:
+            return "removed"
+        return "would remove" if e.reason.startswith("stale") else e.reason.split(":")[0]
+
+    unit = unit_for(*(e.size for e in entries))
+    table = text_table(["verdict", "file", unit[0], "why"],
+                       [[verdict(e), e.path, f"{e.size / unit[1]:.2f}", e.reason]
+                        for e in entries], left=2)
+    emit(args, [vars(e) for e in entries], table if entries else "no numa_engram files")
+    return 0

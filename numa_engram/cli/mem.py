@@ -1,0 +1,49 @@
+"""numa-engram mem: numastat -p style memory per process and per node."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .args import emit
+
+
+def cmd_mem(args: argparse.Namespace) -> int:
+    """numastat -p style: per process RSS, PSS and the table mappings' bytes
+    per node (hugetlb ones counted in their own page size), a Total row;
+    then Shmem and huge pages in use per node."""
+    from ..host import accounting, hugepages, procfs
+    from ..units import text_table, unit_for
+
+    pids = ([procfs.check_pid(p) for p in args.pids]
+            or procfs.pids_with_cmdline(args.match))
+    rows: list[dict[str, Any]] = []
+    for pid in pids:
+        try:
+            m = procfs.smaps_rollup(pid)
+            per_node = procfs.numa_maps(pid, match=args.file_match)
+        except procfs.NoSuchProcess:
+            continue  # exited since it was listed
+        rows.append({"pid": pid, "rss": m.rss, "pss": m.pss, "pss_shmem": m.pss_shmem,
+                     "bytes_per_node": per_node})
+    shmem = accounting.node_shmem()
+    huge = {n: hugepages.bytes_in_use(n) for n in shmem}
+    used, total = accounting.tmpfs_usage(args.directory)
+    nodes = sorted(shmem)
+    name, scale = unit_for(*(r["rss"] for r in rows), *shmem.values(), *huge.values())
+    header = ["pid", "RSS", "PSS", "PSS shmem"] + [f"Node {n}" for n in nodes]
+    table: list[list[Any]] = [
+        [r["pid"]] + [f"{r[k] / scale:.2f}" for k in ("rss", "pss", "pss_shmem")]
+        + [f"{r['bytes_per_node'].get(n, 0) / scale:.2f}" for n in nodes] for r in rows]
+    table.append(["Total"] + [f"{sum(r[k] for r in rows) / scale:.2f}"
+                              for k in ("rss", "pss", "pss_shmem")]
+                 + [f"{sum(r['bytes_per_node'].get(n, 0) for r in rows) / scale:.2f}"
+                    for n in nodes])
+    table.append(["Shmem", "", "", ""] + [f"{shmem[n] / scale:.2f}" for n in nodes])
+    table.append(["Hugetlb", "", "", ""] + [f"{huge[n] / scale:.2f}" for n in nodes])
+    text = (f"memory in {name} (table mappings per node: --file-match {args.file_match!r})\n"
+            + text_table(header, table)
+            + f"\n{args.directory}: {used / scale:.2f} of {total / scale:.2f} {name} used")
+    emit(args, {"processes": rows, "node_shmem": shmem, "node_hugetlb": huge,
+                "tmpfs_used": used, "tmpfs_total": total}, text)
+    return 0
