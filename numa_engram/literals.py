@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
+from .errors import SpecError
+
 CreateMode = Literal["auto", "dp_shared", "independent"]
 """What ``SharedEngramTable.create`` is asked to do (``mode=``)."""
 CREATE_MODES: tuple[str, ...] = get_args(CreateMode)
@@ -27,8 +29,6 @@ node-list forms make it an open set: checked by ``parse_policy``)."""
 def check_id_format(id_format: object) -> IdFormat:
     """The one check of an ``id_format=`` argument (a SpecError, which is a
     ValueError, naming the value and the choices)."""
-    from .errors import SpecError
-
     if id_format not in ID_FORMATS:
         raise SpecError(f"id_format must be one of {ID_FORMATS} ('bucket': bucket ids within "
                         f"each head, as ngram_hashes gives them; 'global': rows of the layer's "

@@ -402,6 +402,53 @@ def bench_serving_hashing(tokens: int = 8192, requests: int = 64) -> None:
     print(f"  ratio packed / whole rows: {best['rows'] / best['packed']:.2f} (target >= 0.8)")
 
 
+def _decode_step_times(spec, n: int, rng, id_sets: int, calls: int) -> dict:
+    """Microseconds per call: HashState.hash of one decode token for each of
+    n requests, and the native window hashing of the same number of tokens."""
+    from numa_engram import HashState
+
+    state = HashState(spec, max_requests=n, token_map=np.arange(129_280) % 99_092)
+    history = rng.integers(0, 129_280, (n, 8))
+    for slot in range(n):  # each request 8 tokens in
+        state.restore(slot, 8, history[slot])
+    sets = [rng.integers(0, 129_280, n) for _ in range(id_sets)]
+    slots, positions = np.arange(n, dtype=np.int64), np.full(n, 8, dtype=np.int64)
+    wins = [rng.integers(0, 99_092, (n, 4)) for _ in range(id_sets)]
+    out = np.empty((n, 2, spec.n_hash_cols), dtype=np.int64)
+    turn = iter(range(1 << 62))
+
+    def state_calls():
+        for _ in range(calls):
+            state.hash(sets[next(turn) % id_sets], slots, positions, commit=False)
+
+    def native_calls():
+        for _ in range(calls):
+            native.hash_window_batch(wins[next(turn) % id_sets], spec.pad_id, state._multipliers,
+                                     state._primes, None, spec.n_head_per_ngram, out, 1)
+    best = best_interleaved({"state": state_calls, "native": native_calls}, 9)
+    return {k: v / calls * 1e6 for k, v in best.items()}
+
+
+def bench_decode_hashing(requests: tuple[int, ...] = (1, 8, 64, 256), id_sets: int = 16,
+                         calls: int = 200) -> None:
+    """HashState.hash for one decode token of each of N requests (2 layers,
+    commit=False so every call sees the same history) vs the native hashing
+    of the same tokens (the window kernel on windows built once): the
+    per-call Python and casts are the difference.  Variants interleaved, id
+    sets rotated, ``calls`` calls per timing (a call is microseconds)."""
+    from numa_engram import EngramSpec
+
+    spec = EngramSpec(layer_ids=[1, 14], engram_vocab_sizes=[16_000_000] * 3, max_ngram_size=4,
+                      n_head_per_ngram=8, head_dim=256, compressed_vocab_size=99092, pad_id=2)
+    rng = np.random.default_rng(0)
+    print("== decode hashing: one token per request, 2 layers, 1 thread")
+    print("  requests   HashState.hash   native windows   ratio (goal <= 1.2 at 64)")
+    for n in requests:
+        us = _decode_step_times(spec, n, rng, id_sets, calls)
+        print(f"  {n:8d}   {us['state']:11.2f} us   {us['native']:11.2f} us   "
+              f"{us['state'] / us['native']:5.2f}x")
+
+
 # ------------------------------------------------------------------ load --
 
 def bench_load(gib: float) -> None:
@@ -502,7 +549,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("what", nargs="?", default="all",
                    choices=["all", "lookup", "default-out", "serving", "hashing",
-                            "serving-hashing", "load", "prefetch"])
+                            "serving-hashing", "decode-hashing", "load", "prefetch"])
     p.add_argument("--table-gib", type=float, default=2.0)
     p.add_argument("--load-gib", type=float, default=1.0)
     p.add_argument("--tokens", type=int, default=4096)
@@ -524,6 +571,8 @@ def main() -> None:
         bench_hashing(100_000 if a.quick else 1_000_000)
     if a.what in ("all", "serving-hashing"):
         bench_serving_hashing()
+    if a.what in ("all", "decode-hashing"):
+        bench_decode_hashing()
     if a.what in ("all", "load"):
         bench_load(a.load_gib)
     if a.what in ("all", "prefetch"):

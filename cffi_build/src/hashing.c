@@ -240,7 +240,8 @@ int ne_ngram_hashes(const int64_t *ids, int64_t n_rows, int64_t t, int64_t pad_i
  * rows.  On success the slots' history and next position become those
  * after their last committed token (others unchanged) and -1 is
  * returned; else the index of the first bad token, with *why = 1 (slot out
- * of range) or 2 (position not the slot's next), and nothing changed. */
+ * of range), 2 (position not the slot's next) or 3 (position outside
+ * 0..NE_MAX_POSITION), and nothing changed. */
 int64_t ne_hash_windows(const int64_t *ids, const int64_t *slots, const int64_t *positions,
                         const uint8_t *commit, int64_t n_tokens, int64_t n_slots, int64_t n1,
                         int64_t *hist, int64_t *next_pos, int64_t *cur, int64_t *cur_next,
@@ -255,6 +256,10 @@ int64_t ne_hash_windows(const int64_t *ids, const int64_t *slots, const int64_t 
         int64_t s = slots[i], p = positions[i];
         if (s < 0 || s >= n_slots) {
             *why = 1;
+            return i;
+        }
+        if (p < 0 || p > NE_MAX_POSITION) {
+            *why = 3;
             return i;
         }
         int64_t *h = cur + s * n1; /* h[n1 - 1] is the most recent */

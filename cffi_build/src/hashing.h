@@ -2,10 +2,16 @@
  * serving state's look-back windows (V4.1's rule).  n (max_ngram) is at
  * most NE_MAX_NGRAM; larger is EINVAL.  Each returns 0 (or -1 for "all
  * good" where it returns an index) or -1 with errno.  The builder reads
- * this header as the cffi declarations. */
+ * this header as the cffi declarations.
+ *
+ * cffi-constants (positions beyond this are refused: p + 1 must not wrap):
+ *   #define NE_MAX_POSITION ...
+ */
 #ifndef NE_HASHING_H
 #define NE_HASHING_H
 #include <stdint.h>
+
+#define NE_MAX_POSITION ((int64_t)1 << 62)
 
 int ne_ngram_hashes(const int64_t *ids, int64_t n_rows, int64_t t, int64_t pad_id,
                     const int64_t *multipliers, int64_t max_ngram, const int64_t *primes,

@@ -461,6 +461,72 @@ def hash_windows(ids: np.ndarray, slots: np.ndarray, positions: np.ndarray,
     return int(bad), int(why[0])
 
 
+MAX_POSITION: int = int(lib.NE_MAX_POSITION)
+
+
+class WindowState:
+    """A HashState's fixed arrays (history, next positions, scratch, the
+    layers' multipliers, primes and head offsets) cast for the kernels once,
+    so a decode step casts only its own few arrays.  The arrays are kept
+    alive here and must not be replaced (only written in place)."""
+
+    def __init__(self, hist: np.ndarray, next_pos: np.ndarray, scratch: dict[str, np.ndarray],
+                 multipliers: np.ndarray, primes: np.ndarray, offsets: np.ndarray,
+                 pad_id: int, n_head: int) -> None:
+        self._keep = (hist, next_pos, scratch, multipliers, primes, offsets)
+        self.n_slots, self.n1 = hist.shape
+        self.n = self.n1 + 1
+        if self.n > 64:
+            raise ValueError(f"max_ngram_size {self.n} is above the kernel's 64")
+        self.hist, self.next_pos = _ptr(hist, "int64_t *"), _ptr(next_pos, "int64_t *")
+        self.cur, self.cur_next = _ptr(scratch["cur"], "int64_t *"), _ptr(scratch["cur_next"],
+                                                                          "int64_t *")
+        self.last = _ptr(scratch["last"], "int64_t *")
+        self.multipliers, self.primes = _ptr(multipliers, "int64_t *"), _ptr(primes, "int64_t *")
+        self.offsets = _ptr(offsets, "int64_t *")
+        self.n_layers, self.pad_id, self.n_head = multipliers.shape[0], pad_id, n_head
+        self.why = ffi.new("int64_t *")
+        self.capacity = 0
+        self.reserve(64)
+
+    def reserve(self, n_tokens: int) -> None:
+        """Scratch for steps of up to ``n_tokens`` tokens (the raw windows,
+        all-commit and no-commit flags), grown by doubling, cast once."""
+        if n_tokens <= self.capacity:
+            return
+        self.capacity = max(n_tokens, 2 * self.capacity)
+        self._win = np.empty((self.capacity, self.n), dtype=np.int64)
+        self._flags = (np.zeros(self.capacity, np.uint8), np.ones(self.capacity, np.uint8))
+        self.win = _ptr(self._win, "int64_t *")
+        self.no_commit, self.all_commit = (_ptr(f, "uint8_t *") for f in self._flags)
+
+
+def hash_step(state: WindowState, ids: np.ndarray, slots: np.ndarray, positions: np.ndarray,
+              commit: bool | np.ndarray, out: np.ndarray, global_rows: bool,
+              threads: int = 1) -> tuple[int, int]:
+    """One HashState step: the sequential window pass (history updated in
+    place on success), then every layer's hashes into ``out [T, layers,
+    cols]``; ``commit`` a bool for every token, or a uint8 flag per token.
+    (-1, 0), or (index of the first bad token, 1 slot / 2 position not the
+    slot's next / 3 position out of range), nothing changed then."""
+    n_tokens = len(ids)
+    state.reserve(n_tokens)
+    flags = (state.all_commit if commit else state.no_commit) if isinstance(commit, bool) \
+        else _ptr(commit, "uint8_t *")
+    bad = lib.ne_hash_windows(
+        _ptr(ids, "int64_t *"), _ptr(slots, "int64_t *"), _ptr(positions, "int64_t *"),
+        flags, n_tokens, state.n_slots, state.n1, state.hist, state.next_pos, state.cur,
+        state.cur_next, state.last, state.win, state.why)
+    if bad >= 0:
+        return int(bad), int(state.why[0])
+    if n_tokens and lib.ne_hash_window_batch(
+            state.win, n_tokens, state.n, state.pad_id, state.multipliers, state.primes,
+            state.offsets if global_rows else ffi.NULL, state.n_layers, state.n_head,
+            _ptr(out, "int64_t *"), threads) != 0:
+        _raise("pthread_create", f"hashing with {threads} threads")
+    return -1, 0
+
+
 def hash_window_batch(win: np.ndarray, pad_id: int, multipliers: np.ndarray,
                       primes: np.ndarray, offsets: np.ndarray | None, n_head: int,
                       out: np.ndarray, threads: int = 1) -> None:

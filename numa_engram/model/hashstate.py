@@ -37,7 +37,7 @@ from .spec import EngramSpec, strict_int
 
 DEAD = -1
 # the slot's next position is position + 1: it must not wrap int64
-MAX_POSITION = 2**62
+MAX_POSITION = native.MAX_POSITION  # 2**62, the kernel's bound (cffi_build/src/hashing.h)
 
 
 def integer_array(values: ArrayLike, name: str) -> np.ndarray:
@@ -89,6 +89,10 @@ class HashState:
                                             dtype=np.int64)
         self._offsets = np.ascontiguousarray([spec.head_offsets(layer) for layer in layers],
                                              dtype=np.int64)
+        # cast once: a decode step of one token is a few us, the casts were half of it
+        self._native = native.WindowState(self._hist, self._next, self._scratch,
+                                          self._multipliers, self._primes, self._offsets,
+                                          spec.pad_id, spec.n_head_per_ngram)
 
     # ------------------------------------------------------------- api --
     def hash(self, token_ids: ArrayLike, slots: ArrayLike, positions: ArrayLike,
@@ -102,17 +106,13 @@ class HashState:
         ids = self.compressed(token_ids, token_mask)
         n = len(ids)
         slots = self._column(slots, n, "slots")
-        positions = self._column(positions, n, "positions")
+        positions = self._column(positions, n, "positions")  # bounds: checked in the kernel
         commits = self._commit_mask(commit, n)
-        win = np.empty((n, self.spec.max_ngram_size), dtype=np.int64)
-        bad, why = native.hash_windows(ids, slots, positions, commits, self._hist, self._next,
-                                       self._scratch, win)
+        out = np.empty((n, len(self.spec.layer_ids), self.spec.n_hash_cols), dtype=np.int64)
+        bad, why = native.hash_step(self._native, ids, slots, positions, commits, out,
+                                    id_format == "global", threads)
         if bad >= 0:
             raise SpecError(self._misuse(bad, why, slots, positions))
-        out = np.empty((n, len(self.spec.layer_ids), self.spec.n_hash_cols), dtype=np.int64)
-        native.hash_window_batch(win, self.spec.pad_id, self._multipliers, self._primes,
-                                 self._offsets if id_format == "global" else None,
-                                 self.spec.n_head_per_ngram, out, threads)
         return out
 
     def release(self, slot: int) -> None:
@@ -156,20 +156,25 @@ class HashState:
             raise SpecError(f"token ids must be a 1-D integer array [T], got {ids.dtype} "
                             f"{list(ids.shape)}")
         ids = ids.astype(np.int64, copy=False)
+        # few whole-array passes: a decode step's ids are a handful of tokens,
+        # where each numpy call's fixed cost is the whole cost
         dead = ids < 0
-        if len(self.dead_ids):
-            dead |= np.isin(ids, self.dead_ids)
         if self.token_map is not None:
             dead |= ids >= len(self.token_map)
-            ids = self.token_map[np.clip(ids, 0, len(self.token_map) - 1)]
-            dead |= ids < 0
+            out = self.token_map.take(ids, mode="clip")  # a fresh array, ours to write
+            dead |= out < 0
+        else:
+            out = ids.copy()
+        if len(self.dead_ids):
+            dead |= np.isin(ids, self.dead_ids)
         if token_mask is not None:
             mask = np.asarray(token_mask, dtype=bool)
             if mask.shape != ids.shape:
                 raise SpecError(f"token_mask has shape {list(mask.shape)}, token ids "
                                 f"{list(ids.shape)}: pass one flag per token")
             dead |= ~mask
-        return np.ascontiguousarray(np.where(dead, DEAD, ids), dtype=np.int64)
+        out[dead] = DEAD
+        return out
 
     # --------------------------------------------------------- internals --
     def _check_slot(self, slot: int) -> None:
@@ -180,19 +185,21 @@ class HashState:
 
     @staticmethod
     def _column(values: ArrayLike, n: int, name: str) -> np.ndarray:
-        arr = integer_array(values, name)
+        if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1 \
+                and values.flags.c_contiguous:
+            arr = values  # what a scheduler passes: no copy, no check to repeat
+        else:
+            arr = integer_array(values, name)
         if arr.shape != (n,):
             raise SpecError(f"{name} has shape {list(arr.shape)} but there are {n} tokens: "
                             "pass one per token")
-        if name == "positions" and n and not (arr.min() >= 0 and arr.max() <= MAX_POSITION):
-            raise SpecError(f"positions must be in 0..{MAX_POSITION}, got "
-                            f"{int(arr.min())}..{int(arr.max())}")
         return arr
 
     @staticmethod
-    def _commit_mask(commit: bool | ArrayLike, n: int) -> np.ndarray:
+    def _commit_mask(commit: bool | ArrayLike, n: int) -> bool | np.ndarray:
+        """A bool for every token (the kernel's own flags), or a flag each."""
         if isinstance(commit, (bool, np.bool_)):
-            return np.full(n, bool(commit), dtype=np.uint8)
+            return bool(commit)
         mask = np.asarray(commit)
         if mask.shape != (n,) or mask.dtype != bool:
             raise SpecError(f"commit must be a bool or a bool array of {n} (one per token), "
@@ -201,6 +208,9 @@ class HashState:
 
     def _misuse(self, index: int, why: int, slots: np.ndarray, positions: np.ndarray) -> str:
         slot, pos = int(slots[index]), int(positions[index])
+        if why == 3:
+            return (f"positions must be in 0..{MAX_POSITION}, got "
+                    f"{int(positions.min())}..{int(positions.max())}")
         if why == 1:
             return (f"token {index}: slot {slot} is outside 0..{self.max_requests - 1} "
                     "(max_requests)")
