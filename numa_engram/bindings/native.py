@@ -445,22 +445,6 @@ def read_rows(table: np.ndarray, rows: np.ndarray, ahead: int = 32, threads: int
     return int(total[0])
 
 
-def hash_windows(ids: np.ndarray, slots: np.ndarray, positions: np.ndarray,
-                 commit: np.ndarray, hist: np.ndarray, next_pos: np.ndarray,
-                 scratch: dict[str, np.ndarray], win: np.ndarray) -> tuple[int, int]:
-    """The serving hash state's sequential pass (see native.c): raw windows
-    into ``win [T, n]``, history updated in place on success.  Returns
-    (-1, 0), or (index of the first bad token, 1 slot / 2 position)."""
-    why = ffi.new("int64_t *")
-    bad = lib.ne_hash_windows(
-        _ptr(ids, "int64_t *"), _ptr(slots, "int64_t *"), _ptr(positions, "int64_t *"),
-        _ptr(commit, "uint8_t *"), len(ids), hist.shape[0], hist.shape[1],
-        _ptr(hist, "int64_t *"), _ptr(next_pos, "int64_t *"), _ptr(scratch["cur"], "int64_t *"),
-        _ptr(scratch["cur_next"], "int64_t *"), _ptr(scratch["last"], "int64_t *"),
-        _ptr(win, "int64_t *"), why)
-    return int(bad), int(why[0])
-
-
 MAX_POSITION: int = int(lib.NE_MAX_POSITION)
 
 
