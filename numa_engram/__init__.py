@@ -8,7 +8,8 @@ CONTRIBUTING.md): ``bindings`` (the C core, the CUDA runtime), ``model``
 (spec, sharding, hashes, FP8), ``host`` (/proc, /sys, topology, huge pages,
 accounting), ``store`` (file format, backing files, placement, gc),
 ``lookup`` (CPU, GPU, prefetch), ``sharing`` (the shared table and its
-protocol) and ``cli``.
+protocol), ``runtime`` (the model directory and ``EngramRuntime``) and
+``cli``.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ _LAZY = {
     "ShardedHeads": "sharing.exchange",
     "sharing_groups": "sharing.group",
     "as_group": "sharing.group",
+    "EngramRuntime": "runtime.engine",
+    "ModelDirectory": "runtime.modeldir",
+    "write_synthetic_model": "runtime.modeldir",
 }
 
 if TYPE_CHECKING:  # what _LAZY gives, as the real names for type checkers
@@ -62,6 +66,8 @@ if TYPE_CHECKING:  # what _LAZY gives, as the real names for type checkers
     from .model.fp8 import dequantize_rows, quantize_rows
     from .model.hashstate import HashState
     from .model.tokenmap import build_token_map
+    from .runtime.engine import EngramRuntime
+    from .runtime.modeldir import ModelDirectory, write_synthetic_model
     from .sharing.exchange import DPShardedLookup, ShardedHeads
     from .sharing.group import as_group, sharing_groups
     from .sharing.table import SharedEngramTable
@@ -80,12 +86,13 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "__version__", "DEAD_ID", "CapacityError", "CheckpointError", "CudaError", "CudaUnavailable",
-    "DPShardedLookup", "EngramSpec", "GroupTimeout", "HashState", "LookupIdError",
-    "MemberFailure", "NumaEngramError", "PlacementError", "PlacementPlan", "PlacementRange",
-    "PlacementReport", "PrefetchError", "PrefetchScheduler", "ShardInfo", "SharedEngramTable",
-    "ShardedHeads", "SpecError", "SpecMismatchError", "StorageError", "SyscallError", "Topology",
-    "TopologyError", "WorldLayout", "as_group", "build_token_map", "compress_ids",
-    "dequantize_rows", "lookup_rows", "ngram_hashes", "plan_placement", "quantize_rows",
-    "shard_heads", "shard_rows", "sharing_groups",
+    "DPShardedLookup", "EngramRuntime", "EngramSpec", "GroupTimeout", "HashState",
+    "LookupIdError", "MemberFailure", "ModelDirectory", "NumaEngramError", "PlacementError",
+    "PlacementPlan", "PlacementRange", "PlacementReport", "PrefetchError", "PrefetchScheduler",
+    "ShardInfo", "SharedEngramTable", "ShardedHeads", "SpecError", "SpecMismatchError",
+    "StorageError", "SyscallError", "Topology", "TopologyError", "WorldLayout", "as_group",
+    "build_token_map", "compress_ids", "dequantize_rows", "lookup_rows", "ngram_hashes",
+    "plan_placement", "quantize_rows", "shard_heads", "shard_rows", "sharing_groups",
+    "write_synthetic_model"
 ]
 assert set(_LAZY) <= set(__all__)

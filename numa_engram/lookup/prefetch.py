@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PrefetchError
+from ..literals import IdFormat, check_id_format
 
 if TYPE_CHECKING:
     import torch
@@ -79,14 +80,15 @@ class _Job:
 
 
 def _as_lookup(source: Any, backend: str = "cpu", max_sms: int | None = None,
-               background: bool = True, packed: bool = False) -> LookupFn:
+               background: bool = True, packed: bool = False,
+               id_format: IdFormat = "bucket") -> LookupFn:
     if backend == "cuda" and hasattr(source, "lookup_cuda"):
         # the fused kernel on the side stream, its grid capped so the
         # consumer's kernels keep SMs (vLLM: half in background mode)
         return lambda ids, out: source.lookup_cuda(ids, out=out, max_sms=max_sms,
-                                                   background=background)
+                                                   background=background, id_format=id_format)
     if hasattr(source, "lookup"):
-        return lambda ids, out: source.lookup(ids, out=out, packed=packed)
+        return lambda ids, out: source.lookup(ids, out=out, packed=packed, id_format=id_format)
     if packed:
         raise PrefetchError("packed=True needs tables (with .lookup(packed=True)), not "
                             f"callables: got {source!r}")
@@ -114,12 +116,15 @@ class PrefetchScheduler:
     backend, tables): stage the rows as stored, ``wait`` returns
     ``(weights uint8 [T, heads, head_dim], scales uint8 [T, heads,
     head_dim/block])``: half the host writes and 48% fewer bytes to copy to
-    a GPU that dequantises them (``fp8.dequantize_rows``)."""
+    a GPU that dequantises them (``fp8.dequantize_rows``).  ``id_format``:
+    what the submitted hash ids count, for tables ("global": rows of the
+    layer's whole table, as vLLM's hashing gives them)."""
 
     def __init__(self, lookups: Mapping[Any, Any], row_shape: Mapping[Any, tuple[int, int]], *,
                  max_tokens: int, depth: int = 2, backend: str = "cpu", device: Any = None,
                  dtype: Any = None, max_sms: int | None = None,
-                 background: bool = True, packed: bool = False) -> None:
+                 background: bool = True, packed: bool = False,
+                 id_format: IdFormat = "bucket") -> None:
         import torch
 
         if depth < 1:
@@ -132,7 +137,8 @@ class PrefetchScheduler:
         self._torch = torch
         self.backend, self.depth, self.max_tokens = backend, depth, max_tokens
         self._sources = dict(lookups)
-        self._lookups = {layer: _as_lookup(src, backend, max_sms, background, packed)
+        check_id_format(id_format)
+        self._lookups = {layer: _as_lookup(src, backend, max_sms, background, packed, id_format)
                          for layer, src in lookups.items()}
         self._gpu_times: list[tuple[Any, Any, Any]] = []  # (layer, start, end) not yet read
         dev = torch.device("cpu") if backend == "cpu" else torch.device(device or "cuda")

@@ -121,22 +121,37 @@ class HashState:
         self._hist[slot] = DEAD
         self._next[slot] = 0
 
-    def restore(self, slot: int, position: int, prefix_ids: ArrayLike) -> None:
+    def restore(self, slot: int, position: int, prefix_ids: ArrayLike,
+                prefix_mask: ArrayLike | None = None, *, unknown_id: int | None = None) -> None:
         """A request resumed at ``position`` > 0 (a prefix-cache hit, a
-        preemption): ``prefix_ids`` are its ids before ``position`` (at least
-        the last ``max_ngram_size - 1``, or all of them), in the same id
-        space as ``hash`` takes."""
+        preemption, a P/D hand-over): ``prefix_ids`` are its ids before
+        ``position``, in the id space ``hash`` takes: at least the last
+        ``max_ngram_size - 1`` (or all of them when fewer), more is fine
+        (only the last ones count; ids a runner's fixed-size look-back window
+        holds before the sequence start are ignored).
+
+        DEAD ids (``prefix_mask`` False, negative, outside the token map, in
+        ``dead_ids``) stop the look-back there, as in ``hash``.
+        ``unknown_id``: the id a runner puts where it does not know the id
+        (vLLM's ``lookback_token_ids`` hold -1 there): such an id is hashed as
+        the pad id and the look-back goes on past it to older ids, as vLLM's
+        hashing does; it is not DEAD."""
         self._check_slot(slot)
         position = strict_int(position, "position")
         if not 0 <= position <= MAX_POSITION:
             raise SpecError(f"restore position must be in 0..{MAX_POSITION}, got {position}")
         n1 = self.spec.max_ngram_size - 1
-        prefix = self.compressed(integer_array(prefix_ids, "prefix_ids").reshape(-1), None)
+        raw = integer_array(prefix_ids, "prefix_ids").reshape(-1)
+        prefix = self.compressed(raw, prefix_mask)
+        if unknown_id is not None:
+            known_dead = np.zeros(len(raw), dtype=bool) if prefix_mask is None else \
+                ~np.asarray(prefix_mask, dtype=bool)
+            prefix[(raw == strict_int(unknown_id, "unknown_id")) & ~known_dead] = \
+                self.spec.pad_id
         need = min(position, n1)
-        if position < 0 or len(prefix) < need or len(prefix) > position:
+        if len(prefix) < need:
             raise SpecError(f"restore(slot {slot}, position {position}) needs the ids before "
-                            f"that position (at least the last {need}, at most {position}), "
-                            f"got {len(prefix)}")
+                            f"that position (at least the last {need}), got {len(prefix)}")
         last = prefix[len(prefix) - need:] if need else prefix[:0]
         self._hist[slot] = DEAD
         if need:
@@ -152,6 +167,8 @@ class HashState:
         """int64 compressed ids with DEAD (-1) for every token that takes no
         part: masked, negative, outside the token map, or in ``dead_ids``."""
         ids = np.asarray(token_ids)
+        if ids.size == 0 and not isinstance(token_ids, np.ndarray):
+            ids = ids.astype(np.int64)  # [] is an empty step (an idle replica)
         if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
             raise SpecError(f"token ids must be a 1-D integer array [T], got {ids.dtype} "
                             f"{list(ids.shape)}")

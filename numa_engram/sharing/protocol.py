@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -53,6 +54,7 @@ class Built:
     report: PlacementReport | None
     registration: Any  # a cudart.RegistrationLease, or None
     lookup_cpus: tuple[int, ...]
+    phases: dict[str, float]  # startup seconds: checks, create, populate, map, register, load
 
 
 class _Held:
@@ -62,6 +64,7 @@ class _Held:
         self.backing: BackingFile | None = None
         self.registration: Any = None
         self.report: PlacementReport | None = None
+        self.phases: dict[str, float] = {}
 
     def mapped(self) -> BackingFile:
         if self.backing is None:  # the map step ran before any use
@@ -79,9 +82,11 @@ class _Held:
 def create(grp: Group, req: CreateRequest) -> Built:
     """Run the protocol in this member; every member returns, or every
     member raises the same class naming every failing member."""
+    started = time.perf_counter()
     me, members = join(grp, req)
     directory = me.directory  # this member's (a hugetlbfs mount for huge pages)
     checkpoint, mode, reason = decide_mode(grp, req, members, directory)
+    checks = time.perf_counter() - started
     if mode == "independent":
         if reason and grp.size > 1:
             log.warning("Engram layer %d: sharing falls back to independent copies: %s",
@@ -91,7 +96,8 @@ def create(grp: Group, req: CreateRequest) -> Built:
         # a private copy needs no path: an anonymous memfd, never in /dev/shm
         grp, members, directory, req = SingleProcessGroup(), [me], None, req.private()
     built = share(grp, req, members, directory, checkpoint)
-    return replace(built, mode=mode, fallback_reason=reason)
+    return replace(built, mode=mode, fallback_reason=reason,
+                   phases={"checks": checks, **built.phases})
 
 
 def join(grp: Group, req: CreateRequest) -> tuple[MemberInfo, list[MemberInfo]]:
@@ -121,6 +127,7 @@ def share(grp: Group, req: CreateRequest, members: list[MemberInfo], directory: 
     try:
         path, plan, cooperative = lead(grp, "create", lambda: create_file(
             held, req, members, directory))
+        mark = time.perf_counter()
         cpus = reader_cpus(plan, req.topology)
         # who loads which rows: the members on the rows' node(s), else the
         # leader (the leader's request decides whether loading is shared)
@@ -131,6 +138,8 @@ def share(grp: Group, req: CreateRequest, members: list[MemberInfo], directory: 
             held, leader, path, directory, req, writable=part[1] > part[0]))
         raise_failures(outcomes, grp.ranks, "map")
         unlink(held, leader)
+        held.phases["map"] = time.perf_counter() - mark - held.phases.get("register", 0.0)
+        mark = time.perf_counter()
         step_hook("before-load")
         _, loaded = attempt(lambda: load(
             held.mapped(), req, checkpoint, (req.progress or _log_progress(req.layer_id))
@@ -139,6 +148,7 @@ def share(grp: Group, req: CreateRequest, members: list[MemberInfo], directory: 
         with grp.bounded(min(req.timeout_s, ACK_TIMEOUT_S)):
             _, outcomes = every(grp, "ready", lambda: raise_unless(loaded))
         raise_failures(outcomes, grp.ranks, "ready")
+        held.phases["load"] = time.perf_counter() - mark
     except BaseException:
         held.release()
         raise
@@ -146,7 +156,7 @@ def share(grp: Group, req: CreateRequest, members: list[MemberInfo], directory: 
     if checkpoint is not None and backing.mapping.writable:
         backing.seal()  # loaded: read-only from now on, in every member
     return Built(backing, "dp_shared" if grp.size > 1 else "independent", "", list(members),
-                 leader, plan, held.report, held.registration, cpus)
+                 leader, plan, held.report, held.registration, cpus, dict(held.phases))
 
 
 def create_file(held: _Held, req: CreateRequest, members: list[MemberInfo],
@@ -156,7 +166,7 @@ def create_file(held: _Held, req: CreateRequest, members: list[MemberInfo],
     plan = plan_for(req.placement, req.layout, members, req.topology)
     backing = BackingFile.create(req.layout, req.spec.fingerprint, directory=directory,
                                  placement=plan, topology=req.topology, key=req.key,
-                                 threads=req.load_threads)
+                                 threads=req.load_threads, phases=held.phases)
     held.backing = backing
     held.report = verify(backing.mapping, plan) if plan is not None else None
     return backing.path, plan, req.shared_load
@@ -170,7 +180,9 @@ def map_file(held: _Held, leader: bool, path: str, directory: str | None,
         mine = os.path.join(directory or "", os.path.basename(path))
         held.backing = peer_attach(mine, req, writable)
     if req.register_device is not None:
+        started = time.perf_counter()
         held.registration = register(held.mapped(), req.register_device)
+        held.phases["register"] = time.perf_counter() - started
 
 
 def unlink(held: _Held, leader: bool) -> None:

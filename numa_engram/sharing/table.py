@@ -103,6 +103,7 @@ class ModeReport(TypedDict):
     lookup_threads: int
     lookup_cpus: list[int]
     identity: dict[str, Any]
+    startup_s: dict[str, float]  # this member's create steps, in seconds
 
 
 class SharedEngramTable:
@@ -113,8 +114,11 @@ class SharedEngramTable:
                  *, mode: str, requested_mode: str, members: list[MemberInfo], leader: bool,
                  plan: PlacementPlan | None, report: PlacementReport | None,
                  registration: Any = None, fallback_reason: str = "",
-                 lookup_threads: int = 1, lookup_cpus: tuple[int, ...] = ()) -> None:
+                 lookup_threads: int = 1, lookup_cpus: tuple[int, ...] = (),
+                 startup_phases: dict[str, float] | None = None) -> None:
         self.spec, self.layer_id, self.shard = spec, layer_id, shard
+        # seconds of this member's create steps (checks, create, populate, map, register, load)
+        self.startup_phases = dict(startup_phases or {})
         self._backing = backing
         self.mode, self.requested_mode = mode, requested_mode
         self.members, self.leader = members, leader
@@ -190,7 +194,7 @@ class SharedEngramTable:
                     members=built.members, leader=built.leader, plan=built.plan,
                     report=built.report, registration=built.registration,
                     fallback_reason=built.fallback_reason, lookup_threads=req.lookup_threads,
-                    lookup_cpus=built.lookup_cpus)
+                    lookup_cpus=built.lookup_cpus, startup_phases=built.phases)
         log.info("Engram table: %s", table.mode_report())
         return table
 
@@ -402,6 +406,7 @@ class SharedEngramTable:
             self.registration.device,
             "lookup_threads": self.lookup_threads, "lookup_cpus": list(self.lookup_cpus),
             "identity": identity_key(self.members[0]),
+            "startup_s": {k: round(v, 6) for k, v in self.startup_phases.items()},
         }
 
     # ------------------------------------------------------------- close --

@@ -16,6 +16,7 @@ import os
 import secrets
 import stat
 import struct
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -141,7 +142,7 @@ class BackingFile:
                directory: str | None = DEFAULT_DIRECTORY, placement: RangePolicy | None = None,
                topology: Topology | None = None, populate: bool = True,
                key: ShardKey = NO_KEY, progress: Callable[[int, int], None] | None = None,
-               threads: int = 1) -> BackingFile:
+               threads: int = 1, phases: dict[str, float] | None = None) -> BackingFile:
         """Steps 1-7: check, create exclusively, size, map, header, no THP,
         bind, populate.  Any failure removes the file before raising.
 
@@ -153,8 +154,10 @@ class BackingFile:
         pages lives on hugetlbfs (``directory`` must be such a mount) or an
         MFD_HUGETLB memfd, and is checked against the huge page pool of
         each planned node instead.  ``progress(done, total)`` follows the
-        populate; ``threads`` populate huge pages in parallel."""
+        populate; ``threads`` populate huge pages in parallel.  ``phases``
+        gets the seconds of "create" (steps 1-5) and "populate" (step 6)."""
         page = layout.page_size
+        started = time.perf_counter()
         _check_room(layout, directory, placement, topology)          # 1
         path, fd = _create_exclusive(directory, page)                # 2
         try:
@@ -167,6 +170,7 @@ class BackingFile:
                 native.madvise(mapping, native.MADV_NOHUGEPAGE)      # 4
             if placement is not None:
                 placement.apply(mapping, topology)                   # 5
+            created = time.perf_counter()
             if populate:                                             # 6
                 try:
                     _populate(fd, mapping, path, progress, threads)
@@ -178,6 +182,9 @@ class BackingFile:
         except BaseException:
             _remove(path, fd)
             raise
+        if phases is not None:
+            phases["create"] = created - started
+            phases["populate"] = time.perf_counter() - created
         log.debug("created %s (%d bytes, %s pages)", path, layout.file_size,
                   hugepages.name_of(page))
         return cls(path, fd, header, mapping, owner=True)

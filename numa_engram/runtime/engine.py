@@ -1,0 +1,414 @@
+"""EngramRuntime: the Engram layers of one model replica rank, from a
+model directory, one call per step.
+
+What it wires (each piece is also public on its own): the token map and
+the spec from the directory (``ModelDirectory``), the sharing groups from
+where the ranks really are (``sharing_groups``), one table per Engram
+layer for this rank's TP shard (``SharedEngramTable.create``, loaded from
+the directory's checkpoint), the per-request hashing (``HashState``), the
+lookups issued ahead in layer order (``PrefetchScheduler``) and the TP
+gather (``HeadGather``).
+
+A step, as vLLM 0.31.0's Engram runs one::
+
+    rt.begin_step(token_ids, slots, positions)   # hash every layer, submit lookups
+    rows = rt.embed(layer_id)                    # at the layer: [T, n_hash_cols, head_dim]
+
+Every rank of a replica (its TP ranks) passes the same tokens; in the
+DP-sharded mode every replica of the EDP group takes part in every step
+(an idle one with no tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from ..errors import PrefetchError, SpecError, TopologyError
+from ..literals import PageSize
+from ..lookup.prefetch import PrefetchScheduler
+from ..model.hashstate import HashState
+from ..model.sharding import shard_heads
+from ..model.spec import EngramSpec
+from ..sharing.exchange import DPShardedLookup, ShardedHeads
+from ..sharing.group import Group, as_group, sharing_groups
+from ..sharing.table import SharedEngramTable
+from ..store.fileformat import DEFAULT_DIRECTORY
+from .modeldir import ModelDirectory
+from .tpgather import HeadGather, TPGroup, head_part
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+SHARING_MODES = ("auto", "dp_shared", "independent", "dp_sharded")
+UNKNOWN_LOOKBACK_ID = -1  # what vLLM's runner puts in a look-back window where it has no id
+
+
+@dataclass
+class _Layer:
+    """One Engram layer of this rank: its table, and in the DP-sharded mode
+    the exchange that completes this TP rank's heads."""
+
+    layer_id: int
+    table: SharedEngramTable
+    sharded: DPShardedLookup | None
+    heads: tuple[int, int]  # [first, end) of this TP rank's heads
+
+    def report(self) -> dict:
+        doc: dict[str, Any] = dict(self.table.mode_report())
+        if self.sharded is not None:
+            doc.update(self.sharded.mode_report())
+        doc["tp_heads"] = list(self.heads)
+        return doc
+
+
+class EngramRuntime:
+    """Use ``EngramRuntime.from_pretrained(model_dir, ...)``; then
+    ``begin_step`` and ``embed`` every step, ``release``/``restore`` as
+    requests end and resume, ``close()`` at the end (or ``with``)."""
+
+    def __init__(self, model: ModelDirectory, layers: dict[int, _Layer], hash_state: HashState,
+                 scheduler: PrefetchScheduler, gather: HeadGather, *, sharing: str, tp: TPGroup,
+                 edp: Group | None, max_tokens: int, device: int | None,
+                 phases: dict[str, float]) -> None:
+        self.model, self.spec = model, model.spec
+        self.layer_ids: tuple[int, ...] = tuple(layers)
+        self._layers, self.hash_state = layers, hash_state
+        self._scheduler, self._gather = scheduler, gather
+        self.sharing, self.tp, self._edp = sharing, tp, edp
+        self.max_tokens, self.device = max_tokens, device
+        self.startup_s = dict(phases)
+        self._counts: list[int] | None = None  # this step's EDP token counts, if given
+        self._pending: set[int] = set()  # layers submitted this step, not yet embedded
+        self._steps = self._tokens = 0
+        self._hash_s = self._gather_s = 0.0
+        self._closed = False
+
+    # ---------------------------------------------------------- startup --
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike, *, tp_group: Any = None,
+                        world_group: Any = None, sharing: str = "auto",
+                        edp_group: Any = None, placement: str = "gpu-local",
+                        page_size: PageSize | int = "4K", device: int | None = None,
+                        max_tokens: int = 8192, max_requests: int = 256,
+                        sequence_parallel: bool = False, background: bool = True,
+                        tokenizer: Any = None, directory: str = DEFAULT_DIRECTORY,
+                        timeout_s: float = 300.0,
+                        load_threads: int | None = None) -> EngramRuntime:
+        """Collective: every rank of ``world_group`` (default: the whole
+        world, when torch.distributed is initialised) calls it with the same
+        arguments.
+
+        tp_group: the stack's TP group (a ProcessGroup, a vLLM
+        GroupCoordinator, or None: TP 1).  sharing: ``dp_shared`` (one copy
+        per node-local group of DP peers with the same TP rank; fails when
+        it cannot share), ``auto`` (shares when it can, else independent
+        copies, with a warning), ``independent`` (a copy per rank) or
+        ``dp_sharded`` (the EDP group's members each hold a slice of the TP
+        rank's heads and exchange rows every step).  edp_group: the
+        node-local EDP group for ``dp_sharded`` (None: formed from where the
+        ranks are); for the sharing modes an optional limit (ranks outside
+        it never share with this one).  device: a CUDA index: tables are
+        registered for it and looked up on it.  max_tokens: the most tokens
+        of one step (the staging buffers' size); max_requests: request slots
+        of the hashing.  sequence_parallel: ``embed`` returns this rank's
+        window of ``ceil(T / tp)`` tokens with every head.  tokenizer: a
+        tokenizers or transformers tokenizer (None: the directory's
+        tokenizer.json)."""
+        started = time.perf_counter()
+        if sharing not in SHARING_MODES:
+            raise SpecError(f"sharing must be one of {SHARING_MODES}, got {sharing!r}")
+        if max_tokens < 1 or max_requests < 1:
+            raise SpecError(f"max_tokens and max_requests must be >= 1, got {max_tokens} and "
+                            f"{max_requests}")
+        if device is not None and sharing == "dp_sharded":
+            raise TopologyError("the DP-sharded exchange runs on host tensors (gloo): use "
+                                "sharing='dp_shared' with device=, or device=None")
+        model = ModelDirectory.open(model_dir, tokenizer)
+        tp = TPGroup.of(tp_group)
+        head_part(model.spec.n_hash_cols, tp.size)  # refuses a TP size vLLM refuses
+        phases = {"read": time.perf_counter() - started}
+        group, edp = _groups(sharing, world_group, edp_group, tp.rank, device, directory,
+                             timeout_s)
+        layers: dict[int, _Layer] = {}
+        try:
+            for layer in model.spec.layer_ids:
+                layers[layer] = _make_layer(
+                    model, layer, tp, group, edp, sharing, max_tokens,
+                    dict(placement=placement, page_size=page_size, directory=directory,
+                         timeout_s=timeout_s, load_threads=load_threads,
+                         register_device=device))
+                _add_phases(phases, layers[layer].table.startup_phases)
+            hash_state = HashState(model.spec, max_requests, token_map=model.token_map,
+                                   dead_ids=model.dead_ids)
+            runtime = cls._assemble(model, layers, hash_state, tp, edp, sharing, max_tokens,
+                                    device, sequence_parallel, background, phases)
+        except BaseException:
+            for made in layers.values():
+                made.table.close()
+            raise
+        phases["total"] = time.perf_counter() - started
+        log.info("Engram runtime: %s", runtime.mode_report())
+        return runtime
+
+    @classmethod
+    def _assemble(cls, model: ModelDirectory, layers: dict[int, _Layer], hash_state: HashState,
+                  tp: TPGroup, edp: Group | None, sharing: str, max_tokens: int,
+                  device: int | None, sequence_parallel: bool, background: bool,
+                  phases: dict[str, float]) -> EngramRuntime:
+        spec = model.spec
+        runtime: EngramRuntime | None = None
+
+        def sharded_lookup(made: _Layer) -> Callable[[Any, Any], Any]:
+            assert made.sharded is not None
+            sharded = made.sharded
+
+            def run(ids: Any, out: Any) -> Any:
+                counts = None if runtime is None else runtime._counts
+                return out.copy_(sharded.lookup(ids, id_format="global", counts=counts))
+            return run
+
+        sources = {layer: made.table if made.sharded is None else sharded_lookup(made)
+                   for layer, made in layers.items()}
+        shapes = {layer: (made.heads[1] - made.heads[0], spec.head_dim)
+                  for layer, made in layers.items()}
+        scheduler = PrefetchScheduler(
+            sources, shapes, max_tokens=max_tokens, depth=len(layers),
+            backend="cpu" if device is None else "cuda",
+            device=None if device is None else f"cuda:{device}", background=background,
+            id_format="global")
+        gather = HeadGather(tp, spec.n_hash_cols, spec.head_dim, max_tokens, tuple(layers),
+                            sequence_parallel=sequence_parallel,
+                            device=None if device is None else f"cuda:{device}")
+        runtime = cls(model, layers, hash_state, scheduler, gather, sharing=sharing, tp=tp,
+                      edp=edp, max_tokens=max_tokens, device=device, phases=phases)
+        return runtime
+
+    # ------------------------------------------------------------- step --
+    def begin_step(self, token_ids: ArrayLike, slots: ArrayLike, positions: ArrayLike,
+                   token_mask: ArrayLike | None = None, *, commit: bool | ArrayLike = True,
+                   counts: Sequence[int] | None = None) -> np.ndarray:
+        """Hash the step's packed tokens (tokenizer ids, one slot and
+        position each: see ``HashState.hash``) for every layer and submit
+        every layer's lookup, in layer order.  ``counts``: in the DP-sharded
+        mode, every EDP member's token count this step (vLLM's
+        ``num_tokens_across_dp`` of the group), which spares a collective.
+        Returns the hash ids ``[T, layers, n_hash_cols]`` (global rows).
+        Lookups of the last step not yet embedded are dropped."""
+        self._check_open()
+        n = int(np.shape(token_ids)[0]) if np.ndim(token_ids) else 0
+        if n > self.max_tokens:
+            raise SpecError(f"{n} tokens in one step exceed max_tokens {self.max_tokens} (the "
+                            "staging buffers' size); split the step or raise max_tokens")
+        started = time.perf_counter()
+        hash_ids = self.hash_state.hash(token_ids, slots, positions, token_mask, commit=commit,
+                                        id_format="global")
+        self._hash_s += time.perf_counter() - started
+        self._new_step(n, counts)
+        for i, layer in enumerate(self.layer_ids):
+            self._submit(layer, hash_ids[:, i])
+        return hash_ids
+
+    def prepare(self, layer_id: int, hash_ids: Any, *,
+                counts: Sequence[int] | None = None) -> None:
+        """Submit one layer's lookup for hash ids computed elsewhere (e.g. by
+        vLLM's hashing kernel): global rows ``[T, n_hash_cols]``, or ``[T,
+        layers, n_hash_cols]`` of which this layer's column is taken; int32
+        or int64.  Then ``embed(layer_id)``."""
+        self._check_open()
+        index = self._index(layer_id)
+        ids = _host_ids(hash_ids)
+        if ids.ndim == 3:
+            ids = ids[:, index]
+        if ids.ndim != 2 or ids.shape[1] != self.spec.n_hash_cols:
+            raise SpecError(f"hash ids of shape {list(ids.shape)}: pass [T, "
+                            f"{self.spec.n_hash_cols}] or [T, {len(self.layer_ids)}, "
+                            f"{self.spec.n_hash_cols}] global rows")
+        if not self._pending:
+            self._new_step(int(ids.shape[0]), counts)
+        elif counts is not None:
+            self._counts = list(counts)
+        self._submit(layer_id, ids)
+
+    def embed(self, layer_id: int) -> torch.Tensor:
+        """The layer's rows once its lookup is done: BF16 ``[T, n_hash_cols,
+        head_dim]`` for every token of the step (with sequence parallelism
+        this rank's window ``[ceil(T / tp), n_hash_cols, head_dim]``; rows past
+        the last token are zeros), as vLLM's ``Engram.embed`` returns them.
+        The tensor is a persistent buffer: the next step overwrites it."""
+        self._check_open()
+        self._index(layer_id)
+        if layer_id not in self._pending:
+            raise PrefetchError(f"embed({layer_id}) without begin_step() or prepare({layer_id}) "
+                                "this step")
+        self._pending.discard(layer_id)
+        rows = self._scheduler.wait(layer_id, check_errors=self.device is not None)
+        assert not isinstance(rows, tuple)  # the runtime stages BF16 rows, never packed ones
+        started = time.perf_counter()
+        out = self._gather.gather(layer_id, rows)
+        self._gather_s += time.perf_counter() - started
+        return out
+
+    # ---------------------------------------------------------- requests --
+    def release(self, slot: int) -> None:
+        """The request in ``slot`` finished; its slot's next token starts a new one."""
+        self.hash_state.release(slot)
+
+    def restore(self, slot: int, position: int, prefix_ids: ArrayLike,
+                prefix_mask: ArrayLike | None = None, *,
+                unknown_id: int | None = UNKNOWN_LOOKBACK_ID) -> None:
+        """A request resumed at ``position`` (prefix-cache hit, preemption,
+        P/D): ``prefix_ids`` are the tokenizer ids just before it, as a runner
+        supplies a look-back window (longer is fine).  ``unknown_id`` (-1,
+        as vLLM's runner writes it) marks an id the runner does not know:
+        hashed as the pad id, the look-back goes on past it to older ids.
+        DEAD is distinct: ``prefix_mask`` False or the image token id stop
+        the look-back there (see ``HashState.restore``)."""
+        self.hash_state.restore(slot, position, prefix_ids, prefix_mask, unknown_id=unknown_id)
+
+    # ------------------------------------------------------------ report --
+    def stats(self) -> dict:
+        """Steps, tokens, seconds spent hashing and gathering, and per layer
+        the table's counters and the prefetch's lead and exposed wait."""
+        prefetch = self._scheduler.stats()
+        return {"steps": self._steps, "tokens": self._tokens,
+                "hash_seconds": self._hash_s, "gather_seconds": self._gather_s,
+                "layers": {layer: {"table": vars(made.table.stats()),
+                                   "prefetch": vars(prefetch[layer])}
+                           for layer, made in self._layers.items()}}
+
+    def mode_report(self) -> dict:
+        """What a deployment log must record (JSON-ready): the mode that
+        runs, the effective embedding DP size, TP size and rank, the EDP
+        group's members, per layer the head and row ranges, sharing group,
+        placement and startup seconds, and the startup phases in total."""
+        first = next(iter(self._layers.values()))
+        mode = "dp_sharded" if self.sharing == "dp_sharded" else first.table.mode
+        return {"model_dir": self.model.path, "requested_sharing": self.sharing, "mode": mode,
+                "embedding_dp_size": 1 if self._edp is None else self._edp.size,
+                "edp_group": None if self._edp is None else list(self._edp.ranks),
+                "tp_size": self.tp.size, "tp_rank": self.tp.rank,
+                "sequence_parallel": self._gather.sequence_parallel,
+                "device": self.device, "max_tokens": self.max_tokens,
+                "max_requests": self.hash_state.max_requests,
+                "dead_ids": list(self.model.dead_ids),
+                "layers": {layer: made.report() for layer, made in self._layers.items()},
+                "startup_s": {k: round(v, 6) for k, v in self.startup_s.items()}}
+
+    # ------------------------------------------------------------- close --
+    def close(self) -> None:
+        """Stop the prefetch and close every table (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._scheduler.close()
+        for made in self._layers.values():
+            made.table.close()
+
+    def __enter__(self) -> EngramRuntime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --------------------------------------------------------- internals --
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PrefetchError("the Engram runtime is closed")
+
+    def _index(self, layer_id: int) -> int:
+        if layer_id not in self._layers:
+            raise SpecError(f"layer {layer_id} has no Engram table; the model's Engram layers "
+                            f"are {list(self.layer_ids)}")
+        return self.layer_ids.index(layer_id)
+
+    def _new_step(self, tokens: int, counts: Sequence[int] | None) -> None:
+        if self._pending:  # the last step ended without embedding these
+            self._scheduler.reset()
+            self._pending.clear()
+        self._counts = None if counts is None else list(counts)
+        self._steps += 1
+        self._tokens += tokens
+
+    def _submit(self, layer_id: int, ids: Any) -> None:
+        if self.device is not None:
+            import torch
+
+            ids = torch.from_numpy(np.ascontiguousarray(ids)).to(f"cuda:{self.device}",
+                                                                 non_blocking=True)
+        self._scheduler.submit(layer_id, ids)
+        self._pending.add(layer_id)
+
+
+# ----------------------------------------------------------- building --
+
+def _world_ranks(group: Any) -> tuple[int, ...]:
+    """World ranks of a Group, a GroupCoordinator (``ranks``) or a ProcessGroup."""
+    if hasattr(group, "ranks"):
+        ranks = group.ranks
+        return tuple(int(r) for r in (ranks() if callable(ranks) else ranks))
+    import torch.distributed as dist
+
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _groups(sharing: str, world_group: Any, edp_group: Any, tp_rank: int, device: int | None,
+            directory: str, timeout_s: float) -> tuple[Group | None, Group | None]:
+    """(the sharing group of the tables, the EDP group of the exchange)."""
+    import torch.distributed as dist
+
+    if sharing == "independent" or not dist.is_initialized():
+        return None, None
+    if sharing == "dp_sharded":
+        if edp_group is not None:
+            return None, as_group(edp_group, timeout_s)
+        return None, sharing_groups(world_group, tp_rank=tp_rank, device=device,
+                                    directory=directory, timeout_s=timeout_s)
+    within = None if edp_group is None else [_world_ranks(edp_group)]
+    return sharing_groups(world_group, tp_rank=tp_rank, device=device, directory=directory,
+                          timeout_s=timeout_s, within=within), None
+
+
+def _make_layer(model: ModelDirectory, layer: int, tp: TPGroup, group: Group | None,
+                edp: Group | None, sharing: str, max_tokens: int,
+                create: dict[str, Any]) -> _Layer:
+    spec: EngramSpec = model.spec
+    mine = shard_heads(spec.bucket_sizes(layer), tp.size, tp.rank)
+    heads = (mine.head_start, mine.head_end)
+    if edp is not None:  # this member's slice of the TP rank's heads, a private table
+        sharded_heads = ShardedHeads.of(spec, layer, tp.size, edp.size, tp.rank)
+        table = SharedEngramTable.create(spec, layer, sharded_heads.members[edp.rank],
+                                         checkpoint=model.checkpoint, mode="independent",
+                                         **create)
+        try:
+            exchange = DPShardedLookup(table, sharded_heads, edp.rank, group=edp,
+                                       max_tokens=max_tokens)
+        except BaseException:
+            table.close()
+            raise
+        return _Layer(layer, table, exchange, heads)
+    mode = "auto" if sharing in ("auto", "dp_sharded") else sharing
+    table = SharedEngramTable.create(spec, layer, mine, group=group, checkpoint=model.checkpoint,
+                                     mode=mode, **create)  # type: ignore[arg-type]
+    return _Layer(layer, table, None, heads)
+
+
+def _add_phases(total: dict[str, float], phases: dict[str, float]) -> None:
+    for name, seconds in phases.items():
+        total[name] = total.get(name, 0.0) + seconds
+
+
+def _host_ids(hash_ids: Any) -> np.ndarray:
+    """Hash ids as a numpy array (a CPU tensor viewed; a CUDA one copied)."""
+    if hasattr(hash_ids, "detach"):
+        return hash_ids.detach().cpu().numpy()
+    return np.asarray(hash_ids)
