@@ -105,16 +105,20 @@ def replica_plan(seed: int, steps: int, vocab: int, image_id: int, max_slots: in
 
 
 def v41_hashes(spec, compressed, layer):
-    """Bucket ids ``[len, n_hash_cols]`` of one sequence (DEAD = -1)."""
+    """Bucket ids ``[len, n_hash_cols]`` of one sequence (DEAD = -1), one
+    token at a time: its n-grams from the ids before it back to the last
+    DEAD or the start (the library's sequence_hashes does it by segments)."""
     out = np.empty((len(compressed), spec.n_hash_cols), dtype=np.int64)
-    start = 0
-    for i in range(len(compressed) + 1):
-        if i == len(compressed) or compressed[i] < 0:
-            if i > start:
-                out[start:i] = ngram_hashes(spec, np.array(compressed[start:i]), layer)
-            if i < len(compressed):
-                out[i] = ngram_hashes(spec, np.array([spec.pad_id]), layer)[0]
-            start = i + 1
+    n1 = spec.max_ngram_size - 1
+    for p, tok in enumerate(compressed):
+        if tok < 0:
+            window = [spec.pad_id]
+        else:
+            back = p
+            while back > 0 and p - back < n1 and compressed[back - 1] >= 0:
+                back -= 1
+            window = compressed[back:p + 1]
+        out[p] = ngram_hashes(spec, np.array(window), layer)[-1]
     return out
 
 

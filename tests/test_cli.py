@@ -104,10 +104,24 @@ def test_gc_and_mem():
 @pytest.mark.multiproc
 def test_demo_shares_one_copy_between_two_replicas():
     before = shm_files()
-    out = cli("demo", "--spec", "tiny", "--procs", "2", "--tokens", "512")
+    out = cli("demo", "--spec", "tiny", "--procs", "2", "--steps", "6")
+    assert "through EngramRuntime" in out.stdout and "restored request" in out.stdout
     assert "mode dp_shared" in out.stdout and "bit-exact True" in out.stdout
+    assert "startup" in out.stdout and "populate" in out.stdout and "proved" in out.stdout
     assert "= 1.00 copies" in out.stdout, out.stdout
     assert shm_files() == before
+
+
+@pytest.mark.multiproc
+def test_demo_serves_a_model_directory_given_to_it(tmp_path):
+    from numa_engram import EngramSpec, write_synthetic_model
+
+    model = write_synthetic_model(tmp_path / "model", EngramSpec.small(rows_per_head=300,
+                                                                        max_ngram_size=4))
+    doc = json.loads(cli("demo", "--model", str(model), "--steps", "5", "--json").stdout)
+    assert doc["ok"] and all(r["exact"] and r["steps"] == 5 for r in doc["replicas"])
+    assert str(model) in doc["text"] and "= 1.00 copies" in doc["text"]
+    assert {"read", "checks", "map", "load"} <= set(doc["replicas"][1]["report"]["startup_s"])
 
 
 def _on_a_terminal(*args):

@@ -58,17 +58,15 @@ def _spec_of(program: str) -> EngramSpec:
 
 def test_the_readme_has_the_python_blocks_this_test_runs():
     blocks = python_blocks(README.read_text())
-    assert len(blocks) >= 2, "README.md lost its Python examples"
-    assert "SharedEngramTable.create" in blocks[0] and "HashState" in blocks[1]
+    assert len(blocks) >= 3, "README.md lost its Python examples"
+    assert "EngramRuntime.from_pretrained" in blocks[0]  # serving with the runtime comes first
+    assert "SharedEngramTable.create" in blocks[1] and "HashState" in blocks[2]
 
 
-@pytest.mark.multiproc
-def test_the_readmes_python_runs_as_written(tmp_path):
-    program = "\n".join(python_blocks(README.read_text()))
-    checkpoint = re.search(r'checkpoint=\["([^"]+)"\]', program).group(1)
-    write_synthetic_checkpoint(tmp_path / checkpoint, _spec_of(program))
+def _run_world(tmp_path, program: str) -> list[tuple[int, str]]:
+    """``program`` in WORLD processes launched as torchrun would (env://)."""
     script = tmp_path / "readme_program.py"
-    script.write_text(STAND_INS + program + "\nprint('README-PROGRAM-DONE', rows.shape)\n")
+    script.write_text(program)
     port = free_port()
     procs = []
     for rank in range(WORLD):
@@ -86,6 +84,28 @@ def test_the_readmes_python_runs_as_written(tmp_path):
                 q.kill()
             raise
         outputs.append((p.returncode, out))
+    return outputs
+
+
+@pytest.mark.multiproc
+def test_the_readmes_runtime_example_runs_as_written(tmp_path):
+    """The serving loop, with nothing added but a line that prints its rows."""
+    program = python_blocks(README.read_text())[0]
+    outputs = _run_world(tmp_path, program + "\nprint('README-RUNTIME-DONE', "
+                         "{k: list(v.shape) for k, v in engram_rows.items()})\n")
+    for rank, (code, out) in enumerate(outputs):
+        assert code == 0, f"rank {rank} failed:\n{out[-3000:]}"
+        assert "README-RUNTIME-DONE {1: [2, 12, 64], 14: [2, 12, 64]}" in out, out[-2000:]
+        assert "'mode': 'dp_shared'" in out and "'tp_size': 2" in out, out[-2000:]
+
+
+@pytest.mark.multiproc
+def test_the_readmes_python_runs_as_written(tmp_path):
+    program = "\n".join(python_blocks(README.read_text())[1:])
+    checkpoint = re.search(r'checkpoint=\["([^"]+)"\]', program).group(1)
+    write_synthetic_checkpoint(tmp_path / checkpoint, _spec_of(program))
+    outputs = _run_world(tmp_path, STAND_INS + program
+                         + "\nprint('README-PROGRAM-DONE', rows.shape)\n")
     for rank, (code, out) in enumerate(outputs):
         assert code == 0, f"rank {rank} failed:\n{out[-3000:]}"
         assert "README-PROGRAM-DONE torch.Size([12, 12, 256])" in out, out[-2000:]

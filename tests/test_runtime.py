@@ -176,6 +176,19 @@ def test_misuse_is_refused_by_name(model_dir):
         EngramRuntime.from_pretrained(model_dir, sharing="dp_sharded", device=0)
 
 
+def test_sequence_hashes_cut_at_dead_tokens_as_the_per_token_rule_does():
+    from numa_engram.model.hashing import sequence_hashes
+
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        seq = [int(x) for x in rng.integers(0, 100, 14)]
+        for i in rng.integers(0, 14, int(rng.integers(0, 4))):
+            seq[i] = -1
+        for layer in SPEC.layer_ids:
+            np.testing.assert_array_equal(sequence_hashes(SPEC, seq, layer),
+                                          v41_hashes(SPEC, seq, layer))
+
+
 def test_sp_windows_cover_every_token_once_then_zeros():
     """ceil(T/tp) tokens a rank; a window past the last token holds none."""
     assert [window(5, 2, r) for r in range(2)] == [(0, 3, 3), (3, 3, 2)]

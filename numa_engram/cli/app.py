@@ -105,13 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="row shape from this spec: demo, v4-flash, small, tiny or a JSON file")
     sp.add_argument("--page-size", type=page_size_arg, default="4K",
                     help="4K, 2M or 1G (hugetlb: needs a reserved pool)")
-    sp = add("demo", cmd_demo, "share, place, load and look up a default table")
+    sp = add("demo", cmd_demo, "serve a model directory through EngramRuntime in DP replicas "
+             "sharing placed tables, rows checked")
+    sp.add_argument("--model", default=None,
+                    help="a model directory (config.json, tokenizer.json, safetensors); "
+                    "default: a synthetic one of --spec")
     sp.add_argument("--spec", default="small",
-                    help="demo, v4-flash, small, tiny or a JSON file")
+                    help="the synthetic model's spec: demo, small, tiny or a JSON file")
     sp.add_argument("--procs", type=positive_int, default=2,
-                    help="DP replicas sharing the table")
-    sp.add_argument("--tokens", type=positive_int, default=4096,
-                    help="tokens per lookup")
+                    help="DP replicas sharing the tables")
+    sp.add_argument("--steps", type=positive_int, default=12,
+                    help="serving steps per replica")
     sp.add_argument("--policy", default="gpu-local", help=POLICY_HELP)
     sp.add_argument("--directory", default="/dev/shm",
                     help="a tmpfs directory")

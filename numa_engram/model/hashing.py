@@ -76,3 +76,22 @@ def ngram_hashes_numpy(spec: EngramSpec, compressed_ids: ArrayLike, layer_id: in
 def table_rows(spec: EngramSpec, hash_ids: np.ndarray, layer_id: int) -> np.ndarray:
     """Row of the layer's whole table for each per-head bucket index."""
     return np.asarray(hash_ids, dtype=np.int64) + spec.head_offsets(layer_id)
+
+
+def sequence_hashes(spec: EngramSpec, compressed_ids: ArrayLike, layer_id: int) -> np.ndarray:
+    """int64 ``[T, n_hash_cols]`` bucket ids of one whole sequence with V4.1's
+    DEAD rule (``DEAD`` = -1: an image span, a masked token): a DEAD token
+    hashes as all-pad n-grams and the ids after it as a new sequence, since
+    no look-back crosses it.  The plain route ``HashState`` must agree with."""
+    ids = np.asarray(compressed_ids, dtype=np.int64).reshape(-1)
+    out = np.empty((len(ids), spec.n_hash_cols), dtype=np.int64)
+    dead = np.flatnonzero(ids < 0)
+    pad_row = ngram_hashes(spec, np.array([spec.pad_id]), layer_id)[0]
+    start = 0
+    for cut in [*dead.tolist(), len(ids)]:
+        if cut > start:
+            out[start:cut] = ngram_hashes(spec, ids[start:cut], layer_id)
+        if cut < len(ids):
+            out[cut] = pad_row
+        start = cut + 1
+    return out

@@ -156,7 +156,7 @@ class EngramRuntime:
             for made in layers.values():
                 made.table.close()
             raise
-        phases["total"] = time.perf_counter() - started
+        runtime.startup_s["total"] = time.perf_counter() - started
         log.info("Engram runtime: %s", runtime.mode_report())
         return runtime
 
