@@ -1,5 +1,7 @@
 """EngramRuntime scenarios run by tests/dist_harness.py in each spawned rank."""
 
+from types import SimpleNamespace
+
 import torch.distributed as dist
 
 from numa_engram import EngramRuntime, SharedEngramTable, shard_heads
@@ -17,13 +19,22 @@ def tp_dp_groups(rank, tp, dp):
     return tp_groups[rank // tp], edp_groups[rank % tp]
 
 
+def coordinator(pg, ranks):
+    """What vLLM's GroupCoordinator shows of a group (its surface only)."""
+    return SimpleNamespace(rank_in_group=dist.get_rank(pg), world_size=dist.get_world_size(pg),
+                           cpu_group=pg, device_group=pg, ranks=list(ranks))
+
+
 def serve(rank, world, *, model_dir, tp, sharing, sequence_parallel=False, give_edp=False,
-          give_counts=False):
+          give_counts=False, as_coordinators=False):
     """Run the planned steps through EngramRuntime; compare every layer's
     rows of every step with the single-process reference."""
     dp = world // tp
     tp_rank, dp_rank = rank % tp, rank // tp
     tp_group, edp_group = tp_dp_groups(rank, tp, dp)
+    if as_coordinators:
+        tp_group = coordinator(tp_group, [dp_rank * tp + t for t in range(tp)])
+        edp_group = coordinator(edp_group, [d * tp + tp_rank for d in range(dp)])
     rt = EngramRuntime.from_pretrained(model_dir, tp_group=tp_group, sharing=sharing,
                                        edp_group=edp_group if give_edp else None,
                                        max_tokens=64, max_requests=6,

@@ -176,6 +176,41 @@ def test_misuse_is_refused_by_name(model_dir):
         EngramRuntime.from_pretrained(model_dir, sharing="dp_sharded", device=0)
 
 
+def _gpu_or_why() -> str | None:
+    import torch
+
+    from numa_engram.bindings import cudart
+
+    ok, why = cudart.available()
+    if ok and not torch.cuda.is_available():
+        return "the CUDA runtime loads but this torch build has no CUDA"
+    return None if ok else f"no usable GPU: {why}"
+
+
+@pytest.mark.gpu
+def test_the_runtime_on_a_gpu_gives_the_cpu_runtimes_rows(model_dir):
+    """device=0: tables registered, lookups on the CUDA prefetch stream;
+    the rows equal the CPU runtime's bit for bit."""
+    why = _gpu_or_why()
+    if why:
+        pytest.skip(why)
+    cpu = EngramRuntime.from_pretrained(model_dir, max_tokens=64, max_requests=6)
+    gpu = EngramRuntime.from_pretrained(model_dir, max_tokens=64, max_requests=6, device=0)
+    with cpu, gpu:
+        for step in replica_plan(11, 6, len(cpu.model.token_map), cpu.model.dead_ids[0]):
+            for rt in (cpu, gpu):
+                for slot in step.releases:
+                    rt.release(slot)
+                for slot, position, prefix in step.restores:
+                    rt.restore(slot, position, prefix)
+                rt.begin_step(step.ids, step.slots, step.positions,
+                              commit=step.commit_array())
+            for layer in cpu.layer_ids:
+                on_gpu = gpu.embed(layer)
+                assert on_gpu.is_cuda and same_bits(on_gpu.cpu(), cpu.embed(layer))
+        assert gpu.mode_report()["layers"][1]["registered_device"] == 0
+
+
 def test_sequence_hashes_cut_at_dead_tokens_as_the_per_token_rule_does():
     from numa_engram.model.hashing import sequence_hashes
 
@@ -260,6 +295,15 @@ def test_tp2_dp2_sequence_parallel_ranks_get_their_windows(model_dir):
     """With SP each rank keeps ceil(T/2) tokens with all 15 heads (zeros
     past the last token), as vLLM's row select does."""
     _check_stream_kinds(_serve_world(model_dir, sharing="auto", sequence_parallel=True))
+
+
+@pytest.mark.multiproc
+def test_tp2_dp2_through_vllm_style_group_coordinators(model_dir):
+    """tp_group and edp_group given as GroupCoordinator-like objects
+    (rank_in_group, world_size, cpu_group, device_group, ranks): the same
+    rows, the EDP group limiting the sharing group."""
+    results = _serve_world(model_dir, sharing="dp_shared", give_edp=True, as_coordinators=True)
+    assert all(r["sharing_group"] == [r["rank"] % 2, r["rank"] % 2 + 2] for r in results)
 
 
 @pytest.mark.multiproc
