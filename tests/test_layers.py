@@ -10,7 +10,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "numa_engram"
 # lowest first; a module may import its own folder and the ones before it
-LAYERS = ["", "bindings", "model", "host", "store", "lookup", "sharing", "runtime", "cli"]
+LAYERS = ["", "bindings", "model", "host", "store", "lookup", "sharing", "runtime", "service",
+          "cli"]
 TOP_ALLOWED_UP = {"__init__", "__main__", "_moved", "metrics"}  # the package's front door
 TORCH_FREE = ["bindings", "model", "host", "store"]
 

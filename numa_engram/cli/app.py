@@ -29,6 +29,7 @@ from .demo import cmd_demo
 from .gc import cmd_gc
 from .mem import cmd_mem
 from .plan import cmd_plan
+from .serve import cmd_serve, cmd_status
 from .topo import cmd_topo
 from .verify import cmd_verify
 
@@ -119,6 +120,21 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--policy", default="gpu-local", help=POLICY_HELP)
     sp.add_argument("--directory", default="/dev/shm",
                     help="a tmpfs directory")
+    sp = add("serve", cmd_serve, "hold a model's tables for this host: load once, seal, hand "
+             "out descriptors to engines on a Unix socket")
+    sp.add_argument("model_dir", help="the model directory (config.json, tokenizer, checkpoint)")
+    sp.add_argument("--socket", required=True, help="the Unix socket engines attach through")
+    sp.add_argument("--tp", type=positive_int, default=1, help="TP shards of each layer")
+    sp.add_argument("--placement", default="interleave",
+                    help=POLICY_HELP + "; replicate-per-node: one copy per node, each client "
+                    "gets its node's")
+    sp.add_argument("--page-size", type=page_size_arg, default="4K", help="4K, 2M or 1G")
+    sp.add_argument("--group", default=None,
+                    help="a group whose members may attach too (else only this uid and root)")
+    sp.add_argument("--load-threads", type=positive_int, default=None,
+                    help="threads per table load (default: one per CPU, at most 8)")
+    sp = add("status", cmd_status, "what a table service holds; exit 0 when ready, 1 if not")
+    sp.add_argument("--socket", required=True, help="the service's socket")
     sp = add("gc", cmd_gc, "remove table files no live process holds")
     sp.add_argument("--directory", default="/dev/shm", help="where to look")
     sp.add_argument("--dry-run", action="store_true", help="only say what would be removed")

@@ -121,9 +121,13 @@ def out_of_pages(size: int, page_size: int, directory: str | None, call: str) ->
         f"reserve more ({_fix(page_size, None, total + pages)}) and retry")
 
 
+MFD_ALLOW_SEALING = 0x0002  # linux/memfd.h
+
+
 def memfd_flags(page_size: int) -> int:
-    """memfd_create flags for a private table on these pages."""
-    flags = native.MFD_CLOEXEC
+    """memfd_create flags for a private table on these pages (sealing
+    allowed: the table service seals what it hands out)."""
+    flags = native.MFD_CLOEXEC | MFD_ALLOW_SEALING
     if is_huge(page_size):
         flags |= native.MFD_HUGETLB | (page_size.bit_length() - 1) << native.MFD_HUGE_SHIFT
     return flags

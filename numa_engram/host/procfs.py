@@ -215,3 +215,16 @@ def mounts(root: str = PROC) -> list[tuple[str, str, str, dict[str, str]]]:
             options = dict(o.partition("=")[::2] for o in fields[3].split(","))
             out.append((fields[0], fields[1].replace("\\040", " "), fields[2], options))
     return out
+
+
+def supplementary_groups(pid: int, root: str = PROC) -> tuple[int, ...]:
+    """The process's supplementary group ids ("Groups:" of its status);
+    () when the process is gone."""
+    try:
+        text = _read(pid, "status", root)
+    except (OSError, NoSuchProcess):
+        return ()
+    for line in text.splitlines():
+        if line.startswith("Groups:"):
+            return tuple(int(g) for g in line.split()[1:])
+    return ()

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ..errors import PrefetchError, SpecError, TopologyError
+from ..errors import PrefetchError, SpecError, StorageError, TopologyError
 from ..literals import PageSize
 from ..lookup.prefetch import PrefetchScheduler
 from ..model.hashstate import HashState
@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 SHARING_MODES = ("auto", "dp_shared", "independent", "dp_sharded")
 UNKNOWN_LOOKBACK_ID = -1  # what vLLM's runner puts in a look-back window where it has no id
+DEFAULT_SERVICE_SOCKET = "/run/numa-engram/engram.sock"  # the unit file's
 
 
 @dataclass
@@ -87,6 +88,7 @@ class EngramRuntime:
         self.sharing, self.tp, self._edp = sharing, tp, edp
         self.max_tokens, self.device = max_tokens, device
         self.startup_s = dict(phases)
+        self.service: str | None = None  # the table service's socket the tables came from
         self._counts: list[int] | None = None  # this step's EDP token counts, if given
         self._pending: set[int] = set()  # layers submitted this step, not yet embedded
         self._steps = self._tokens = 0
@@ -102,8 +104,8 @@ class EngramRuntime:
                         max_tokens: int = 8192, max_requests: int = 256,
                         sequence_parallel: bool = False, background: bool = True,
                         tokenizer: Any = None, directory: str = DEFAULT_DIRECTORY,
-                        timeout_s: float = 300.0,
-                        load_threads: int | None = None) -> EngramRuntime:
+                        timeout_s: float = 300.0, load_threads: int | None = None,
+                        service: str | None = None) -> EngramRuntime:
         """Collective: every rank of ``world_group`` (default: the whole
         world, when torch.distributed is initialised) calls it with the same
         arguments.
@@ -123,7 +125,12 @@ class EngramRuntime:
         of the hashing.  sequence_parallel: ``embed`` returns this rank's
         window of ``ceil(T / tp)`` tokens with every head.  tokenizer: a
         tokenizers or transformers tokenizer (None: the directory's
-        tokenizer.json)."""
+        tokenizer.json).  service: a table service's socket path
+        (``numa-engram serve``): attach its tables instead of building them
+        (O(1): a restart costs no load); ``"auto"``: the service at
+        ``$NUMA_ENGRAM_SOCKET`` (default ``/run/numa-engram/engram.sock``)
+        when every rank reaches one that holds this model, else build;
+        ``mode_report()["source"]`` says which."""
         started = time.perf_counter()
         if sharing not in SHARING_MODES:
             raise SpecError(f"sharing must be one of {SHARING_MODES}, got {sharing!r}")
@@ -137,21 +144,27 @@ class EngramRuntime:
         tp = TPGroup.of(tp_group)
         head_part(model.spec.n_hash_cols, tp.size)  # refuses a TP size vLLM refuses
         phases = {"read": time.perf_counter() - started}
-        group, edp = _groups(sharing, world_group, edp_group, tp.rank, device, directory,
-                             timeout_s)
+        socket_path = _service_path(service, sharing, model, tp, page_size, world_group)
+        group, edp = (None, None) if socket_path else _groups(
+            sharing, world_group, edp_group, tp.rank, device, directory, timeout_s)
         layers: dict[int, _Layer] = {}
         try:
             for layer in model.spec.layer_ids:
-                layers[layer] = _make_layer(
-                    model, layer, tp, group, edp, sharing, max_tokens,
-                    dict(placement=placement, page_size=page_size, directory=directory,
-                         timeout_s=timeout_s, load_threads=load_threads,
-                         register_device=device))
+                if socket_path:
+                    layers[layer] = _attached_layer(model, layer, tp, socket_path, page_size,
+                                                    device)
+                else:
+                    layers[layer] = _make_layer(
+                        model, layer, tp, group, edp, sharing, max_tokens,
+                        dict(placement=placement, page_size=page_size, directory=directory,
+                             timeout_s=timeout_s, load_threads=load_threads,
+                             register_device=device))
                 _add_phases(phases, layers[layer].table.startup_phases)
             hash_state = HashState(model.spec, max_requests, token_map=model.token_map,
                                    dead_ids=model.dead_ids)
             runtime = cls._assemble(model, layers, hash_state, tp, edp, sharing, max_tokens,
                                     device, sequence_parallel, background, phases)
+            runtime.service = socket_path
         except BaseException:
             for made in layers.values():
                 made.table.close()
@@ -294,6 +307,7 @@ class EngramRuntime:
         first = next(iter(self._layers.values()))
         mode = "dp_sharded" if self.sharing == "dp_sharded" else first.table.mode
         return {"model_dir": self.model.path, "requested_sharing": self.sharing, "mode": mode,
+                "source": "service" if self.service else "built", "service": self.service,
                 "embedding_dp_size": 1 if self._edp is None else self._edp.size,
                 "edp_group": None if self._edp is None else list(self._edp.ranks),
                 "tp_size": self.tp.size, "tp_rank": self.tp.rank,
@@ -400,6 +414,57 @@ def _make_layer(model: ModelDirectory, layer: int, tp: TPGroup, group: Group | N
     table = SharedEngramTable.create(spec, layer, mine, group=group, checkpoint=model.checkpoint,
                                      mode=mode, **create)  # type: ignore[arg-type]
     return _Layer(layer, table, None, heads)
+
+
+def _attached_layer(model: ModelDirectory, layer: int, tp: TPGroup, socket_path: str,
+                    page_size: PageSize | int, device: int | None) -> _Layer:
+    """This TP rank's shard of the layer, from the table service."""
+    mine = shard_heads(model.spec.bucket_sizes(layer), tp.size, tp.rank)
+    table = SharedEngramTable.attach(model.spec, layer, mine, service=socket_path,
+                                     page_size=page_size, register_device=device)
+    return _Layer(layer, table, None, (mine.head_start, mine.head_end))
+
+
+def _service_path(service: str | None, sharing: str, model: ModelDirectory, tp: TPGroup,
+                  page_size: PageSize | int, world_group: Any) -> str | None:
+    """The socket to attach through, or None to build the tables here.
+    ``auto`` asks the service whether it holds this rank's first shard; the
+    ranks then agree (all attach, or all build: building is collective)."""
+    if service is None:
+        return None
+    if sharing == "dp_sharded":
+        raise TopologyError("the DP-sharded mode holds per-member head slices, which a table "
+                            "service does not: use sharing='dp_shared' with service=")
+    if service != "auto":
+        return service
+    path = os.environ.get("NUMA_ENGRAM_SOCKET", DEFAULT_SERVICE_SOCKET)
+    usable = _service_holds(path, model, tp, page_size)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        usable = all(as_group(world_group).all_gather(usable, "service"))
+    if not usable:
+        log.info("Engram runtime: no usable table service at %s; building the tables", path)
+    return path if usable else None
+
+
+def _service_holds(path: str, model: ModelDirectory, tp: TPGroup,
+                   page_size: PageSize | int) -> bool:
+    from ..host.hugepages import parse_page_size
+    from ..store import handoff
+
+    if not os.path.exists(path):
+        return False
+    try:
+        doc = handoff.status(path)
+    except StorageError:
+        return False
+    layer = model.spec.layer_ids[0]
+    mine = shard_heads(model.spec.bucket_sizes(layer), tp.size, tp.rank)
+    return doc.get("spec_fingerprint") == model.spec.fingerprint.hex() and \
+        doc.get("page_size") == parse_page_size(page_size) and any(
+            t["layer"] == layer and t["heads"] == [mine.head_start, mine.head_end]
+            and t["state"] == "ready" for t in doc.get("tables", []))
 
 
 def _add_phases(total: dict[str, float], phases: dict[str, float]) -> None:

@@ -83,8 +83,8 @@ class PlacementSummary(TypedDict):
 class ModeReport(TypedDict):
     """What ``mode_report()`` says a member really runs (JSON-ready)."""
 
-    mode: str  # dp_shared | independent | attached
-    requested_mode: str  # auto | dp_shared | independent | attach
+    mode: str  # dp_shared | independent | attached | service
+    requested_mode: str  # auto | dp_shared | independent | attach | service
     fallback_reason: str
     embedding_dp_size: int
     layer_id: int
@@ -200,26 +200,62 @@ class SharedEngramTable:
 
     @classmethod
     def attach(cls, spec: EngramSpec, layer_id: int, shard: ShardInfo, *,
-               path: str | None = None, fd: int | None = None) -> SharedEngramTable:
-        """Map a READY table handed over outside a group (its path before the
-        unlink, or an fd passed over a Unix socket), read-only, after the
-        same checks a peer makes (spec, size, layer and shard)."""
+               path: str | None = None, fd: int | None = None, service: str | None = None,
+               node: int | None = None, page_size: PageSize | int = "4K",
+               register_device: int | None = None,
+               timeout_s: float = 10.0) -> SharedEngramTable:
+        """Map a READY table handed over outside a group, read-only, after
+        the same checks a peer makes (spec, size, layer and shard): by its
+        ``path`` (before the unlink), an ``fd`` passed over a Unix socket,
+        or from the table service listening on ``service`` (its socket
+        path: ``numa-engram serve``), which hands over the descriptor of
+        this spec, layer, shard and ``page_size`` (its copy on ``node``,
+        default the node this thread runs on, when it holds one per node).
+        ``register_device``: pin the mapping for zero-copy reads by that GPU.
+        No per-byte work but the registration: O(1) in the table's size."""
         check_shard(spec, layer_id, shard)
-        backing = BackingFile.attach(path, fd=fd, fingerprint=spec.fingerprint,
-                                     key=shard_key(layer_id, shard),
-                                     layout_for=lambda page: table_layout(spec, shard, page))
+        if sum(x is not None for x in (path, fd, service)) != 1:
+            raise ValueError("give exactly one of path=, fd= or service=")
+        started = time.perf_counter()
+        received, owner_uid, mode = None, None, "attached"
+        if service is not None:
+            received, owner_uid = _from_service(spec, layer_id, shard, service, node, page_size,
+                                                timeout_s)
+            fd, mode = received, "service"
+        try:
+            backing = BackingFile.attach(path, fd=fd, fingerprint=spec.fingerprint,
+                                         key=shard_key(layer_id, shard), owner_uid=owner_uid,
+                                         layout_for=lambda page: table_layout(spec, shard, page))
+        finally:
+            if received is not None:
+                os.close(received)  # the backing holds its own duplicate
+        registration = None
         try:
             if backing.state != STATE_READY:
                 raise StorageError(f"table {backing.path} is not READY (its creator has not "
                                    "finished loading it); attach after create() returned")
+            phases = {"attach": time.perf_counter() - started}
+            if register_device is not None:
+                mark = time.perf_counter()
+                registration = protocol.register(backing, register_device)
+                phases["register"] = time.perf_counter() - mark
             me = MemberInfo(0, os.getpid(), os.geteuid(), current_node(Topology.detect()), None,
                             spec.fingerprint, shard_key(layer_id, shard), "attach")
-            return cls(spec, layer_id, shard, backing, mode="attached",
-                       requested_mode="attach", members=[me], leader=False, plan=None,
-                       report=None)
+            return cls(spec, layer_id, shard, backing, mode=mode,
+                       requested_mode="service" if service is not None else "attach",
+                       members=[me], leader=False, plan=None, report=None,
+                       registration=registration, startup_phases=phases)
         except BaseException:
+            if registration is not None:
+                registration.release()
             backing.close()  # a failed attach keeps no descriptor
             raise
+
+    def dup_descriptor(self) -> int:
+        """A new descriptor of the table's file (the caller closes it): what
+        the table service keeps and hands over."""
+        self._check_open()
+        return os.dup(self._backing.fd)
 
     # ------------------------------------------------------------ lookup --
     @overload
@@ -460,3 +496,17 @@ class SharedEngramTable:
 
 
 __all__ = ["CREATE_MODES", "ModeReport", "SharedEngramTable", "TableStats", "table_layout"]
+
+
+def _from_service(spec: EngramSpec, layer_id: int, shard: ShardInfo, service: str,
+                  node: int | None, page_size: PageSize | int,
+                  timeout_s: float) -> tuple[int, int]:
+    """(the descriptor the table service hands over, the service's uid)."""
+    from ..host.hugepages import parse_page_size
+    from ..store import handoff
+
+    request = handoff.TableRequest(spec.fingerprint, shard_key(layer_id, shard),
+                                   parse_page_size(page_size),
+                                   current_node(Topology.detect()) if node is None else node)
+    fd, _, uid = handoff.fetch(service, request, timeout_s)
+    return fd, uid

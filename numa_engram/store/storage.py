@@ -194,19 +194,22 @@ class BackingFile:
     def attach(cls, path: str | None = None, *, fd: int | None = None,
                fingerprint: bytes | None = None, file_size: int | None = None,
                writable: bool = False, key: ShardKey | None = None,
-               layout_for: Callable[[int], Layout] | None = None) -> BackingFile:
+               layout_for: Callable[[int], Layout] | None = None,
+               owner_uid: int | None = None) -> BackingFile:
         """Map an existing file (by path or an open fd) after checking that
         it is ours: no symlink, our uid, our magic and version, the expected
         fingerprint, size and shard key, and (``layout_for(page size)``: the
         layout this spec and shard imply) every field of its layout.  Holds
-        a shared lock on the file while attached (gc's liveness test)."""
+        a shared lock on the file while attached (gc's liveness test).
+        ``owner_uid``: the uid the file must belong to (default ours; a
+        table service of another uid that this process trusts)."""
         if (path is None) == (fd is None):
             raise ValueError("give exactly one of path= or fd=")
         where = path if path is not None else f"fd {fd}"
         fd = _open_existing(path, writable) if path is not None else os.dup(int(fd or 0))
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
-            header = _check_file(fd, where, fingerprint, file_size, key)
+            header = _check_file(fd, where, fingerprint, file_size, key, owner_uid)
             if layout_for is not None:
                 check_layout(header.layout, layout_for(header.layout.page_size), where)
             mapping = native.Mapping(fd, header.layout.file_size, writable,
@@ -375,6 +378,32 @@ def _parallel_chunks(total: int, page: int, threads: int, fn: Callable[[int, int
                    name="numa-engram-populate")
 
 
+SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+
+
+def seal_contents(fd: int) -> bool:
+    """Seal a loaded memfd against any write, growth or shrink, for good
+    (True); False where the kernel refuses (a hugetlb memfd on an older
+    kernel, a file that is no memfd, a writable mapping still alive): the
+    table is then handed out through read-only descriptors only."""
+    try:
+        held = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        if held & SEALS == SEALS:
+            return True  # sealed before (a descriptor adopted from the fd store)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except OSError as exc:
+        if exc.errno not in (errno.EBUSY, errno.EINVAL, errno.EPERM):
+            raise
+        return False
+    return True
+
+
+def read_only_descriptor(fd: int) -> int:
+    """A new read-only open file description of the same file (through
+    /proc/self/fd): whoever receives it can map it, never write it."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+
 def _create_exclusive(directory: str | None, page_size: int) -> tuple[str, int]:
     if directory is None:
         name = PREFIX + secrets.token_hex(8)
@@ -450,13 +479,15 @@ def check_layout(found: Layout, expected: Layout, where: str) -> None:
 
 
 def _check_file(fd: int, where: str, fingerprint: bytes | None,
-                file_size: int | None, key: ShardKey | None = None) -> Header:
+                file_size: int | None, key: ShardKey | None = None,
+                owner_uid: int | None = None) -> Header:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise StorageError(f"{where} is not a regular file")
-    if st.st_uid != os.geteuid():
-        raise StorageError(f"{where} is owned by uid {st.st_uid}, not by this process's uid "
-                           f"{os.geteuid()}; only the creator's user may attach")
+    owner = os.geteuid() if owner_uid is None else owner_uid
+    if st.st_uid != owner:
+        raise StorageError(f"{where} is owned by uid {st.st_uid}, not by uid {owner}; only "
+                           "the creator's user (or a table service it trusts) may attach")
     header = Header.unpack(os.pread(fd, HEADER_BYTES, 0), where)
     if header.creator_uid != st.st_uid:
         raise StorageError(f"{where} header names creator uid {header.creator_uid} but the "

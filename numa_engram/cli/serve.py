@@ -1,0 +1,76 @@
+"""``numa-engram serve`` (the table service) and ``numa-engram status`` (its
+readiness probe)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .args import emit
+
+READY, NOT_READY = 0, 1  # status's exit codes (2: no service, as any other error)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Hold every table of a model directory for this host: load once (or
+    adopt what systemd's fd store kept), seal, hand out descriptors on
+    --socket until stopped."""
+    from ..runtime.modeldir import ModelDirectory
+    from ..service import systemd
+    from ..service.holder import TableService
+
+    model = ModelDirectory.open(args.model_dir)
+    service = TableService(model, args.socket, tp=args.tp, placement=args.placement,
+                           page_size=args.page_size, group=args.group,
+                           load_threads=args.load_threads)
+    adopted = service.adopt(systemd.listen_fds())
+    service.start()
+    try:
+        print(f"numa-engram serve: {len(service.tables)} tables of {model.path} on "
+              f"{service.socket_path} ({adopted} adopted from the fd store)", flush=True)
+        service.load_all()
+        doc = service.status()
+        print(f"numa-engram serve: {sum(t['state'] == 'ready' for t in doc['tables'])} of "
+              f"{len(doc['tables'])} tables ready", flush=True)
+        while not service._stopped.wait(1.0):  # a signal stops the wait between seconds
+            pass
+    finally:
+        service.stop()
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """What a table service holds: each table's state, load progress,
+    bytes per node, attaches and startup phases.  Exit 0 when every table
+    is ready, 1 while some are not (a readiness probe), 2 without a service."""
+    from ..store import handoff
+
+    doc = handoff.status(args.socket)
+    emit(args, doc, status_text(doc))
+    return READY if doc.get("ready") else NOT_READY
+
+
+def status_text(doc: dict) -> str:
+    from ..units import fmt_bytes, unit_for
+
+    lines = [f"table service pid {doc['service_pid']} on {doc['socket']}: {doc['model_dir']}, "
+             f"{doc['page_size'] // 1024} KiB pages, placement {doc['placement']}, "
+             f"{'ready' if doc['ready'] else 'NOT ready'}"]
+    for t in doc["tables"]:
+        lines.append("  " + _table_line(t, fmt_bytes, unit_for))
+    return "\n".join(lines)
+
+
+def _table_line(t: dict, fmt_bytes, unit_for) -> str:
+    done, total = t["progress"]
+    unit = unit_for(max(t["bytes"], 1))
+    where = ", ".join(f"node {n}: {fmt_bytes(b, unit)}" for n, b in
+                      t["bytes_per_node"].items()) or "nodes unknown"
+    state = t["state"] + (f" {done / total:.0%}" if t["state"] == "loading" and total else "")
+    flags = (" sealed" if t["sealed"] else "") + (" adopted" if t["adopted"] else "")
+    load = t["startup_s"].get("load")
+    speed = f", loaded at {total / load / 2**30:.2f} GiB/s" if load else ""
+    copy = "all nodes" if t["node"] is None else f"node {t['node']}"
+    error = f"; {t['error']}" if t["error"] else ""
+    return (f"layer {t['layer']} heads [{t['heads'][0]}, {t['heads'][1]}) copy {copy}: "
+            f"{state}{flags}, {fmt_bytes(t['bytes'], unit)} ({where}), {t['attaches']} "
+            f"attaches{speed}{error}")

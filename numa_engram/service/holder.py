@@ -1,0 +1,355 @@
+"""The table service (``numa-engram serve``): a long-lived holder that
+creates every table a host needs once, seals it and hands out its
+descriptor to any number of engines, from any number of launches.
+
+Each table is a memfd (never a path in /dev/shm: nothing to size, nothing
+to evict, nothing to leak), placed as ``--placement`` says, loaded from the
+model directory's checkpoint, then sealed against writes, growth and
+shrinking (``F_SEAL_*``; where the kernel refuses, as for some hugetlb
+memfds, only read-only descriptors are handed out).  Engines receive a
+read-only descriptor (``SCM_RIGHTS``), check its header as a peer checks
+the leader's file, and map it: an attach costs a header read and a mmap,
+whatever the table's size.
+
+Under systemd the service speaks the notify protocol: each loaded table's
+descriptor goes to the file descriptor store (``FDSTORE=1``, ``FDNAME=`` its
+key), ``READY=1`` once every table is loaded, and on the next start the
+stored descriptors come back in ``LISTEN_FDS`` and are adopted (header
+checked) instead of reloaded: a service restart keeps every table.
+"""
+
+from __future__ import annotations
+
+import gc
+import grp
+import logging
+import os
+import socket
+import socketserver
+import stat
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import NumaEngramError, StorageError
+from ..host import hugepages, procfs
+from ..host.topology import Topology
+from ..model.sharding import ShardInfo, shard_heads
+from ..runtime.modeldir import ModelDirectory
+from ..sharing.request import shard_key, table_layout
+from ..sharing.table import SharedEngramTable
+from ..store import handoff
+from ..store.fileformat import STATE_READY, ShardKey
+from ..store.storage import BackingFile, read_only_descriptor, seal_contents
+from . import systemd
+
+log = logging.getLogger(__name__)
+
+CLIENT_TIMEOUT_S = 5.0  # a client that stalls longer loses its connection, nobody else waits
+REPLICATE = "replicate-per-node"
+
+
+@dataclass
+class HeldTable:
+    """One table the service holds (or is loading)."""
+
+    layer_id: int
+    shard: ShardInfo
+    node: int | None           # the node of this copy (replicate-per-node), else None
+    policy: str
+    state: str = "planned"     # planned | loading | ready | failed
+    fd: int = -1               # the sealed memfd (what the fd store keeps)
+    read_only_fd: int = -1     # what clients get
+    sealed: bool = False
+    adopted: bool = False      # came back from the fd store, not reloaded
+    file_bytes: int = 0        # the table file: header, rows, scales, page padding
+    done: int = 0              # load progress in row bytes
+    total: int = 0
+    error: str = ""
+    bytes_per_node: dict[int, int] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)
+    attaches: int = 0
+
+    @property
+    def key(self) -> ShardKey:
+        return shard_key(self.layer_id, self.shard)
+
+    def name(self, fingerprint: bytes, page_size: int) -> str:
+        """Its FDNAME: printable, no ':' (systemd's rule), at most 255 bytes."""
+        node = "all" if self.node is None else str(self.node)
+        return (f"engram-{fingerprint.hex()[:16]}-l{self.layer_id}-h{self.shard.head_start}-"
+                f"{self.shard.head_end}-p{page_size}-n{node}")
+
+    def describe(self) -> dict:
+        return {"layer": self.layer_id, "heads": [self.shard.head_start, self.shard.head_end],
+                "rows": [self.shard.row_start, self.shard.row_end], "node": self.node,
+                "policy": self.policy, "state": self.state, "sealed": self.sealed,
+                "adopted": self.adopted, "bytes": self.file_bytes,
+                "progress": [self.done, self.total],
+                "error": self.error, "bytes_per_node": self.bytes_per_node,
+                "startup_s": {k: round(v, 6) for k, v in self.phases.items()},
+                "attaches": self.attaches}
+
+
+class TableService:
+    """Holds ``model``'s tables for TP ``tp`` and serves them on ``socket_path``."""
+
+    def __init__(self, model: ModelDirectory, socket_path: str, *, tp: int = 1,
+                 placement: str = "interleave", page_size: Any = "4K",
+                 group: str | None = None, load_threads: int | None = None,
+                 topology: Topology | None = None) -> None:
+        self.model, self.spec = model, model.spec
+        self.socket_path = os.path.abspath(socket_path)
+        self.page_size = hugepages.parse_page_size(page_size)
+        self.placement, self.load_threads = placement, load_threads
+        self.topology = topology or Topology.detect()
+        self.gid = None if group is None else grp.getgrnam(group).gr_gid
+        self.tables = self._plan(tp)
+        self._lock = threading.Lock()
+        self._server: socketserver.ThreadingUnixStreamServer | None = None
+        self._stopped = threading.Event()
+        self.started = time.time()
+
+    # ------------------------------------------------------------ plan --
+    def _plan(self, tp: int) -> list[HeldTable]:
+        nodes: Sequence[int | None] = [None]
+        if self.placement == REPLICATE:
+            nodes = [n.id for n in self.topology.nodes if n.mem_total > 0] or [None]
+        out = []
+        for layer in self.spec.layer_ids:
+            for rank in range(tp):
+                shard = shard_heads(self.spec.bucket_sizes(layer), tp, rank)
+                for node in nodes:
+                    policy = self.placement if node is None else f"node:{node}"
+                    out.append(HeldTable(
+                        layer, shard, node, policy, total=shard.num_rows * self.spec.row_bytes,
+                        file_bytes=table_layout(self.spec, shard, self.page_size).file_size))
+        return out
+
+    # ------------------------------------------------------------ load --
+    def adopt(self, stored: dict[str, int]) -> int:
+        """Take back descriptors the fd store kept (by FDNAME), each header
+        checked; the rest are closed.  How many were adopted."""
+        wanted = {t.name(self.spec.fingerprint, self.page_size): t for t in self.tables}
+        adopted = 0
+        for name, fd in stored.items():
+            table = wanted.get(name)
+            if table is None or not self._adoptable(table, fd):
+                log.warning("stored descriptor %s (fd %d) is not one of this model's tables: "
+                            "closed", name, fd)
+                os.close(fd)
+                continue
+            table.fd, table.read_only_fd = fd, read_only_descriptor(fd)
+            table.sealed = seal_contents(fd)  # already sealed: the seals stay, this is a no-op
+            table.state, table.adopted = "ready", True
+            table.done = table.total
+            adopted += 1
+        return adopted
+
+    def _adoptable(self, table: HeldTable, fd: int) -> bool:
+        try:
+            backing = BackingFile.attach(
+                fd=fd, fingerprint=self.spec.fingerprint, key=table.key,
+                layout_for=lambda page: table_layout(self.spec, table.shard, page))
+        except NumaEngramError as exc:
+            log.warning("stored descriptor refused: %s", exc)
+            return False
+        try:
+            return backing.state == STATE_READY and backing.layout.page_size == self.page_size
+        finally:
+            backing.close()
+
+    def load_all(self) -> None:
+        """Create and load every table not adopted, one after the other;
+        each goes to the fd store as soon as it is sealed; READY=1 at the
+        end (a failed table is logged and answered as failed)."""
+        for table in self.tables:
+            if table.state == "ready" or self._stopped.is_set():
+                continue
+            try:
+                self._load(table)
+                name = table.name(self.spec.fingerprint, self.page_size)
+                systemd.notify(f"FDSTORE=1\nFDNAME={name}", [table.fd])
+            except Exception as exc:  # one table's failure is answered, not fatal
+                log.error("Engram layer %d heads [%d, %d): load failed: %s", table.layer_id,
+                          table.shard.head_start, table.shard.head_end, exc)
+                table.state, table.error = "failed", f"{type(exc).__name__}: {exc}"
+        ready = sum(t.state == "ready" for t in self.tables)
+        systemd.notify(f"READY=1\nSTATUS={ready} of {len(self.tables)} Engram tables ready")
+        log.info("table service: %d of %d tables ready", ready, len(self.tables))
+
+    def _load(self, table: HeldTable) -> None:
+        table.state = "loading"
+
+        def progress(done: int, total: int) -> None:
+            table.done, table.total = done, total
+        created = SharedEngramTable.create(
+            self.spec, table.layer_id, table.shard, directory=None, mode="independent",
+            placement=table.policy, checkpoint=self.model.checkpoint,
+            page_size=self.page_size, load_threads=self.load_threads, progress=progress,
+            topology=self.topology)
+        try:
+            report = created.placement_report()
+            table.bytes_per_node = {} if report is None else report.bytes_per_node()
+            table.phases = dict(created.startup_phases)
+            fd = created.dup_descriptor()
+        finally:
+            created.close()
+        del created
+        gc.collect()  # the writable mapping must be gone before the write seal
+        table.fd, table.sealed = fd, seal_contents(fd)
+        table.read_only_fd = read_only_descriptor(fd)
+        table.done = table.total
+        table.state = "ready"
+
+    # ----------------------------------------------------------- serve --
+    def start(self) -> None:
+        """Listen on the socket (a stale one of a dead service is replaced);
+        answers begin at once, tables not loaded yet are "not_ready"."""
+        _prepare_socket_path(self.socket_path, self.gid)
+        service = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                service._answer(self.request)
+
+        server = _Server(self.socket_path, Handler, bind_and_activate=True)
+        server.daemon_threads = True
+        os.chmod(self.socket_path, 0o660 if self.gid is not None else 0o600)
+        if self.gid is not None:
+            os.chown(self.socket_path, -1, self.gid)
+        self._server = server
+        threading.Thread(target=server.serve_forever, name="engram-service",
+                         daemon=True).start()
+        log.info("table service on %s: %d tables of %s", self.socket_path, len(self.tables),
+                 self.model.path)
+
+    def wait(self) -> None:
+        self._stopped.wait()
+
+    def stop(self) -> None:
+        """Stop answering, close every descriptor, remove the socket
+        (idempotent).  Engines keep their mappings."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            try:
+                os.unlink(self.socket_path)
+            except FileNotFoundError:
+                pass
+        for table in self.tables:
+            for fd in (table.fd, table.read_only_fd):
+                if fd >= 0:
+                    os.close(fd)
+            table.fd = table.read_only_fd = -1
+
+    # --------------------------------------------------------- answers --
+    def _answer(self, sock: socket.socket) -> None:
+        sock.settimeout(CLIENT_TIMEOUT_S)
+        pid, uid, gid = handoff.peer_uid(sock)
+        try:
+            if not self._allowed(pid, uid, gid):
+                log.warning("table service: refused pid %d uid %d (not uid %d%s)", pid, uid,
+                            os.geteuid(), "" if self.gid is None else f" or group {self.gid}")
+                handoff.send_answer(sock, _refusal("refused", f"uid {uid} may not attach"))
+                return
+            try:
+                doc = handoff.read_request(sock)
+            except (ValueError, OSError) as exc:
+                handoff.send_answer(sock, _refusal("bad_request", str(exc)[:200]))
+                return
+            if doc.get("op") == "status":
+                handoff.send_answer(sock, self.status())
+                return
+            answer, fd = self._attach_answer(doc)
+            handoff.send_answer(sock, answer, fd)
+        except OSError:
+            pass  # the client went away: only its own connection ends
+
+    def _allowed(self, pid: int, uid: int, gid: int) -> bool:
+        if uid in (os.geteuid(), 0):
+            return True
+        if self.gid is None:
+            return False
+        return gid == self.gid or self.gid in procfs.supplementary_groups(pid)
+
+    def _attach_answer(self, doc: dict) -> tuple[dict, int | None]:
+        try:
+            req = handoff.TableRequest.from_dict(doc)
+        except (ValueError, TypeError) as exc:
+            return _refusal("bad_request", str(exc)), None
+        table, why = self._find(req)
+        if table is None:
+            return why, None
+        if table.state != "ready":
+            reason = "failed" if table.state == "failed" else "not_ready"
+            return _refusal(reason, f"the table is {table.state}" + (
+                f": {table.error}" if table.error else
+                f" ({table.done} of {table.total} bytes)"),
+                {"progress": [table.done, table.total]}), None
+        with self._lock:
+            table.attaches += 1
+        return {"ok": True, "table": table.describe()}, table.read_only_fd
+
+    def _find(self, req: handoff.TableRequest) -> tuple[HeldTable | None, dict]:
+        same_key = [t for t in self.tables if t.key == req.key]
+        if not same_key:
+            return None, _refusal("no_such_table", f"no table holds {req.key}; this service "
+                                  f"holds layers {list(self.spec.layer_ids)} for its TP shards")
+        if req.fingerprint != self.spec.fingerprint or req.page_size != self.page_size:
+            return None, _refusal("mismatch", f"the service holds spec "
+                                  f"{self.spec.fingerprint.hex()[:16]} on "
+                                  f"{hugepages.name_of(self.page_size)} pages; asked for spec "
+                                  f"{req.fingerprint.hex()[:16]} on "
+                                  f"{hugepages.name_of(req.page_size)} pages")
+        mine = [t for t in same_key if t.node == req.node]
+        return (mine or same_key)[0], {}
+
+    def status(self) -> dict:
+        return {"ok": True, "model_dir": self.model.path, "socket": self.socket_path,
+                "page_size": self.page_size, "placement": self.placement,
+                "spec_fingerprint": self.spec.fingerprint.hex(),
+                "uptime_s": round(time.time() - self.started, 3),
+                "ready": all(t.state == "ready" for t in self.tables),
+                "tables": [t.describe() for t in self.tables]}
+
+
+class _Server(socketserver.ThreadingUnixStreamServer):
+    # engines of a whole node start at once: the default backlog of 5 would
+    # turn the sixth concurrent connect into EAGAIN
+    request_queue_size = 512
+
+
+def _refusal(reason: str, message: str, detail: dict | None = None) -> dict:
+    return {"ok": False, "reason": reason, "message": message, "detail": detail or {}}
+
+
+def _prepare_socket_path(path: str, gid: int | None) -> None:
+    """The socket's directory (made 0700, or 0750 for a group) and no
+    stale socket: one a dead service left is removed, a live one refused."""
+    directory = os.path.dirname(path)
+    if not os.path.isdir(directory):
+        os.makedirs(directory, mode=0o750 if gid is not None else 0o700)
+        if gid is not None:
+            os.chown(directory, -1, gid)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise StorageError(f"{path} exists and is not a socket; pass another --socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody listens: a dead service's socket
+        return
+    finally:
+        probe.close()
+    raise StorageError(f"a table service already listens on {path}; stop it first or pass "
+                       "another --socket")

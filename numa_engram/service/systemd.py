@@ -1,0 +1,58 @@
+"""systemd's notify protocol and file descriptor store, spoken directly
+(no libsystemd): a datagram to ``$NOTIFY_SOCKET`` with the descriptors
+attached (``FDSTORE=1``, ``FDNAME=``, ``READY=1``), and on start the
+descriptors systemd passes back (``LISTEN_PID``, ``LISTEN_FDS``,
+``LISTEN_FDNAMES``; descriptors from 3 up), as sd_notify(3) and
+sd_listen_fds(3) describe them."""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+from collections.abc import Sequence
+
+LISTEN_FDS_START = 3
+
+
+def notify(message: str, fds: Sequence[int] = ()) -> bool:
+    """Send ``message`` (newline-separated assignments) with ``fds`` to the
+    service manager; False when not run under one (no NOTIFY_SOCKET)."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return False
+    if address.startswith("@"):  # an abstract socket
+        address = "\0" + address[1:]
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+    try:
+        ancillary = []
+        if fds:
+            ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+        sock.sendmsg([message.encode()], ancillary, 0, address)
+    finally:
+        sock.close()
+    return True
+
+
+def listen_fds(unset: bool = True) -> dict[str, int]:
+    """The descriptors passed to this process, by name (``fdN`` where the
+    manager gave none); {} when they are not for this process.  ``unset``
+    clears the variables so children do not take them as theirs."""
+    try:
+        pid = int(os.environ.get("LISTEN_PID", ""))
+        count = int(os.environ.get("LISTEN_FDS", ""))
+    except ValueError:
+        return {}
+    names = os.environ.get("LISTEN_FDNAMES", "").split(":")
+    if unset:
+        for var in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+            os.environ.pop(var, None)
+    if pid != os.getpid() or count < 1:
+        return {}
+    out = {}
+    for i in range(count):
+        fd = LISTEN_FDS_START + i
+        os.set_inheritable(fd, False)  # ours now: not passed on to children
+        name = names[i] if i < len(names) and names[i] else f"fd{fd}"
+        out[name] = fd
+    return out
