@@ -31,6 +31,7 @@ from .errors import (
     NumaEngramError,
     PlacementError,
     PrefetchError,
+    ServiceRefusal,
     SpecError,
     SpecMismatchError,
     StorageError,
@@ -89,10 +90,10 @@ __all__ = [
     "DPShardedLookup", "EngramRuntime", "EngramSpec", "GroupTimeout", "HashState",
     "LookupIdError", "MemberFailure", "ModelDirectory", "NumaEngramError", "PlacementError",
     "PlacementPlan", "PlacementRange", "PlacementReport", "PrefetchError", "PrefetchScheduler",
-    "ShardInfo", "SharedEngramTable", "ShardedHeads", "SpecError", "SpecMismatchError",
-    "StorageError", "SyscallError", "Topology", "TopologyError", "WorldLayout", "as_group",
-    "build_token_map", "compress_ids", "dequantize_rows", "lookup_rows", "ngram_hashes",
-    "plan_placement", "quantize_rows", "shard_heads", "shard_rows", "sharing_groups",
-    "write_synthetic_model"
+    "ShardInfo", "ServiceRefusal", "SharedEngramTable", "ShardedHeads", "SpecError",
+    "SpecMismatchError", "StorageError", "SyscallError", "Topology", "TopologyError",
+    "WorldLayout", "as_group", "build_token_map", "compress_ids", "dequantize_rows",
+    "lookup_rows", "ngram_hashes", "plan_placement", "quantize_rows", "shard_heads", "shard_rows",
+    "sharing_groups", "write_synthetic_model"
 ]
 assert set(_LAZY) <= set(__all__)

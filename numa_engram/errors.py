@@ -122,3 +122,23 @@ class CudaUnavailable(NumaEngramError):
 
 class CudaError(NumaEngramError):
     """A CUDA runtime call failed."""
+
+
+class ServiceRefusal(StorageError):
+    """The table service answered and refused: ``reason`` is one of
+    ``store.handoff.REASONS`` (no_such_table, not_ready, failed, mismatch,
+    refused, bad_request); ``detail`` has e.g. the load's progress."""
+
+    reason: str = ""
+    detail: dict = {}
+
+    def __init__(self, message: str, reason: str = "", detail: dict | None = None) -> None:
+        super().__init__(message)
+        self.reason, self.detail = reason, dict(detail or {})
+
+    def fields(self) -> dict:
+        return {"reason": self.reason, "detail": self.detail}
+
+    @classmethod
+    def rebuild(cls, message: str, fields: dict) -> ServiceRefusal:
+        return cls(message, str(fields.get("reason", "")), fields.get("detail"))

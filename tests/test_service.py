@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -415,3 +416,35 @@ def _runtimes_agree(model_dir, sock, monkeypatch):
         assert rt.mode_report()["source"] == "built"
     with pytest.raises(ServiceRefusal, match="no table holds"):  # TP 2 shards: not held
         SharedEngramTable.attach(SPEC, 1, shard_heads(SPEC.bucket_sizes(1), 2, 0), service=sock)
+
+
+# ------------------------------------------------------ what we ship --
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+
+def _unit_exec_start():
+    text = (DEPLOY / "numa-engram.service").read_text()
+    joined = text.replace("\\\n", " ")
+    fields = dict(line.split("=", 1) for line in joined.splitlines()
+                  if "=" in line and not line.startswith("#"))
+    return fields
+
+
+def test_the_shipped_unit_and_pod_run_commands_this_version_parses():
+    """The unit file is Type=notify with an fd store, and its ExecStart and
+    the Kubernetes sidecar's command are command lines our parser takes."""
+    import shlex
+
+    from numa_engram.cli.app import build_parser
+
+    unit = _unit_exec_start()
+    assert unit["Type"] == "notify" and int(unit["FileDescriptorStoreMax"]) >= 4
+    args = build_parser().parse_args(shlex.split(unit["ExecStart"])[1:])
+    assert args.command == "serve" and args.socket == "/run/numa-engram/engram.sock"
+    pod = (DEPLOY / "kubernetes-sidecar.yaml").read_text()
+    command = json.loads(pod.split("command: ", 1)[1].split("]", 1)[0].replace("\n", " ") + "]")
+    args = build_parser().parse_args(command[1:])
+    assert args.command == "serve" and args.page_size == 2 << 20
+    probe = json.loads(pod.split("command: ", 2)[2].split("]", 1)[0] + "]")
+    assert build_parser().parse_args(probe[1:]).command == "status"

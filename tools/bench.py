@@ -514,6 +514,98 @@ def bench_load(gib: float) -> None:
               + (" (target >= 3x)" if "2M" in name else " (no target)"))
 
 
+# --------------------------------------------------------------- restart --
+
+def _streamed_model(root: str, gib: float):
+    """A model directory of one ~gib GiB layer, its checkpoint written in
+    chunks of random bytes (never the whole table in memory)."""
+    import json
+
+    from numa_engram import EngramSpec
+    from numa_engram.runtime.modeldir import model_config, synthetic_tokenizer
+
+    per_head = int(gib * 2**30) // (256 + 8) // 24
+    spec = EngramSpec(layer_ids=[1], engram_vocab_sizes=[per_head] * 3, max_ngram_size=4,
+                      n_head_per_ngram=8, head_dim=256, compressed_vocab_size=1000, pad_id=2)
+    os.makedirs(root, exist_ok=True)
+    synthetic_tokenizer(spec.compressed_vocab_size).save(os.path.join(root, "tokenizer.json"))
+    with open(os.path.join(root, "config.json"), "w") as fh:
+        json.dump(model_config(spec, None), fh)
+    rows = spec.rows(1)
+    sizes = {"layers.1.engram.embed.weight": ("F8_E4M3", [rows, 256]),
+             "layers.1.engram.embed.scale": ("F8_E8M0", [rows, 8])}
+    header, offset = {"__metadata__": {"engram_spec": json.dumps(spec.to_dict())}}, 0
+    for name, (dtype, shape) in sizes.items():
+        header[name] = {"dtype": dtype, "shape": shape,
+                        "data_offsets": [offset, offset + shape[0] * shape[1]]}
+        offset += shape[0] * shape[1]
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    rng = np.random.default_rng(0)
+    with open(os.path.join(root, "model.safetensors"), "wb") as fh:
+        fh.write(len(text).to_bytes(8, "little") + text)
+        for name, (_, shape) in sizes.items():
+            left = shape[0] * shape[1]
+            while left:
+                n = min(left, 64 << 20)
+                chunk = rng.integers(0, 256, n, dtype=np.uint8)
+                if name.endswith("scale"):
+                    chunk = 110 + chunk % 25  # normal scales
+                fh.write(chunk.tobytes())
+                left -= n
+    return spec
+
+
+def _restart_times(gib: float) -> tuple[int, float, float]:
+    """(table bytes, best cold start, best attach) for a ~gib GiB table."""
+    import subprocess
+    import sys
+
+    from numa_engram import SharedEngramTable, shard_heads
+    from numa_engram.store import handoff
+
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DISK_DIR", "/tmp")) as d:
+        model = os.path.join(d, "model")
+        spec = _streamed_model(model, gib)
+        shard = shard_heads(spec.bucket_sizes(1), 1, 0)
+
+        def cold():
+            SharedEngramTable.create(spec, 1, shard, checkpoint=model, directory=None).close()
+        cold()  # the checkpoint into the page cache, as a restart finds it
+        t_cold = best_of(cold, 2)
+        sock = os.path.join(d, "run", "engram.sock")
+        proc = subprocess.Popen([sys.executable, "-m", "numa_engram.cli.app", "serve", model,
+                                 "--socket", sock], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
+        try:
+            while not (os.path.exists(sock) and handoff.status(sock)["ready"]):
+                if proc.poll() is not None:
+                    raise SystemExit(f"the service exited: {proc.stderr.read()[-2000:]}")
+                time.sleep(0.1)
+            t_attach = best_of(
+                lambda: SharedEngramTable.attach(spec, 1, shard, service=sock).close(), 5)
+        finally:
+            proc.terminate()
+            proc.wait()
+    return spec.rows(1) * spec.row_bytes, t_cold, t_attach
+
+
+def bench_restart(sizes: tuple[float, ...] = (1.0, 8.0)) -> None:
+    """Cold start (create + load from a page-cached checkpoint) against an
+    engine restart that attaches to a table service's ready table."""
+    print("== restart: cold create + load vs attach to the table service")
+    attach_s = {}
+    for gib in sizes:
+        size, t_cold, t_attach = _restart_times(gib)
+        attach_s[gib] = t_attach
+        print(f"  {size / 2**30:5.2f} GiB: cold {t_cold:7.3f} s ({size / t_cold / 2**30:.2f} "
+              f"GiB/s), restart (attach) {t_attach * 1e3:7.3f} ms -> {t_cold / t_attach:,.0f}x "
+              "faster (goal >= 50x at the large size)")
+    small, large = min(attach_s), max(attach_s)
+    print(f"  attach time grows {attach_s[large] / attach_s[small]:.2f}x from {small} to {large} "
+          "GiB (goal < 2x)")
+
+
 # -------------------------------------------------------------- prefetch --
 
 def bench_prefetch(lookup_ms: float = 20.0, layer_ms: float = 5.0, layers_before: int = 6) -> None:
@@ -549,7 +641,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("what", nargs="?", default="all",
                    choices=["all", "lookup", "default-out", "serving", "hashing",
-                            "serving-hashing", "decode-hashing", "load", "prefetch"])
+                            "serving-hashing", "decode-hashing", "load", "prefetch",
+                            "restart"])
     p.add_argument("--table-gib", type=float, default=2.0)
     p.add_argument("--load-gib", type=float, default=1.0)
     p.add_argument("--tokens", type=int, default=4096)
@@ -577,6 +670,8 @@ def main() -> None:
         bench_load(a.load_gib)
     if a.what in ("all", "prefetch"):
         bench_prefetch()
+    if a.what in ("all", "restart"):
+        bench_restart((0.05, 0.2) if a.quick else (1.0, 8.0))
 
 
 if __name__ == "__main__":

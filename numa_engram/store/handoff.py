@@ -20,7 +20,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import StorageError
+from ..errors import ServiceRefusal, StorageError
 from .fileformat import ShardKey
 
 MAX_REQUEST = 64 << 10   # a request is a few hundred bytes; more is garbage
@@ -28,17 +28,7 @@ MAX_ANSWER = 16 << 20    # a status of thousands of tables still fits
 LENGTH = struct.Struct("<I")
 REASONS = ("no_such_table", "not_ready", "failed", "mismatch", "refused", "bad_request")
 CLIENT_TIMEOUT_S = 10.0
-
-
-class ServiceRefusal(StorageError):
-    """The service answered, and refused: ``reason`` is one of ``REASONS``."""
-
-    def __init__(self, message: str, reason: str = "", detail: dict | None = None) -> None:
-        super().__init__(message)
-        self.reason, self.detail = reason, dict(detail or {})
-
-    def fields(self) -> dict:
-        return {"reason": self.reason, "detail": self.detail}
+__all__ = ["REASONS", "ServiceRefusal", "TableRequest", "ask", "fetch", "status"]
 
 
 @dataclass(frozen=True)
