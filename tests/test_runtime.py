@@ -317,3 +317,22 @@ def test_tp2_dp2_dp_sharded_exchange_completes_the_heads(model_dir, give_counts)
     for r in results:
         assert r["mode"] == "dp_sharded" and r["embedding_dp_size"] == 2
         assert r["edp_group"] == [r["rank"] % 2, r["rank"] % 2 + 2]
+
+
+def test_a_raw_model_directory_is_streamed_and_reads_back(tmp_path):
+    """write_synthetic_model(raw=True): one safetensors file written in
+    chunks without torch; the checkpoint resolves and loads."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom numa_engram import EngramSpec, write_synthetic_model\n"
+            f"write_synthetic_model({str(tmp_path)!r}, EngramSpec.small(rows_per_head=500), "
+            "raw=True)\nassert 'torch' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    model = ModelDirectory.open(tmp_path)
+    spec = model.spec
+    table = SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0),
+                                     checkpoint=model.checkpoint, directory=None)
+    with table:
+        scales = np.asarray(table.scales)
+        assert scales.min() >= 110 and scales.max() <= 134 and np.asarray(table.weights).any()

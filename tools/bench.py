@@ -517,42 +517,14 @@ def bench_load(gib: float) -> None:
 # --------------------------------------------------------------- restart --
 
 def _streamed_model(root: str, gib: float):
-    """A model directory of one ~gib GiB layer, its checkpoint written in
-    chunks of random bytes (never the whole table in memory)."""
-    import json
-
-    from numa_engram import EngramSpec
-    from numa_engram.runtime.modeldir import model_config, synthetic_tokenizer
+    """A model directory of one ~gib GiB layer, its checkpoint streamed
+    (never the whole table in memory)."""
+    from numa_engram import EngramSpec, write_synthetic_model
 
     per_head = int(gib * 2**30) // (256 + 8) // 24
     spec = EngramSpec(layer_ids=[1], engram_vocab_sizes=[per_head] * 3, max_ngram_size=4,
                       n_head_per_ngram=8, head_dim=256, compressed_vocab_size=1000, pad_id=2)
-    os.makedirs(root, exist_ok=True)
-    synthetic_tokenizer(spec.compressed_vocab_size).save(os.path.join(root, "tokenizer.json"))
-    with open(os.path.join(root, "config.json"), "w") as fh:
-        json.dump(model_config(spec, None), fh)
-    rows = spec.rows(1)
-    sizes = {"layers.1.engram.embed.weight": ("F8_E4M3", [rows, 256]),
-             "layers.1.engram.embed.scale": ("F8_E8M0", [rows, 8])}
-    header, offset = {"__metadata__": {"engram_spec": json.dumps(spec.to_dict())}}, 0
-    for name, (dtype, shape) in sizes.items():
-        header[name] = {"dtype": dtype, "shape": shape,
-                        "data_offsets": [offset, offset + shape[0] * shape[1]]}
-        offset += shape[0] * shape[1]
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    rng = np.random.default_rng(0)
-    with open(os.path.join(root, "model.safetensors"), "wb") as fh:
-        fh.write(len(text).to_bytes(8, "little") + text)
-        for name, (_, shape) in sizes.items():
-            left = shape[0] * shape[1]
-            while left:
-                n = min(left, 64 << 20)
-                chunk = rng.integers(0, 256, n, dtype=np.uint8)
-                if name.endswith("scale"):
-                    chunk = 110 + chunk % 25  # normal scales
-                fh.write(chunk.tobytes())
-                left -= n
+    write_synthetic_model(root, spec, raw=True)
     return spec
 
 

@@ -147,14 +147,16 @@ def model_config(spec: EngramSpec, image_token_id: int | None) -> dict:
 
 def write_synthetic_model(path: str | os.PathLike, spec: EngramSpec, *, seed: int = 0,
                           shards: int = 2, aliases: int = 16, image_token: bool = True,
-                          layers: Sequence[int] | None = None) -> Path:
+                          layers: Sequence[int] | None = None, raw: bool = False) -> Path:
     """A model directory as DeepSeek ships one, for ``spec``: config.json with
     text_config, a tokenizer.json built with ``tokenizers``, and the Engram
     tensors (V4.1 names, FP8 weights and ue8m0 scales) in ``shards``
     safetensors files with model.safetensors.index.json.  The tokenizer's
     ids 0..C-1 are the compressed ids (the last one the image placeholder
-    when ``image_token``), then ``aliases`` ids that share compressed ids."""
-    from ..sharing.checkpoint import write_synthetic_checkpoint
+    when ``image_token``), then ``aliases`` ids that share compressed ids.
+    ``raw``: random bytes streamed into one file without torch (for tables
+    of many GiB), instead of quantised normals."""
+    from ..sharing.checkpoint import write_raw_checkpoint, write_synthetic_checkpoint
 
     if spec.seed != 0 or spec.block != V41_BLOCK:
         raise SpecError(f"a model directory's config carries neither the hash seed nor the "
@@ -170,7 +172,9 @@ def write_synthetic_model(path: str | os.PathLike, spec: EngramSpec, *, seed: in
                               "<|image|>" if image_token else None)
     tok.save(str(root / TOKENIZER_FILE))
     (root / CONFIG_FILE).write_text(json.dumps(model_config(spec, image_id), indent=2))
-    if shards == 1:
+    if raw:
+        write_raw_checkpoint(root / "model.safetensors", spec, seed=seed, layers=layers)
+    elif shards == 1:
         write_synthetic_checkpoint(root / "model.safetensors", spec, seed=seed, layers=layers)
     else:
         write_synthetic_checkpoint(root, spec, seed=seed, shards=shards, layers=layers)

@@ -494,3 +494,38 @@ def write_synthetic_checkpoint(path: str | os.PathLike, spec: EngramSpec, *, see
         weight_map.update({n: name for n in part})
     (root / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return root
+
+
+RAW_CHUNK = 64 << 20  # bytes written at a time by the streaming writer
+
+
+def write_raw_checkpoint(path: str | os.PathLike, spec: EngramSpec, *, seed: int = 0,
+                         layers: Sequence[int] | None = None) -> Path:
+    """Every layer's tensors as one safetensors file of random FP8 bytes and
+    normal ue8m0 scales (110..134), written in chunks: no torch, and never
+    a whole tensor in memory (tables of many GiB, the NUMA guests)."""
+    tensors: list[tuple[str, str, list[int]]] = []
+    for layer in layers or spec.layer_ids:
+        w_name, s_name = DEFAULT_NAMES.of(layer)
+        tensors += [(w_name, "F8_E4M3", [spec.rows(layer), spec.head_dim]),
+                    (s_name, "F8_E8M0", [spec.rows(layer), spec.scales_per_row])]
+    header: dict[str, Any] = {"__metadata__": {"engram_spec": json.dumps(spec.to_dict())}}
+    offset = 0
+    for name, dtype, shape in tensors:
+        header[name] = {"dtype": dtype, "shape": shape,
+                        "data_offsets": [offset, offset + shape[0] * shape[1]]}
+        offset += shape[0] * shape[1]
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    rng = np.random.default_rng(seed)
+    with open(path, "wb") as fh:
+        fh.write(len(text).to_bytes(8, "little") + text)
+        for _, dtype, shape in tensors:
+            left = shape[0] * shape[1]
+            while left:
+                chunk = rng.integers(0, 256, min(left, RAW_CHUNK), dtype=np.uint8)
+                if dtype == "F8_E8M0":
+                    chunk = 110 + chunk % 25
+                fh.write(chunk.tobytes())
+                left -= len(chunk)
+    return Path(path)

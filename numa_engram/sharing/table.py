@@ -103,7 +103,8 @@ class ModeReport(TypedDict):
     lookup_threads: int
     lookup_cpus: list[int]
     identity: dict[str, Any]
-    startup_s: dict[str, float]  # this member's create steps, in seconds
+    startup_s: dict[str, float]  # this member's create (or attach) steps, in seconds
+    startup_gib_per_s: dict[str, float]
 
 
 class SharedEngramTable:
@@ -241,10 +242,14 @@ class SharedEngramTable:
                 phases["register"] = time.perf_counter() - mark
             me = MemberInfo(0, os.getpid(), os.geteuid(), current_node(Topology.detect()), None,
                             spec.fingerprint, shard_key(layer_id, shard), "attach")
-            return cls(spec, layer_id, shard, backing, mode=mode,
-                       requested_mode="service" if service is not None else "attach",
-                       members=[me], leader=False, plan=None, report=None,
-                       registration=registration, startup_phases=phases)
+            table = cls(spec, layer_id, shard, backing, mode=mode,
+                        requested_mode="service" if service is not None else "attach",
+                        members=[me], leader=False, plan=None, report=None,
+                        registration=registration, startup_phases=phases)
+            log.info("Engram table attached: layer %d heads [%d, %d) from %s in %s", layer_id,
+                     shard.head_start, shard.head_end, service or path or f"fd {fd}",
+                     ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in phases.items()))
+            return table
         except BaseException:
             if registration is not None:
                 registration.release()
@@ -443,6 +448,9 @@ class SharedEngramTable:
             "lookup_threads": self.lookup_threads, "lookup_cpus": list(self.lookup_cpus),
             "identity": identity_key(self.members[0]),
             "startup_s": {k: round(v, 6) for k, v in self.startup_phases.items()},
+            # the table's bytes over each phase's seconds (attach: the size it made usable)
+            "startup_gib_per_s": {k: round(self.backing_bytes / v / 2**30, 3)
+                                  for k, v in self.startup_phases.items() if v > 0},
         }
 
     # ------------------------------------------------------------- close --
