@@ -231,3 +231,37 @@ def test_prefetch_same_layer_from_two_threads_is_accepted_once():
     assert sorted(outcomes) == ["ok", "refused"]
     s.wait("a")
     s.close()
+
+
+def test_a_lookup_waited_for_at_once_may_run_on_the_waiting_thread():
+    """No hand-off for a small step: a wait that finds its lookup next in
+    line with the worker idle runs it itself (here most of 200 times; the
+    worker may win the race for some)."""
+    threads = []
+
+    def where(ids, out):
+        threads.append(threading.current_thread())
+        return out.fill_(1)
+    with _sched({1: where}) as sched:
+        for _ in range(200):
+            sched.submit(1, _ids())
+            assert bool((sched.wait(1) == 1).all())
+    waiter = threading.current_thread()
+    assert len(threads) == 200 and sum(t is waiter for t in threads) > 0
+
+
+def test_a_waiter_never_runs_its_lookup_ahead_of_an_earlier_one():
+    """Layer 2 waited for while layer 1 runs: layer 2 starts only after it."""
+    log, gate = [], threading.Event()
+    with _sched({1: Recorder(1, log, gate=gate), 2: Recorder(2, log)}) as sched:
+        sched.submit(1, _ids())
+        sched.submit(2, _ids())
+        got = {}
+        waiter = threading.Thread(target=lambda: got.setdefault(2, sched.wait(2)))
+        waiter.start()
+        time.sleep(0.1)
+        assert log == [] and waiter.is_alive()  # layer 1 holds the line
+        gate.set()
+        waiter.join(10)
+        assert log == [1, 2] and bool((got[2] == 2).all())
+        assert bool((sched.wait(1) == 1).all())

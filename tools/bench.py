@@ -228,11 +228,13 @@ def _serving_table(table_gib: float, page: str, rng):
     return spec, table
 
 
-def _serving_variants(spec, table, tokens: int, rng, id_sets: int = 16) -> dict:
-    """Every variant of one size, each call on the next of ``id_sets`` id sets."""
+def _serving_variants(spec, table, tokens: int, rng, id_sets: int = 16) -> tuple[dict, object]:
+    """Every variant of one size, each call on the next of ``id_sets`` id
+    sets; and the prefetch scheduler to close after."""
     import torch
 
     from numa_engram.lookup.outputs import aligned_empty
+    from numa_engram.lookup.prefetch import PrefetchScheduler
 
     sizes = spec.bucket_sizes(1)
     offsets = spec.head_offsets(1)
@@ -245,10 +247,15 @@ def _serving_variants(spec, table, tokens: int, rng, id_sets: int = 16) -> dict:
     gathered_w = np.empty((tokens * len(sizes), spec.head_dim), np.uint8)
     gathered_s = np.empty((tokens * len(sizes), spec.scales_per_row), np.uint8)
     turn = [0]
+    sched = PrefetchScheduler({1: table}, {1: (len(sizes), spec.head_dim)}, max_tokens=tokens)
 
     def nxt() -> int:
         turn[0] += 1
         return turn[0] % id_sets
+
+    def prefetched():
+        sched.submit(1, sets[nxt()])
+        sched.wait(1)
     return {
         "lookup(ids)": lambda: table.lookup(sets[nxt()]),
         "lookup(ids, out=)": lambda: table.lookup(sets[nxt()], out=out),
@@ -256,7 +263,8 @@ def _serving_variants(spec, table, tokens: int, rng, id_sets: int = 16) -> dict:
         "numpy take": lambda: _take(table.weights, table.scales, flats[nxt()], gathered_w,
                                     gathered_s),
         "bare native": lambda: _bare_native(table, sets[nxt()], bits),
-    }
+        "prefetch submit+wait": prefetched,
+    }, sched
 
 
 def _bare_native(table, ids, bits) -> None:
@@ -289,14 +297,17 @@ def bench_serving(table_gib: float = 2.0, sweep: tuple[float, ...] = (0.5, 2.0, 
               f"{table.lookup_threads} thread(s); time in us, ratio to numpy take")
         names = None
         for tokens in tokens_list:
-            fns = _serving_variants(spec, table, tokens, rng)
+            fns, sched = _serving_variants(spec, table, tokens, rng)
             best = best_interleaved(fns, repeat)
+            sched.close()
             names = names or list(fns)
             if tokens == tokens_list[0]:
                 print("  tokens  " + "  ".join(f"{n:>20}" for n in names))
             take = best["numpy take"]
             print(f"  {tokens:6d}  " + "  ".join(
-                f"{best[n] * 1e6:10.1f} ({best[n] / take:5.2f}x)" for n in names))
+                f"{best[n] * 1e6:10.1f} ({best[n] / take:5.2f}x)" for n in names)
+                + f"   prefetch/lookup(out=) "
+                f"{best['prefetch submit+wait'] / best['lookup(ids, out=)']:.2f}x")
         table.close()
     print("== table-size sweep (4K pages): lookup(ids) / numpy take")
     for gib in sweep:
@@ -307,8 +318,9 @@ def bench_serving(table_gib: float = 2.0, sweep: tuple[float, ...] = (0.5, 2.0, 
             continue
         cells = []
         for tokens in (64, 4096):
-            fns = _serving_variants(spec, table, tokens, rng)
+            fns, sched = _serving_variants(spec, table, tokens, rng)
             best = best_interleaved({k: fns[k] for k in ("lookup(ids)", "numpy take")}, repeat)
+            sched.close()
             cells.append(f"{tokens} tokens {best['lookup(ids)'] * 1e6:8.1f} us "
                          f"({best['lookup(ids)'] / best['numpy take']:.2f}x)")
         table.close()

@@ -10,8 +10,11 @@ the oldest completes.  An error in a lookup is raised by that layer's
 ``wait``.  Staging buffers are allocated once per layer (``max_tokens``
 rows) and reused every step, so a CUDA graph can be captured around them.
 
-Backends: ``cpu`` (a worker thread and threading events; the fully tested
-contract) and ``cuda`` (a side stream and CUDA events).
+Backends: ``cpu`` (a worker thread; the fully tested contract) and
+``cuda`` (a side stream and CUDA events).  On the CPU a ``wait`` that finds
+its lookup still queued with the worker idle runs it on the waiting thread
+itself: a small lookup waited for at once costs no thread hand-off (the
+order is kept: nothing else runs meanwhile).
 
 Threads: ``submit``, ``wait``, ``reset`` and ``close`` may be called from any
 thread; every state change happens under one lock.  A layer has at most one
@@ -22,11 +25,11 @@ PrefetchError.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PrefetchError
@@ -69,7 +72,7 @@ class _Job:
     ids: Any
     out: Any
     submitted: float
-    done: threading.Event = field(default_factory=threading.Event)
+    done: bool = False  # under the scheduler's lock; waiters wait on its condition
     started: float = 0.0
     finished: float = 0.0
     error: BaseException | None = None
@@ -148,10 +151,13 @@ class PrefetchScheduler:
         self.metrics = {layer: LayerMetrics() for layer in self._lookups}
         self._inflight: dict[Any, _Job] = {}
         self._outstanding = 0  # jobs holding one of the `depth` slots
-        self._lock = threading.Condition()
-        self._closed = False
+        mutex = threading.Lock()
+        self._lock = threading.Condition(mutex)  # state changes, waiters, submitters
+        self._work = threading.Condition(mutex)  # the worker: a job queued, or stop
+        self._closed = self._stopping = False
         if backend == "cpu":
-            self._queue: queue.Queue[_Job | None] = queue.Queue()
+            self._queue: deque[_Job] = deque()  # submitted, not started, in order
+            self._running = False  # a lookup runs (on the worker or a waiter)
             self._worker = threading.Thread(target=self._run_cpu, name="engram-prefetch",
                                             daemon=True)
             self._worker.start()
@@ -187,8 +193,9 @@ class PrefetchScheduler:
                                     "waited for a slot")
             self._outstanding += 1
             job.slot = True
-            if self.backend == "cpu":  # under the lock: close() queues its stop after it
-                self._queue.put(job)
+            if self.backend == "cpu":  # under the lock: close() stops the worker after it
+                self._queue.append(job)
+                self._work.notify()
         if self.backend == "cuda":
             self._launch_cuda(job)
 
@@ -205,7 +212,7 @@ class PrefetchScheduler:
         called = time.perf_counter()
         try:
             if self.backend == "cpu":
-                job.done.wait()
+                self._wait_cpu(job)
             else:
                 self._torch.cuda.current_stream(job.out.device).wait_event(job.event)
             if job.cancelled:
@@ -229,7 +236,7 @@ class PrefetchScheduler:
             pending = self._cancel_all()
         for job in pending:
             if self.backend == "cpu":
-                job.done.wait()
+                self._wait_done(job)
             else:
                 job.event.synchronize()
             self._retire(job)
@@ -243,7 +250,9 @@ class PrefetchScheduler:
             self._closed = True
             self._cancel_all()
         if self.backend == "cpu":
-            self._queue.put(None)
+            with self._lock:
+                self._stopping = True
+                self._work.notify()
             self._worker.join()  # skipped jobs and the running one set `done`
 
     def stats(self) -> dict[Any, LayerStats]:
@@ -308,18 +317,47 @@ class PrefetchScheduler:
         m.exposed_s += ready - called
 
     def _run_cpu(self) -> None:
+        """The worker: the oldest queued job whenever no lookup runs; after
+        close() it still drains the queue (dropped jobs are only marked done)."""
         while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            job.started = time.perf_counter()
-            if not job.cancelled:
-                try:
-                    self._lookups[job.layer](job.ids, job.out)
-                except BaseException as exc:  # surfaces at this layer's wait()
-                    job.error = exc
-            job.finished = time.perf_counter()
-            job.done.set()
+            with self._work:
+                self._work.wait_for(lambda: self._queue and not self._running
+                                    or self._stopping and not self._queue)
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+                self._running = True
+            self._execute(job)
+
+    def _wait_cpu(self, job: _Job) -> None:
+        """Run the job here when it is next and nothing runs (no hand-off:
+        the order is the same), else wait for whoever runs it."""
+        with self._lock:
+            inline = not self._running and bool(self._queue) and self._queue[0] is job
+            if inline:
+                self._queue.popleft()
+                self._running = True
+            else:
+                self._lock.wait_for(lambda: job.done)
+        if inline:
+            self._execute(job)
+
+    def _wait_done(self, job: _Job) -> None:
+        with self._lock:
+            self._lock.wait_for(lambda: job.done)
+
+    def _execute(self, job: _Job) -> None:
+        job.started = time.perf_counter()
+        if not job.cancelled:
+            try:
+                self._lookups[job.layer](job.ids, job.out)
+            except BaseException as exc:  # surfaces at this layer's wait()
+                job.error = exc
+        job.finished = time.perf_counter()
+        with self._lock:
+            job.done, self._running = True, False
+            self._lock.notify_all()
+            self._work.notify()
 
     def _launch_cuda(self, job: _Job) -> None:
         torch = self._torch
