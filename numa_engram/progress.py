@@ -15,23 +15,34 @@ from typing import TextIO
 from .units import fmt_bytes
 
 WIDTH = 30
+LOG_STEP = 0.25  # off a terminal: a line per quarter of the work
 
 
 def terminal_bar(label: str, stream: TextIO | None = None) -> Callable[[int, int], None]:
     """progress(done, total) drawing '<label> [####....] 1.2 GiB of 4.0 GiB,
-    2.1 GiB/s, ETA 1 s' on ``stream`` (stderr), ending the line when done."""
+    2.1 GiB/s, ETA 1 s' on ``stream`` (stderr), ending the line when done.
+    On a stream that is no terminal (a log, a pipe) it writes a plain line
+    every ``LOG_STEP`` of the total and at the end, never a carriage return."""
     out = stream or sys.stderr
     start = time.monotonic()
+    on_terminal = out.isatty()
+    logged = [-1.0]
 
     def draw(done: int, total: int) -> None:
         elapsed = max(time.monotonic() - start, 1e-9)
         rate = done / elapsed
         eta = (total - done) / rate if rate else 0.0
         filled = WIDTH * done // total if total else WIDTH
-        out.write(f"\r{label} [{'#' * filled}{'.' * (WIDTH - filled)}] {fmt_bytes(done)} of "
-                  f"{fmt_bytes(total)}, {fmt_bytes(int(rate))}/s, ETA {eta:.0f} s")
-        if done >= total:
-            out.write("\n")
+        text = (f"{label} [{'#' * filled}{'.' * (WIDTH - filled)}] {fmt_bytes(done)} of "
+                f"{fmt_bytes(total)}, {fmt_bytes(int(rate))}/s, ETA {eta:.0f} s")
+        if on_terminal:
+            out.write("\r" + text + ("\n" if done >= total else ""))
+        else:
+            fraction = done / total if total else 1.0
+            if fraction < 1.0 and fraction - logged[0] < LOG_STEP:
+                return
+            logged[0] = fraction
+            out.write(text + "\n")
         out.flush()
     return draw
 

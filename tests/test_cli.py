@@ -194,3 +194,17 @@ def test_mem_and_verify_read_like_numastat():
     assert any(line.startswith("Shmem") for line in mem)
     assert any(line.startswith("Hugetlb") for line in mem)
     assert "(MiB)" in verified and "Total" in verified and "pages of 4 KiB: Node" in verified
+
+
+def test_progress_off_a_terminal_is_plain_lines_never_carriage_returns():
+    import io
+
+    from numa_engram.progress import terminal_bar
+
+    log = io.StringIO()
+    bar = terminal_bar("load", log)
+    for done in range(0, 101):
+        bar(done << 20, 100 << 20)
+    text = log.getvalue()
+    assert "\r" not in text and 2 <= len(text.splitlines()) <= 6, text
+    assert text.splitlines()[-1].startswith("load [" + "#" * 30 + "] 100.00 MiB of 100.00 MiB")

@@ -156,3 +156,34 @@ def test_a_signal_cleans_up_prints_one_line_and_exits_128_plus_it(command, sig):
     assert err.splitlines() == [f"numa-engram {command[0]}: stopped by {sig}; what it had "
                                 "created is removed"], err
     assert shm_files() == before
+
+
+def test_the_host_failing_is_status_1_a_wrong_request_status_2():
+    """A table the tmpfs cannot hold is the host's failure (1), a bad size
+    the caller's (2); both one line naming the numbers."""
+    out = cli("create", "--size", "100T")
+    assert out.returncode == 1 and "needs 102400.00 GiB" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert cli("create", "--size", "1X").returncode == 2
+    from numa_engram.cli.app import build_parser
+
+    assert "141" in build_parser().format_help() and "CapacityError" in \
+        build_parser().format_help()  # the codes are documented where --help shows them
+
+
+def test_json_goes_before_or_after_the_command():
+    import json
+
+    before, after = cli("--json", "topo"), cli("topo", "--json")
+    assert before.returncode == after.returncode == 0
+    nodes = [[n["id"], n["cpus"]] for n in json.loads(before.stdout)["nodes"]]
+    assert nodes == [[n["id"], n["cpus"]] for n in json.loads(after.stdout)["nodes"]]
+
+
+def test_a_reader_that_goes_away_ends_the_output_quietly():
+    """`numa-engram topo | head -0`: no 'Broken pipe' message, SIGPIPE's status."""
+    proc = subprocess.Popen([sys.executable, "-m", "numa_engram", "topo"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the child writes a byte
+    err = proc.stderr.read()
+    assert proc.wait(60) == 141 and err == "", err

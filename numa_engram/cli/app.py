@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -38,10 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     from .._version import __version__
 
     p = OneLineParser(prog="numa-engram", description=__doc__.splitlines()[0],
-                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter,
+                      epilog=EXIT_CODES)
     p.add_argument("--version", action="version", version=f"numa-engram {__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0,
                    help="log what the library does (-vv: debug); errors then show tracebacks")
+    p.add_argument("--json", action="store_true", dest="json_first",
+                   help="print JSON for scripts (here or after the command)")
     sub = p.add_subparsers(dest="command", required=True)
 
     def add(name: str, func, help_text: str) -> argparse.ArgumentParser:
@@ -164,8 +168,24 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated(signum)
 
 
+EXIT_CODES = """exit status:
+  0    done (status: every table ready)
+  1    the host could not do it: not enough memory or huge pages (CapacityError), a system
+       call failed, a group timed out or a member failed; status: some table not ready yet
+  2    what was asked is wrong: a bad value, path, pid, spec or policy (one line says which)
+  141  stdout was closed early (e.g. piped into head): the output stops, quietly
+  128+N stopped by signal N (what it had created is removed)"""
+
+def _exit_code(exc: BaseException) -> int:
+    from ..errors import CapacityError, CudaError, GroupTimeout, MemberFailure, SyscallError
+
+    host = (CapacityError, CudaError, GroupTimeout, MemberFailure, SyscallError)
+    return 1 if isinstance(exc, host) else 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.json = getattr(args, "json", False) or args.json_first
     logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2), stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     # (only the main thread may set handlers: an embedding caller's thread keeps its own)
@@ -173,17 +193,24 @@ def main(argv: list[str] | None = None) -> int:
                for sig in (signal.SIGTERM, signal.SIGHUP)
                if threading.current_thread() is threading.main_thread()}
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, where a closed pipe can still be told apart
+        return code
     except (KeyboardInterrupt, Terminated) as exc:
         signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
         print(f"numa-engram {args.command}: stopped by {signal.Signals(signum).name}; what it "
               "had created is removed", file=sys.stderr)
         return 128 + signum
+    except BrokenPipeError:
+        # the reader went away (| head): stop quietly, as a tool killed by SIGPIPE
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (NumaEngramError, OSError, ValueError) as exc:
         if args.verbose:
             raise
         print(f"numa-engram {args.command}: {_one_line(exc)}", file=sys.stderr)
-        return 2
+        return _exit_code(exc)
     except Exception as exc:
         if args.verbose:
             raise

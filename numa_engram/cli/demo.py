@@ -215,7 +215,7 @@ def _phases(startup: dict) -> str:
 
 
 def _summarise(model_dir: str, procs: int, results: list[dict]) -> dict:
-    from ..units import fmt_bytes, node_list, unit_for
+    from ..units import fmt_bytes, unit_for
 
     ok = all(r.get("ok") for r in results)
     good = [r for r in results if r.get("ok")]
@@ -235,8 +235,8 @@ def _summarise(model_dir: str, procs: int, results: list[dict]) -> dict:
         placement = first.get("placement") or {}
         frac = placement.get("fraction_on_plan")
         lines.append(
-            f"  replica {r['rank']}: mode {rep['mode']} (group "
-            f"{node_list(first['sharing_group'])}), startup {rep['startup_s']['total']:.2f} s "
+            f"  replica {r['rank']}: mode {rep['mode']} (sharing group: ranks "
+            f"{first['sharing_group']}), startup {rep['startup_s']['total']:.2f} s "
             f"({_phases(rep['startup_s'])}); {r['steps']} steps, {r['tokens']} tokens (prefill "
             f"chunks, decode steps, an image span, a restored request), rows bit-exact "
             f"{r['exact']}" + ("" if frac is None else f", {frac:.0%} on plan")
