@@ -64,14 +64,16 @@ def node_list(nodes: Iterable[int]) -> str:
 
 
 def text_table(header: Sequence[str], rows: Iterable[Sequence[object]],
-               left: int = 1) -> str:
+               left: int = 1, text_last: bool = False) -> str:
     """Columns sized to their widest cell; the first ``left`` columns are
-    left-aligned (names), the rest right-aligned (numbers)."""
+    left-aligned (names), the rest right-aligned (numbers); ``text_last``:
+    the last column is free text, left-aligned and never padded."""
     cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells if i < len(r)) for i in range(len(header))]
     lines = []
+    last = len(header) - 1
     for row in cells:
-        out = [c.ljust(w) if i < left else c.rjust(w)
+        out = [c.ljust(w) if i < left or text_last and i == last else c.rjust(w)
                for i, (c, w) in enumerate(zip(row, widths))]
         lines.append("  ".join(out).rstrip())
     return "\n".join(lines)

@@ -208,3 +208,12 @@ def test_progress_off_a_terminal_is_plain_lines_never_carriage_returns():
     text = log.getvalue()
     assert "\r" not in text and 2 <= len(text.splitlines()) <= 6, text
     assert text.splitlines()[-1].startswith("load [" + "#" * 30 + "] 100.00 MiB of 100.00 MiB")
+
+
+def test_gc_says_why_once_without_padding(tmp_path):
+    short = tmp_path / "numa-engram-0123456789abcdef"
+    short.write_bytes(b"x" * 100)
+    lines = cli("gc", "--dry-run", "--directory", str(tmp_path)).stdout.splitlines()
+    assert lines[0].split() == ["verdict", "file", "KiB", "why"]
+    assert lines[1].endswith("0.10  is too short (100 bytes) to be a numa_engram backing file")
+    assert lines[1].count(str(short)) == 1 and "skipped" not in lines[1].split("0.10")[1]

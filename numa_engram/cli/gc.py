@@ -18,9 +18,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
             return "removed"
         return "would remove" if e.reason.startswith("stale") else e.reason.split(":")[0]
 
+    def why(e) -> str:  # the reason without the verdict and the path the row already shows
+        text = e.reason.split(": ", 1)[-1]
+        return text.replace(f"{e.path} ", "").replace(e.path, "the file")
+
     unit = unit_for(*(e.size for e in entries))
     table = text_table(["verdict", "file", unit[0], "why"],
-                       [[verdict(e), e.path, f"{e.size / unit[1]:.2f}", e.reason]
-                        for e in entries], left=2)
+                       [[verdict(e), e.path, f"{e.size / unit[1]:.2f}", why(e)]
+                        for e in entries], left=2, text_last=True)
     emit(args, [vars(e) for e in entries], table if entries else "no numa_engram files")
     return 0

@@ -60,7 +60,8 @@ def find_mount(page_size: int, root: str = procfs.PROC) -> str:
     raise StorageError(
         f"no hugetlbfs mount for {name} pages in /proc/self/mounts; mount one as root: "
         f"mkdir -p /dev/hugepages{name} && mount -t hugetlbfs -o pagesize={name} none "
-        f"/dev/hugepages{name} (and reserve pages: see check_pool), or use page_size='4K'")
+        f"/dev/hugepages{name} (and reserve pages per node: echo N > /sys/devices/system/node/"
+        f"nodeK/hugepages/hugepages-{page_size >> 10}kB/nr_hugepages), or use 4K pages")
 
 
 def _default_huge_size(root: str = procfs.PROC) -> int:
