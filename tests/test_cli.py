@@ -217,3 +217,32 @@ def test_gc_says_why_once_without_padding(tmp_path):
     assert lines[0].split() == ["verdict", "file", "KiB", "why"]
     assert lines[1].endswith("0.10  is too short (100 bytes) to be a numa_engram backing file")
     assert lines[1].count(str(short)) == 1 and "skipped" not in lines[1].split("0.10")[1]
+
+
+def test_mem_and_verify_without_arguments_find_every_live_table(tmp_path):
+    """A table held by the console script (`numa-engram create --hold`) and
+    one by a worker whose command line never names us (as torchrun starts
+    it): `mem` lists both processes, `verify` checks both tables, once each."""
+    worker = tmp_path / "worker.py"
+    worker.write_text("import sys, time\nfrom numa_engram import EngramSpec, SharedEngramTable, "
+                      "shard_heads\nspec = EngramSpec.small()\n"
+                      "t = SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1,"
+                      " 0), directory=None)\nprint('ready', flush=True)\ntime.sleep(120)\n")
+    script = os.path.join(os.path.dirname(sys.executable), "numa-engram")
+    held = subprocess.Popen([script, "create", "--size", "8M", "--hold", "120"],
+                            stdout=subprocess.PIPE, text=True)
+    other = subprocess.Popen([sys.executable, str(worker)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert held.stdout.readline() and other.stdout.readline().strip() == "ready"
+        mem = json.loads(cli("mem", "--json").stdout)
+        assert {held.pid, other.pid} <= {p["pid"] for p in mem["processes"]}, mem
+        docs = json.loads(cli("verify", "--json").stdout)
+        mine = [d for d in docs if f"pid {held.pid} " in d["table"]
+                or f"pid {other.pid} " in d["table"]]
+        assert len(mine) == 2 and all(d["report"]["ok"] for d in mine), docs
+        assert {d["state"] for d in mine} == {"READY"}  # create marks what it made ready
+    finally:
+        held.terminate()  # SIGTERM: create removes its file on the way out
+        other.kill()
+        for p in (held, other):
+            p.wait(60)

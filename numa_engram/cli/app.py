@@ -74,14 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="threads populating huge pages")
     sp.add_argument("--hold", type=non_negative_seconds, default=0,
                     help="seconds to keep it before removing")
-    sp = add("verify", cmd_verify, "report where a table's pages are (file or live process)")
-    sp.add_argument("path", nargs="?", help="a table file")
+    sp = add("verify", cmd_verify, "report where a table's pages are (every live table, a "
+             "file, or a process's)")
+    sp.add_argument("path", nargs="?", help="a table file (none: every table a live process "
+                    "holds, each once)")
     sp.add_argument("--pid", type=positive_int, help="every table this process holds")
     sp = add("mem", cmd_mem, "PSS/RSS per process and Shmem per node")
     sp.add_argument("pids", nargs="*", type=positive_int,
-                    help="processes (none given: those whose command line has --match)")
-    sp.add_argument("--match", default="numa_engram",
-                    help="pick pids by command line")
+                    help="processes (none given: every process that maps a table, and those "
+                    "whose command line has --match)")
+    sp.add_argument("--match", default="",
+                    help="also pick pids by command line (e.g. 'vllm serve')")
     sp.add_argument("--file-match", default="numa-engram-",
                     help="mappings counted per node")
     sp.add_argument("--directory", default="/dev/shm", help="the tmpfs")

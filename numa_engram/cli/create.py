@@ -30,6 +30,7 @@ def cmd_create(args: argparse.Namespace) -> int:
                             progress=progress_bar(args, "populate"),
                             threads=args.threads) as f:
         created = time.perf_counter() - t0
+        f.mark_ready()  # made and placed: what verify then reports (it holds no rows)
         report = verify(f.mapping, plan)
         doc = {"path": f.path, "bytes": layout.file_size, "page_size": page,
                "create_s": created, "plan": plan.to_dict(), "report": report.to_dict()}

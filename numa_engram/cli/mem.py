@@ -15,8 +15,11 @@ def cmd_mem(args: argparse.Namespace) -> int:
     from ..host import accounting, hugepages, procfs
     from ..units import text_table, unit_for
 
-    pids = ([procfs.check_pid(p) for p in args.pids]
-            or procfs.pids_with_cmdline(args.match))
+    pids = [procfs.check_pid(p) for p in args.pids]
+    if not pids:  # every process that maps a table (any launcher, unlinked or memfd)
+        pids = procfs.pids_mapping(args.file_match)
+        if args.match:
+            pids = sorted(set(pids) | set(procfs.pids_with_cmdline(args.match)))
     rows: list[dict[str, Any]] = []
     for pid in pids:
         try:

@@ -25,16 +25,47 @@ def cmd_verify(args: argparse.Namespace) -> int:
     elif args.path:
         targets = [(args.path, None)]
     else:
-        raise StorageError("give a table file PATH or --pid PID")
+        targets = _live_tables()
+        if not targets:
+            emit(args, [], "no live numa_engram table on this host (none held by a process "
+                           "this user may look at)")
+            return 0
     docs, texts, ok = [], [], True
     for label, fd in targets:
         doc, text = _verify_one(label, args.path if fd is None else None, fd)
         docs.append(doc)
         texts.append(text)
         ok &= doc["report"]["ok"]
-    emit(args, docs if args.pid is not None else docs[0], "\n".join(texts))
+    emit(args, docs if args.path is None else docs[0], "\n".join(texts))
     return 0 if ok else 1
 
+
+
+def _live_tables() -> list[tuple[str, int | None]]:
+    """Every table some process holds open, once each (by file identity),
+    as (label, our descriptor of it)."""
+    from ..host import procfs
+    from ..store.fileformat import PREFIX
+
+    seen: set[tuple[int, int]] = set()
+    out: list[tuple[str, int | None]] = []
+    for pid in procfs.pids():
+        try:
+            held = [(fd, name) for fd, name in procfs.fd_targets(pid) if PREFIX in name]
+        except (StorageError, OSError):
+            continue  # gone, or another user's
+        for fd, name in held:
+            try:
+                mine = procfs.open_fd(pid, fd)
+            except StorageError:
+                continue
+            st = os.fstat(mine)
+            if (st.st_dev, st.st_ino) in seen:
+                os.close(mine)
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            out.append((f"pid {pid} fd {fd} ({name})", mine))
+    return out
 
 
 def _verify_one(label: str, path: str | None, fd: int | None) -> tuple[dict, str]:

@@ -228,3 +228,24 @@ def supplementary_groups(pid: int, root: str = PROC) -> tuple[int, ...]:
         if line.startswith("Groups:"):
             return tuple(int(g) for g in line.split()[1:])
     return ()
+
+
+def pids_mapping(match: str, root: str = PROC) -> list[int]:
+    """Pids (not this one) with a mapping whose path contains ``match``
+    (unlinked files and memfds included: their maps line keeps the name)."""
+    out = []
+    for entry in os.listdir(root):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(Path(root, entry, "maps"), "rb") as fh:
+                if any(match.encode() in line for line in fh):
+                    out.append(int(entry))
+        except OSError:
+            continue  # exited, or not ours to read
+    return sorted(out)
+
+
+def pids() -> list[int]:
+    """Every process id this /proc shows, but this one."""
+    return sorted(int(e) for e in os.listdir(PROC) if e.isdigit() and int(e) != os.getpid())
