@@ -199,7 +199,8 @@ def mbind(mapping: Mapping, offset: int, length: int, mode: int, nodes: Iterable
     if rc != 0:
         hint = ("a node in the set does not exist or has no memory"
                 if ffi.errno == errno.EINVAL else "")
-        _raise("mbind", f"{_MPOL_NAMES.get(mode, mode)} nodes={list(nodes)} offset={offset} "
+        node_set = ",".join(map(str, nodes))  # numactl's form, as every message writes it
+        _raise("mbind", f"{_MPOL_NAMES.get(mode, mode)} nodes={node_set} offset={offset} "
                f"length={length} flags={flags}", hint)
 
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from ..errors import NumaEngramError, TopologyError
+from ..units import node_list
 from . import procfs, sysfs
 
 
@@ -180,13 +181,13 @@ class Topology:
             if n.id == node_id:
                 return n
         raise TopologyError(f"NUMA node {node_id} does not exist on this host; "
-                            f"nodes are {list(self.node_ids)}")
+                            f"nodes are {node_list(self.node_ids)}")
 
     def check_nodes(self, nodes: Iterable[int]) -> tuple[int, ...]:
         nodes = tuple(nodes)
         if not nodes:
             raise TopologyError("empty NUMA node set: name at least one of "
-                                f"{list(self.node_ids)}")
+                                f"{node_list(self.node_ids)}")
         for n in nodes:
             self.node(n)
         return nodes
