@@ -507,3 +507,51 @@ def groups_limited(rank, world, *, gpus_per_host=None, within=None):
     group = sharing_groups(layout, tp_rank=0, within=within, timeout_s=30)
     dist.barrier()  # rank 0 keeps the store the other groups rendezvous through
     return {"group": list(group.ranks)}
+
+
+def scraped_metrics(rank, world):
+    """A shared table in each of 2 ranks, each serving its own metrics port;
+    rank 0 scrapes every rank's endpoint (see test_metrics)."""
+    import urllib.request
+
+    from numa_engram.errors import LookupIdError, PrefetchError
+    from numa_engram.lookup.prefetch import PrefetchScheduler
+    from numa_engram.metrics import EngramCollector, serve_metrics
+
+    spec = EngramSpec.small(rows_per_head=400)
+    table = SharedEngramTable.create(spec, LAYER, shard_heads(spec.bucket_sizes(LAYER), 1, 0),
+                                     group=TorchGroup(None, 60), mode="dp_shared")
+    ids = np.zeros((5, spec.n_hash_cols), np.int64)
+    for _ in range(3):
+        table.lookup(ids)
+    bad = ids.copy()
+    bad[0, 0] = 10**6
+    try:
+        table.lookup(bad)
+    except LookupIdError:
+        pass
+
+    def slow(hash_ids, out):
+        time.sleep(0.3)
+        return out.zero_()
+    sched = PrefetchScheduler({LAYER: slow}, {LAYER: (4, spec.head_dim)}, max_tokens=8)
+    sched.submit(LAYER, ids)
+    try:
+        sched.wait(LAYER, timeout_s=0.01)
+    except PrefetchError:
+        sched.wait(LAYER)  # still in flight: waited again
+    collector = EngramCollector(tables=[table], schedulers=[sched],
+                                labels={"rank": rank, "replica": rank})
+    server = serve_metrics(collector, 0)
+    ports = [None] * world
+    dist.all_gather_object(ports, server.server_port)
+    texts = []
+    if rank == 0:
+        for port in ports:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+                texts.append(r.read().decode())
+    dist.barrier()  # every endpoint stays up until rank 0 has scraped it
+    server.shutdown()
+    sched.close()
+    table.close()
+    return {"texts": texts, "table_bytes": table.backing_bytes}

@@ -44,10 +44,53 @@ def test_prometheus_collector_exposes_tables_and_schedulers(table):
         registry = CollectorRegistry()
         registry.register(EngramCollector(tables=[t], schedulers=[sched]))
         text = generate_latest(registry).decode()
-    assert 'numa_engram_lookups_total{heads="4-7",layer="14"} 1.0' in text
-    assert 'numa_engram_rows_total{heads="4-7",layer="14"} 24.0' in text
-    assert f'numa_engram_table_bytes{{heads="4-7",layer="14"}} {float(t.backing_bytes)}' in text
-    assert 'numa_engram_placement_on_plan_ratio{heads="4-7",layer="14"} 1.0' in text
-    assert 'numa_engram_prefetch_lookups_total{layer="14"} 1.0' in text
+    key = 'heads="4-7",layer="14",mode="independent"'
+    assert f'numa_engram_lookups_total{{{key}}} 1.0' in text
+    assert f'numa_engram_rows_total{{{key}}} 24.0' in text
+    assert f'numa_engram_table_bytes{{{key}}} {float(t.backing_bytes)}' in text
+    assert f'numa_engram_table_physical_bytes{{{key}}} {float(t.backing_bytes)}' in text
+    assert f'numa_engram_placement_on_plan_ratio{{{key}}} 1.0' in text
+    assert 'numa_engram_prefetch_lookups_total{backend="cpu",layer="14"} 1.0' in text
     assert "numa_engram_prefetch_exposed_wait_seconds_total" in text
     assert "# TYPE numa_engram_read_bytes_total counter" in text
+
+
+def _samples(text: str) -> dict:
+    """{(sample name, frozenset of label items): value} of a scrape."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(smp.name, frozenset(smp.labels.items())): smp.value
+            for fam in text_string_to_metric_families(text) for smp in fam.samples}
+
+
+def test_two_processes_sharing_a_copy_are_scraped_with_labels_counted_once():
+    """Each rank serves its own port; rank 0 scrapes both: rank and replica
+    labels, latency histogram buckets, the bad-id and timeout counters
+    moved, the shared copy's physical bytes counted once over the two."""
+    from . import dist_scenarios as scenarios
+    from .dist_harness import run_world
+
+    results = run_world(2, scenarios.scraped_metrics)
+    for r in results:
+        assert r["ok"], r.get("traceback") or r
+    texts, table_bytes = results[0]["texts"], results[0]["table_bytes"]
+    physical = []
+    for rank, text in enumerate(texts):
+        got = _samples(text)
+        who = {"rank": str(rank), "replica": str(rank)}
+        key = {**who, "heads": "0-7", "layer": "1", "mode": "dp_shared"}
+
+        def value(name, got=got, key=key, **extra):
+            return got[(name, frozenset({**key, **extra}.items()))]
+        assert value("numa_engram_lookups_total") == 3
+        assert value("numa_engram_bad_id_lookups_total") == 1
+        assert value("numa_engram_lookup_latency_seconds_bucket", le="+Inf") == 3
+        assert value("numa_engram_lookup_latency_seconds_count") == 3
+        assert ("numa_engram_lookup_latency_seconds_bucket",
+                frozenset({**key, "le": "0.001"}.items())) in got
+        assert value("numa_engram_table_ready") == 1
+        assert value("numa_engram_table_bytes") == table_bytes
+        assert got[("numa_engram_prefetch_timeouts_total",
+                    frozenset({**who, "layer": "1", "backend": "cpu"}.items()))] == 1
+        physical.append(value("numa_engram_table_physical_bytes"))
+    assert sorted(physical) == [0.0, float(table_bytes)]  # one copy, counted by its leader

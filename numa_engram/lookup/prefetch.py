@@ -29,10 +29,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PrefetchError
+from ..histogram import Histogram
 from ..literals import IdFormat, check_id_format
 
 if TYPE_CHECKING:
@@ -51,6 +52,9 @@ class LayerStats:
     lookup_seconds: float        # the lookups themselves (CUDA: from events, when done)
     lead_seconds: float          # submit -> wait: how far ahead they were issued
     exposed_wait_seconds: float  # wait -> rows ready: what the consumer lost
+    errors: int = 0              # lookups that raised (bad ids included)
+    timeouts: int = 0            # waits that gave up (wait(timeout_s=))
+    latency: tuple = ()          # the lookups' own times: Histogram.snapshot()
 
 
 @dataclass
@@ -59,6 +63,9 @@ class LayerMetrics:
     lookup_s: float = 0.0   # time the lookup itself ran
     lead_s: float = 0.0     # submit -> wait call
     exposed_s: float = 0.0  # wait call -> rows ready (what the consumer lost)
+    errors: int = 0
+    timeouts: int = 0
+    latency: Histogram = field(default_factory=Histogram)
 
     def as_dict(self) -> dict:
         n = max(1, self.lookups)
@@ -199,21 +206,27 @@ class PrefetchScheduler:
         if self.backend == "cuda":
             self._launch_cuda(job)
 
-    def wait(self, layer: Any, *, check_errors: bool = False) -> Rows:
+    def wait(self, layer: Any, *, check_errors: bool = False,
+             timeout_s: float | None = None) -> Rows:
         """The layer's staged rows ``[T, heads, head_dim]`` once its lookup is
         done (CPU) or ordered before the consumer's next work (CUDA).
         ``check_errors``: also read the table's device error record (one
-        sync) and raise LookupIdError for bad ids."""
+        sync) and raise LookupIdError for bad ids.  ``timeout_s`` (CPU): give
+        up after that long with PrefetchError; the lookup stays in flight
+        (wait again, or reset())."""
         with self._lock:
             self._check_open()
             job = self._inflight.get(layer)
         if job is None:
             raise PrefetchError(f"wait({layer!r}) without a submit({layer!r}) this step")
         called = time.perf_counter()
+        if self.backend == "cpu" and not self._wait_cpu(job, timeout_s):
+            with self._lock:
+                self.metrics[layer].timeouts += 1
+            raise PrefetchError(f"the lookup of layer {layer!r} did not finish in {timeout_s} s;"
+                                " it is still in flight: wait again or reset()")
         try:
-            if self.backend == "cpu":
-                self._wait_cpu(job)
-            else:
+            if self.backend == "cuda":  # (the CPU lookup is done: above)
                 self._torch.cuda.current_stream(job.out.device).wait_event(job.event)
             if job.cancelled:
                 raise PrefetchError(f"the lookup of layer {layer!r} was dropped: the scheduler "
@@ -221,6 +234,7 @@ class PrefetchScheduler:
             ready = time.perf_counter()
             self._account(job, called, ready)
             if job.error is not None:
+                self.metrics[layer].errors += 1
                 raise job.error
             source = self._sources[layer]
             if check_errors and hasattr(source, "check_device_errors"):
@@ -259,8 +273,10 @@ class PrefetchScheduler:
         """Per layer totals since the scheduler started (no sync: CUDA
         lookup times are counted once their events have completed)."""
         self._read_gpu_times()
-        return {layer: LayerStats(m.lookups, m.lookup_s, m.lead_s, m.exposed_s)
-                for layer, m in self.metrics.items()}
+        with self._lock:
+            return {layer: LayerStats(m.lookups, m.lookup_s, m.lead_s, m.exposed_s, m.errors,
+                                      m.timeouts, m.latency.snapshot())
+                    for layer, m in self.metrics.items()}
 
     def metrics_report(self) -> dict:
         self._read_gpu_times()
@@ -272,7 +288,9 @@ class PrefetchScheduler:
         pending = []
         for layer, start, end in self._gpu_times:
             if end.query():
-                self.metrics[layer].lookup_s += start.elapsed_time(end) / 1e3
+                seconds = start.elapsed_time(end) / 1e3
+                self.metrics[layer].lookup_s += seconds
+                self.metrics[layer].latency.observe(seconds)
             else:
                 pending.append((layer, start, end))
         self._gpu_times = pending
@@ -311,6 +329,7 @@ class PrefetchScheduler:
         m.lookups += 1
         if self.backend == "cpu":
             m.lookup_s += max(0.0, job.finished - job.started)
+            m.latency.observe(max(0.0, job.finished - job.started))
         elif job.start_event is not None:
             self._gpu_times.append((job.layer, job.start_event, job.event))
         m.lead_s += called - job.submitted
@@ -329,18 +348,21 @@ class PrefetchScheduler:
                 self._running = True
             self._execute(job)
 
-    def _wait_cpu(self, job: _Job) -> None:
+    def _wait_cpu(self, job: _Job, timeout_s: float | None = None) -> bool:
         """Run the job here when it is next and nothing runs (no hand-off:
-        the order is the same), else wait for whoever runs it."""
-        with self._lock:
-            inline = not self._running and bool(self._queue) and self._queue[0] is job
+        the order is the same), else wait for whoever runs it; False when
+        ``timeout_s`` passed first."""
+        with self._lock:  # (a wait that may give up leaves the lookup to the worker)
+            inline = timeout_s is None and not self._running and bool(self._queue) \
+                and self._queue[0] is job
             if inline:
                 self._queue.popleft()
                 self._running = True
-            else:
-                self._lock.wait_for(lambda: job.done)
+            elif not self._lock.wait_for(lambda: job.done, timeout_s):
+                return False
         if inline:
             self._execute(job)
+        return True
 
     def _wait_done(self, job: _Job) -> None:
         with self._lock:

@@ -26,6 +26,7 @@ from ..errors import (
     LookupIdError,
     StorageError,
 )
+from ..histogram import Histogram
 from ..host.topology import Topology, current_node
 from ..literals import CreateMode, IdFormat, PageSize, check_id_format
 from ..lookup.cpu import (
@@ -71,6 +72,13 @@ class TableStats:
     lookup_seconds: float   # CPU lookups' wall time (GPU time: the scheduler's CUDA events)
     fraction_on_plan: float | None
     bytes_per_node: dict[int, int]
+    # the memory this process accounts for: its own copy, or a shared copy
+    # when it leads the group (so a sum over processes counts each copy
+    # once); 0 for attached tables (their holder accounts for them)
+    physical_bytes: int = 0
+    bad_id_lookups: int = 0     # lookups refused for ids outside the shard's buckets
+    failed_lookups: int = 0     # lookups that failed otherwise
+    latency: tuple = ()         # CPU lookups: Histogram.snapshot()
 
 
 class PlacementSummary(TypedDict):
@@ -145,7 +153,8 @@ class SharedEngramTable:
         self._active = 0
         self._idle = threading.Condition()
         self._outputs = OutputPool()  # lookup(ids) without out= reuses freed outputs
-        self._counts = {"lookups": 0, "rows": 0, "seconds": 0.0}
+        self._counts = {"lookups": 0, "rows": 0, "seconds": 0.0, "bad_ids": 0, "failed": 0}
+        self._latency = Histogram()
 
     # ------------------------------------------------------------ create --
     @classmethod
@@ -292,7 +301,7 @@ class SharedEngramTable:
             packed = not dequantize
         # one lock round trip in and one out: a decode step's lookup is a few us
         self._enter_lookup()
-        started, rows = time.perf_counter(), -1  # -1: failed, not counted
+        started, rows, failure = time.perf_counter(), -1, "failed"  # -1: not counted
         try:
             ids = check_hash_ids(hash_ids, self._n_cols)
             shape = (ids.shape[0], *self._row_shape)
@@ -308,8 +317,11 @@ class SharedEngramTable:
                 self._gather(ids, bits, id_format == "global")
             rows = shape[0] * shape[1]
             return result
+        except LookupIdError:
+            failure = "bad_ids"
+            raise
         finally:
-            self._leave_lookup(rows, time.perf_counter() - started)
+            self._leave_lookup(rows, time.perf_counter() - started, failure)
 
     def _gather(self, ids: np.ndarray, bits: np.ndarray | tuple[np.ndarray, np.ndarray],
                 global_ids: bool) -> None:
@@ -398,7 +410,7 @@ class SharedEngramTable:
             rows = hash_ids.shape[0] * self.shard.num_heads
             return result
         finally:
-            self._leave_lookup(rows, 0.0)
+            self._leave_lookup(rows, 0.0, timed=False)
 
     def check_device_errors(self) -> None:
         """Raise LookupIdError for bad ids the GPU lookups met since the last
@@ -421,12 +433,16 @@ class SharedEngramTable:
         report = self._report
         with self._idle:
             counts = dict(self._counts)
+            latency = self._latency.snapshot()
         rows = int(counts["rows"])
+        physical = self.backing_bytes if self.mode == "independent" or \
+            self.mode == "dp_shared" and self.leader else 0
         return TableStats(self.layer_id, self.shard.head_start, self.shard.head_end, self.mode,
                           self.backing_bytes, int(counts["lookups"]), rows,
                           rows * self.spec.row_bytes, counts["seconds"],
                           None if report is None else report.fraction_on_plan,
-                          report.bytes_per_node() if report is not None else {})
+                          report.bytes_per_node() if report is not None else {},
+                          physical, int(counts["bad_ids"]), int(counts["failed"]), latency)
 
     def mode_report(self) -> ModeReport:
         report = self._report
@@ -484,15 +500,21 @@ class SharedEngramTable:
             self._check_open()
             self._active += 1
 
-    def _leave_lookup(self, rows: int, seconds: float) -> None:
-        """A lookup ended (counted unless it failed: rows -1); wakes a
-        waiting close()."""
+    def _leave_lookup(self, rows: int, seconds: float, failure: str = "failed",
+                      timed: bool = True) -> None:
+        """A lookup ended (counted unless it failed: rows -1, counted as
+        ``failure``); wakes a waiting close().  ``timed``: ``seconds`` is the
+        lookup's latency (a GPU launch's is not)."""
         with self._idle:
             self._active -= 1
             if rows >= 0:
                 self._counts["lookups"] += 1
                 self._counts["rows"] += rows
                 self._counts["seconds"] += seconds
+                if timed:
+                    self._latency.observe(seconds)
+            else:
+                self._counts[failure] += 1
             if self._closed:
                 self._idle.notify_all()
 

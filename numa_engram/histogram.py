@@ -1,0 +1,34 @@
+"""A fixed-bucket latency histogram, cheap enough for every lookup (a
+bisect and two adds), read by the Prometheus collector.  No torch here."""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+
+# seconds: a decode step's lookup is microseconds, a big prefill's tens of ms
+LOOKUP_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
+                  2.5e-2, 5e-2, 0.1, 0.25, 1.0)
+
+
+class Histogram:
+    """Counts per upper bound (the last bucket is +Inf), their sum and count.
+    Not locked: the owner observes under its own lock."""
+
+    def __init__(self, bounds: Sequence[float] = LOOKUP_BUCKETS) -> None:
+        self.bounds = tuple(float(b) for b in bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(self.bounds, seconds)] += 1
+        self.total += seconds
+
+    def snapshot(self) -> tuple[tuple[tuple[str, int], ...], float]:
+        """(("0.001", cumulative count), ..., ("+Inf", count)), sum: what a
+        Prometheus histogram family takes."""
+        out, running = [], 0
+        for bound, count in zip((*map(str, self.bounds), "+Inf"), self.counts):
+            running += count
+            out.append((bound, running))
+        return tuple(out), self.total
