@@ -12,9 +12,10 @@ rows) and reused every step, so a CUDA graph can be captured around them.
 
 Backends: ``cpu`` (a worker thread; the fully tested contract) and
 ``cuda`` (a side stream and CUDA events).  On the CPU a ``wait`` that finds
-its lookup still queued with the worker idle runs it on the waiting thread
-itself: a small lookup waited for at once costs no thread hand-off (the
-order is kept: nothing else runs meanwhile).
+its lookup (of at most ``INLINE_MAX_TOKENS`` tokens) still queued with the
+worker idle runs it on the waiting thread itself: a decode step's lookup
+waited for at once costs no thread hand-off (the order is kept: nothing
+else runs meanwhile).
 
 Threads: ``submit``, ``wait``, ``reset`` and ``close`` may be called from any
 thread; every state change happens under one lock.  A layer has at most one
@@ -42,6 +43,10 @@ if TYPE_CHECKING:
     Rows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 LookupFn = Callable[[Any, Any], Any]  # (hash_ids, out) -> out
+# a waiter runs a lookup of at most this many tokens itself when it is next
+# in line: below it the thread hand-off costs more than the lookup (a decode
+# step); above it the worker, which already holds the lookup's CPU, keeps it
+INLINE_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,7 @@ class _Job:
     ids: Any
     out: Any
     submitted: float
+    tokens: int = 0
     done: bool = False  # under the scheduler's lock; waiters wait on its condition
     started: float = 0.0
     finished: float = 0.0
@@ -184,7 +190,7 @@ class PrefetchScheduler:
                                 f"{self.max_tokens} of the static staging buffer")
         staged = self.staging[layer]
         out = tuple(b[:n] for b in staged) if isinstance(staged, tuple) else staged[:n]
-        job = _Job(layer, hash_ids, out, time.perf_counter())
+        job = _Job(layer, hash_ids, out, time.perf_counter(), n)
         with self._lock:  # check and claim the layer in one step
             self._check_open()
             if layer in self._inflight:
@@ -353,8 +359,8 @@ class PrefetchScheduler:
         the order is the same), else wait for whoever runs it; False when
         ``timeout_s`` passed first."""
         with self._lock:  # (a wait that may give up leaves the lookup to the worker)
-            inline = timeout_s is None and not self._running and bool(self._queue) \
-                and self._queue[0] is job
+            inline = timeout_s is None and job.tokens <= INLINE_MAX_TOKENS \
+                and not self._running and bool(self._queue) and self._queue[0] is job
             if inline:
                 self._queue.popleft()
                 self._running = True
