@@ -122,3 +122,16 @@ def test_a_split_load_fails_with_the_class_of_the_member_that_failed(tmp_path, e
     for r in results:
         assert r["ok"] and r["raised"] == cls, r
         assert r["seconds"] < 20, r
+
+
+@pytest.mark.multiproc
+def test_the_leaders_progress_is_the_groups_to_the_end(ckpt):
+    """A split load's progress callback shows every loader's bytes: it goes
+    on past the leader's own share while the others finish, to the total."""
+    results = run_world(3, scenarios.group_progress, checkpoint=ckpt)
+    assert all(r["ok"] for r in results), results
+    seen, own = results[0]["seen"], results[0]["own"]
+    total = seen[-1][1]
+    assert seen[-1][0] == total and own < total
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)  # never goes back
+    assert any(own < d < total for d, _ in seen)  # reported while the others loaded

@@ -88,9 +88,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--file-match", default="numa-engram-",
                     help="mappings counted per node")
     sp.add_argument("--directory", default="/dev/shm", help="the tmpfs")
-    sp = add("plan", cmd_plan, "bytes per node and remote reads of a placement plan")
+    sp = add("plan", cmd_plan, "what one host of a deployment needs: bytes per node, copies, "
+             "remote reads, page tables, capacity (exit 1 when it does not fit)")
     sp.add_argument("--spec", default="v4-flash",
-                    help="demo, v4-flash, small, tiny or a JSON file")
+                    help="demo, v4-flash, small, tiny, a JSON spec or a model's config.json")
+    sp.add_argument("--model", default=None, help="a model directory (its config.json)")
+    sp.add_argument("--page-size", type=page_size_arg, default="4K",
+                    help="4K, 2M or 1G: huge-page pools per node are then planned")
+    sp.add_argument("--read-gbps", type=float, default=2.0,
+                    help="checkpoint read speed for the load time")
+    sp.add_argument("--batch", type=positive_int, default=256,
+                    help="tokens per step for the DP-sharded exchange")
+    sp.add_argument("--register-s-per-gb", type=float, default=0.1,
+                    help="cudaHostRegister seconds per GB (vLLM on an H200, 4 KiB pages)")
     sp.add_argument("--tp", type=positive_int, default=2, help="tensor parallel")
     sp.add_argument("--dp", type=positive_int, default=4, help="data parallel")
     sp.add_argument("--gpus-per-host", "--gpus-per-node", dest="gpus_per_host",

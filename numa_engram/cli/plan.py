@@ -1,61 +1,144 @@
-"""numa-engram plan: a deployment's placement, memory per node and remote-read fraction."""
+"""numa-engram plan: what one host of a deployment needs, under each policy:
+bytes per node, copies, remote reads, page tables, whether it fits."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 
 from ..errors import TopologyError
-from .args import MAX_PLAN_WORLD, emit, load_spec, load_topology
+from .args import MAX_PLAN_WORLD, emit, load_topology
+
+
+def plan_spec(args: argparse.Namespace):
+    """The spec: ``--model DIR`` (its config.json, and tokenizer when there),
+    ``--spec`` a config.json or a named/JSON spec."""
+    from ..model.spec import EngramSpec
+
+    source = args.model or args.spec
+    if args.model or (os.path.isfile(source) and _is_model_config(source)):
+        from ..runtime.modeldir import CONFIG_FILE, ModelDirectory, engram_fields
+
+        root = source if os.path.isdir(source) else os.path.dirname(os.path.abspath(source))
+        if os.path.isdir(source) and os.path.exists(os.path.join(root, "tokenizer.json")):
+            return ModelDirectory.open(root).spec
+        path = os.path.join(source, CONFIG_FILE) if os.path.isdir(source) else source
+        with open(path) as fh:
+            doc = engram_fields(json.load(fh))
+        # the sizes need no tokenizer: the compressed ids as their own map
+        size = int(doc["engram_compressed_vocab_size"])
+        import numpy as np
+
+        return EngramSpec.from_config(doc, (np.arange(size), size))
+    return EngramSpec.named(source)
+
+
+def _is_model_config(path: str) -> bool:
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and ("engram_layer_ids" in doc or isinstance(
+        doc.get("text_config"), dict) and "engram_layer_ids" in doc["text_config"])
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Bytes per node and expected remote reads of a table under a policy and
-    mode, on this host or a simulated one; page tables per process for each
-    page size."""
-    from ..host import hugepages
-    from ..host.accounting import mode_memory
+    """One host of TP x DP under a mode and policy: regions and where they
+    go, bytes per node, remote reads, the other policies side by side, page
+    tables per process and per host, memory per mode, what to provision,
+    and whether it fits (exit 1 when not, with the commands that fix it)."""
     from ..model.sharding import WorldLayout
-    from ..store.placement import (
-        expected_remote_fraction,
-        host_regions,
-        plan_placement,
-        planned_bytes_per_node,
-    )
-    from ..units import fmt_bytes, node_list, text_table, unit_for
+    from ..store.deployment import plan_deployment
 
     if args.tp * args.dp > MAX_PLAN_WORLD:
         raise TopologyError(f"--tp {args.tp} x --dp {args.dp} is {args.tp * args.dp} GPUs, above "
                             f"the {MAX_PLAN_WORLD} a plan lays out; plan the hosts one "
                             "deployment really has")
-    spec, topo = load_spec(args.spec), load_topology(args.simulate)
-    per_host = args.gpus_per_host or max(1, len(topo.gpus)) or args.tp * args.dp
+    spec, topo = plan_spec(args), load_topology(args.simulate)
+    per_host = args.gpus_per_host or len(topo.gpus) or args.tp * args.dp
     world = WorldLayout(args.tp, args.dp, per_host)
-    regions = host_regions(spec, world, args.mode, topo)
-    plan = plan_placement(args.policy, regions, topo)
-    per_node = planned_bytes_per_node(plan, regions, topo)
-    remote = expected_remote_fraction(plan, regions)
+    d = plan_deployment(spec, world, args.mode, args.policy, topo, args.page_size)
+    doc, text = _report(args, d, topo)
+    emit(args, doc, text)
+    return 0 if d.fits else 1
+
+
+def _report(args: argparse.Namespace, d, topo) -> tuple[dict, str]:
+    from ..host.accounting import mode_memory
+    from ..store.deployment import REGION_LEGEND, recommendation
+    from ..units import fmt_bytes, node_list, text_table, unit_for
+
+    spec, world, chosen = d.spec, d.world, d.chosen
+    unit = unit_for(*(r.length for r in d.regions), *chosen.bytes_per_node.values())
+    rows = [[r.name, f"{r.length / unit[1]:.2f}", node_list(r.reader_nodes),
+             f"{pr.memory_policy} {node_list(pr.nodes)}"]
+            for r, pr in zip(d.regions, d.plan.ranges)]
     modes = {m: mode_memory(spec, m, world).per_host
              for m in ("independent", "dp_shared", "dp_sharded")}
-    mapped = sum(r.length for r in regions)
-    tables = {name: hugepages.page_table_bytes(mapped, size)
-              for name, size in hugepages.SIZES.items()}
-    unit = unit_for(*(r.length for r in regions), *per_node.values())
-    rows = [[r.name, f"{r.length / unit[1]:.2f}", node_list(r.reader_nodes),
-             f"{pr.memory_policy} {node_list(pr.nodes)}"] for r, pr in zip(regions, plan.ranges)]
-    host_unit = unit_for(*(b for nodes in modes.values() for b in nodes.values()))
-    lines = [f"spec {args.spec}: {len(spec.layer_ids)} layers, {spec.n_hash_cols} heads, "
-             f"{fmt_bytes(spec.table_bytes())} in all; TP{args.tp} x DP{args.dp}, "
-             f"{per_host} GPUs per host, mode {args.mode}, policy {args.policy}",
+    tables = d.page_tables()
+    processes = len(d.mapped_per_process)
+    remote = ("unknown (first touch)" if chosen.remote_fraction is None
+              else f"{chosen.remote_fraction:.1%}")
+    per_node = ", ".join(f"node {n} {b / unit[1]:.2f} {unit[0]}"
+                         for n, b in chosen.bytes_per_node.items()) or "decided by first touch"
+    lines = [f"{args.model or args.spec}: {len(spec.layer_ids)} layers, {spec.n_hash_cols} heads, "
+             f"{fmt_bytes(spec.table_bytes())} in all; TP{world.tp} x DP{world.dp}, "
+             f"{world.gpus_per_host} GPUs per host, mode {chosen.mode}, policy {chosen.policy}",
              text_table(["region", unit[0], "readers on nodes", "placed"], rows),
-             "bytes per NUMA node (one host's tables): " + ", ".join(
-                 f"node {n} {b / unit[1]:.2f} {unit[0]}" for n, b in per_node.items()),
-             f"expected fraction of remote row reads: {remote:.1%}",
-             "page tables per process mapping them: " + ", ".join(
-                 f"{fmt_bytes(hugepages.SIZES[name], digits=0)} pages {fmt_bytes(b)}"
-                 for name, b in tables.items())]
+             REGION_LEGEND,
+             f"bytes per NUMA node (one host): {per_node}; {chosen.copies:.2f} copies of the "
+             f"tables, {fmt_bytes(chosen.host_bytes)}",
+             f"expected fraction of remote row reads: {remote}"]
+    lines += [f"note: {n}" for n in d.notes]
+    lines.append("the same host under other choices:")
+    lines.append(text_table(["mode", "policy", "memory per host", "copies", "remote reads"],
+                            [[o.mode, o.policy, fmt_bytes(o.host_bytes), f"{o.copies:.2f}",
+                              "unknown" if o.remote_fraction is None else
+                              f"{o.remote_fraction:.1%}"]
+                             for o in [chosen, *d.alternatives]], left=2))
+    lines.append(recommendation(d))
+    lines.append(f"page tables (last level) of {processes} processes mapping their shards: " +
+                 "; ".join(f"{name} pages {fmt_bytes(t['per_process'])} per process, "
+                           f"{fmt_bytes(t['per_host'])} per host" for name, t in tables.items()))
     for m, hosts in modes.items():
         lines.append(f"memory per host, {m:<12}: " + ", ".join(
-            f"host {h} {b / host_unit[1]:.2f} {host_unit[0]}" for h, b in hosts.items()))
-    emit(args, {"plan": plan.to_dict(), "bytes_per_node": per_node, "remote_fraction": remote,
-                "mode_memory": modes, "page_table_bytes": tables}, "\n".join(lines))
-    return 0
+            f"host {h} {fmt_bytes(b)}" for h, b in hosts.items()))
+    extra = _operator_numbers(args, d)
+    lines += [f"{k}: {v['text']}" for k, v in extra.items()]
+    lines += [f"DOES NOT FIT: {s}" for s in d.shortfalls]
+    lines += [f"fix: {f}" for f in d.fixes]
+    doc = {"plan": d.plan.to_dict(), "bytes_per_node": chosen.bytes_per_node,
+           "remote_fraction": chosen.remote_fraction, "copies": chosen.copies,
+           "host_bytes": chosen.host_bytes, "mode_memory": modes,
+           "page_table_bytes": {k: v["per_process"] for k, v in tables.items()},
+           "page_tables": tables, "mapped_per_process": d.mapped_per_process,
+           "regions": [{"name": r.name, "bytes": r.length, "readers": list(r.reader_nodes)}
+                       for r in d.regions],
+           "alternatives": [o.to_dict() for o in d.alternatives], "notes": d.notes,
+           "recommendation": recommendation(d), "fits": d.fits, "shortfalls": d.shortfalls,
+           "fixes": d.fixes, **{k: v["value"] for k, v in extra.items()}}
+    return doc, "\n".join(lines)
+
+
+def _operator_numbers(args: argparse.Namespace, d) -> dict:
+    """Load time, DP-sharded exchange bytes per step, CUDA registration time."""
+    from ..units import fmt_bytes
+
+    spec, world, chosen = d.spec, d.world, d.chosen
+    load_s = chosen.host_bytes / (args.read_gbps * 1e9)
+    edp = world.edp_size()
+    own = -(-spec.n_hash_cols // (world.tp * edp))  # heads of one slice
+    exchanged = (edp - 1) * args.batch * own * spec.head_dim * 2 * len(spec.layer_ids)
+    biggest = max(d.mapped_per_process.values())
+    register_s = biggest / 1e9 * args.register_s_per_gb
+    return {
+        "load_seconds": {"value": load_s, "text": f"{load_s:.0f} s at {args.read_gbps} GB/s"},
+        "dp_sharded_exchange_bytes": {
+            "value": exchanged, "text": f"{fmt_bytes(exchanged)} per member per step at "
+            f"--batch {args.batch} tokens (EDP {edp}: rows of the other members' slices)"},
+        "register_seconds_per_process": {
+            "value": register_s, "text": f"{register_s:.1f} s per process on 4 KiB pages at "
+            f"{args.register_s_per_gb} s/GB (huge pages pin faster: fewer pages)"},
+    }

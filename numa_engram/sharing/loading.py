@@ -75,9 +75,12 @@ def bytes_done(backing: BackingFile, loaders: Sequence[int]) -> int:
     return sum(slots[i] & ~DONE for i in loaders)
 
 
-def wait_for_parts(backing: BackingFile, loaders: Sequence[int], timeout_s: float) -> None:
+def wait_for_parts(backing: BackingFile, loaders: Sequence[int], timeout_s: float,
+                   progress: Callable[[], None] | None = None) -> None:
     """Until every loader's slot is DONE; no slot advancing for timeout_s is
-    a GroupTimeout naming the loaders not done, FAILED a StorageError."""
+    a GroupTimeout naming the loaders not done, FAILED a StorageError.
+    ``progress()`` is called whenever some slot advanced (the group's
+    progress keeps moving after this member's own part is done)."""
     last, deadline = None, time.monotonic() + timeout_s
     while True:
         if backing.state == STATE_FAILED:
@@ -90,6 +93,8 @@ def wait_for_parts(backing: BackingFile, loaders: Sequence[int], timeout_s: floa
         now = tuple(slots[i] for i in loaders)
         if now != last:
             last, deadline = now, time.monotonic() + timeout_s
+            if progress is not None:
+                progress()
         elif time.monotonic() > deadline:
             raise GroupTimeout(f"step 'load': member(s) {pending} made no progress loading "
                                f"their part of the table for {timeout_s:.0f} s (stopped, hung "

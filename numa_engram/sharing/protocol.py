@@ -227,14 +227,19 @@ def load(backing: BackingFile, req: CreateRequest, checkpoint: CheckpointPlan | 
     slot = {m: k for k, m in enumerate(loaders)}
     total = req.shard.num_rows * req.spec.row_bytes
 
-    def report() -> None:
-        step_hook("load-progress")
+    def group_progress() -> None:
         if progress is not None:
             progress(bytes_done(backing, range(len(loaders))), total)
+
+    def report() -> None:
+        step_hook("load-progress")
+        group_progress()
     if member in slot:
         load_part(backing, req.spec, req.layer_id, req.shard, checkpoint, req.names,
                   parts[member], slot[member], req.load_threads, cpus, report)
-    wait_for_parts(backing, range(len(loaders)), req.stall_timeout_s)
+    # the group's progress (every loader's slot), also while the others finish
+    wait_for_parts(backing, range(len(loaders)), req.stall_timeout_s, group_progress)
+    group_progress()
     if member == 0:
         backing.mark_ready()
 

@@ -1,0 +1,113 @@
+"""`numa-engram plan` for DeepSeek V4.1 Flash (from its config.json) on
+2-socket hosts of 8 GPUs, TP 2 x DP 4: each policy's numbers against hand
+arithmetic, the gpu-local fallback explained, a host too small refused
+with the commands that fix it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+ROWS = {1: 384006168, 14: 384016682}   # engram_num_embeddings of V4.1 Flash
+ROW_BYTES = 256 + 256 // 32             # FP8 row + one ue8m0 scale per 32 values
+TOTAL = sum(ROWS.values()) * ROW_BYTES
+GIB = 2**30
+
+
+def flash_config(path):
+    text = {"engram_layer_ids": [1, 14], "engram_num_embeddings": list(ROWS.values()),
+            "engram_max_ngram_size": 4, "engram_vocab_size": 16000000, "engram_n_heads": 8,
+            "engram_head_dim": 256, "engram_compressed_vocab_size": 99092,
+            "engram_pad_token_id": 2}
+    path.write_text(json.dumps({"model_type": "deepseek_v4", "architectures": ["X"],
+                                "image_token_id": 129264, "text_config": text}))
+    return str(path)
+
+
+def plan(*args, code=0):
+    out = subprocess.run([sys.executable, "-m", "numa_engram", "plan", "--json", *args],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == code, (out.returncode, out.stderr)
+    return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    return flash_config(tmp_path_factory.mktemp("flash") / "config.json")
+
+
+def _tp_shard_bytes(config):
+    """Each TP rank's bytes: its 12 heads' primes (the spec's; their sums
+    are checked against engram_num_embeddings by from_config)."""
+    import numpy as np
+
+    from numa_engram import EngramSpec
+
+    with open(config) as fh:
+        doc = json.load(fh)["text_config"]
+    spec = EngramSpec.from_config(doc, (np.arange(99092), 99092))
+    assert [spec.rows(layer) for layer in (1, 14)] == list(ROWS.values())
+    return [sum(sum(spec.bucket_sizes(layer)[12 * r:12 * r + 12]) for layer in (1, 14))
+            * ROW_BYTES for r in range(2)]
+
+
+def test_each_policy_against_hand_arithmetic(config):
+    base = ["--spec", config, "--simulate", "2x4", "--tp", "2", "--dp", "4"]
+    shards = _tp_shard_bytes(config)
+    assert sum(shards) == TOTAL and abs(TOTAL / GIB - 188.83) < 0.01
+
+    local = plan(*base, "--policy", "gpu-local")
+    assert local["bytes_per_node"] == {"0": TOTAL, "1": 0} and local["copies"] == 1.0
+    assert local["remote_fraction"] == 0.5  # every sharing group spans both sockets
+    assert any("gpu-local falls back" in n and "nodes 0-1" in n for n in local["notes"])
+    # a dp_shared rank maps its TP shard: 8 bytes per 4 KiB page, 8 ranks per host
+    tables = local["page_tables"]["4K"]
+    assert tables["per_process"] == -(-max(shards) // 4096) * 8  # ~188.8 MiB
+    assert tables["per_host"] == 4 * sum(-(-s // 4096) * 8 for s in shards)  # ~1.48 GiB
+    assert local["page_tables"]["2M"]["per_process"] == -(-max(shards) // (2 << 20)) * 8
+
+    inter = plan(*base, "--policy", "interleave")
+    assert abs(inter["bytes_per_node"]["0"] - TOTAL / 2) < 4 * 2**20
+    assert inter["remote_fraction"] == 0.5 and inter["copies"] == 1.0
+
+    rep = plan(*base, "--policy", "replicate-per-node")
+    assert rep["bytes_per_node"] == {"0": TOTAL, "1": TOTAL} and rep["copies"] == 2.0
+    assert rep["remote_fraction"] == 0.0 and rep["host_bytes"] == 2 * TOTAL  # 377.67 GiB
+
+    sharded = plan(*base, "--mode", "dp_sharded", "--policy", "gpu-local")
+    assert sharded["remote_fraction"] == 0.0 and sharded["copies"] == 1.0
+    assert abs(sharded["bytes_per_node"]["0"] - TOTAL / 2) < 0.01 * TOTAL
+    slice_table = sharded["page_tables"]["4K"]["per_process"]
+    assert abs(slice_table / 2**20 - 47.2) < 0.5  # a quarter of a TP shard per rank
+
+    first_touch = plan(*base, "--policy", "none")
+    assert first_touch["remote_fraction"] is None and any("first touch" in n
+                                                          for n in first_touch["notes"])
+    assert "dp_sharded --policy gpu-local" in local["recommendation"]
+
+
+def test_a_host_too_small_is_refused_with_the_commands_that_fix_it(config, tmp_path):
+    host = tmp_path / "host.json"
+    host.write_text(json.dumps({"nodes": [{"id": n, "cpus": [n], "mem_total": 128 * GIB,
+                                           "distances": [10, 21] if n == 0 else [21, 10]}
+                                          for n in (0, 1)],
+                                "gpus": [{"index": g, "numa_node": g // 4} for g in range(8)]}))
+    doc = plan("--spec", config, "--simulate", str(host), "--tp", "2", "--dp", "4",
+               "--page-size", "2M", code=1)
+    assert not doc["fits"] and doc["shortfalls"] == ["node 0 needs 188.83 GiB of its 128.00 GiB"]
+    pages = -(-TOTAL // (2 << 20))
+    assert (f"echo {pages} > /sys/devices/system/node/node0/hugepages/hugepages-2048kB/"
+            "nr_hugepages") in "\n".join(doc["fixes"])
+    fits = plan("--spec", config, "--simulate", str(host), "--tp", "2", "--dp", "4",
+                "--mode", "dp_sharded")
+    assert fits["fits"]  # each socket holds its half
+
+
+def test_lost_sharing_and_gpu_less_hosts_are_said(config):
+    lost = plan("--spec", config, "--simulate", "2x4", "--tp", "3", "--dp", "4")
+    assert any("sharing lost: TP 3 does not divide the 8 GPUs" in n for n in lost["notes"])
+    assert lost["mode_memory"]["dp_shared"] == lost["mode_memory"]["independent"]
+    alone = plan("--spec", config, "--simulate", "2x0", "--tp", "2", "--dp", "2")
+    assert list(alone["mode_memory"]["dp_shared"]) == ["0"]  # one host of 4 ranks, shared
+    assert alone["mode_memory"]["dp_shared"]["0"] == TOTAL
