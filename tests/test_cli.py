@@ -188,7 +188,7 @@ def test_mem_and_verify_read_like_numastat():
     assert mem[0].startswith("memory in MiB")  # one unit, named once
     header = mem[1].split()
     assert header[:4] == ["pid", "RSS", "PSS", "PSS"] and "Node" in header
-    total = next(line for line in mem if line.startswith("Total"))
+    total = next(line for line in mem if line.startswith("Sum"))
     mapped = float(mem[2].split()[-1])  # the table's pages on the (last) node
     assert mapped >= 47.9 and float(total.split()[-1]) == mapped
     assert any(line.startswith("Shmem") for line in mem)
@@ -246,3 +246,34 @@ def test_mem_and_verify_without_arguments_find_every_live_table(tmp_path):
         other.kill()
         for p in (held, other):
             p.wait(60)
+
+
+def test_mem_counts_a_shared_table_once_in_its_pss_total():
+    """Two processes and this one map one 48 MiB table: each process's rows
+    count it whole, the PSS total counts each page once (two thirds here)."""
+    from numa_engram.store.fileformat import Layout
+    from numa_engram.store.storage import BackingFile
+
+    size = 48 << 20
+    code = ("import sys\nfrom numa_engram.store.storage import BackingFile\n"
+            "from numa_engram.bindings import native\n"
+            "b = BackingFile.attach(sys.argv[1])\n"
+            "native.madvise(b.mapping, native.MADV_POPULATE_READ)\n"
+            "print('ready', flush=True)\nsys.stdin.readline()\n")
+    from numa_engram.bindings import native
+
+    with BackingFile.create(Layout.of([("w", size)]), bytes(32)) as f:
+        native.madvise(f.mapping, native.MADV_POPULATE_READ)  # this process maps every page too
+        children = [subprocess.Popen([sys.executable, "-c", code, f.path], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True) for _ in range(2)]
+        try:
+            assert all(c.stdout.readline().strip() == "ready" for c in children)
+            doc = json.loads(cli("mem", *(str(c.pid) for c in children), "--json").stdout)
+            text = cli("mem", *(str(c.pid) for c in children)).stdout
+        finally:
+            for c in children:
+                c.communicate("\n", timeout=60)
+    rss = sum(p["table_rss"] for p in doc["processes"])
+    assert abs(rss - 2 * size) < (1 << 20)  # each process counts the whole table
+    assert abs(doc["table_pss_total"] - 2 * size / 3) < (1 << 20)  # each page once (3 mappers)
+    assert "Sum: over the processes" in text and "tables: PSS over these processes" in text

@@ -25,10 +25,12 @@ def cmd_mem(args: argparse.Namespace) -> int:
         try:
             m = procfs.smaps_rollup(pid)
             per_node = procfs.numa_maps(pid, match=args.file_match)
+            tables = procfs.smaps(pid, args.file_match)
         except procfs.NoSuchProcess:
             continue  # exited since it was listed
         rows.append({"pid": pid, "rss": m.rss, "pss": m.pss, "pss_shmem": m.pss_shmem,
-                     "bytes_per_node": per_node})
+                     "bytes_per_node": per_node, "table_pss": tables.pss,
+                     "table_rss": tables.rss})
     shmem = accounting.node_shmem()
     huge = {n: hugepages.bytes_in_use(n) for n in shmem}
     used, total = accounting.tmpfs_usage(args.directory)
@@ -38,15 +40,21 @@ def cmd_mem(args: argparse.Namespace) -> int:
     table: list[list[Any]] = [
         [r["pid"]] + [f"{r[k] / scale:.2f}" for k in ("rss", "pss", "pss_shmem")]
         + [f"{r['bytes_per_node'].get(n, 0) / scale:.2f}" for n in nodes] for r in rows]
-    table.append(["Total"] + [f"{sum(r[k] for r in rows) / scale:.2f}"
+    table.append(["Sum"] + [f"{sum(r[k] for r in rows) / scale:.2f}"
                               for k in ("rss", "pss", "pss_shmem")]
                  + [f"{sum(r['bytes_per_node'].get(n, 0) for r in rows) / scale:.2f}"
                     for n in nodes])
     table.append(["Shmem", "", "", ""] + [f"{shmem[n] / scale:.2f}" for n in nodes])
     table.append(["Hugetlb", "", "", ""] + [f"{huge[n] / scale:.2f}" for n in nodes])
+    table_pss = sum(r["table_pss"] for r in rows)
     text = (f"memory in {name} (table mappings per node: --file-match {args.file_match!r})\n"
             + text_table(header, table)
+            + "\nrows: per process, its table mappings' pages per node (a page it maps, shared or"
+            " not); Sum: over the processes, so a shared page counts once per process that maps"
+            " it; Shmem and Hugetlb: each node's pages, each once"
+            + f"\ntables: PSS over these processes {table_pss / scale:.2f} {name} (each shared "
+            "page once: the tables' real memory)"
             + f"\n{args.directory}: {used / scale:.2f} of {total / scale:.2f} {name} used")
     emit(args, {"processes": rows, "node_shmem": shmem, "node_hugetlb": huge,
-                "tmpfs_used": used, "tmpfs_total": total}, text)
+                "table_pss_total": table_pss, "tmpfs_used": used, "tmpfs_total": total}, text)
     return 0

@@ -60,9 +60,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
     per_host = args.gpus_per_host or len(topo.gpus) or args.tp * args.dp
     world = WorldLayout(args.tp, args.dp, per_host)
     d = plan_deployment(spec, world, args.mode, args.policy, topo, args.page_size)
+    if not args.simulate:
+        _check_this_host(d, args.page_size)
     doc, text = _report(args, d, topo)
     emit(args, doc, text)
     return 0 if d.fits else 1
+
+
+def _check_this_host(d, page_size: int) -> None:
+    """On the host itself: /dev/shm's size for shared tables on 4 KiB pages,
+    each node's free huge pages for the others."""
+    from ..host import hugepages
+    from ..host.accounting import tmpfs_usage
+    from ..units import fmt_bytes
+
+    if page_size == hugepages.SIZES["4K"]:
+        if d.chosen.mode == "dp_shared":
+            _, total = tmpfs_usage("/dev/shm")
+            if d.chosen.host_bytes > total:
+                d.shortfalls.append(f"/dev/shm holds {fmt_bytes(total)}, the shared tables "
+                                    f"need {fmt_bytes(d.chosen.host_bytes)}")
+        return
+    for node, need in d.chosen.bytes_per_node.items():
+        free = hugepages.pool_pages(page_size, node) * page_size
+        if need > free:
+            d.shortfalls.append(f"node {node}'s {hugepages.name_of(page_size)} pool has "
+                                f"{fmt_bytes(free)} free, the tables need {fmt_bytes(need)}")
 
 
 def _report(args: argparse.Namespace, d, topo) -> tuple[dict, str]:
