@@ -59,6 +59,8 @@ _LAZY = {
     "EngramRuntime": "runtime.engine",
     "ModelDirectory": "runtime.modeldir",
     "write_synthetic_model": "runtime.modeldir",
+    "write_synthetic_checkpoint": "sharing.checkpoint",
+    "TensorNames": "sharing.checkpoint",
 }
 
 if TYPE_CHECKING:  # what _LAZY gives, as the real names for type checkers
@@ -69,6 +71,7 @@ if TYPE_CHECKING:  # what _LAZY gives, as the real names for type checkers
     from .model.tokenmap import build_token_map
     from .runtime.engine import EngramRuntime
     from .runtime.modeldir import ModelDirectory, write_synthetic_model
+    from .sharing.checkpoint import TensorNames, write_synthetic_checkpoint
     from .sharing.exchange import DPShardedLookup, ShardedHeads
     from .sharing.group import as_group, sharing_groups
     from .sharing.table import SharedEngramTable
@@ -94,6 +97,6 @@ __all__ = [
     "SpecMismatchError", "StorageError", "SyscallError", "Topology", "TopologyError",
     "WorldLayout", "as_group", "build_token_map", "compress_ids", "dequantize_rows",
     "lookup_rows", "ngram_hashes", "plan_placement", "quantize_rows", "shard_heads", "shard_rows",
-    "sharing_groups", "write_synthetic_model"
+    "sharing_groups", "write_synthetic_model", "TensorNames", "write_synthetic_checkpoint"
 ]
 assert set(_LAZY) <= set(__all__)
