@@ -107,6 +107,7 @@ def test_demo_shares_one_copy_between_two_replicas():
     out = cli("demo", "--spec", "tiny", "--procs", "2", "--steps", "6")
     assert "through EngramRuntime" in out.stdout and "restored request" in out.stdout
     assert "mode dp_shared" in out.stdout and "bit-exact True" in out.stdout
+    assert "(sharing group: ranks [0, 1])" in out.stdout  # ranks, not a node list
     assert "startup" in out.stdout and "populate" in out.stdout and "proved" in out.stdout
     assert "= 1.00 copies" in out.stdout, out.stdout
     assert shm_files() == before

@@ -187,3 +187,19 @@ def test_a_reader_that_goes_away_ends_the_output_quietly():
     proc.stdout.close()  # before the child writes a byte
     err = proc.stderr.read()
     assert proc.wait(60) == 141 and err == "", err
+
+
+def test_messages_write_node_sets_and_page_sizes_as_the_tools_take_them():
+    """numactl's node form, the CLI's page-size spelling, no internal names."""
+    from numa_engram.errors import StorageError, TopologyError
+    from numa_engram.host import hugepages
+    from numa_engram.host.topology import Topology
+
+    topo = Topology.from_dict({"sockets": 2})
+    with pytest.raises(TopologyError, match=r"nodes are 0-1$"):
+        topo.node(5)
+    with pytest.raises(StorageError) as exc:
+        hugepages.find_mount(1 << 40)  # no mount of such pages anywhere
+    text = str(exc.value)
+    assert "check_pool" not in text and "page_size=" not in text and "4K pages" in text
+    assert "nr_hugepages" in text

@@ -94,3 +94,22 @@ def test_two_processes_sharing_a_copy_are_scraped_with_labels_counted_once():
                     frozenset({**who, "layer": "1", "backend": "cpu"}.items()))] == 1
         physical.append(value("numa_engram_table_physical_bytes"))
     assert sorted(physical) == [0.0, float(table_bytes)]  # one copy, counted by its leader
+
+
+def test_placement_is_re_verified_at_most_every_verify_every_s(table):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from numa_engram.metrics import EngramCollector
+
+    _, t = table
+    first = t.placement_report(refresh=False)
+    lazy, eager = CollectorRegistry(), CollectorRegistry()
+    lazy.register(EngramCollector(tables=[t], verify_every_s=3600))
+    generate_latest(lazy)
+    measured = t.placement_report(refresh=False)
+    assert measured is not first  # the first scrape measures
+    generate_latest(lazy)
+    assert t.placement_report(refresh=False) is measured  # not again within the hour
+    eager.register(EngramCollector(tables=[t], verify_every_s=0))
+    generate_latest(eager)
+    assert t.placement_report(refresh=False) is not measured

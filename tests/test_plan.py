@@ -74,6 +74,7 @@ def test_each_policy_against_hand_arithmetic(config):
     rep = plan(*base, "--policy", "replicate-per-node")
     assert rep["bytes_per_node"] == {"0": TOTAL, "1": TOTAL} and rep["copies"] == 2.0
     assert rep["remote_fraction"] == 0.0 and rep["host_bytes"] == 2 * TOTAL  # 377.67 GiB
+    assert rep["mode_memory"]["dp_shared"]["0"] == 2 * TOTAL  # the second copy counted
 
     sharded = plan(*base, "--mode", "dp_sharded", "--policy", "gpu-local")
     assert sharded["remote_fraction"] == 0.0 and sharded["copies"] == 1.0

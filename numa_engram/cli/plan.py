@@ -95,10 +95,15 @@ def _report(args: argparse.Namespace, d, topo) -> tuple[dict, str]:
 
     spec, world, chosen = d.spec, d.world, d.chosen
     unit = unit_for(*(r.length for r in d.regions), *chosen.bytes_per_node.values())
-    rows = [[r.name, f"{r.length / unit[1]:.2f}", node_list(r.reader_nodes),
-             f"{pr.memory_policy} {node_list(pr.nodes)}"]
+    copies = d.plan.copies  # replicate-per-node: a copy of each region on every node
+    placed = (lambda pr: f"a copy bound to each of nodes {node_list(topo.node_ids)}") \
+        if copies > 1 else (lambda pr: f"{pr.memory_policy} {node_list(pr.nodes)}")
+    rows = [[r.name, f"{r.length / unit[1]:.2f}", node_list(r.reader_nodes), placed(pr)]
             for r, pr in zip(d.regions, d.plan.ranges)]
-    modes = {m: mode_memory(spec, m, world).per_host
+    # each mode's memory under this policy (replicate-per-node multiplies a
+    # shared copy; private copies and DP-sharded slices are never replicated)
+    modes = {m: {h: b * (copies if m == "dp_shared" else 1)
+                 for h, b in mode_memory(spec, m, world).per_host.items()}
              for m in ("independent", "dp_shared", "dp_sharded")}
     tables = d.page_tables()
     processes = len(d.mapped_per_process)
@@ -126,7 +131,7 @@ def _report(args: argparse.Namespace, d, topo) -> tuple[dict, str]:
                  "; ".join(f"{name} pages {fmt_bytes(t['per_process'])} per process, "
                            f"{fmt_bytes(t['per_host'])} per host" for name, t in tables.items()))
     for m, hosts in modes.items():
-        lines.append(f"memory per host, {m:<12}: " + ", ".join(
+        lines.append(f"memory per host, {m:<12} under {chosen.policy}: " + ", ".join(
             f"host {h} {fmt_bytes(b)}" for h, b in hosts.items()))
     extra = _operator_numbers(args, d)
     lines += [f"{k}: {v['text']}" for k, v in extra.items()]
