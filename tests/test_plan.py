@@ -112,3 +112,11 @@ def test_lost_sharing_and_gpu_less_hosts_are_said(config):
     alone = plan("--spec", config, "--simulate", "2x0", "--tp", "2", "--dp", "2")
     assert list(alone["mode_memory"]["dp_shared"]) == ["0"]  # one host of 4 ranks, shared
     assert alone["mode_memory"]["dp_shared"]["0"] == TOTAL
+
+
+def test_registration_time_per_page_size_is_given_or_said_unmeasured(config):
+    doc = plan("--spec", config, "--simulate", "2x4", "--register-s-per-gb", "4K=0.1,2M=0.01")
+    shard = max(doc["mapped_per_process"].values())
+    assert doc["register_seconds_per_process"]["4K"] == pytest.approx(shard / 1e9 * 0.1)
+    assert doc["register_seconds_per_process"]["2M"] == pytest.approx(shard / 1e9 * 0.01)
+    assert doc["register_seconds_per_process"]["1G"] is None  # not measured: not invented

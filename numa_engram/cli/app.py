@@ -22,6 +22,7 @@ from .args import (
     page_size_arg,
     parse_size,
     positive_int,
+    register_rates,
     simulate_arg,
 )
 from .bench import cmd_bench
@@ -99,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="checkpoint read speed for the load time")
     sp.add_argument("--batch", type=positive_int, default=256,
                     help="tokens per step for the DP-sharded exchange")
-    sp.add_argument("--register-s-per-gb", type=float, default=0.1,
-                    help="cudaHostRegister seconds per GB (vLLM on an H200, 4 KiB pages)")
+    sp.add_argument("--register-s-per-gb", type=register_rates, default="4K=0.1",
+                    help="cudaHostRegister seconds per GB per page size, e.g. 4K=0.1,2M=0.01 "
+                    "(4K: vLLM's on an H200); a size not given is reported as not measured")
     sp.add_argument("--tp", type=positive_int, default=2, help="tensor parallel")
     sp.add_argument("--dp", type=positive_int, default=4, help="data parallel")
     sp.add_argument("--gpus-per-host", "--gpus-per-node", dest="gpus_per_host",

@@ -28,6 +28,25 @@ def parse_size(text: str) -> int:
 
 
 
+def register_rates(text: str) -> dict[str, float]:
+    """'4K=0.1,2M=0.01' (or a bare number: 4K's) -> {'4K': 0.1, '2M': 0.01}."""
+    from ..host.hugepages import SIZES
+
+    out: dict[str, float] = {}
+    for part in filter(None, text.split(",")):
+        name, _, value = part.rpartition("=")
+        name = name.strip().upper() or "4K"
+        try:
+            rate = float(value)
+        except ValueError:
+            rate = -1.0
+        if name not in SIZES or not rate >= 0:
+            raise argparse.ArgumentTypeError(f"{part!r} is not PAGE=SECONDS with PAGE one of "
+                                             f"{list(SIZES)} (e.g. 4K=0.1,2M=0.01)")
+        out[name] = rate
+    return out
+
+
 def int_at_least(minimum: int):
     """An argparse type: an integer >= minimum, else a message naming the value."""
     def parse(text: str) -> int:

@@ -160,13 +160,20 @@ def _operator_numbers(args: argparse.Namespace, d) -> dict:
     own = -(-spec.n_hash_cols // (world.tp * edp))  # heads of one slice
     exchanged = (edp - 1) * args.batch * own * spec.head_dim * 2 * len(spec.layer_ids)
     biggest = max(d.mapped_per_process.values())
-    register_s = biggest / 1e9 * args.register_s_per_gb
+    from ..host.hugepages import SIZES
+
+    register_s = {name: (biggest / 1e9 * args.register_s_per_gb[name]
+                         if name in args.register_s_per_gb else None) for name in SIZES}
+    register_text = "; ".join(
+        f"{name} pages {s_:.1f} s at {args.register_s_per_gb[name]} s/GB" if s_ is not None
+        else f"{name} pages not measured (pass --register-s-per-gb {name}=S)"
+        for name, s_ in register_s.items())
     return {
         "load_seconds": {"value": load_s, "text": f"{load_s:.0f} s at {args.read_gbps} GB/s"},
         "dp_sharded_exchange_bytes": {
             "value": exchanged, "text": f"{fmt_bytes(exchanged)} per member per step at "
             f"--batch {args.batch} tokens (EDP {edp}: rows of the other members' slices)"},
         "register_seconds_per_process": {
-            "value": register_s, "text": f"{register_s:.1f} s per process on 4 KiB pages at "
-            f"{args.register_s_per_gb} s/GB (huge pages pin faster: fewer pages)"},
+            "value": register_s, "text": f"cudaHostRegister of a process's "
+            f"{fmt_bytes(biggest)}: {register_text}"},
     }
