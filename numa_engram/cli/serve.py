@@ -31,7 +31,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         doc = service.status()
         print(f"numa-engram serve: {sum(t['state'] == 'ready' for t in doc['tables'])} of "
               f"{len(doc['tables'])} tables ready", flush=True)
-        while not service._stopped.wait(1.0):  # a signal stops the wait between seconds
+        while not service.wait(1.0):  # a signal stops the wait between seconds
             pass
     finally:
         service.stop()

@@ -14,12 +14,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     a file by path, or every table a running process holds (--pid), unlinked
     and memfd ones included."""
     from ..host import procfs
-    from ..store.fileformat import PREFIX
 
     if args.pid is not None:
         targets: list[tuple[str, int | None]] = [
             (f"pid {args.pid} fd {fd} ({name})", procfs.open_fd(args.pid, fd))
-            for fd, name in procfs.fd_targets(procfs.check_pid(args.pid)) if PREFIX in name]
+            for fd, name in _tables_held(procfs.check_pid(args.pid))]
         if not targets:
             raise StorageError(f"pid {args.pid} holds no numa_engram table")
     elif args.path:
@@ -41,17 +40,24 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 
+def _tables_held(pid: int) -> list[tuple[int, str]]:
+    """(fd, link target) of every table file or memfd ``pid`` holds open."""
+    from ..host import procfs
+    from ..store.fileformat import PREFIX
+
+    return [(fd, name) for fd, name in procfs.fd_targets(pid) if PREFIX in name]
+
+
 def _live_tables() -> list[tuple[str, int | None]]:
     """Every table some process holds open, once each (by file identity),
     as (label, our descriptor of it)."""
     from ..host import procfs
-    from ..store.fileformat import PREFIX
 
     seen: set[tuple[int, int]] = set()
     out: list[tuple[str, int | None]] = []
     for pid in procfs.pids():
         try:
-            held = [(fd, name) for fd, name in procfs.fd_targets(pid) if PREFIX in name]
+            held = _tables_held(pid)
         except (StorageError, OSError):
             continue  # gone, or another user's
         for fd, name in held:

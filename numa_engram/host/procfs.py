@@ -165,14 +165,13 @@ def open_fd(pid: int, fd: int, root: str = PROC) -> int:
 def pids_with_cmdline(pattern: str, root: str = PROC) -> list[int]:
     """Pids (not this one) whose command line contains pattern."""
     out = []
-    for entry in os.listdir(root):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                cmd = Path(root, entry, "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except (OSError, UnicodeDecodeError):
-                continue
-            if pattern in cmd:
-                out.append(int(entry))
+    for pid in pids(root):
+        try:
+            cmd = Path(root, str(pid), "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if pattern in cmd:
+            out.append(pid)
     return out
 
 
@@ -234,18 +233,16 @@ def pids_mapping(match: str, root: str = PROC) -> list[int]:
     """Pids (not this one) with a mapping whose path contains ``match``
     (unlinked files and memfds included: their maps line keeps the name)."""
     out = []
-    for entry in os.listdir(root):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
+    for pid in pids(root):
         try:
-            with open(Path(root, entry, "maps"), "rb") as fh:
+            with open(Path(root, str(pid), "maps"), "rb") as fh:
                 if any(match.encode() in line for line in fh):
-                    out.append(int(entry))
+                    out.append(pid)
         except OSError:
             continue  # exited, or not ours to read
-    return sorted(out)
+    return out
 
 
-def pids() -> list[int]:
-    """Every process id this /proc shows, but this one."""
-    return sorted(int(e) for e in os.listdir(PROC) if e.isdigit() and int(e) != os.getpid())
+def pids(root: str = PROC) -> list[int]:
+    """Every process id this /proc shows, but this one, in order."""
+    return sorted(int(e) for e in os.listdir(root) if e.isdigit() and int(e) != os.getpid())

@@ -226,8 +226,9 @@ class TableService:
         log.info("table service on %s: %d tables of %s", self.socket_path, len(self.tables),
                  self.model.path)
 
-    def wait(self) -> None:
-        self._stopped.wait()
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Until stop() (True), or ``timeout_s`` passed (False)."""
+        return self._stopped.wait(timeout_s)
 
     def stop(self) -> None:
         """Stop answering, close every descriptor, remove the socket

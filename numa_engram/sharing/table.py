@@ -227,9 +227,11 @@ class SharedEngramTable:
         if sum(x is not None for x in (path, fd, service)) != 1:
             raise ValueError("give exactly one of path=, fd= or service=")
         started = time.perf_counter()
+        here = current_node(Topology.detect())  # read once: the service's copy and our record
         received, owner_uid, mode = None, None, "attached"
         if service is not None:
-            received, owner_uid = _from_service(spec, layer_id, shard, service, node, page_size,
+            received, owner_uid = _from_service(spec, layer_id, shard, service,
+                                                here if node is None else node, page_size,
                                                 timeout_s)
             fd, mode = received, "service"
         try:
@@ -249,7 +251,7 @@ class SharedEngramTable:
                 mark = time.perf_counter()
                 registration = protocol.register(backing, register_device)
                 phases["register"] = time.perf_counter() - mark
-            me = MemberInfo(0, os.getpid(), os.geteuid(), current_node(Topology.detect()), None,
+            me = MemberInfo(0, os.getpid(), os.geteuid(), here, None,
                             spec.fingerprint, shard_key(layer_id, shard), "attach")
             table = cls(spec, layer_id, shard, backing, mode=mode,
                         requested_mode="service" if service is not None else "attach",
@@ -529,14 +531,13 @@ __all__ = ["CREATE_MODES", "ModeReport", "SharedEngramTable", "TableStats", "tab
 
 
 def _from_service(spec: EngramSpec, layer_id: int, shard: ShardInfo, service: str,
-                  node: int | None, page_size: PageSize | int,
+                  node: int, page_size: PageSize | int,
                   timeout_s: float) -> tuple[int, int]:
     """(the descriptor the table service hands over, the service's uid)."""
     from ..host.hugepages import parse_page_size
     from ..store import handoff
 
     request = handoff.TableRequest(spec.fingerprint, shard_key(layer_id, shard),
-                                   parse_page_size(page_size),
-                                   current_node(Topology.detect()) if node is None else node)
+                                   parse_page_size(page_size), node)
     fd, _, uid = handoff.fetch(service, request, timeout_s)
     return fd, uid

@@ -98,24 +98,26 @@ def read_request(sock: socket.socket) -> dict:
 def _read_answer(sock: socket.socket) -> tuple[dict, list[int]]:
     data, fds, _, _ = socket.recv_fds(sock, 65536, 4)
     try:
-        while len(data) < LENGTH.size:
-            more = sock.recv(65536)
-            if not more:
-                raise StorageError("the table service closed the connection mid-answer")
-            data += more
+        data = _recv_to(sock, data, LENGTH.size)
         (length,) = LENGTH.unpack_from(data)
         if length > MAX_ANSWER:
             raise StorageError(f"the table service sent a {length}-byte answer")
-        while len(data) < LENGTH.size + length:
-            more = sock.recv(65536)
-            if not more:
-                raise StorageError("the table service closed the connection mid-answer")
-            data += more
+        data = _recv_to(sock, data, LENGTH.size + length)
         return json.loads(data[LENGTH.size:LENGTH.size + length]), fds
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
+
+
+def _recv_to(sock: socket.socket, data: bytes, size: int) -> bytes:
+    """``data`` and what follows it on ``sock`` until it holds ``size`` bytes."""
+    while len(data) < size:
+        more = sock.recv(65536)
+        if not more:
+            raise StorageError("the table service closed the connection mid-answer")
+        data += more
+    return data
 
 
 # ------------------------------------------------------------ client --
