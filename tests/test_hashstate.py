@@ -252,3 +252,22 @@ def test_integer_inputs_of_any_integer_kind_still_work():
     np.testing.assert_array_equal(a, b)
     state.restore(2, 3, np.array([4, 5, 6], np.int32))
     assert state.next_position(2) == 3
+
+
+@pytest.mark.parametrize("dead", [[], [5], list(range(0, 300, 7))])
+def test_the_kernels_token_map_and_dead_ids_equal_compressed(dead):
+    """hash() maps tokens in the kernel (one call a step); the same rule as
+    compressed(): hashing compressed() ids in a state without a map gives
+    the same hashes, for ids inside and outside the map, negative ones,
+    masked ones and many dead ids (a binary search)."""
+    rng = np.random.default_rng(len(dead))
+    token_map = rng.integers(-1, 99, 300)  # some map to DEAD
+    mapped = HashState(SPEC, max_requests=4, token_map=token_map, dead_ids=dead)
+    plain = HashState(SPEC, max_requests=4)
+    ids = rng.integers(-5, 320, 200)
+    mask = rng.random(200) > 0.1
+    slots = np.repeat(np.arange(4), 50)
+    positions = np.tile(np.arange(50), 4)
+    got = mapped.hash(ids, slots, positions, token_mask=mask)
+    want = plain.hash(mapped.compressed(ids, mask), slots, positions)
+    np.testing.assert_array_equal(got, want)

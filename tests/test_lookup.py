@@ -388,7 +388,8 @@ def test_table_workers_persist_and_stop_with_close_no_leak_after_100_tables():
     shard = shard_heads(spec.bucket_sizes(1), 1, 0)
     ids = np.random.default_rng(0).integers(0, 500, (3000, spec.n_hash_cols))
     before = _threads()
-    with SharedEngramTable.create(spec, 1, shard, lookup_threads=2) as table:
+    # 3 threads a call: the caller runs one part, 2 workers the others
+    with SharedEngramTable.create(spec, 1, shard, lookup_threads=3) as table:
         first = table.lookup(ids).clone()
         workers = table._workers
         assert workers is not None and _threads() == before + 2  # made once...
@@ -400,7 +401,7 @@ def test_table_workers_persist_and_stop_with_close_no_leak_after_100_tables():
         assert torch.equal(first.view(torch.int16), want.view(torch.int16))
     assert _threads() == before  # close() stopped them
     for _ in range(100):
-        table = SharedEngramTable.create(spec, 1, shard, lookup_threads=2)
+        table = SharedEngramTable.create(spec, 1, shard, lookup_threads=3)
         table.lookup(ids)
         table.close()
     assert _threads() == before
@@ -438,3 +439,114 @@ def test_a_forked_child_looks_up_through_a_pool_of_its_own():
         assert answer == b"1"
         # the parent's pool still works
         np.testing.assert_array_equal(table.lookup(ids).view(torch.int16).numpy(), want)
+
+
+@pytest.fixture
+def split_and_stream_default():
+    yield
+    native.tune_split_rows(native.lib.NE_SPLIT_ROWS)
+    native.tune_stream_bytes(native.lib.NE_STREAM_BYTES)
+
+
+@pytest.mark.parametrize("split_rows", [1, native.lib.NE_SPLIT_ROWS, 1 << 40])
+@pytest.mark.parametrize("stream_bytes", [0, native.lib.NE_STREAM_BYTES, 1 << 40])
+def test_split_and_streaming_thresholds_never_change_the_bits(split_and_stream_default,
+                                                              split_rows, stream_bytes):
+    """A call splits over the table's threads (the caller and its pool)
+    only above split_rows rows per thread, and writes with streaming stores
+    from stream_bytes on: every side of both gives the reference's bits, for
+    a decode step, a chunk either side of the split and a large call."""
+    from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+
+    spec = EngramSpec.small(rows_per_head=500)
+    native.tune_split_rows(split_rows)
+    native.tune_stream_bytes(stream_bytes)
+    rng = np.random.default_rng(split_rows % 97)
+    with SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0),
+                                  lookup_threads=3) as table:
+        table.weights[:] = rng.integers(0, 256, table.weights.shape, dtype=np.uint8)
+        table.scales[:] = rng.integers(100, 140, table.scales.shape, dtype=np.uint8)
+        sizes = spec.bucket_sizes(1)
+        for tokens in (1, 21, 22, 700, 5000):
+            ids = np.stack([rng.integers(-1, n, tokens) for n in sizes], 1)
+            want = reference_lookup(table.weights, table.scales, ids, head_start=0,
+                                    bucket_sizes=sizes)
+            assert torch.equal(table.lookup(ids).view(torch.int16), want.view(torch.int16))
+    with pytest.raises(ValueError, match=">= 1"):
+        native.tune_split_rows(0)
+    with pytest.raises(ValueError, match=">= 0"):
+        native.tune_stream_bytes(-1)
+
+
+def test_a_pooled_output_is_handed_out_again_only_once_nothing_refers_to_it():
+    """The pool keeps the tensor it handed out: the same one comes back once
+    the caller dropped it; a kept result, a slice of one or a numpy view of
+    one keeps its memory from the next call."""
+    import gc
+
+    from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+
+    spec = EngramSpec.small(rows_per_head=500)
+    with SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0)) as table:
+        table.weights[:] = 7
+        table.scales[:] = 127
+        ids = np.zeros((4, spec.n_hash_cols), np.int64)
+        first = table.lookup(ids)
+        ptr = first.data_ptr()
+        del first
+        again = table.lookup(ids)
+        assert again.data_ptr() == ptr, "a dropped result's buffer is reused"
+        for keep in (lambda r: r, lambda r: r[1:3], lambda r: r.view(torch.int16).numpy()):
+            held = keep(again)
+            del again
+            gc.collect()
+            other = table.lookup(ids)
+            assert other.data_ptr() != ptr, "memory still referred to was handed out"
+            del held, other
+            gc.collect()
+            again = table.lookup(ids)
+            assert again.data_ptr() == ptr
+
+
+def test_a_prepared_output_gives_what_out_gives_and_refuses_another_shape():
+    from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+
+    spec = EngramSpec.small(rows_per_head=500)
+    rng = np.random.default_rng(3)
+    with SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0)) as table:
+        table.weights[:] = rng.integers(0, 256, table.weights.shape, dtype=np.uint8)
+        table.scales[:] = 120
+        ids = rng.integers(0, 500, (6, spec.n_hash_cols))
+        buf = torch.empty((6, spec.n_hash_cols, spec.head_dim), dtype=torch.bfloat16)
+        prepared = table.prepare_out(buf)
+        got = table.lookup(ids, out=prepared)
+        assert got is buf
+        assert torch.equal(got.view(torch.int16), table.lookup(ids).view(torch.int16))
+        pair = (torch.empty((6, spec.n_hash_cols, spec.head_dim), dtype=torch.uint8),
+                torch.empty((6, spec.n_hash_cols, spec.scales_per_row), dtype=torch.uint8))
+        rows, scales = table.lookup(ids, out=table.prepare_out(pair, packed=True), packed=True)
+        want_rows, want_scales = table.lookup(ids, packed=True)
+        assert torch.equal(rows, want_rows) and torch.equal(scales, want_scales)
+        with pytest.raises(ValueError, match="prepare one for this many tokens"):
+            table.lookup(ids[:5], out=prepared)
+        with pytest.raises(ValueError, match="packed=False"):
+            table.lookup(ids, out=prepared, packed=True)
+
+
+def test_default_lookup_threads_are_the_allowed_cpus_of_the_rows_node_at_most_four():
+    import os
+
+    from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+    from numa_engram.lookup.cpu import MAX_DEFAULT_LOOKUP_THREADS, default_lookup_threads
+
+    allowed = sorted(os.sched_getaffinity(0))
+    assert default_lookup_threads() == min(MAX_DEFAULT_LOOKUP_THREADS, len(allowed))
+    assert default_lookup_threads(allowed[:1]) == 1
+    assert default_lookup_threads([10_000, 10_001]) == 1  # none of them allowed: the caller
+    spec = EngramSpec.small(rows_per_head=500)
+    with SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0)) as table:
+        assert table.lookup_threads == default_lookup_threads(table.lookup_cpus)
+        assert table.mode_report()["lookup_threads"] == table.lookup_threads
+    with SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0),
+                                  lookup_threads=1) as table:
+        assert table.lookup_threads == 1

@@ -233,21 +233,56 @@ def test_prefetch_same_layer_from_two_threads_is_accepted_once():
     s.close()
 
 
-def test_a_lookup_waited_for_at_once_may_run_on_the_waiting_thread():
-    """No hand-off for a small step: a wait that finds its lookup next in
-    line with the worker idle runs it itself (here most of 200 times; the
-    worker may win the race for some)."""
+def test_a_lookup_waited_for_at_once_runs_on_the_waiting_thread():
+    """No hand-off for a small step waited for at once: after the first
+    lookup (which goes to the worker: nothing is known yet) the lead is
+    shorter than the lookup, so every later one runs on the waiter."""
+    threads = []
+
+    def where(ids, out):
+        threads.append(threading.current_thread())
+        time.sleep(0.001)  # a lookup longer than the submit -> wait gap
+        return out.fill_(1)
+    with _sched({1: where}) as sched:
+        for _ in range(50):
+            sched.submit(1, _ids())
+            assert bool((sched.wait(1) == 1).all())
+    waiter = threading.current_thread()
+    assert len(threads) == 50 and all(t is waiter for t in threads[1:])
+
+
+def test_a_lookup_with_a_long_lead_runs_ahead_on_the_worker():
+    """A layer whose waits come long after its submits keeps its lookups on
+    the worker (they are done when waited for: nothing exposed)."""
     threads = []
 
     def where(ids, out):
         threads.append(threading.current_thread())
         return out.fill_(1)
     with _sched({1: where}) as sched:
-        for _ in range(200):
+        for _ in range(5):
             sched.submit(1, _ids())
+            time.sleep(0.05)  # the layers before it compute
             assert bool((sched.wait(1) == 1).all())
-    waiter = threading.current_thread()
-    assert len(threads) == 200 and sum(t is waiter for t in threads) > 0
+    assert len(threads) == 5 and threading.current_thread() not in threads
+
+
+def test_lookups_left_to_their_waiters_still_finish_on_reset_and_timed_waits():
+    """A small lookup no worker was told about: reset() drains it, and a
+    wait with a timeout (which runs nothing itself) hands it to the worker."""
+    log = []
+    with _sched({1: Recorder(1, log, 0.002), 2: Recorder(2, log, 0.002)}) as sched:
+        for _ in range(3):  # waits at once: the layer's lookups go to its waiter
+            sched.submit(1, _ids())
+            sched.wait(1)
+        sched.submit(1, _ids())
+        sched.reset()  # must not hang on the queued lookup
+        sched.submit(1, _ids())
+        assert bool((sched.wait(1, timeout_s=10) == 1).all())
+        sched.submit(1, _ids())
+        sched.submit(2, _ids())
+        assert bool((sched.wait(2) == 2).all()) and bool((sched.wait(1) == 1).all())
+    assert log[-2:] == [1, 2]
 
 
 def test_a_waiter_never_runs_its_lookup_ahead_of_an_earlier_one():

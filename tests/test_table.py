@@ -152,22 +152,25 @@ def test_ids_changed_by_another_thread_never_read_outside_the_table():
         spec = EngramSpec.small(rows_per_head=2000)
         t = SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0))
         t.lookup_threads = 2
-        ids = np.zeros((4096, spec.n_hash_cols), np.int64)
-        stop = False
-        def flip():
-            while not stop:
-                ids[:, 3] = 1 << 40
-                ids[:, 3] = 0
-        th = threading.Thread(target=flip)
-        th.start()
         refused = 0
-        for _ in range(300):
-            try:
-                t.lookup(ids)
-            except LookupIdError:
-                refused += 1
-        stop = True
-        th.join()
+        # a decode step (token order, the caller alone) and a large call
+        # (table order, split over the caller and a pool thread)
+        for tokens in (8, 4096):
+            ids = np.zeros((tokens, spec.n_hash_cols), np.int64)
+            stop = False
+            def flip():
+                while not stop:
+                    ids[:, 3] = 1 << 40
+                    ids[:, 3] = 0
+            th = threading.Thread(target=flip)
+            th.start()
+            for _ in range(300):
+                try:
+                    t.lookup(ids)
+                except LookupIdError:
+                    refused += 1
+            stop = True
+            th.join()
         print("survived", refused)
     """, timeout=300)
     assert child.returncode == 0, f"crashed: {child.returncode} {child.stderr[-500:]}"

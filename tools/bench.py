@@ -9,6 +9,7 @@ measured in the same run, as a ratio (the machine is noisy).
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import random
 import sys
@@ -228,9 +229,30 @@ def _serving_table(table_gib: float, page: str, rng):
     return spec, table
 
 
-def _serving_variants(spec, table, tokens: int, rng, id_sets: int = 16) -> tuple[dict, object]:
+def _last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (sysfs), 32 MiB where sysfs says none."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        with open(path) as fh:
+            text = fh.read().strip()
+        sizes.append(int(text[:-1]) << {"K": 10, "M": 20, "G": 30}[text[-1]] if text[-1] in "KMG"
+                     else int(text))
+    return max(sizes, default=32 << 20)
+
+
+def rotating_id_sets(tokens: int, heads: int, row_bytes: int) -> int:
+    """How many id sets a variant rotates through so that none finds its
+    rows in cache: the sets' rows together are 4x the last-level cache (at
+    least 16 sets, at most 65,536)."""
+    per_set = tokens * heads * row_bytes
+    return max(16, min(1 << 16, -(-4 * _last_level_cache_bytes() // per_set)))
+
+
+def _serving_variants(spec, table, tokens: int, rng,
+                      id_sets: int | None = None) -> tuple[dict, object]:
     """Every variant of one size, each call on the next of ``id_sets`` id
-    sets; and the prefetch scheduler to close after."""
+    sets (enough that no call finds a previous call's rows in cache); and
+    the prefetch scheduler to close after."""
     import torch
 
     from numa_engram.lookup.outputs import aligned_empty
@@ -238,7 +260,8 @@ def _serving_variants(spec, table, tokens: int, rng, id_sets: int = 16) -> tuple
 
     sizes = spec.bucket_sizes(1)
     offsets = spec.head_offsets(1)
-    sets = [np.stack([rng.integers(0, n, tokens) for n in sizes], 1) for _ in range(id_sets)]
+    id_sets = id_sets or rotating_id_sets(tokens, len(sizes), spec.row_bytes)
+    sets = list(rng.integers(0, np.asarray(sizes), (id_sets, tokens, len(sizes))))
     flats = [(ids + offsets).reshape(-1) for ids in sets]
     shape = (tokens, len(sizes), spec.head_dim)
     out = torch.from_numpy(aligned_empty(int(np.prod(shape))).reshape(shape)).view(
@@ -263,14 +286,29 @@ def _serving_variants(spec, table, tokens: int, rng, id_sets: int = 16) -> tuple
         "numpy take": lambda: _take(table.weights, table.scales, flats[nxt()], gathered_w,
                                     gathered_s),
         "bare native": lambda: _bare_native(table, sets[nxt()], bits),
+        "bare, 1 thread": lambda: _bare_native(table, sets[nxt()], bits, threads=1),
         "prefetch submit+wait": prefetched,
     }, sched
 
 
-def _bare_native(table, ids, bits) -> None:
-    """The kernel call alone: the floor of any Python around it."""
-    native.run_geometry_lookup(table._geometry, ids, 0, False, bits, table.lookup_threads,
-                               table._cpu_array, table._lookup_workers())
+def _turns(fns: dict, least: int, budget_s: float = 1.0, most: int = 2000) -> int:
+    """Turns for best_interleaved: at least ``least``, more for fast calls
+    (a decode step's lookup is tens of us, and this machine's noise is
+    larger than that: the best of many turns finds the floor), within about
+    ``budget_s`` for all of them."""
+    t0 = time.perf_counter()
+    for fn in fns.values():
+        fn()
+    turn = time.perf_counter() - t0
+    return max(least, min(most, int(budget_s / max(turn, 1e-9))))
+
+
+def _bare_native(table, ids, bits, threads: int | None = None) -> None:
+    """The kernel call alone: the floor of any Python around it (with the
+    table's threads, or ``threads``)."""
+    native.run_geometry_lookup(table._geometry, ids, 0, False, bits,
+                               threads or table.lookup_threads, table._cpus,
+                               table._lookup_workers())
 
 
 def bench_serving(table_gib: float = 2.0, sweep: tuple[float, ...] = (0.5, 2.0, 8.0),
@@ -298,7 +336,7 @@ def bench_serving(table_gib: float = 2.0, sweep: tuple[float, ...] = (0.5, 2.0, 
         names = None
         for tokens in tokens_list:
             fns, sched = _serving_variants(spec, table, tokens, rng)
-            best = best_interleaved(fns, repeat)
+            best = best_interleaved(fns, _turns(fns, repeat))
             sched.close()
             names = names or list(fns)
             if tokens == tokens_list[0]:
@@ -319,7 +357,8 @@ def bench_serving(table_gib: float = 2.0, sweep: tuple[float, ...] = (0.5, 2.0, 
         cells = []
         for tokens in (64, 4096):
             fns, sched = _serving_variants(spec, table, tokens, rng)
-            best = best_interleaved({k: fns[k] for k in ("lookup(ids)", "numpy take")}, repeat)
+            pair = {k: fns[k] for k in ("lookup(ids)", "numpy take")}
+            best = best_interleaved(pair, _turns(pair, repeat))
             sched.close()
             cells.append(f"{tokens} tokens {best['lookup(ids)'] * 1e6:8.1f} us "
                          f"({best['lookup(ids)'] / best['numpy take']:.2f}x)")
@@ -592,6 +631,93 @@ def bench_restart(sizes: tuple[float, ...] = (1.0, 8.0)) -> None:
 
 # -------------------------------------------------------------- prefetch --
 
+# ----------------------------------------------------------- dp-sharded --
+
+DP_SLOTS = (1, 8, 64, 256)
+
+
+def _dp_member(rank: int, world: int, port: int, table_gib: float, slots: tuple[int, ...],
+               results) -> None:
+    """One EDP member (a spawned process, gloo on 127.0.0.1): its head slice
+    of a V4-shaped layer, then per slot size the DP-sharded lookup with the
+    counts gathered and with the counts given, and the member's own local
+    lookup of its heads (no exchange), turns interleaved in the same order
+    in every member, id sets rotated."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    from numa_engram import EngramSpec, SharedEngramTable
+    from numa_engram.sharing.exchange import DPShardedLookup, ShardedHeads
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    per_head = max(1000, int(table_gib * 2**30) // 264 // 24)
+    spec = EngramSpec(layer_ids=[1], engram_vocab_sizes=[per_head] * 3, max_ngram_size=4,
+                      n_head_per_ngram=8, head_dim=256, compressed_vocab_size=99092, pad_id=2)
+    heads = ShardedHeads.of(spec, 1, 1, world, 0)
+    rng = np.random.default_rng(rank)
+    table = SharedEngramTable.create(spec, 1, heads.members[rank], mode="independent")
+    _fill_random(table.weights, rng)
+    table.scales[:] = rng.integers(110, 130, table.scales.shape, dtype=np.uint8)
+    sharded = DPShardedLookup(table, heads, rank, None, max_tokens=max(slots))
+    for slot in slots:
+        best = _dp_slot_times(sharded, table, slot, world, spec, rng)
+        if rank == 0:
+            results.put((world, slot, best))
+    dist.barrier()
+    table.close()
+    dist.destroy_process_group()
+
+
+def _dp_slot_times(sharded, table, slot: int, world: int, spec, rng) -> dict:
+    """One slot size's best times, in the same seeded turn order in every
+    member (their collectives pair up)."""
+    n_sets = rotating_id_sets(slot, 24 // world, spec.row_bytes)
+    sets = list(rng.integers(0, np.asarray(spec.bucket_sizes(1)), (n_sets, slot, 24)))
+    turn = [0]
+
+    def ids() -> np.ndarray:
+        turn[0] += 1
+        return sets[turn[0] % n_sets]
+    fns = {"counts gathered": lambda: sharded.lookup(ids()),
+           "counts given": lambda: sharded.lookup(ids(), counts=[slot] * world),
+           "local heads only": lambda: table.lookup(ids())}
+    return best_interleaved(fns, 400 if slot <= 8 else 100 if slot <= 64 else 40)
+
+
+def bench_dp_sharded(members: tuple[int, ...] = (2, 4), table_gib: float = 0.5,
+                     slots: tuple[int, ...] = DP_SLOTS) -> None:
+    """The DP-sharded exchange per step for slots of 1-256 tokens: counts
+    gathered (two collectives) against counts given (vLLM's
+    num_tokens_across_dp: one collective each way), and the member's own
+    heads looked up locally (what the exchange adds to)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    print(f"== DP-sharded lookups: {table_gib:.1f} GiB layer (24 heads) split over the EDP "
+          "members, time per step in us (member 0)")
+    print("  members  tokens   counts gathered      counts given   local heads only   "
+          "given/gathered")
+    for world in members:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_dp_member, args=(r, world, port, table_gib, slots, results))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for _ in slots:
+            w, slot, best = results.get(timeout=600)
+            g, c, local = (best[k] * 1e6 for k in ("counts gathered", "counts given",
+                                                   "local heads only"))
+            print(f"  {w:7d}  {slot:6d}   {g:12.1f}      {c:12.1f}      {local:12.1f}      "
+                  f"{c / g:5.2f}x")
+        for p in procs:
+            p.join(120)
+
+
 def bench_prefetch(lookup_ms: float = 20.0, layer_ms: float = 5.0, layers_before: int = 6) -> None:
     from numa_engram.lookup.prefetch import PrefetchScheduler
 
@@ -625,8 +751,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("what", nargs="?", default="all",
                    choices=["all", "lookup", "default-out", "serving", "hashing",
-                            "serving-hashing", "decode-hashing", "load", "prefetch",
-                            "restart"])
+                            "serving-hashing", "decode-hashing", "dp-sharded", "load",
+                            "prefetch", "restart"])
     p.add_argument("--table-gib", type=float, default=2.0)
     p.add_argument("--load-gib", type=float, default=1.0)
     p.add_argument("--tokens", type=int, default=4096)
@@ -644,11 +770,15 @@ def main() -> None:
             bench_serving(0.1, (0.1,), (1, 64, 1024), repeat=3)
         else:
             bench_serving(a.table_gib)
+        bench_decode_hashing()
+    if a.what in ("all", "serving", "dp-sharded"):
+        bench_dp_sharded(table_gib=0.1 if a.quick else 0.5,
+                         slots=(1, 64) if a.quick else DP_SLOTS)
     if a.what in ("all", "hashing"):
         bench_hashing(100_000 if a.quick else 1_000_000)
     if a.what in ("all", "serving-hashing"):
         bench_serving_hashing()
-    if a.what in ("all", "decode-hashing"):
+    if a.what == "decode-hashing":  # (serving runs it too)
         bench_decode_hashing()
     if a.what in ("all", "load"):
         bench_load(a.load_gib)

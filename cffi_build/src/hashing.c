@@ -356,3 +356,67 @@ int ne_hash_window_batch(const int64_t *win, int64_t n_tokens, int64_t n, int64_
     }
     return run_threads(window_thread, jobs, sizeof(jobs[0]), n_threads);
 }
+
+/* ------------------------------------------------- one serving step --- */
+
+/* A token's compressed id, or -1 (DEAD): masked out, negative, in the
+ * sorted dead_ids, outside the token map or mapped to a negative id.  The
+ * rules of HashState.compressed, per token, with no array pass. */
+static inline int64_t compress_token(const struct ne_hash_state *st, int64_t id, int masked_out)
+{
+    if (masked_out || id < 0)
+        return -1;
+    int64_t lo = 0, hi = st->n_dead; /* binary search: dead_ids are sorted */
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (st->dead_ids[mid] < id)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo < st->n_dead && st->dead_ids[lo] == id)
+        return -1;
+    if (!st->token_map)
+        return id;
+    if (id >= st->map_len)
+        return -1;
+    return st->token_map[id] < 0 ? -1 : st->token_map[id];
+}
+
+/* A whole HashState step in one call: the tokens compressed (mask: a flag
+ * per token, NULL for all), the window pass (ne_hash_windows: history
+ * updated in place only when every token is good) and every layer's hashes
+ * into out [n_tokens][n_layers][cols] (global rows when global_rows).
+ * commit: a flag per token, or NULL for commit_all.  Returns -1, or the
+ * index of the first bad token with *why = 1 slot / 2 position not the
+ * slot's next / 3 position out of range (nothing changed then); -2 with
+ * errno when n_tokens is beyond the scratch (EINVAL) or a thread cannot
+ * start. */
+int64_t ne_hash_step(const struct ne_hash_state *st, const void *tokens_, const void *mask_,
+                     const void *slots_, const void *positions_, const void *commit_,
+                     int commit_all, int64_t n_tokens, int global_rows, void *out_,
+                     int n_threads, int64_t *why)
+{
+    /* untyped pointers: the binding passes numpy buffers as they are */
+    const int64_t *tokens = tokens_, *slots = slots_, *positions = positions_;
+    const uint8_t *mask = mask_, *commit = commit_;
+    int64_t *out = out_;
+    if (n_tokens > st->capacity) {
+        errno = EINVAL;
+        return -2;
+    }
+    for (int64_t i = 0; i < n_tokens; i++)
+        st->ids[i] = compress_token(st, tokens[i], mask && !mask[i]);
+    const uint8_t *flags = commit ? commit : commit_all ? st->all_commit : st->no_commit;
+    int64_t bad = ne_hash_windows(st->ids, slots, positions, flags, n_tokens, st->n_slots,
+                                  st->n1, st->hist, st->next_pos, st->cur, st->cur_next,
+                                  st->last, st->win, why);
+    if (bad >= 0)
+        return bad;
+    if (n_tokens && ne_hash_window_batch(st->win, n_tokens, st->n1 + 1, st->pad_id,
+                                         st->multipliers, st->primes,
+                                         global_rows ? st->offsets : NULL, st->n_layers,
+                                         st->n_head, out, n_threads) != 0)
+        return -2;
+    return -1;
+}

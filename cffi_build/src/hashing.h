@@ -25,4 +25,26 @@ int ne_hash_window_batch(const int64_t *win, int64_t n_tokens, int64_t n, int64_
                          const int64_t *offsets, int64_t n_layers, int64_t n_head,
                          int64_t *out, int n_threads);
 
+/* A HashState's fixed arrays, filled once (the scratch fields again when
+ * it grows): the per-slot history and next positions, the window pass's
+ * scratch, the layers' multipliers, primes and head offsets, the token map
+ * (NULL: ids are compressed ids already) and the sorted dead ids, and
+ * scratch for steps of up to capacity tokens. */
+struct ne_hash_state {
+    int64_t n_slots, n1, pad_id, n_layers, n_head;
+    int64_t *hist, *next_pos, *cur, *cur_next, *last;
+    const int64_t *multipliers, *primes, *offsets;
+    const int64_t *token_map;
+    int64_t map_len;
+    const int64_t *dead_ids;
+    int64_t n_dead;
+    int64_t capacity;
+    int64_t *ids, *win;
+    const uint8_t *all_commit, *no_commit;
+};
+int64_t ne_hash_step(const struct ne_hash_state *st, const void *tokens_, const void *mask_,
+                     const void *slots_, const void *positions_, const void *commit_,
+                     int commit_all, int64_t n_tokens, int global_rows, void *out_,
+                     int n_threads, int64_t *why);
+
 #endif

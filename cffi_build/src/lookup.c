@@ -257,19 +257,13 @@ prefetch_ahead_of(const struct lookup_job *j, const struct order *o, int64_t q, 
  * scales.  The scale bytes are read in the same loop as the weights: in
  * table order they are close together (measured: 1.1-1.4x a separate pass
  * over them). */
-__attribute__((target_clones("arch=x86-64-v4", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 static void dequant_chunk(const struct lookup_job *j, const struct order *o, int64_t k0,
                           row_fn row_dequant)
 {
     const int64_t n_scales = j->dim / j->block;
     const int staged = j->dim <= MAX_STAGE_BYTES && n_scales <= MAX_STAGE_SCALES;
     const int ahead_n = prefetch_ahead;
-#if defined(__x86_64__)
-    const int avx2_stream = have_avx2_stream() && row_dequant == row_generic && j->block == 32 &&
-                            j->dim % 32 == 0 && ((uintptr_t)j->out & 31) == 0;
-#else
-    const int avx2_stream = 0;
-#endif
     uint8_t w_stage[STAGE_ROWS * MAX_STAGE_BYTES] __attribute__((aligned(64)));
     uint8_t s_stage[STAGE_ROWS * MAX_STAGE_SCALES] __attribute__((aligned(64)));
     for (int64_t q0 = 0; q0 < o->n; q0 += STAGE_ROWS) {
@@ -290,11 +284,7 @@ static void dequant_chunk(const struct lookup_job *j, const struct order *o, int
 #if defined(__x86_64__)
             if (row_dequant == row_avx512) /* a direct call the AVX-512 clone inlines */
                 row_avx512(w, s, j->dim, j->block, out);
-            else if (avx2_stream)
-                row_avx2_stream(w, s, j->dim, j->block, out);
             else
-#else
-            (void)avx2_stream;
 #endif
                 row_dequant(w, s, j->dim, j->block, out);
         }
@@ -316,7 +306,7 @@ static void stream_lines(uint8_t *dst, const uint8_t *src, int64_t bytes)
 /* The packed variant: each row's FP8 bytes and scale bytes copied as they
  * are stored, prefetched ahead like the lookup.  No stage here: the plain
  * copies overlap the misses (measured: staged phases were 0.75-0.8x). */
-__attribute__((target_clones("arch=x86-64-v4", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 static void gather_chunk(const struct lookup_job *j, const struct order *o, int64_t k0,
                          int stream)
 {
@@ -343,6 +333,7 @@ static void run_sorted_job(struct lookup_job *j);
  * the same stage) from stack scratch.  The threshold is tunable
  * (ne_tune_small_rows) so tools/bench.py can measure it and tests can run
  * both sides; the default is what bench measured. */
+#define NE_STREAM_BYTES (4 << 20) /* a job's output: bench's crossover of plain and streaming */
 #define NE_SMALL_ROWS 2048 /* rows: bench's crossover of token order and table order */
 enum { MAX_SMALL_ROWS = 4096 }; /* the small path's scratch is on the stack (64 KiB) */
 static int64_t small_rows = NE_SMALL_ROWS;
@@ -374,6 +365,36 @@ static void direct_chunk(struct lookup_job *j, struct cursor *cur, int64_t k0, i
             note_bad(j, k0 + i, id);
         zero_row(j, k0 + i);
     }
+}
+
+/* Outputs from this size on are written with streaming stores on the AVX2
+ * path: a large gather's scattered output lines are not worth reading for
+ * ownership, a small one's stay in cache for the reader that comes next
+ * (the TP gather, the copy to the GPU). */
+static int64_t stream_min_bytes = NE_STREAM_BYTES;
+
+int ne_tune_stream_bytes(int64_t bytes)
+{
+    if (bytes < 0) {
+        errno = EINVAL;
+        return -1;
+    }
+    stream_min_bytes = bytes;
+    return 0;
+}
+
+/* The row function of a job: the picked one (AVX-512 where it is), or on
+ * an AVX2 CPU the AVX2 rows, streaming for a large 32-byte aligned output. */
+static row_fn job_row_fn(const struct lookup_job *j, row_fn picked)
+{
+#if defined(__x86_64__)
+    const int64_t out_bytes = (j->t_end - j->t_begin) * j->n_heads * j->dim * 2;
+    if (picked == row_generic && have_avx2() && j->block == 32 && j->dim % 32 == 0)
+        return out_bytes >= stream_min_bytes && ((uintptr_t)j->out & 31) == 0 ? row_avx2_stream
+                                                                           : row_avx2;
+#endif
+    (void)j;
+    return picked;
 }
 
 static int use_streaming(const struct lookup_job *j, row_fn row_dequant)
@@ -412,7 +433,7 @@ static void run_job(struct lookup_job *j)
         if (j->raw_w)
             gather_chunk(j, &o, j->t_begin * j->n_heads, use_streaming(j, row_dequant));
         else
-            dequant_chunk(j, &o, j->t_begin * j->n_heads, row_dequant);
+            dequant_chunk(j, &o, j->t_begin * j->n_heads, job_row_fn(j, row_dequant));
         finish_stores();
         return;
     }
@@ -438,7 +459,7 @@ static void run_sorted_job(struct lookup_job *j)
         if (j->raw_w)
             gather_chunk(j, &o, k0, stream);
         else
-            dequant_chunk(j, &o, k0, row_dequant);
+            dequant_chunk(j, &o, k0, job_row_fn(j, row_dequant));
     }
     order_free(&o);
     finish_stores();
@@ -483,31 +504,62 @@ static void run_on_caller(struct lookup_job *j, const int *cpus, int n_cpus)
         pthread_setaffinity_np(pthread_self(), sizeof saved, &saved);
 }
 
-/* Split proto's tokens over n_threads jobs and run them: on the pool's
- * threads when a pool of this process is given and more than one job is
- * worth it, else on the calling thread (one job) or on fresh threads
- * (thread i pinned to cpus[i % n_cpus] when n_cpus > 0).  Report bad ids
- * in bad[0..2] = (count, first flat index t*n_heads+h, its value). */
+/* A call is split over threads only when each gets at least split_rows
+ * rows: waking a thread and waiting for it costs more than a few hundred
+ * rows take on one (tunable, ne_tune_split_rows, so tools/bench.py can
+ * measure the crossover; the default is what it measured). */
+#define NE_SPLIT_ROWS 512 /* rows per thread: bench's crossover of 1 and 2 threads */
+static int64_t split_rows = NE_SPLIT_ROWS;
+
+int ne_tune_split_rows(int64_t rows)
+{
+    if (rows < 1) {
+        errno = EINVAL;
+        return -1;
+    }
+    split_rows = rows;
+    return 0;
+}
+
+/* Threads for a call of n_tokens x n_heads rows: at most n_threads, one
+ * per split_rows rows, and no more than the pool serves (its threads and
+ * the caller) when a pool is given. */
+static int call_threads(int n_threads, int64_t n_tokens, int64_t n_heads, int pool_threads)
+{
+    const int64_t by_rows = n_tokens * n_heads / split_rows;
+    if (pool_threads > 0 && n_threads > pool_threads + 1)
+        n_threads = pool_threads + 1;
+    if (n_threads > by_rows)
+        n_threads = by_rows < 1 ? 1 : (int)by_rows;
+    return clamp_threads(n_threads, n_tokens);
+}
+
+/* Split proto's tokens over the call's threads and run them: job 0 on the
+ * calling thread, the others on the pool's threads when a pool of this
+ * process is given, else on fresh threads (thread i pinned to
+ * cpus[i % n_cpus] when n_cpus > 0).  Report bad ids in bad[0..2] =
+ * (count, first flat index t*n_heads+h, its value). */
 static int run_lookup_jobs(const struct lookup_job *proto, int64_t n_tokens, int n_threads,
                            const int *cpus, int n_cpus, int64_t *bad, struct ne_pool *pool)
 {
     struct lookup_job jobs[NE_MAX_THREADS];
     int rc = 0;
     const int pool_threads = ne_pool_size(pool);
-    if (pool_threads > 0 && n_threads > pool_threads)
-        n_threads = pool_threads;
-    n_threads = clamp_threads(n_threads, n_tokens);
+    n_threads = call_threads(n_threads, n_tokens, proto->n_heads, pool_threads);
     for (int i = 0; i < n_threads; i++) {
         jobs[i] = *proto;
         split_range(n_tokens, n_threads, i, &jobs[i].t_begin, &jobs[i].t_end);
         jobs[i].cpu = n_cpus > 0 ? cpus[i % n_cpus] : -1;
     }
-    if (n_threads == 1)
+    if (n_threads == 1) {
         run_on_caller(&jobs[0], cpus, n_cpus); /* a thread handoff costs more than it saves */
-    else if (pool_threads > 0)
-        pool_run(pool, run_job_of, jobs, sizeof(jobs[0]), n_threads);
-    else
+    } else if (pool_threads > 0) {
+        pool_start(pool, run_job_of, &jobs[1], sizeof(jobs[0]), n_threads - 1);
+        run_on_caller(&jobs[0], cpus, n_cpus);
+        pool_wait(pool);
+    } else {
         rc = run_threads(lookup_thread, jobs, sizeof(jobs[0]), n_threads);
+    }
     bad[0] = 0;
     bad[1] = -1;
     for (int i = 0; i < n_threads; i++)   /* jobs are in token order */
@@ -526,40 +578,35 @@ static int run_lookup_jobs(const struct lookup_job *proto, int64_t n_tokens, int
     return rc;
 }
 
-/* Gather + dequantise the rows of n_heads heads for n_tokens tokens into
- * out[n_tokens][n_heads][dim] (bf16 bits).  Each id is checked against its
- * head's bucket_sizes as it is read (after subtracting id_base[h], the
- * head's first global row, when ids are global rows; NULL for bucket ids);
- * -1 is DEAD; bad ones give zero rows and are
- * reported in bad[0..2] = (count, first flat index t*n_heads+h, its value).
- * Work is split by token over n_threads threads, thread i pinned to
- * cpus[i % n_cpus] when n_cpus > 0.  Returns 0, or -1 with errno when a
- * thread cannot be started (EAGAIN) or its scratch (ENOMEM) allocated. */
-int ne_lookup_bf16(const uint8_t *weights, const uint8_t *scales, int64_t dim,
-                   int64_t block, const int64_t *ids, int64_t n_tokens,
-                   int64_t stride, int64_t n_heads, const int64_t *head_offsets,
-                   const int64_t *bucket_sizes, const int64_t *id_base, uint16_t *out,
-                   int n_threads, const int *cpus, int n_cpus, int64_t *bad,
-                   struct ne_pool *pool)
+/* A shard's rows for n_tokens tokens of ids (ids[t * stride + col0 + h]
+ * for head h), over the fixed arguments in g (struct ne_geometry, set up
+ * once per table): BF16 rows into out[n_tokens][n_heads][dim] when
+ * out_scales is NULL, else packed, the FP8 bytes into out and the scale
+ * bytes into out_scales[n_tokens][n_heads][dim / block], as the table
+ * stores them (half the output bytes; dequantised later, e.g. on the GPU).
+ * Each id is checked against its head's bucket_sizes as it is read (after
+ * subtracting id_base[h], the head's first global row, when global_ids is
+ * set); -1 is DEAD; bad ones give zero rows and are reported in bad[0..2]
+ * = (count, first flat index t*n_heads+h, its value).  At most n_threads
+ * threads (the caller and the pool's, or fresh ones pinned to
+ * cpus[i % n_cpus]).  Returns 0, or -1 with errno when a thread cannot be
+ * started (EAGAIN) or its scratch (ENOMEM) allocated. */
+int ne_lookup(const struct ne_geometry *g, const void *ids, int64_t col0, int64_t n_tokens,
+              int64_t stride, int global_ids, void *out, void *out_scales, int n_threads,
+              const int *cpus, int n_cpus, struct ne_pool *pool, int64_t *bad)
 {
-    rows_ready();
-    struct lookup_job proto = {weights, scales, dim, block, ids, stride, n_heads, head_offsets,
-                               bucket_sizes, id_base, out, NULL, NULL, 0, 0, -1, 0, -1, 0, 0};
-    return run_lookup_jobs(&proto, n_tokens, n_threads, cpus, n_cpus, bad, pool);
-}
-
-/* The same rows as ne_lookup_bf16, packed: out_w[n_tokens][n_heads][dim]
- * FP8 bytes and out_s[n_tokens][n_heads][dim / block] scale bytes, as the
- * table stores them (half the output bytes; dequantised later, e.g. on the
- * GPU after the copy).  Same checks, threads and return values. */
-int ne_gather_fp8(const uint8_t *weights, const uint8_t *scales, int64_t dim, int64_t block,
-                  const int64_t *ids, int64_t n_tokens, int64_t stride, int64_t n_heads,
-                  const int64_t *head_offsets, const int64_t *bucket_sizes,
-                  const int64_t *id_base, uint8_t *out_w, uint8_t *out_s, int n_threads,
-                  const int *cpus, int n_cpus, int64_t *bad, struct ne_pool *pool)
-{
-    struct lookup_job proto = {weights, scales, dim, block, ids, stride, n_heads, head_offsets,
-                               bucket_sizes, id_base, NULL, out_w, out_s, 0, 0, -1, 0, -1, 0, 0};
+    struct lookup_job proto = {
+        .weights = g->weights, .scales = g->scales, .dim = g->dim, .block = g->block,
+        .ids = (const int64_t *)ids + col0, .stride = stride, .n_heads = g->n_heads,
+        .head_offsets = g->head_offsets, .bucket_sizes = g->bucket_sizes,
+        .id_base = global_ids ? g->id_base : NULL, .first_bad = -1, .first_bad_id = 0};
+    if (out_scales) {
+        proto.raw_w = out;
+        proto.raw_s = out_scales;
+    } else {
+        rows_ready();
+        proto.out = out;
+    }
     return run_lookup_jobs(&proto, n_tokens, n_threads, cpus, n_cpus, bad, pool);
 }
 

@@ -8,6 +8,8 @@
  *   #define NE_SMALL_ROWS ...
  *   #define NE_PREFETCH_AHEAD ...
  *   #define NE_PREFETCH_HINT ...
+ *   #define NE_SPLIT_ROWS ...
+ *   #define NE_STREAM_BYTES ...
  */
 #ifndef NE_LOOKUP_H
 #define NE_LOOKUP_H
@@ -16,20 +18,22 @@
 struct ne_pool;
 int ne_tune_small_rows(int64_t rows);
 int ne_tune_prefetch(int ahead, int hint);
+int ne_tune_split_rows(int64_t rows);
+int ne_tune_stream_bytes(int64_t bytes);
 int64_t ne_first_bad_id(const int64_t *ids, int64_t n_tokens, int64_t stride,
                         int64_t n_heads, const int64_t *bucket_sizes,
                         const int64_t *id_base);
-int ne_lookup_bf16(const uint8_t *weights, const uint8_t *scales, int64_t dim,
-                   int64_t block, const int64_t *ids, int64_t n_tokens,
-                   int64_t stride, int64_t n_heads, const int64_t *head_offsets,
-                   const int64_t *bucket_sizes, const int64_t *id_base, uint16_t *out,
-                   int n_threads, const int *cpus, int n_cpus, int64_t *bad,
-                   struct ne_pool *pool);
-int ne_gather_fp8(const uint8_t *weights, const uint8_t *scales, int64_t dim, int64_t block,
-                  const int64_t *ids, int64_t n_tokens, int64_t stride, int64_t n_heads,
-                  const int64_t *head_offsets, const int64_t *bucket_sizes,
-                  const int64_t *id_base, uint8_t *out_w, uint8_t *out_s, int n_threads,
-                  const int *cpus, int n_cpus, int64_t *bad, struct ne_pool *pool);
+/* A shard's fixed lookup arguments, filled once per table (the rows, each
+ * head's first shard row and bucket count, each head's first global row or
+ * NULL). */
+struct ne_geometry {
+    const uint8_t *weights, *scales;
+    int64_t dim, block, n_heads;
+    const int64_t *head_offsets, *bucket_sizes, *id_base;
+};
+int ne_lookup(const struct ne_geometry *g, const void *ids, int64_t col0, int64_t n_tokens,
+              int64_t stride, int global_ids, void *out, void *out_scales, int n_threads,
+              const int *cpus, int n_cpus, struct ne_pool *pool, int64_t *bad);
 int ne_read_rows(const uint8_t *table, int64_t dim, const int64_t *rows, int64_t n,
                  int ahead, int n_threads, uint64_t *sum);
 

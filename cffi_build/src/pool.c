@@ -115,9 +115,11 @@ int ne_pool_size(const struct ne_pool *p)
     return p && p->pid == getpid() ? p->n : 0;
 }
 
-/* Run fn on each of n jobs (an array of job_size-byte structs) on the
- * pool's first n threads, and wait for them. */
-static void pool_run(struct ne_pool *p, void (*fn)(void *), void *jobs, size_t job_size, int n)
+/* Hand n jobs (an array of job_size-byte structs) to the pool's first n
+ * threads and return at once: the caller runs a job of its own meanwhile
+ * (one thread fewer to wake), then waits in pool_wait.  One call at a
+ * time: the call lock is held from here to pool_wait. */
+static void pool_start(struct ne_pool *p, void (*fn)(void *), void *jobs, size_t job_size, int n)
 {
     pthread_mutex_lock(&p->call);
     pthread_mutex_lock(&p->mu);
@@ -128,6 +130,12 @@ static void pool_run(struct ne_pool *p, void (*fn)(void *), void *jobs, size_t j
     p->remaining = n;
     p->generation++;
     pthread_cond_broadcast(&p->go);
+    pthread_mutex_unlock(&p->mu);
+}
+
+static void pool_wait(struct ne_pool *p)
+{
+    pthread_mutex_lock(&p->mu);
     while (p->remaining > 0)
         pthread_cond_wait(&p->done, &p->mu);
     p->jobs = NULL;

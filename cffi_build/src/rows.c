@@ -104,28 +104,81 @@ static void row_generic(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t
 }
 
 #if defined(__x86_64__)
-/* AVX2 row for block 32 with streaming stores: each block is dequantised
- * into a cache-line scratch (GCC vectorises dequant_fast32 for AVX2 here)
- * and written with two 32-byte non-temporal stores, so the scattered
- * output lines of a table-order gather are not read for ownership first
- * (the AVX-512 row's trick, for CPUs without AVX-512).  Blocks with a scale
- * near the fp32 range edges take the exact table, as everywhere.  Needs a
- * 32-byte aligned output row (checked by the caller). */
+/* 16 values sharing one scale (10 <= s <= 246), as dequant_fast32 computes
+ * them, in AVX2 lanes: ~14 instructions for 16 values where GCC's
+ * vectorisation of the scalar formula took ~2.5x as long (measured 49 vs
+ * 131 ns a row).  The subnormal e4m3 values come from one byte shuffle: the
+ * index is m in the low byte and m + 8 in the high byte of each lane, so the
+ * table's first half holds the low bytes of m * 2^-9 as bf16 and its second
+ * half the high bytes. */
+__attribute__((target("avx2"))) static inline __m256i dequant16_avx2(__m128i bytes, __m256i shift)
+{
+    const __m256i sub_table = _mm256_setr_epi8(
+        0, 0x00, (char)0x80, (char)0xC0, 0x00, 0x20, 0x40, 0x60,
+        0, 0x3B, 0x3B, 0x3B, 0x3C, 0x3C, 0x3C, 0x3C,
+        0, 0x00, (char)0x80, (char)0xC0, 0x00, 0x20, 0x40, 0x60,
+        0, 0x3B, 0x3B, 0x3B, 0x3C, 0x3C, 0x3C, 0x3C);
+    const __m256i k7f = _mm256_set1_epi16(0x7F), k7 = _mm256_set1_epi16(7);
+    const __m256i k80 = _mm256_set1_epi16(0x80), bias = _mm256_set1_epi16(120 << 7);
+    const __m256i nan = _mm256_set1_epi16(0x7FC0), high_half = _mm256_set1_epi16(0x0800);
+    __m256i v = _mm256_cvtepu8_epi16(bytes);
+    __m256i mag = _mm256_and_si256(v, k7f);
+    __m256i m = _mm256_and_si256(v, k7);
+    __m256i index = _mm256_or_si256(_mm256_or_si256(m, _mm256_slli_epi16(m, 8)), high_half);
+    __m256i sub = _mm256_shuffle_epi8(sub_table, index);
+    __m256i normal = _mm256_add_epi16(_mm256_slli_epi16(mag, 4), bias);
+    __m256i r = _mm256_blendv_epi8(sub, normal, _mm256_cmpgt_epi16(mag, k7));
+    r = _mm256_add_epi16(r, shift);
+    r = _mm256_andnot_si256(_mm256_cmpeq_epi16(mag, _mm256_setzero_si256()), r);
+    r = _mm256_or_si256(r, _mm256_slli_epi16(_mm256_and_si256(v, k80), 8));
+    return _mm256_blendv_epi8(r, nan, _mm256_cmpeq_epi16(mag, k7f));
+}
+
+/* AVX2 row for block 32.  stream: the output row is 32-byte aligned and
+ * large enough a gather that its lines should not be read for ownership
+ * (non-temporal stores: the scattered output lines of a table-order gather
+ * of a 48 MiB output); a small output stays in cache for its reader.
+ * Blocks with a scale near the fp32 range edges take the exact table, as
+ * everywhere. */
+__attribute__((target("avx2"))) static inline void
+row_avx2_any(const uint8_t *w, const uint8_t *s, int64_t dim, uint16_t *out, int stream)
+{
+    for (int64_t b = 0; b < dim / 32; b++) {
+        uint16_t *dst = out + b * 32;
+        if (s[b] < 10 || s[b] > 246) {
+            uint16_t line[32] __attribute__((aligned(32)));
+            dequant_block(w + b * 32, s[b], 32, line);
+            memcpy(dst, line, sizeof line);
+            continue;
+        }
+        __m256i shift = _mm256_set1_epi16((short)(((int)s[b] - 127) << 7));
+        __m256i x = _mm256_loadu_si256((const __m256i *)(w + b * 32));
+        __m256i lo = dequant16_avx2(_mm256_castsi256_si128(x), shift);
+        __m256i hi = dequant16_avx2(_mm256_extracti128_si256(x, 1), shift);
+        if (stream) {
+            _mm256_stream_si256((__m256i *)dst, lo);
+            _mm256_stream_si256((__m256i *)(dst + 16), hi);
+        } else {
+            _mm256_storeu_si256((__m256i *)dst, lo);
+            _mm256_storeu_si256((__m256i *)(dst + 16), hi);
+        }
+    }
+}
+
+__attribute__((target("avx2")))
+static void row_avx2(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block,
+                     uint16_t *out)
+{
+    (void)block;
+    row_avx2_any(w, s, dim, out, 0);
+}
+
 __attribute__((target("avx2")))
 static void row_avx2_stream(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block,
                             uint16_t *out)
 {
-    uint16_t line[32] __attribute__((aligned(32)));
-    for (int64_t b = 0; b < dim / 32; b++) {
-        if (s[b] >= 10 && s[b] <= 246)
-            dequant_fast32(w + b * 32, (uint16_t)(((int)s[b] - 127) << 7), line);
-        else
-            dequant_block(w + b * 32, s[b], 32, line);
-        _mm256_stream_si256((__m256i *)(out + b * 32), _mm256_load_si256((const __m256i *)line));
-        _mm256_stream_si256((__m256i *)(out + b * 32 + 16),
-                            _mm256_load_si256((const __m256i *)(line + 16)));
-    }
     (void)block;
+    row_avx2_any(w, s, dim, out, 1);
 }
 
 /* AVX-512BW row (block 32): 32 values per instruction, the subnormal e4m3
@@ -185,8 +238,8 @@ static row_fn pick_row_fn(void)
     return row_generic;
 }
 
-/* The AVX2 streaming row may stand in for the portable one. */
-static int have_avx2_stream(void)
+/* The AVX2 rows may stand in for the portable one. */
+static int have_avx2(void)
 {
     return ne_cpu()->avx2;
 }

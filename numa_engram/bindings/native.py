@@ -299,9 +299,17 @@ def first_bad_id(ids: np.ndarray, col0: int, sizes: np.ndarray,
                                    ffi.NULL if id_base is None else _ptr(id_base, "int64_t *")))
 
 
+# this process's pid, renewed in a forked child: a pool's threads belong to
+# the process that made them (os.getpid() per lookup was a syscall each)
+_this_process = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _this_process.__setitem__(0, os.getpid()))
+
+
 class Workers:
     """Lookup threads kept alive between calls (``ne_pool``), thread i pinned
-    to ``cpus[i % len(cpus)]``; stopped by ``close()`` or when dropped.  A
+    to ``cpus[i % len(cpus)]``; a call's caller runs one part itself, so
+    ``threads`` workers serve calls of ``threads + 1``.  Stopped by
+    ``close()`` or when dropped.  A
     forked child's copy has no threads: ``usable`` is False there (the
     owner makes a new pool), and dropping it only frees the memory."""
 
@@ -311,12 +319,12 @@ class Workers:
                                len(cpu_arr))
         if pool == ffi.NULL:
             _raise("pthread_create", f"a pool of {threads} lookup threads")
-        self.pid = os.getpid()
+        self.pid = _this_process[0]
         self.pool = ffi.gc(pool, lib.ne_pool_free)
 
     @property
     def usable(self) -> bool:
-        return self.pool is not None and self.pid == os.getpid()
+        return self.pool is not None and self.pid == _this_process[0]
 
     def close(self) -> None:
         """Stop and join the threads (idempotent)."""
@@ -329,18 +337,13 @@ class Workers:
 @dataclass(frozen=True)
 class Geometry:
     """A shard's fixed lookup arguments, cast for the kernel once (at create
-    or attach), so a call only adds its ids and output: the rows (weights,
-    scales), each head's first shard row and bucket count, and the head's
-    first global row for ``id_format="global"`` (None: bucket ids only)."""
+    or attach) into one ``struct ne_geometry``, so a call only adds its ids
+    and output: the rows (weights, scales), each head's first shard row and
+    bucket count, and the head's first global row for ``id_format="global"``
+    (NULL: bucket ids only)."""
 
-    weights: Any
-    scales: Any
-    dim: int
-    block: int
+    struct: Any  # struct ne_geometry *
     n_heads: int
-    offsets: Any
-    sizes: Any
-    global_base: Any
     keep: tuple  # the arrays the pointers point into
 
     @classmethod
@@ -349,35 +352,59 @@ class Geometry:
         offs = np.ascontiguousarray(offsets, dtype=np.int64)
         counts = np.ascontiguousarray(sizes, dtype=np.int64)
         base = None if global_base is None else np.ascontiguousarray(global_base, dtype=np.int64)
-        return cls(_ptr(weights, "uint8_t *"), _ptr(scales, "uint8_t *"), weights.shape[1],
-                   block, len(counts), _ptr(offs, "int64_t *"), _ptr(counts, "int64_t *"),
-                   ffi.NULL if base is None else _ptr(base, "int64_t *"),
-                   (weights, scales, offs, counts, base))
+        struct = ffi.new("struct ne_geometry *", {
+            "weights": _ptr(weights, "uint8_t *"), "scales": _ptr(scales, "uint8_t *"),
+            "dim": weights.shape[1], "block": block, "n_heads": len(counts),
+            "head_offsets": _ptr(offs, "int64_t *"), "bucket_sizes": _ptr(counts, "int64_t *"),
+            "id_base": ffi.NULL if base is None else _ptr(base, "int64_t *")})
+        return cls(struct, len(counts), (weights, scales, offs, counts, base))
 
 
-def run_geometry_lookup(geom: Geometry, ids: np.ndarray, col0: int, global_ids: bool, out,
-                        threads: int, cpus: Any, workers: Workers | None) -> tuple[int, int, int]:
+def cpu_list(cpus: Sequence[int]) -> tuple[Any, int]:
+    """(``int *`` of the CPUs, their count) for ``run_geometry_lookup``,
+    made once per CPU set: (NULL, 0) for none."""
+    if not len(cpus):
+        return ffi.NULL, 0
+    return ffi.from_buffer("int[]", np.asarray(list(cpus), dtype=np.int32)), len(cpus)
+
+
+def ids_address(ids: np.ndarray) -> Any:
+    """The kernel's view of int64 ids: the buffer of contiguous ones (the
+    cheap path), the first element's address of a strided view (a token's
+    columns adjacent, tokens apart)."""
+    if ids.flags.c_contiguous:
+        return ffi.from_buffer(ids)
+    return ffi.cast("void *", ids.ctypes.data)
+
+
+NO_CPUS = (ffi.NULL, 0)
+
+
+def run_geometry_lookup(geom: Geometry, ids: np.ndarray, col0: int, global_ids: bool, out: Any,
+                        threads: int, cpus: tuple[Any, int] = NO_CPUS,
+                        workers: Workers | None = None,
+                        out_buffer: Any = None) -> tuple[int, int, int]:
     """The kernel (GIL released) over a shard's ``Geometry``, for ids from
     column ``col0``: ``out`` BF16 bits, or (FP8 rows, scales) for the packed
-    gather.  It checks every id as it reads it (once), so ids another thread
-    changes meanwhile never make it read outside the table; bad ones give
-    zero rows.  ``cpus`` an int32 array (or None), ``workers`` the caller's
-    persistent threads (or None).  Returns (bad ids, flat index of the
-    first, its value)."""
+    gather (``out_buffer``: the BF16 output's buffer, when the caller keeps
+    it, e.g. a pooled output).  It checks every id as it reads it (once), so
+    ids another thread changes meanwhile never make it read outside the
+    table; bad ones give zero rows.  ``cpus`` from ``cpu_list``, ``workers``
+    the caller's persistent threads (or None).  Returns (bad ids, flat index
+    of the first, its value)."""
     bad = ffi.new("int64_t[3]")
-    args = (geom.weights, geom.scales, geom.dim, geom.block, _ids_ptr(ids) + col0, ids.shape[0],
-            _row_stride(ids), geom.n_heads, geom.offsets, geom.sizes,
-            geom.global_base if global_ids else ffi.NULL)
-    n_cpus = 0 if cpus is None else len(cpus)
-    pool = workers.pool if workers is not None and workers.usable else ffi.NULL
-    tail = (threads, _ptr(cpus, "int *") if n_cpus else ffi.NULL, n_cpus, bad, pool)
+    pool = ffi.NULL if workers is None or not workers.usable else workers.pool
+    tokens = ids.shape[0]
+    stride = ids.strides[0] // 8 if tokens > 1 else ids.shape[1]
     if isinstance(out, tuple):
-        rc = lib.ne_gather_fp8(*args, _ptr(out[0], "uint8_t *"), _ptr(out[1], "uint8_t *"),
-                               *tail)
+        rows, scales = ffi.from_buffer(out[0]), ffi.from_buffer(out[1])
     else:
-        rc = lib.ne_lookup_bf16(*args, _ptr(out, "uint16_t *"), *tail)
-    _check_lookup_rc(rc, ids.shape[0], geom.n_heads, threads)
-    return int(bad[0]), int(bad[1]), int(bad[2])
+        rows, scales = ffi.from_buffer(out) if out_buffer is None else out_buffer, ffi.NULL
+    rc = lib.ne_lookup(geom.struct, ids_address(ids), col0, tokens, stride, global_ids, rows,
+                       scales, threads, cpus[0], cpus[1], pool, bad)
+    if rc != 0:
+        _check_lookup_rc(rc, tokens, geom.n_heads, threads)
+    return bad[0], bad[1], bad[2]
 
 
 def tune_small_rows(rows: int) -> None:
@@ -385,6 +412,21 @@ def tune_small_rows(rows: int) -> None:
     sort; the default is ``lib.NE_SMALL_ROWS``).  For benchmarks and tests."""
     if lib.ne_tune_small_rows(rows) != 0:
         raise ValueError(f"small-call rows must be in 0..4096, got {rows}")
+
+
+def tune_split_rows(rows: int) -> None:
+    """Set the fewest rows per thread for which a lookup is split over
+    threads (the default is ``lib.NE_SPLIT_ROWS``).  For benchmarks and tests."""
+    if lib.ne_tune_split_rows(rows) != 0:
+        raise ValueError(f"split rows must be >= 1, got {rows}")
+
+
+def tune_stream_bytes(size: int) -> None:
+    """Set the output size (bytes per thread) from which the AVX2 rows are
+    written with streaming stores (the default is ``lib.NE_STREAM_BYTES``).
+    For benchmarks and tests."""
+    if lib.ne_tune_stream_bytes(size) != 0:
+        raise ValueError(f"stream bytes must be >= 0, got {size}")
 
 
 def _check_lookup_rc(rc: int, tokens: int, heads: int, threads: int) -> None:
@@ -451,64 +493,79 @@ MAX_POSITION: int = int(lib.NE_MAX_POSITION)
 
 class WindowState:
     """A HashState's fixed arrays (history, next positions, scratch, the
-    layers' multipliers, primes and head offsets) cast for the kernels once,
-    so a decode step casts only its own few arrays.  The arrays are kept
-    alive here and must not be replaced (only written in place)."""
+    layers' multipliers, primes and head offsets, the token map and dead
+    ids) in one ``struct ne_hash_state`` cast for the kernel once, so a
+    decode step passes only its own few arrays.  The arrays are kept alive
+    here and must not be replaced (only written in place)."""
 
     def __init__(self, hist: np.ndarray, next_pos: np.ndarray, scratch: dict[str, np.ndarray],
                  multipliers: np.ndarray, primes: np.ndarray, offsets: np.ndarray,
-                 pad_id: int, n_head: int) -> None:
-        self._keep = (hist, next_pos, scratch, multipliers, primes, offsets)
-        self.n_slots, self.n1 = hist.shape
-        self.n = self.n1 + 1
-        if self.n > 64:
-            raise ValueError(f"max_ngram_size {self.n} is above the kernel's 64")
-        self.hist, self.next_pos = _ptr(hist, "int64_t *"), _ptr(next_pos, "int64_t *")
-        self.cur, self.cur_next = _ptr(scratch["cur"], "int64_t *"), _ptr(scratch["cur_next"],
-                                                                          "int64_t *")
-        self.last = _ptr(scratch["last"], "int64_t *")
-        self.multipliers, self.primes = _ptr(multipliers, "int64_t *"), _ptr(primes, "int64_t *")
-        self.offsets = _ptr(offsets, "int64_t *")
-        self.n_layers, self.pad_id, self.n_head = multipliers.shape[0], pad_id, n_head
+                 pad_id: int, n_head: int, token_map: np.ndarray | None = None,
+                 dead_ids: np.ndarray | None = None) -> None:
+        dead = np.ascontiguousarray(np.sort(dead_ids if dead_ids is not None else []),
+                                    dtype=np.int64)
+        self._keep = (hist, next_pos, scratch, multipliers, primes, offsets, token_map, dead)
+        n_slots, n1 = hist.shape
+        if n1 + 1 > 64:
+            raise ValueError(f"max_ngram_size {n1 + 1} is above the kernel's 64")
+        self.n_slots, self.n1 = n_slots, n1
+        self.struct = ffi.new("struct ne_hash_state *", {
+            "n_slots": n_slots, "n1": n1, "pad_id": pad_id, "n_layers": multipliers.shape[0],
+            "n_head": n_head, "hist": _ptr(hist, "int64_t *"),
+            "next_pos": _ptr(next_pos, "int64_t *"), "cur": _ptr(scratch["cur"], "int64_t *"),
+            "cur_next": _ptr(scratch["cur_next"], "int64_t *"),
+            "last": _ptr(scratch["last"], "int64_t *"),
+            "multipliers": _ptr(multipliers, "int64_t *"), "primes": _ptr(primes, "int64_t *"),
+            "offsets": _ptr(offsets, "int64_t *"),
+            "token_map": ffi.NULL if token_map is None else _ptr(token_map, "int64_t *"),
+            "map_len": 0 if token_map is None else len(token_map),
+            "dead_ids": _ptr(dead, "int64_t *") if len(dead) else ffi.NULL,
+            "n_dead": len(dead)})
         self.why = ffi.new("int64_t *")
         self.capacity = 0
         self.reserve(64)
 
     def reserve(self, n_tokens: int) -> None:
-        """Scratch for steps of up to ``n_tokens`` tokens (the raw windows,
-        all-commit and no-commit flags), grown by doubling, cast once."""
+        """Scratch for steps of up to ``n_tokens`` tokens (compressed ids, raw
+        windows, all-commit and no-commit flags), grown by doubling, cast
+        once."""
         if n_tokens <= self.capacity:
             return
-        self.capacity = max(n_tokens, 2 * self.capacity)
-        self._win = np.empty((self.capacity, self.n), dtype=np.int64)
-        self._flags = (np.zeros(self.capacity, np.uint8), np.ones(self.capacity, np.uint8))
-        self.win = _ptr(self._win, "int64_t *")
-        self.no_commit, self.all_commit = (_ptr(f, "uint8_t *") for f in self._flags)
+        capacity = max(n_tokens, 2 * self.capacity)
+        self._scratch = (np.empty(capacity, np.int64), np.empty((capacity, self.n1 + 1), np.int64),
+                         np.ones(capacity, np.uint8), np.zeros(capacity, np.uint8))
+        ids, win, all_commit, no_commit = self._scratch
+        st = self.struct
+        st.ids, st.win = _ptr(ids, "int64_t *"), _ptr(win, "int64_t *")
+        st.all_commit, st.no_commit = _ptr(all_commit, "uint8_t *"), _ptr(no_commit, "uint8_t *")
+        st.capacity = self.capacity = capacity
 
 
-def hash_step(state: WindowState, ids: np.ndarray, slots: np.ndarray, positions: np.ndarray,
-              commit: bool | np.ndarray, out: np.ndarray, global_rows: bool,
-              threads: int = 1) -> tuple[int, int]:
-    """One HashState step: the sequential window pass (history updated in
-    place on success), then every layer's hashes into ``out [T, layers,
-    cols]``; ``commit`` a bool for every token, or a uint8 flag per token.
-    (-1, 0), or (index of the first bad token, 1 slot / 2 position not the
-    slot's next / 3 position out of range), nothing changed then."""
-    n_tokens = len(ids)
-    state.reserve(n_tokens)
-    flags = (state.all_commit if commit else state.no_commit) if isinstance(commit, bool) \
-        else _ptr(commit, "uint8_t *")
-    bad = lib.ne_hash_windows(
-        _ptr(ids, "int64_t *"), _ptr(slots, "int64_t *"), _ptr(positions, "int64_t *"),
-        flags, n_tokens, state.n_slots, state.n1, state.hist, state.next_pos, state.cur,
-        state.cur_next, state.last, state.win, state.why)
-    if bad >= 0:
-        return int(bad), int(state.why[0])
-    if n_tokens and lib.ne_hash_window_batch(
-            state.win, n_tokens, state.n, state.pad_id, state.multipliers, state.primes,
-            state.offsets if global_rows else ffi.NULL, state.n_layers, state.n_head,
-            _ptr(out, "int64_t *"), threads) != 0:
+def hash_step(state: WindowState, tokens: np.ndarray, mask: np.ndarray | None,
+              slots: np.ndarray, positions: np.ndarray, commit: bool | np.ndarray,
+              out: np.ndarray, global_rows: bool, threads: int = 1) -> tuple[int, int]:
+    """One HashState step in one kernel call: the tokens compressed through
+    the state's token map and dead ids (``mask``: uint8 or bool, one per
+    token; None: all take part), the sequential window pass (history
+    updated in place on success), then every layer's hashes into ``out [T,
+    layers, cols]``; ``commit`` a bool for every token, or a uint8 flag per
+    token.  (-1, 0), or (index of the first bad token, 1 slot / 2 position
+    not the slot's next / 3 position out of range), nothing changed then."""
+    n_tokens = len(tokens)
+    if n_tokens > state.capacity:
+        state.reserve(n_tokens)
+    if isinstance(commit, bool):
+        flags, commit_all = ffi.NULL, commit
+    else:
+        flags, commit_all = ffi.from_buffer(commit), False
+    bad = lib.ne_hash_step(state.struct, ffi.from_buffer(tokens),
+                           ffi.NULL if mask is None else ffi.from_buffer(mask),
+                           ffi.from_buffer(slots), ffi.from_buffer(positions), flags, commit_all,
+                           n_tokens, global_rows, ffi.from_buffer(out), threads, state.why)
+    if bad == -2:
         _raise("pthread_create", f"hashing with {threads} threads")
+    if bad >= 0:
+        return bad, state.why[0]
     return -1, 0
 
 

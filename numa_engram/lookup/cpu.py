@@ -11,6 +11,7 @@ else outside its head's bucket range is refused.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,23 @@ from .outputs import bf16_out
 
 if TYPE_CHECKING:
     import torch
+
+
+# A table's lookups use at most this many threads by default: random rows
+# are latency bound, and a few cores' misses in flight are what one node's
+# memory serves a gather; more would take cores the serving stack uses.
+MAX_DEFAULT_LOOKUP_THREADS = 4
+
+
+def default_lookup_threads(cpus: Sequence[int] = ()) -> int:
+    """Threads a table looks up with unless told: one per CPU of ``cpus``
+    (the rows' node; all this process may use when empty) that this
+    process may run on, at most MAX_DEFAULT_LOOKUP_THREADS.  A call only
+    splits when each thread gets ``lib.NE_SPLIT_ROWS`` rows, so small calls
+    stay on the caller whatever this says."""
+    allowed = os.sched_getaffinity(0)
+    usable = [c for c in cpus if c in allowed] if cpus else allowed
+    return max(1, min(MAX_DEFAULT_LOOKUP_THREADS, len(usable)))
 
 
 def lookup_rows(weights: np.ndarray, scales: np.ndarray, hash_ids: Any, *, head_start: int,
@@ -121,9 +139,8 @@ def gather(weights: np.ndarray, scales: np.ndarray, ids: np.ndarray, *, head_sta
         return
     base = None if id_base is None else np.ascontiguousarray(id_base, dtype=np.int64)
     geometry = native.Geometry.of(weights, scales, offsets, sizes, base, block)
-    cpu_arr = np.asarray(list(cpus), dtype=np.int32) if len(cpus) else None
     count, first, value = native.run_geometry_lookup(geometry, ids, head_start, base is not None,
-                                                     out, threads, cpu_arr, None)
+                                                     out, threads, native.cpu_list(cpus))
     if count:
         t, h = divmod(first, len(sizes))
         raise LookupIdError(bad_id_text(value, t, head_start + h, int(sizes[h]), base, h,

@@ -11,11 +11,13 @@ the oldest completes.  An error in a lookup is raised by that layer's
 rows) and reused every step, so a CUDA graph can be captured around them.
 
 Backends: ``cpu`` (a worker thread; the fully tested contract) and
-``cuda`` (a side stream and CUDA events).  On the CPU a ``wait`` that finds
-its lookup (of at most ``INLINE_MAX_TOKENS`` tokens) still queued with the
-worker idle runs it on the waiting thread itself: a decode step's lookup
-waited for at once costs no thread hand-off (the order is kept: nothing
-else runs meanwhile).
+``cuda`` (a side stream and CUDA events).  On the CPU a small lookup (at most
+``INLINE_MAX_TOKENS`` tokens) of a layer whose last wait came sooner after
+its submit than its last lookup took (so running ahead hid nothing) is not
+handed to an idle worker: its ``wait`` runs it on the waiting thread (with
+any such lookups queued before it, in order), since waking the worker and
+waiting for it cost more than a decode step's lookup.  Every other lookup
+runs on the worker, ahead of its wait.
 
 Threads: ``submit``, ``wait``, ``reset`` and ``close`` may be called from any
 thread; every state change happens under one lock.  A layer has at most one
@@ -43,9 +45,9 @@ if TYPE_CHECKING:
     Rows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 LookupFn = Callable[[Any, Any], Any]  # (hash_ids, out) -> out
-# a waiter runs a lookup of at most this many tokens itself when it is next
-# in line: below it the thread hand-off costs more than the lookup (a decode
-# step); above it the worker, which already holds the lookup's CPU, keeps it
+# a lookup of at most this many tokens is left to its waiter when the worker
+# is idle: below it the thread hand-off costs more than the lookup (a decode
+# step); above it the worker runs it ahead of the wait
 INLINE_MAX_TOKENS = 256
 
 
@@ -71,6 +73,16 @@ class LayerMetrics:
     errors: int = 0
     timeouts: int = 0
     latency: Histogram = field(default_factory=Histogram)
+    # the last lookup's lead (submit -> wait) and own time: whether running
+    # the next one ahead can hide anything
+    last_lead_s: float = float("inf")
+    last_lookup_s: float = 0.0
+
+    def ahead_pays(self, tokens: int) -> bool:
+        """Whether the next lookup of ``tokens`` should go to the worker: a
+        large one always, a small one when the last lead was long enough
+        for the worker to finish it before its wait."""
+        return tokens > INLINE_MAX_TOKENS or self.last_lead_s >= self.last_lookup_s
 
     def as_dict(self) -> dict:
         n = max(1, self.lookups)
@@ -78,11 +90,12 @@ class LayerMetrics:
                 "mean_lead_s": self.lead_s / n, "mean_exposed_s": self.exposed_s / n}
 
 
-@dataclass
+@dataclass(slots=True)
 class _Job:
     layer: Any
     ids: Any
-    out: Any
+    out: Any  # the staged rows wait() returns
+    target: Any  # what the lookup writes into: out, or a table's prepared handle of it
     submitted: float
     tokens: int = 0
     done: bool = False  # under the scheduler's lock; waiters wait on its condition
@@ -91,6 +104,7 @@ class _Job:
     error: BaseException | None = None
     cancelled: bool = False
     slot: bool = False  # holds one of the scheduler's `depth` slots
+    woken: bool = False  # the worker was told to run it (else its waiter does)
     event: Any = None  # CUDA event: the lookup is done
     start_event: Any = None  # CUDA event: the lookup started (timing)
 
@@ -162,8 +176,12 @@ class PrefetchScheduler:
                                         self._sources[layer] if packed else None)
                         for layer in self._lookups}
         self.metrics = {layer: LayerMetrics() for layer in self._lookups}
+        self._views: dict[Any, dict[int, tuple[Rows, Any]]] = {layer: {} for layer in
+                                                               self._lookups}
+        self._packed = packed
         self._inflight: dict[Any, _Job] = {}
         self._outstanding = 0  # jobs holding one of the `depth` slots
+        self._sleepers = 0  # threads waiting on the lock (_sleep)
         mutex = threading.Lock()
         self._lock = threading.Condition(mutex)  # state changes, waiters, submitters
         self._work = threading.Condition(mutex)  # the worker: a job queued, or stop
@@ -188,9 +206,8 @@ class PrefetchScheduler:
         if n > self.max_tokens:
             raise PrefetchError(f"{n} tokens for layer {layer!r} exceed max_tokens "
                                 f"{self.max_tokens} of the static staging buffer")
-        staged = self.staging[layer]
-        out = tuple(b[:n] for b in staged) if isinstance(staged, tuple) else staged[:n]
-        job = _Job(layer, hash_ids, out, time.perf_counter(), n)
+        out, target = self._staged(layer, n)
+        job = _Job(layer, hash_ids, out, target, time.perf_counter(), n)
         with self._lock:  # check and claim the layer in one step
             self._check_open()
             if layer in self._inflight:
@@ -198,8 +215,9 @@ class PrefetchScheduler:
                                     "for it or reset() first")
             self._inflight[layer] = job
             # backpressure: at most `depth` lookups outstanding
-            self._lock.wait_for(lambda: self._outstanding < self.depth or self._closed
-                                or job.cancelled)
+            if self._outstanding >= self.depth:
+                self._sleep(lambda: self._outstanding < self.depth or self._closed
+                            or job.cancelled)
             if self._closed or job.cancelled:
                 del self._inflight[layer]
                 raise PrefetchError(f"the scheduler was closed or reset while layer {layer!r} "
@@ -208,7 +226,10 @@ class PrefetchScheduler:
             job.slot = True
             if self.backend == "cpu":  # under the lock: close() stops the worker after it
                 self._queue.append(job)
-                self._work.notify()
+                if self.metrics[layer].ahead_pays(n) or self._running or \
+                        len(self._queue) > 1 and self._queue[-2].woken:
+                    job.woken = True  # the worker runs it (after what it has)
+                    self._work.notify()
         if self.backend == "cuda":
             self._launch_cuda(job)
 
@@ -254,6 +275,10 @@ class PrefetchScheduler:
         abort); a running one finishes but its rows are discarded."""
         with self._lock:
             pending = self._cancel_all()
+            if self.backend == "cpu":  # the worker drains what no waiter will run now
+                for job in self._queue:
+                    job.woken = True
+                self._work.notify()
         for job in pending:
             if self.backend == "cpu":
                 self._wait_done(job)
@@ -308,9 +333,42 @@ class PrefetchScheduler:
         self.close()
 
     # --------------------------------------------------------- internals --
+    def _sleep(self, predicate: Callable[[], bool], timeout_s: float | None = None) -> bool:
+        """Under the lock: wait on it until ``predicate``, counted, so that
+        state changes wake threads only when some sleep (a notify costs a
+        decode step's lookup a few us even with no one to wake)."""
+        self._sleepers += 1
+        try:
+            return self._lock.wait_for(predicate, timeout_s)
+        finally:
+            self._sleepers -= 1
+
+    def _wake_all(self) -> None:
+        """Under the lock: wake the threads sleeping on it, if any."""
+        if self._sleepers:
+            self._lock.notify_all()
+
     def _check_open(self) -> None:
         if self._closed:
             raise PrefetchError("the scheduler is closed")
+
+    def _staged(self, layer: Any, n: int) -> tuple[Rows, Any]:
+        """The first ``n`` rows of the layer's staging buffer, and what the
+        lookup writes into (a table's prepared handle of them: checked
+        once): the same pair, made once per size, every step."""
+        views = self._views[layer]
+        pair = views.get(n)
+        if pair is not None:
+            return pair
+        staged = self.staging[layer]
+        view: Any = tuple(b[:n] for b in staged) if isinstance(staged, tuple) else staged[:n]
+        prepare = getattr(self._sources[layer], "prepare_out", None) \
+            if self.backend == "cpu" else None
+        made = (view, view if prepare is None else prepare(view, packed=self._packed))
+        if len(views) >= 64:  # many sizes: keep the recent ones
+            views.clear()
+        views[n] = made
+        return made
 
     def _cancel_all(self) -> list[_Job]:
         """Under the lock: mark every lookup not yet waited for dropped, wake
@@ -318,7 +376,7 @@ class PrefetchScheduler:
         running) are returned."""
         for job in self._inflight.values():
             job.cancelled = True
-        self._lock.notify_all()
+        self._wake_all()
         return [job for job in self._inflight.values() if job.slot]
 
     def _retire(self, job: _Job) -> None:
@@ -328,14 +386,16 @@ class PrefetchScheduler:
             if job.slot:
                 job.slot = False
                 self._outstanding -= 1
-                self._lock.notify_all()
+                self._wake_all()
 
     def _account(self, job: _Job, called: float, ready: float) -> None:
         m = self.metrics[job.layer]
         m.lookups += 1
+        m.last_lead_s = called - job.submitted
         if self.backend == "cpu":
-            m.lookup_s += max(0.0, job.finished - job.started)
-            m.latency.observe(max(0.0, job.finished - job.started))
+            m.last_lookup_s = max(0.0, job.finished - job.started)
+            m.lookup_s += m.last_lookup_s
+            m.latency.observe(m.last_lookup_s)
         elif job.start_event is not None:
             self._gpu_times.append((job.layer, job.start_event, job.event))
         m.lead_s += called - job.submitted
@@ -346,8 +406,10 @@ class PrefetchScheduler:
         close() it still drains the queue (dropped jobs are only marked done)."""
         while True:
             with self._work:
-                self._work.wait_for(lambda: self._queue and not self._running
-                                    or self._stopping and not self._queue)
+                # only what it was told to run: a small lookup of an idle
+                # scheduler is its waiter's
+                self._work.wait_for(lambda: not self._running and (
+                    self._stopping or bool(self._queue) and self._queue[0].woken))
                 if not self._queue:
                     return
                 job = self._queue.popleft()
@@ -355,37 +417,49 @@ class PrefetchScheduler:
             self._execute(job)
 
     def _wait_cpu(self, job: _Job, timeout_s: float | None = None) -> bool:
-        """Run the job here when it is next and nothing runs (no hand-off:
-        the order is the same), else wait for whoever runs it; False when
-        ``timeout_s`` passed first."""
-        with self._lock:  # (a wait that may give up leaves the lookup to the worker)
-            inline = timeout_s is None and job.tokens <= INLINE_MAX_TOKENS \
-                and not self._running and bool(self._queue) and self._queue[0] is job
-            if inline:
+        """Run the small lookups queued up to this one here, in order, while
+        the worker is idle (no hand-off); wait for the worker for anything
+        else.  False when ``timeout_s`` passed first (a wait that may give
+        up runs nothing itself: the worker is told to run it)."""
+        while True:
+            with self._lock:
+                if job.done:
+                    return True
+                head = self._queue[0] if self._queue and not self._running else None
+                if head is None or head.woken or timeout_s is not None:
+                    return self._wait_for_worker(job, timeout_s)
                 self._queue.popleft()
                 self._running = True
-            elif not self._lock.wait_for(lambda: job.done, timeout_s):
-                return False
-        if inline:
-            self._execute(job)
-        return True
+            self._execute(head)
+
+    def _wait_for_worker(self, job: _Job, timeout_s: float | None) -> bool:
+        """Under the lock: make sure the worker runs what is queued, then wait
+        for the job."""
+        if not job.woken:
+            for queued in self._queue:
+                queued.woken = True
+            self._work.notify()
+        return self._sleep(lambda: job.done, timeout_s)
 
     def _wait_done(self, job: _Job) -> None:
         with self._lock:
-            self._lock.wait_for(lambda: job.done)
+            self._sleep(lambda: job.done)
 
     def _execute(self, job: _Job) -> None:
         job.started = time.perf_counter()
         if not job.cancelled:
             try:
-                self._lookups[job.layer](job.ids, job.out)
+                self._lookups[job.layer](job.ids, job.target)
             except BaseException as exc:  # surfaces at this layer's wait()
                 job.error = exc
         job.finished = time.perf_counter()
         with self._lock:
             job.done, self._running = True, False
-            self._lock.notify_all()
-            self._work.notify()
+            self._wake_all()
+            if self._stopping or self._queue and self._queue[0].woken:
+                # only when there is work for it: a woken worker that finds
+                # none still takes the GIL from the thread doing the work
+                self._work.notify()
 
     def _launch_cuda(self, job: _Job) -> None:
         torch = self._torch

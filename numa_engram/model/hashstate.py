@@ -26,6 +26,7 @@ layer are native (the hashing threaded, GIL released).  No torch here.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeGuard
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -61,6 +62,15 @@ def integer_array(values: ArrayLike, name: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
+_INT64 = np.dtype(np.int64)
+
+
+def _is_int64_vector(values: object) -> TypeGuard[np.ndarray]:
+    """A 1-D contiguous int64 numpy array: what the kernel reads as it is."""
+    return type(values) is np.ndarray and values.dtype == _INT64 and values.ndim == 1 \
+        and values.flags.c_contiguous
+
+
 class HashState:
     """Per-request hashing state for ``max_requests`` slots.
 
@@ -74,9 +84,10 @@ class HashState:
         if max_requests < 1:
             raise SpecError(f"max_requests must be >= 1, got {max_requests}")
         self.spec, self.max_requests = spec, int(max_requests)
-        self.token_map = None if token_map is None else np.ascontiguousarray(token_map,
-                                                                             dtype=np.int64)
-        self.dead_ids = np.asarray(sorted(set(int(i) for i in dead_ids)), dtype=np.int64)
+        # read-only after this: the kernel holds them
+        self._token_map = None if token_map is None else np.ascontiguousarray(token_map,
+                                                                              dtype=np.int64)
+        self._dead_ids = np.asarray(sorted(set(int(i) for i in dead_ids)), dtype=np.int64)
         n1 = spec.max_ngram_size - 1
         self._hist = np.full((self.max_requests, n1), DEAD, dtype=np.int64)
         self._next = np.zeros(self.max_requests, dtype=np.int64)
@@ -92,7 +103,19 @@ class HashState:
         # cast once: a decode step of one token is a few us, the casts were half of it
         self._native = native.WindowState(self._hist, self._next, self._scratch,
                                           self._multipliers, self._primes, self._offsets,
-                                          spec.pad_id, spec.n_head_per_ngram)
+                                          spec.pad_id, spec.n_head_per_ngram, self.token_map,
+                                          self.dead_ids)
+        self._n_layers, self._n_cols = len(layers), spec.n_hash_cols
+
+    @property
+    def token_map(self) -> np.ndarray | None:
+        """tokenizer id -> compressed id (None: ``hash`` takes compressed ids)."""
+        return self._token_map
+
+    @property
+    def dead_ids(self) -> np.ndarray:
+        """The ids that are DEAD wherever they appear, sorted."""
+        return self._dead_ids
 
     # ------------------------------------------------------------- api --
     def hash(self, token_ids: ArrayLike, slots: ArrayLike, positions: ArrayLike,
@@ -102,14 +125,20 @@ class HashState:
         module docstring for the rules).  A position that does not continue
         its slot, a slot out of range or arrays of different lengths raise
         SpecError naming the token; the state is then unchanged."""
-        check_id_format(id_format)
-        ids = self.compressed(token_ids, token_mask)
-        n = len(ids)
-        slots = self._column(slots, n, "slots")
-        positions = self._column(positions, n, "positions")  # bounds: checked in the kernel
-        commits = self._commit_mask(commit, n)
-        out = np.empty((n, len(self.spec.layer_ids), self.spec.n_hash_cols), dtype=np.int64)
-        bad, why = native.hash_step(self._native, ids, slots, positions, commits, out,
+        if id_format != "bucket":
+            check_id_format(id_format)
+        tokens = token_ids if _is_int64_vector(token_ids) else self._tokens(token_ids)
+        n = len(tokens)
+        # what a scheduler passes is used as it is: no copy, no check to repeat
+        if not (_is_int64_vector(slots) and len(slots) == n):
+            slots = self._column(slots, n, "slots")
+        if not (_is_int64_vector(positions) and len(positions) == n):
+            positions = self._column(positions, n, "positions")  # bounds: in the kernel
+        mask = None if token_mask is None else self._token_mask(token_mask, n)
+        commits = commit if commit is True or commit is False else self._commit_mask(commit, n)
+        out = np.empty((n, self._n_layers, self._n_cols), dtype=np.int64)
+        # one kernel call: the token map and dead ids, the windows, the hashes
+        bad, why = native.hash_step(self._native, tokens, mask, slots, positions, commits, out,
                                     id_format == "global", threads)
         if bad >= 0:
             raise SpecError(self._misuse(bad, why, slots, positions))
@@ -201,12 +230,29 @@ class HashState:
                             "(max_requests)")
 
     @staticmethod
+    def _tokens(token_ids: ArrayLike) -> np.ndarray:
+        """The step's token ids as 1-D contiguous int64."""
+        ids = np.asarray(token_ids)
+        if ids.size == 0 and not isinstance(token_ids, np.ndarray):
+            ids = ids.astype(np.int64)  # [] is an empty step (an idle replica)
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise SpecError(f"token ids must be a 1-D integer array [T], got {ids.dtype} "
+                            f"{list(ids.shape)}")
+        if ids.dtype == np.uint64 and ids.size and int(ids.max()) > np.iinfo(np.int64).max:
+            raise SpecError(f"token ids hold {int(ids.max())}, beyond int64")
+        return np.ascontiguousarray(ids, dtype=np.int64)
+
+    @staticmethod
+    def _token_mask(token_mask: ArrayLike, n: int) -> np.ndarray:
+        mask = np.ascontiguousarray(token_mask, dtype=bool)
+        if mask.shape != (n,):
+            raise SpecError(f"token_mask has shape {list(mask.shape)}, token ids "
+                            f"[{n}]: pass one flag per token")
+        return mask.view(np.uint8)
+
+    @staticmethod
     def _column(values: ArrayLike, n: int, name: str) -> np.ndarray:
-        if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1 \
-                and values.flags.c_contiguous:
-            arr = values  # what a scheduler passes: no copy, no check to repeat
-        else:
-            arr = integer_array(values, name)
+        arr = values if _is_int64_vector(values) else integer_array(values, name)
         if arr.shape != (n,):
             raise SpecError(f"{name} has shape {list(arr.shape)} but there are {n} tokens: "
                             "pass one per token")

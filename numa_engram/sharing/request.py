@@ -108,7 +108,7 @@ class CreateRequest:
     timeout_s: float
     topology: Topology
     progress: Progress | None
-    lookup_threads: int
+    lookup_threads: int | None  # None: the table picks (default_lookup_threads)
     load_threads: int
     shared_load: bool  # the members on the rows' node load parts (False: the leader alone)
     stall_timeout_s: float  # how long a load may make no progress before it fails
@@ -118,7 +118,7 @@ class CreateRequest:
            placement: str | PlacementPlan | None, directory: str | None,
            page_size: PageSize | int, checkpoint: Any, names: TensorNames | None,
            register_device: int | None, timeout_s: float, topology: Topology | None,
-           progress: Progress | None, lookup_threads: int,
+           progress: Progress | None, lookup_threads: int | None,
            load_threads: int | None, shared_load: bool | None = None,
            stall_timeout_s: float | None = None) -> CreateRequest:
         if mode not in CREATE_MODES:
@@ -127,7 +127,8 @@ class CreateRequest:
         return cls(spec, layer_id, shard, mode,  # type: ignore[arg-type]  # checked above
                    placement, directory, hugepages.parse_page_size(page_size), checkpoint,
                    names, register_device, _positive_seconds(timeout_s),
-                   topology or Topology.detect(), progress, max(1, int(lookup_threads)),
+                   topology or Topology.detect(), progress,
+                   None if lookup_threads is None else max(1, int(lookup_threads)),
                    _load_threads(load_threads), _shared_load(shared_load, load_threads),
                    _positive_seconds(timeout_s if stall_timeout_s is None else stall_timeout_s,
                                      "stall_timeout_s"))

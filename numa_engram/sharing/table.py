@@ -32,9 +32,10 @@ from ..literals import CreateMode, IdFormat, PageSize, check_id_format
 from ..lookup.cpu import (
     bad_id_text,
     check_hash_ids,
+    default_lookup_threads,
     id_base,
 )
-from ..lookup.outputs import OutputPool, bf16_out, packed_out
+from ..lookup.outputs import OutputPool, PreparedOutput, bf16_out, packed_out, prepare_out
 from ..model.sharding import ShardInfo, prefix_offsets
 from ..model.spec import EngramSpec
 from ..store.fileformat import DEFAULT_DIRECTORY, STATE_READY
@@ -123,7 +124,7 @@ class SharedEngramTable:
                  *, mode: str, requested_mode: str, members: list[MemberInfo], leader: bool,
                  plan: PlacementPlan | None, report: PlacementReport | None,
                  registration: Any = None, fallback_reason: str = "",
-                 lookup_threads: int = 1, lookup_cpus: tuple[int, ...] = (),
+                 lookup_threads: int | None = None, lookup_cpus: tuple[int, ...] = (),
                  startup_phases: dict[str, float] | None = None) -> None:
         self.spec, self.layer_id, self.shard = spec, layer_id, shard
         # seconds of this member's create steps (checks, create, populate, map, register, load)
@@ -134,7 +135,9 @@ class SharedEngramTable:
         self.plan, self._report = plan, report
         self.registration = registration
         self.fallback_reason = fallback_reason
-        self.lookup_threads, self.lookup_cpus = lookup_threads, lookup_cpus
+        self.lookup_cpus = lookup_cpus
+        self.lookup_threads = default_lookup_threads(lookup_cpus) if lookup_threads is None \
+            else lookup_threads
         self.path = backing.path
         self.backing_bytes = backing.layout.file_size
         self.weights = backing.region("weights").reshape(shard.num_rows, spec.head_dim)
@@ -151,7 +154,10 @@ class SharedEngramTable:
         self._closed = False
         # lookups in flight: close() waits for them (they finish normally)
         self._active = 0
-        self._idle = threading.Condition()
+        # lookups count in and out under the plain lock (a decode step's
+        # lookup is a few us); close() waits on the condition built on it
+        self._lookup_lock = threading.Lock()
+        self._idle = threading.Condition(self._lookup_lock)
         self._outputs = OutputPool()  # lookup(ids) without out= reuses freed outputs
         self._counts = {"lookups": 0, "rows": 0, "seconds": 0.0, "bad_ids": 0, "failed": 0}
         self._latency = Histogram()
@@ -164,7 +170,7 @@ class SharedEngramTable:
                register_device: int | None = None, timeout_s: float = 300.0,
                mode: CreateMode = "auto", topology: Topology | None = None,
                names: TensorNames | None = None, progress: Progress | None = None,
-               lookup_threads: int = 1, page_size: PageSize | int = "4K",
+               lookup_threads: int | None = None, page_size: PageSize | int = "4K",
                load_threads: int | None = None, shared_load: bool | None = None,
                stall_timeout_s: float | None = None) -> SharedEngramTable:
         """Collective over ``group`` (its rank 0 leads; None: a private table).
@@ -173,6 +179,12 @@ class SharedEngramTable:
         (hugetlb: a hugetlbfs mount of that size, found in /proc/self/mounts
         when ``directory`` is left at its default, or an MFD_HUGETLB memfd;
         each planned node's pool must have the pages free).
+
+        lookup_threads: at most this many threads per lookup (None: one per
+        CPU of the rows' node this process may use, at most 4); a call splits
+        only where each thread gets at least ``lib.NE_SPLIT_ROWS`` rows, so a
+        decode step runs on the calling thread and a prefill chunk on the
+        table's persistent threads as well.
 
         load_threads: threads per loader that pre-fault the table and copy
         the checkpoint, pinned to the CPUs of the node the rows are bound to
@@ -295,7 +307,8 @@ class SharedEngramTable:
         [T, heads, head_dim/block])`` (half the output bytes; for a GPU
         that dequantises after the copy; ``out`` a pair of such tensors), as
         ``lookup_cuda(packed=True)`` gives them (``dequantize=False`` is its
-        old, deprecated spelling)."""
+        old, deprecated spelling).  ``out`` may also be what
+        ``prepare_out(buffer)`` gave, for a buffer used call after call."""
         check_id_format(id_format)
         if dequantize is not None:
             warnings.warn("lookup(dequantize=...) is now lookup(packed=...), its opposite",
@@ -309,14 +322,17 @@ class SharedEngramTable:
             shape = (ids.shape[0], *self._row_shape)
             result: Any
             bits: Any
-            if packed:
+            buffer = None  # the kernel's buffer of a pooled output, made once
+            if isinstance(out, PreparedOutput):
+                result, bits, buffer = _prepared(out, shape, packed)
+            elif packed:
                 result, bits = packed_out(out, shape, self.spec.block)
             elif out is not None:
                 result, bits = bf16_out(out, shape)
             else:
-                result, bits = self._outputs.take(shape)
+                result, bits, buffer = self._outputs.take_with_buffer(shape)
             if shape[0]:
-                self._gather(ids, bits, id_format == "global")
+                self._gather(ids, bits, id_format == "global", buffer)
             rows = shape[0] * shape[1]
             return result
         except LookupIdError:
@@ -325,15 +341,26 @@ class SharedEngramTable:
         finally:
             self._leave_lookup(rows, time.perf_counter() - started, failure)
 
+    def prepare_out(self, out: Any, *, packed: bool = False) -> PreparedOutput:
+        """``out`` (what ``lookup(ids, out=out, packed=packed)`` takes, for
+        ``out.shape[0]`` tokens) checked and cast once: pass the result as
+        ``out=`` to every lookup of that many tokens into it (a staging
+        buffer), and the per-call checks are skipped."""
+        rows = out[0] if packed and isinstance(out, tuple) else out
+        return prepare_out(out, (int(rows.shape[0]), *self._row_shape), packed, self.spec.block)
+
     def _gather(self, ids: np.ndarray, bits: np.ndarray | tuple[np.ndarray, np.ndarray],
-                global_ids: bool) -> None:
+                global_ids: bool, buffer: Any = None) -> None:
         """The kernel over this shard's cached geometry, on this table's
         persistent workers when it looks up with several threads."""
         if self._geometry is None:  # _enter_lookup refuses a closed table first
             raise StorageError(f"table {self.path} is closed")
+        workers = self._workers  # made once; the lock only to make them
+        if self._lookup_threads > 1 and (workers is None or not workers.usable):
+            workers = self._lookup_workers()
         count, first, value = native.run_geometry_lookup(
-            self._geometry, ids, self.shard.head_start, global_ids, bits, self.lookup_threads,
-            self._cpu_array, self._lookup_workers())
+            self._geometry, ids, self.shard.head_start, global_ids, bits, self._lookup_threads,
+            self._cpus, workers, buffer)
         if count:
             t, h = divmod(first, self.shard.num_heads)
             base = self.id_base("global") if global_ids else None
@@ -347,7 +374,7 @@ class SharedEngramTable:
     @lookup_cpus.setter
     def lookup_cpus(self, cpus: Sequence[int]) -> None:
         self._lookup_cpus = tuple(cpus)
-        self._cpu_array = np.asarray(self._lookup_cpus, dtype=np.int32) if cpus else None
+        self._cpus = native.cpu_list(self._lookup_cpus)
         self._drop_workers()  # pinned to the old CPUs
 
     @property
@@ -366,7 +393,8 @@ class SharedEngramTable:
             return None
         with self._idle:
             if self._workers is None or not self._workers.usable:
-                self._workers = native.Workers(self._lookup_threads, self._lookup_cpus)
+                # the calling thread runs one part of a call itself
+                self._workers = native.Workers(self._lookup_threads - 1, self._lookup_cpus)
             return self._workers
 
     def _drop_workers(self) -> None:
@@ -498,7 +526,7 @@ class SharedEngramTable:
 
     def _enter_lookup(self) -> None:
         """A lookup begins: refused once closed; close() waits until it ends."""
-        with self._idle:
+        with self._lookup_lock:
             self._check_open()
             self._active += 1
 
@@ -507,7 +535,7 @@ class SharedEngramTable:
         """A lookup ended (counted unless it failed: rows -1, counted as
         ``failure``); wakes a waiting close().  ``timed``: ``seconds`` is the
         lookup's latency (a GPU launch's is not)."""
-        with self._idle:
+        with self._lookup_lock:
             self._active -= 1
             if rows >= 0:
                 self._counts["lookups"] += 1
@@ -525,6 +553,15 @@ class SharedEngramTable:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _prepared(out: PreparedOutput, shape: tuple[int, ...], packed: bool) -> tuple[Any, Any, Any]:
+    """A prepared output's (result, bits, buffer), if it fits the call."""
+    if out.shape != shape or out.packed != packed:
+        raise ValueError(f"a prepared output of shape {list(out.shape)} (packed={out.packed}) "
+                         f"for a lookup of shape {list(shape)} (packed={packed}); prepare one "
+                         "for this many tokens")
+    return out.result, out.bits, out.buffer
 
 
 __all__ = ["CREATE_MODES", "ModeReport", "SharedEngramTable", "TableStats", "table_layout"]
