@@ -467,7 +467,8 @@ def test_split_and_streaming_thresholds_never_change_the_bits(split_and_stream_d
         table.weights[:] = rng.integers(0, 256, table.weights.shape, dtype=np.uint8)
         table.scales[:] = rng.integers(100, 140, table.scales.shape, dtype=np.uint8)
         sizes = spec.bucket_sizes(1)
-        for tokens in (1, 21, 22, 700, 5000):
+        two = -(-2 * native.lib.NE_SPLIT_ROWS // len(sizes))  # the fewest tokens split in two
+        for tokens in (1, two - 1, two, 700, 5000):
             ids = np.stack([rng.integers(-1, n, tokens) for n in sizes], 1)
             want = reference_lookup(table.weights, table.scales, ids, head_start=0,
                                     bucket_sizes=sizes)
@@ -550,3 +551,24 @@ def test_default_lookup_threads_are_the_allowed_cpus_of_the_rows_node_at_most_fo
     with SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0),
                                   lookup_threads=1) as table:
         assert table.lookup_threads == 1
+
+
+def test_packed_outputs_are_pooled_too():
+    """lookup(ids, packed=True) without out= reuses the rows and scales
+    buffers of a dropped result (a fresh large output is page faults every
+    call), never those of a result still held."""
+    from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+
+    spec = EngramSpec.small(rows_per_head=500)
+    with SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0)) as table:
+        table.weights[:] = 5
+        table.scales[:] = 127
+        ids = np.zeros((16, spec.n_hash_cols), np.int64)
+        rows, scales = table.lookup(ids, packed=True)
+        ptrs = (rows.data_ptr(), scales.data_ptr())
+        del rows, scales
+        rows, scales = table.lookup(ids, packed=True)
+        assert (rows.data_ptr(), scales.data_ptr()) == ptrs
+        other_rows, other_scales = table.lookup(ids, packed=True)  # the first pair is held
+        assert other_rows.data_ptr() != ptrs[0] and other_scales.data_ptr() != ptrs[1]
+        assert torch.equal(other_rows, rows) and bool((rows == 5).all())

@@ -508,7 +508,7 @@ static void run_on_caller(struct lookup_job *j, const int *cpus, int n_cpus)
  * rows: waking a thread and waiting for it costs more than a few hundred
  * rows take on one (tunable, ne_tune_split_rows, so tools/bench.py can
  * measure the crossover; the default is what it measured). */
-#define NE_SPLIT_ROWS 512 /* rows per thread: bench's crossover of 1 and 2 threads */
+#define NE_SPLIT_ROWS 128 /* rows per thread: 1 vs 2 threads crossed at 192-264 rows (bench) */
 static int64_t split_rows = NE_SPLIT_ROWS;
 
 int ne_tune_split_rows(int64_t rows)

@@ -100,7 +100,8 @@ def prepare_out(out: Any, shape: tuple[int, ...], packed: bool = False,
 
 
 class OutputPool:
-    """BF16 output buffers reused across lookups, so ``lookup(ids)`` without
+    """Output buffers reused across lookups (BF16 rows; uint8 ones with
+    ``packed=True``, for the packed rows and scales), so ``lookup(ids)`` without
     ``out=`` costs what ``lookup(ids, out=buf)`` does (a fresh 48 MiB tensor
     is a new mmap and ~12 k zero-fill faults per call).
 
@@ -116,8 +117,8 @@ class OutputPool:
     step's lookup is ~20).  Thread-safe; at most ``max_free`` idle buffers
     are kept."""
 
-    def __init__(self, max_free: int = 4) -> None:
-        self.max_free = max_free
+    def __init__(self, max_free: int = 4, *, packed: bool = False) -> None:
+        self.max_free, self.packed = max_free, packed
         self._buffers: list[_Pooled] = []
         self._lock = threading.Lock()
 
@@ -127,9 +128,10 @@ class OutputPool:
         return tensor, bits
 
     def take_with_buffer(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray, Any]:
-        """(BF16 tensor of ``shape``, the bits' numpy view, the kernel's
-        buffer of them).  Returned under the lock, so the caller's references
-        make the buffer busy before another thread can look at it."""
+        """(BF16 tensor of ``shape`` (uint8 for a packed pool), the bits'
+        numpy view, the kernel's buffer of them).  Returned under the lock,
+        so the caller's references make the buffer busy before another
+        thread can look at it."""
         n = math.prod(shape)
         with self._lock:
             for entry in self._buffers:  # the common case: the first idle one fits
@@ -142,7 +144,7 @@ class OutputPool:
 
     def _new_entry(self, n: int) -> _Pooled:
         free = [e for e in self._buffers if e.idle()]
-        entry = _Pooled(max(n, 1))
+        entry = _Pooled(max(n, 1), self.packed)
         # idle buffers beyond max_free are dropped, oldest first
         for old in free[:max(0, len(free) - self.max_free + 1)]:
             self._buffers.remove(old)
@@ -154,10 +156,11 @@ class _Pooled:
     """One pooled buffer: its memory (64-byte aligned), the kernel's buffer
     of it, and the tensor (and bits) of the shape it last served."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, packed: bool = False) -> None:
         from ..bindings.native import ffi
 
-        self.memory = aligned_empty(n, np.uint16)
+        self.packed = packed
+        self.memory = aligned_empty(n, np.uint8 if packed else np.uint16)
         self.size = n
         self.owner = self.memory.base if self.memory.base is not None else self.memory
         self.pointer = ffi.from_buffer(self.memory)  # the bits start where the memory does
@@ -176,8 +179,10 @@ class _Pooled:
             return
         self.tensor = self.bits = None
         bits = self.memory[:math.prod(shape)].reshape(shape)
-        self.tensor, self.bits, self.shape = torch.from_numpy(bits).view(torch.bfloat16), bits, \
-            shape
+        # (no other tensor of the storage may be alive when the counts are noted)
+        self.tensor = torch.from_numpy(bits) if self.packed else \
+            torch.from_numpy(bits).view(torch.bfloat16)
+        self.bits, self.shape = bits, shape
         self._storage = self.tensor.untyped_storage()._cdata
         self._idle_refs = (sys.getrefcount(self.owner), sys.getrefcount(self.tensor),
                            _storage_use_count(self._storage))

@@ -159,6 +159,7 @@ class SharedEngramTable:
         self._lookup_lock = threading.Lock()
         self._idle = threading.Condition(self._lookup_lock)
         self._outputs = OutputPool()  # lookup(ids) without out= reuses freed outputs
+        self._packed_pools = (OutputPool(packed=True), OutputPool(packed=True))  # rows, scales
         self._counts = {"lookups": 0, "rows": 0, "seconds": 0.0, "bad_ids": 0, "failed": 0}
         self._latency = Histogram()
 
@@ -325,6 +326,8 @@ class SharedEngramTable:
             buffer = None  # the kernel's buffer of a pooled output, made once
             if isinstance(out, PreparedOutput):
                 result, bits, buffer = _prepared(out, shape, packed)
+            elif packed and out is None:
+                result, bits = self._packed_outputs(shape)
             elif packed:
                 result, bits = packed_out(out, shape, self.spec.block)
             elif out is not None:
@@ -340,6 +343,14 @@ class SharedEngramTable:
             raise
         finally:
             self._leave_lookup(rows, time.perf_counter() - started, failure)
+
+    def _packed_outputs(self, shape: tuple[int, ...]) -> tuple[Any, Any]:
+        """Pooled (rows, scales) uint8 tensors for a packed lookup, and their
+        numpy views."""
+        rows, rows_bits, _ = self._packed_pools[0].take_with_buffer(shape)
+        scales, scales_bits, _ = self._packed_pools[1].take_with_buffer(
+            (*shape[:2], shape[2] // self.spec.block))
+        return (rows, scales), (rows_bits, scales_bits)
 
     def prepare_out(self, out: Any, *, packed: bool = False) -> PreparedOutput:
         """``out`` (what ``lookup(ids, out=out, packed=packed)`` takes, for
