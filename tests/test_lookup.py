@@ -572,3 +572,23 @@ def test_packed_outputs_are_pooled_too():
         other_rows, other_scales = table.lookup(ids, packed=True)  # the first pair is held
         assert other_rows.data_ptr() != ptrs[0] and other_scales.data_ptr() != ptrs[1]
         assert torch.equal(other_rows, rows) and bool((rows == 5).all())
+
+
+def test_a_tables_lookup_threads_are_bound_to_the_rows_nodes_cpus():
+    """The pool's threads run only on lookup_cpus (the rows' node), as a
+    set: the kernel picks an idle one of them for each."""
+    import os
+
+    from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+
+    spec = EngramSpec.small(rows_per_head=500)
+    node_cpus = sorted(os.sched_getaffinity(0))[:1]  # a one-CPU "node" this process may use
+    before = set(os.listdir("/proc/self/task"))
+    with SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0),
+                                  lookup_threads=3) as table:
+        table.lookup_cpus = node_cpus
+        table.lookup_threads = 3  # (a default table on one CPU would have 1)
+        table.lookup(np.zeros((3000, spec.n_hash_cols), np.int64))
+        workers = set(os.listdir("/proc/self/task")) - before
+        assert len(workers) == 2
+        assert all(os.sched_getaffinity(int(tid)) == set(node_cpus) for tid in workers)

@@ -21,6 +21,7 @@
 #include <sys/statfs.h>
 #include <sys/statvfs.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -98,14 +99,19 @@ static int run_threads(void *(*fn)(void *), void *jobs, size_t job_size, int n)
     return 0;
 }
 
-/* Pin the calling thread to one CPU (cpu < 0: leave it where it is). */
-static void pin_self(int cpu)
+/* Bind the calling thread to the CPUs cpus[0..n) (n 0: leave it where it
+ * is).  A set, not one CPU each: the kernel then puts each woken lookup
+ * thread on an idle CPU of the rows' node, never beside a caller that
+ * happens to run on "its" CPU; the node is what the rows need. */
+static void pin_to(const int *cpus, int n)
 {
-    if (cpu < 0)
+    if (n <= 0)
         return;
     cpu_set_t set;
     CPU_ZERO(&set);
-    CPU_SET(cpu, &set);
+    for (int i = 0; i < n; i++)
+        if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE)
+            CPU_SET(cpus[i], &set);
     pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
 }
 

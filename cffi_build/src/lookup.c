@@ -41,7 +41,8 @@ struct lookup_job {
     uint16_t *out;
     uint8_t *raw_w, *raw_s; /* packed output instead of out: the rows as stored */
     int64_t t_begin, t_end;
-    int cpu;
+    const int *cpus; /* a fresh thread's affinity: the rows' node's CPUs */
+    int n_cpus;
     /* ids outside their head's buckets (neither DEAD nor valid): written
      * as zero rows, counted, the first one (flat index, value) kept */
     int64_t bad_count, first_bad, first_bad_id;
@@ -468,7 +469,7 @@ static void run_sorted_job(struct lookup_job *j)
 static void *lookup_thread(void *arg)
 {
     struct lookup_job *j = arg;
-    pin_self(j->cpu);
+    pin_to(j->cpus, j->n_cpus);
     run_job(j);
     return NULL;
 }
@@ -505,10 +506,12 @@ static void run_on_caller(struct lookup_job *j, const int *cpus, int n_cpus)
 }
 
 /* A call is split over threads only when each gets at least split_rows
- * rows: waking a thread and waiting for it costs more than a few hundred
- * rows take on one (tunable, ne_tune_split_rows, so tools/bench.py can
- * measure the crossover; the default is what it measured). */
-#define NE_SPLIT_ROWS 128 /* rows per thread: 1 vs 2 threads crossed at 192-264 rows (bench) */
+ * rows.  Measured here (2 GiB table, rows from DRAM): two threads took
+ * 0.62-0.83x one from 48 rows up when the pool's thread was still spinning
+ * from the call before; a thread woken from sleep adds ~20 us, which a
+ * part of ~100 rows hides.  Tunable (ne_tune_split_rows) for benchmarks
+ * and tests. */
+#define NE_SPLIT_ROWS 96 /* rows per thread */
 static int64_t split_rows = NE_SPLIT_ROWS;
 
 int ne_tune_split_rows(int64_t rows)
@@ -536,8 +539,8 @@ static int call_threads(int n_threads, int64_t n_tokens, int64_t n_heads, int po
 
 /* Split proto's tokens over the call's threads and run them: job 0 on the
  * calling thread, the others on the pool's threads when a pool of this
- * process is given, else on fresh threads (thread i pinned to
- * cpus[i % n_cpus] when n_cpus > 0).  Report bad ids in bad[0..2] =
+ * process is given, else on fresh threads (bound to the CPUs cpus[0..n_cpus)
+ * when n_cpus > 0).  Report bad ids in bad[0..2] =
  * (count, first flat index t*n_heads+h, its value). */
 static int run_lookup_jobs(const struct lookup_job *proto, int64_t n_tokens, int n_threads,
                            const int *cpus, int n_cpus, int64_t *bad, struct ne_pool *pool)
@@ -549,7 +552,8 @@ static int run_lookup_jobs(const struct lookup_job *proto, int64_t n_tokens, int
     for (int i = 0; i < n_threads; i++) {
         jobs[i] = *proto;
         split_range(n_tokens, n_threads, i, &jobs[i].t_begin, &jobs[i].t_end);
-        jobs[i].cpu = n_cpus > 0 ? cpus[i % n_cpus] : -1;
+        jobs[i].cpus = cpus;
+        jobs[i].n_cpus = n_cpus;
     }
     if (n_threads == 1) {
         run_on_caller(&jobs[0], cpus, n_cpus); /* a thread handoff costs more than it saves */
@@ -588,8 +592,8 @@ static int run_lookup_jobs(const struct lookup_job *proto, int64_t n_tokens, int
  * subtracting id_base[h], the head's first global row, when global_ids is
  * set); -1 is DEAD; bad ones give zero rows and are reported in bad[0..2]
  * = (count, first flat index t*n_heads+h, its value).  At most n_threads
- * threads (the caller and the pool's, or fresh ones pinned to
- * cpus[i % n_cpus]).  Returns 0, or -1 with errno when a thread cannot be
+ * threads (the caller and the pool's, or fresh ones bound to
+ * cpus[0..n_cpus)).  Returns 0, or -1 with errno when a thread cannot be
  * started (EAGAIN) or its scratch (ENOMEM) allocated. */
 int ne_lookup(const struct ne_geometry *g, const void *ids, int64_t col0, int64_t n_tokens,
               int64_t stride, int global_ids, void *out, void *out_scales, int n_threads,

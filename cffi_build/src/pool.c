@@ -14,22 +14,80 @@ enum { MAX_POOL = NE_MAX_THREADS }; /* a pool runs one call's jobs, one per thre
 struct ne_pool {
     pid_t pid;
     int n;
-    int cpu[MAX_POOL];
+    int cpus[CPU_SETSIZE];    /* the rows' node's CPUs, every worker's affinity */
+    int n_cpus;
     pthread_t thread[MAX_POOL];
     pthread_mutex_t call;     /* one dispatch at a time */
     pthread_mutex_t mu;
     pthread_cond_t go, done;
-    uint64_t generation;      /* bumped per dispatch (guarded by mu) */
-    int n_jobs, remaining, stop;
+    /* bumped per dispatch (atomically, release: the call's fields are
+     * written before it, so a spinning worker that sees it reads them) */
+    uint64_t generation;
+    int n_jobs, stop;
+    int remaining;            /* jobs not yet done (atomic) */
+    int sleeping;             /* workers asleep on go (under mu) */
+    int caller_sleeping;      /* the dispatcher asleep on done (under mu) */
     void (*fn)(void *job);
     char *jobs;
     size_t job_size;
 };
 
+/* A worker (and a dispatcher waiting for its workers) spins this long
+ * before it sleeps: calls come in bursts (a prefill's chunks, a step's
+ * layers), and a futex wake-up cost ~20 us here, a tenth of a 64-token
+ * lookup; the spin is a bounded few us of one core after each call. */
+#define NE_POOL_SPIN_NS 50000
+
+static int64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__)
+    _mm_pause();
+#else
+    __asm__ __volatile__("" ::: "memory");
+#endif
+}
+
+/* Spin until *word differs from `from` (or the pool stops), at most
+ * NE_POOL_SPIN_NS; the word's value then. */
+static uint64_t spin_while_u64(const uint64_t *word, uint64_t from, const int *stop)
+{
+    const int64_t until = now_ns() + NE_POOL_SPIN_NS;
+    uint64_t v;
+    for (int i = 1;; i++) {
+        v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+        if (v != from || __atomic_load_n(stop, __ATOMIC_ACQUIRE) || (i % 64 == 0 && now_ns() > until))
+            return v;
+        cpu_relax();
+    }
+}
+
 struct pool_worker_arg {
     struct ne_pool *pool;
     int index;
 };
+
+/* The next call's generation: seen spinning, else after sleeping on go. */
+static uint64_t next_call(struct ne_pool *p, uint64_t seen)
+{
+    uint64_t g = spin_while_u64(&p->generation, seen, &p->stop);
+    if (g != seen || __atomic_load_n(&p->stop, __ATOMIC_ACQUIRE))
+        return g;
+    pthread_mutex_lock(&p->mu);
+    p->sleeping++;
+    while (!p->stop && __atomic_load_n(&p->generation, __ATOMIC_ACQUIRE) == seen)
+        pthread_cond_wait(&p->go, &p->mu);
+    p->sleeping--;
+    g = __atomic_load_n(&p->generation, __ATOMIC_ACQUIRE);
+    pthread_mutex_unlock(&p->mu);
+    return g;
+}
 
 static void *pool_worker(void *arg)
 {
@@ -37,31 +95,27 @@ static void *pool_worker(void *arg)
     struct ne_pool *p = a->pool;
     const int me = a->index;
     free(a);
-    pin_self(p->cpu[me]);
+    pin_to(p->cpus, p->n_cpus);
     uint64_t seen = 0;
-    pthread_mutex_lock(&p->mu);
     for (;;) {
-        while (!p->stop && p->generation == seen)
-            pthread_cond_wait(&p->go, &p->mu);
-        if (p->stop)
+        seen = next_call(p, seen);
+        if (__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE))
             break;
-        seen = p->generation;
-        if (me < p->n_jobs) {
-            void *job = p->jobs + (size_t)me * p->job_size;
-            void (*fn)(void *) = p->fn;
-            pthread_mutex_unlock(&p->mu);
-            fn(job);
-            pthread_mutex_lock(&p->mu);
-            if (--p->remaining == 0)
+        if (me >= p->n_jobs)
+            continue;
+        p->fn(p->jobs + (size_t)me * p->job_size);
+        if (__atomic_sub_fetch(&p->remaining, 1, __ATOMIC_ACQ_REL) == 0) {
+            pthread_mutex_lock(&p->mu); /* the dispatcher checks and sleeps under mu */
+            if (p->caller_sleeping)
                 pthread_cond_signal(&p->done);
+            pthread_mutex_unlock(&p->mu);
         }
     }
-    pthread_mutex_unlock(&p->mu);
     return NULL;
 }
 
-/* A pool of n threads, thread i pinned to cpus[i % n_cpus] (n_cpus 0: not
- * pinned).  NULL with errno when a thread cannot start. */
+/* A pool of n threads bound to the CPUs cpus[0..n_cpus) (n_cpus 0: not
+ * bound).  NULL with errno when a thread cannot start. */
 struct ne_pool *ne_pool_new(int n, const int *cpus, int n_cpus)
 {
     if (n < 1 || n > MAX_POOL) {
@@ -72,12 +126,14 @@ struct ne_pool *ne_pool_new(int n, const int *cpus, int n_cpus)
     if (!p)
         return NULL;
     p->pid = getpid();
+    p->n_cpus = n_cpus < CPU_SETSIZE ? n_cpus : CPU_SETSIZE;
+    for (int i = 0; i < p->n_cpus; i++)
+        p->cpus[i] = cpus[i];
     pthread_mutex_init(&p->call, NULL);
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->go, NULL);
     pthread_cond_init(&p->done, NULL);
     for (int i = 0; i < n; i++) {
-        p->cpu[i] = n_cpus > 0 ? cpus[i % n_cpus] : -1;
         struct pool_worker_arg *a = malloc(sizeof *a);
         if (a)
             *a = (struct pool_worker_arg){p, i};
@@ -101,7 +157,7 @@ void ne_pool_free(struct ne_pool *p)
         return;
     if (p->pid == getpid()) {
         pthread_mutex_lock(&p->mu);
-        p->stop = 1;
+        __atomic_store_n(&p->stop, 1, __ATOMIC_RELEASE);
         pthread_cond_broadcast(&p->go);
         pthread_mutex_unlock(&p->mu);
         for (int i = 0; i < p->n; i++)
@@ -118,28 +174,38 @@ int ne_pool_size(const struct ne_pool *p)
 /* Hand n jobs (an array of job_size-byte structs) to the pool's first n
  * threads and return at once: the caller runs a job of its own meanwhile
  * (one thread fewer to wake), then waits in pool_wait.  One call at a
- * time: the call lock is held from here to pool_wait. */
+ * time: the call lock is held from here to pool_wait.  Spinning workers
+ * see the new generation; sleeping ones are woken. */
 static void pool_start(struct ne_pool *p, void (*fn)(void *), void *jobs, size_t job_size, int n)
 {
     pthread_mutex_lock(&p->call);
-    pthread_mutex_lock(&p->mu);
     p->fn = fn;
     p->job_size = job_size;
     p->jobs = jobs;
     p->n_jobs = n;
-    p->remaining = n;
-    p->generation++;
-    pthread_cond_broadcast(&p->go);
+    __atomic_store_n(&p->remaining, n, __ATOMIC_RELAXED);
+    pthread_mutex_lock(&p->mu);
+    __atomic_add_fetch(&p->generation, 1, __ATOMIC_RELEASE);
+    if (p->sleeping)
+        pthread_cond_broadcast(&p->go);
     pthread_mutex_unlock(&p->mu);
 }
 
 static void pool_wait(struct ne_pool *p)
 {
-    pthread_mutex_lock(&p->mu);
-    while (p->remaining > 0)
-        pthread_cond_wait(&p->done, &p->mu);
-    p->jobs = NULL;
-    p->n_jobs = 0;
-    pthread_mutex_unlock(&p->mu);
+    const int64_t until = now_ns() + NE_POOL_SPIN_NS;
+    for (int i = 1; __atomic_load_n(&p->remaining, __ATOMIC_ACQUIRE) > 0; i++) {
+        if (i % 64 == 0 && now_ns() > until) {
+            pthread_mutex_lock(&p->mu);
+            while (__atomic_load_n(&p->remaining, __ATOMIC_ACQUIRE) > 0) {
+                p->caller_sleeping = 1;
+                pthread_cond_wait(&p->done, &p->mu);
+            }
+            p->caller_sleeping = 0;
+            pthread_mutex_unlock(&p->mu);
+            break;
+        }
+        cpu_relax();
+    }
     pthread_mutex_unlock(&p->call);
 }

@@ -306,11 +306,11 @@ os.register_at_fork(after_in_child=lambda: _this_process.__setitem__(0, os.getpi
 
 
 class Workers:
-    """Lookup threads kept alive between calls (``ne_pool``), thread i pinned
-    to ``cpus[i % len(cpus)]``; a call's caller runs one part itself, so
-    ``threads`` workers serve calls of ``threads + 1``.  Stopped by
-    ``close()`` or when dropped.  A
-    forked child's copy has no threads: ``usable`` is False there (the
+    """Lookup threads kept alive between calls (``ne_pool``), each bound to
+    the CPUs ``cpus`` (the rows' node: the kernel puts each on an idle one);
+    a call's caller runs one part itself, so ``threads`` workers serve calls
+    of ``threads + 1``.  Stopped by ``close()`` or when dropped.  A forked
+    child's copy has no threads: ``usable`` is False there (the
     owner makes a new pool), and dropping it only frees the memory."""
 
     def __init__(self, threads: int, cpus: Sequence[int] = ()) -> None:
