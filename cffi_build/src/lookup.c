@@ -72,6 +72,18 @@ int ne_tune_prefetch(int ahead, int hint)
     return 0;
 }
 
+/* Set a tunable to value when lo <= value <= hi; else EINVAL.  The one
+ * setter of the row and byte thresholds below. */
+static int set_knob(int64_t *knob, int64_t value, int64_t lo, int64_t hi)
+{
+    if (value < lo || value > hi) {
+        errno = EINVAL;
+        return -1;
+    }
+    *knob = value;
+    return 0;
+}
+
 /* __builtin_prefetch takes its hint as a constant */
 static inline __attribute__((always_inline)) void
 prefetch_row(const char *p, int64_t bytes)
@@ -341,12 +353,7 @@ static int64_t small_rows = NE_SMALL_ROWS;
 
 int ne_tune_small_rows(int64_t rows)
 {
-    if (rows < 0 || rows > MAX_SMALL_ROWS) {
-        errno = EINVAL;
-        return -1;
-    }
-    small_rows = rows;
-    return 0;
+    return set_knob(&small_rows, rows, 0, MAX_SMALL_ROWS);
 }
 
 /* The n rows from flat index k0 on, in token order: DEAD and bad ids get
@@ -376,12 +383,7 @@ static int64_t stream_min_bytes = NE_STREAM_BYTES;
 
 int ne_tune_stream_bytes(int64_t bytes)
 {
-    if (bytes < 0) {
-        errno = EINVAL;
-        return -1;
-    }
-    stream_min_bytes = bytes;
-    return 0;
+    return set_knob(&stream_min_bytes, bytes, 0, INT64_MAX);
 }
 
 /* The row function of a job: the picked one (AVX-512 where it is), or on
@@ -516,12 +518,7 @@ static int64_t split_rows = NE_SPLIT_ROWS;
 
 int ne_tune_split_rows(int64_t rows)
 {
-    if (rows < 1) {
-        errno = EINVAL;
-        return -1;
-    }
-    split_rows = rows;
-    return 0;
+    return set_knob(&split_rows, rows, 1, INT64_MAX);
 }
 
 /* Threads for a call of n_tokens x n_heads rows: at most n_threads, one

@@ -195,13 +195,7 @@ class HashState:
     def compressed(self, token_ids: ArrayLike, token_mask: ArrayLike | None = None) -> np.ndarray:
         """int64 compressed ids with DEAD (-1) for every token that takes no
         part: masked, negative, outside the token map, or in ``dead_ids``."""
-        ids = np.asarray(token_ids)
-        if ids.size == 0 and not isinstance(token_ids, np.ndarray):
-            ids = ids.astype(np.int64)  # [] is an empty step (an idle replica)
-        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise SpecError(f"token ids must be a 1-D integer array [T], got {ids.dtype} "
-                            f"{list(ids.shape)}")
-        ids = ids.astype(np.int64, copy=False)
+        ids = self._tokens(token_ids)
         # few whole-array passes: a decode step's ids are a handful of tokens,
         # where each numpy call's fixed cost is the whole cost
         dead = ids < 0
