@@ -276,12 +276,13 @@ def _row_stride(ids: np.ndarray) -> int:
     return ids.strides[0] // 8 if ids.shape[0] > 1 else ids.shape[1]
 
 
-def _ids_ptr(ids: np.ndarray):
-    """The ids' first element (a strided view is not a contiguous buffer,
-    and takes the slower address lookup)."""
+def ids_address(ids: np.ndarray) -> Any:
+    """The kernel's view of int64 ids: the buffer of contiguous ones (the
+    cheap path), the first element's address of a strided view (a token's
+    columns adjacent, tokens apart)."""
     if ids.flags.c_contiguous:
-        return ffi.cast("int64_t *", ffi.from_buffer(ids))
-    return ffi.cast("int64_t *", ids.__array_interface__["data"][0])
+        return ffi.from_buffer(ids)
+    return ffi.cast("void *", ids.ctypes.data)
 
 
 def _ptr(array: np.ndarray, ctype: str):
@@ -294,7 +295,8 @@ def first_bad_id(ids: np.ndarray, col0: int, sizes: np.ndarray,
     ``col0 ..`` that is neither -1 nor inside its head's range; -1 if none."""
     if ids.shape[0] == 0:
         return -1
-    return int(lib.ne_first_bad_id(_ids_ptr(ids) + col0, ids.shape[0], _row_stride(ids),
+    return int(lib.ne_first_bad_id(ffi.cast("int64_t *", ids_address(ids)) + col0, ids.shape[0],
+                                   _row_stride(ids),
                                    len(sizes), _ptr(sizes, "int64_t *"),
                                    ffi.NULL if id_base is None else _ptr(id_base, "int64_t *")))
 
@@ -368,15 +370,6 @@ def cpu_list(cpus: Sequence[int]) -> tuple[Any, int]:
     return ffi.from_buffer("int[]", np.asarray(list(cpus), dtype=np.int32)), len(cpus)
 
 
-def ids_address(ids: np.ndarray) -> Any:
-    """The kernel's view of int64 ids: the buffer of contiguous ones (the
-    cheap path), the first element's address of a strided view (a token's
-    columns adjacent, tokens apart)."""
-    if ids.flags.c_contiguous:
-        return ffi.from_buffer(ids)
-    return ffi.cast("void *", ids.ctypes.data)
-
-
 NO_CPUS = (ffi.NULL, 0)
 
 
@@ -395,13 +388,12 @@ def run_geometry_lookup(geom: Geometry, ids: np.ndarray, col0: int, global_ids: 
     bad = ffi.new("int64_t[3]")
     pool = ffi.NULL if workers is None or not workers.usable else workers.pool
     tokens = ids.shape[0]
-    stride = ids.strides[0] // 8 if tokens > 1 else ids.shape[1]
     if isinstance(out, tuple):
         rows, scales = ffi.from_buffer(out[0]), ffi.from_buffer(out[1])
     else:
         rows, scales = ffi.from_buffer(out) if out_buffer is None else out_buffer, ffi.NULL
-    rc = lib.ne_lookup(geom.struct, ids_address(ids), col0, tokens, stride, global_ids, rows,
-                       scales, threads, cpus[0], cpus[1], pool, bad)
+    rc = lib.ne_lookup(geom.struct, ids_address(ids), col0, tokens, _row_stride(ids), global_ids,
+                       rows, scales, threads, cpus[0], cpus[1], pool, bad)
     if rc != 0:
         _check_lookup_rc(rc, tokens, geom.n_heads, threads)
     return bad[0], bad[1], bad[2]

@@ -23,7 +23,7 @@ from ..literals import IdFormat, check_id_format
 from ..model.fp8 import dequantize_rows
 from ..model.sharding import prefix_offsets
 from ..model.spec import EngramSpec
-from .outputs import bf16_out
+from .outputs import bf16_out, scales_shape
 
 if TYPE_CHECKING:
     import torch
@@ -151,7 +151,7 @@ def _check_out(out: np.ndarray | tuple[np.ndarray, np.ndarray], shape: tuple[int
                block: int) -> None:
     """uint16 BF16 bits ``shape``, or (uint8 rows ``shape``, uint8 scales)."""
     want = [(np.uint16, shape)] if not isinstance(out, tuple) else [
-        (np.uint8, shape), (np.uint8, (*shape[:2], shape[2] // block))]
+        (np.uint8, shape), (np.uint8, scales_shape(shape, block))]
     arrays = out if isinstance(out, tuple) else (out,)
     for arr, (dtype, dims) in zip(arrays, want):
         if arr.dtype != dtype or arr.shape != dims or not arr.flags.c_contiguous:

@@ -15,6 +15,7 @@ from ..errors import LookupIdError, SpecError
 from ..literals import IdFormat, check_id_format
 from ..model.sharding import prefix_offsets
 from .cpu import bad_id_text
+from .outputs import scales_shape
 
 
 class DeviceView:
@@ -93,7 +94,7 @@ class DeviceShard:
         if packed:
             out = torch.empty(shape, dtype=torch.uint8, device=self.device) if out is None \
                 else out
-            out_scales = torch.empty((*shape[:2], shape[2] // self.block), dtype=torch.uint8,
+            out_scales = torch.empty(scales_shape(shape, self.block), dtype=torch.uint8,
                                      device=self.device) if out_scales is None else out_scales
             bits = out
         else:

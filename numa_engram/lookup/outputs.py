@@ -53,16 +53,18 @@ def bf16_out(out: torch.Tensor | None,
     return out, out.view(torch.int16).numpy().view(np.uint16)
 
 
-def packed_out(out: tuple[torch.Tensor, torch.Tensor] | None, shape: tuple[int, ...],
+def scales_shape(shape: tuple[int, ...], block: int) -> tuple[int, ...]:
+    """The scale bytes' shape of packed rows of ``shape`` [T, heads, dim]."""
+    return (*shape[:2], shape[2] // block)
+
+
+def packed_out(out: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, ...],
                block: int) -> tuple[tuple[torch.Tensor, torch.Tensor],
                                     tuple[np.ndarray, np.ndarray]]:
-    """(rows, scales) uint8 CPU tensors for a packed lookup (``out`` checked,
-    or new ones) and their numpy views."""
+    """A caller's (rows, scales) uint8 CPU tensors for a packed lookup,
+    checked, and their numpy views (a table's own come from its pools)."""
     import torch
 
-    if out is None:
-        out = (torch.empty(shape, dtype=torch.uint8),
-               torch.empty((*shape[:2], shape[2] // block), dtype=torch.uint8))
     if not (isinstance(out, tuple) and len(out) == 2 and all(
             torch.is_tensor(t) and t.dtype == torch.uint8 and t.device.type == "cpu"
             for t in out)):

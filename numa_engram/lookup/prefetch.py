@@ -398,7 +398,7 @@ class PrefetchScheduler:
             m.latency.observe(m.last_lookup_s)
         elif job.start_event is not None:
             self._gpu_times.append((job.layer, job.start_event, job.event))
-        m.lead_s += called - job.submitted
+        m.lead_s += m.last_lead_s
         m.exposed_s += ready - called
 
     def _run_cpu(self) -> None:

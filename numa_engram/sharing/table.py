@@ -35,7 +35,14 @@ from ..lookup.cpu import (
     default_lookup_threads,
     id_base,
 )
-from ..lookup.outputs import OutputPool, PreparedOutput, bf16_out, packed_out, prepare_out
+from ..lookup.outputs import (
+    OutputPool,
+    PreparedOutput,
+    bf16_out,
+    packed_out,
+    prepare_out,
+    scales_shape,
+)
 from ..model.sharding import ShardInfo, prefix_offsets
 from ..model.spec import EngramSpec
 from ..store.fileformat import DEFAULT_DIRECTORY, STATE_READY
@@ -349,7 +356,7 @@ class SharedEngramTable:
         numpy views."""
         rows, rows_bits, _ = self._packed_pools[0].take_with_buffer(shape)
         scales, scales_bits, _ = self._packed_pools[1].take_with_buffer(
-            (*shape[:2], shape[2] // self.spec.block))
+            scales_shape(shape, self.spec.block))
         return (rows, scales), (rows_bits, scales_bits)
 
     def prepare_out(self, out: Any, *, packed: bool = False) -> PreparedOutput:
@@ -366,12 +373,9 @@ class SharedEngramTable:
         persistent workers when it looks up with several threads."""
         if self._geometry is None:  # _enter_lookup refuses a closed table first
             raise StorageError(f"table {self.path} is closed")
-        workers = self._workers  # made once; the lock only to make them
-        if self._lookup_threads > 1 and (workers is None or not workers.usable):
-            workers = self._lookup_workers()
         count, first, value = native.run_geometry_lookup(
             self._geometry, ids, self.shard.head_start, global_ids, bits, self._lookup_threads,
-            self._cpus, workers, buffer)
+            self._cpus, self._lookup_workers(), buffer)
         if count:
             t, h = divmod(first, self.shard.num_heads)
             base = self.id_base("global") if global_ids else None
@@ -402,6 +406,9 @@ class SharedEngramTable:
         made once, pinned to the rows' node; a forked child makes its own."""
         if self._lookup_threads < 2:
             return None
+        workers = self._workers  # made once: the lock only to make them
+        if workers is not None and workers.usable:
+            return workers
         with self._idle:
             if self._workers is None or not self._workers.usable:
                 # the calling thread runs one part of a call itself
