@@ -5,7 +5,12 @@ prebuilt is committed.  The C source is native.c beside this file, which
 includes the parts in src/; the declarations are read from their headers.
 """
 
+import os
+import platform
 import re
+import shlex
+import subprocess
+import sysconfig
 from pathlib import Path
 
 from cffi import FFI
@@ -37,6 +42,25 @@ def declarations(header: Path) -> str:
 CDEF = "\n".join(declarations(HERE / "src" / name) for name in HEADERS)
 
 ffibuilder = FFI()
+# GCC's generic tuning copies with 16-byte moves and splits unaligned
+# 32-byte loads and stores, even in the AVX2 clones (a row's copy into the
+# stage was sixteen 16-byte moves); CPUs with AVX2 do them whole.
+def _accepted(flags: list[str]) -> list[str]:
+    """``flags`` if the C compiler Python builds with takes them (GCC 12 and
+    later; an older or other compiler keeps its own tuning), else none."""
+    cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
+    try:
+        probe = subprocess.run([*cc, *flags, "-Werror", "-x", "c", "-c", "-o", os.devnull, "-"],
+                               input="int probe;\n", capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return flags if probe.returncode == 0 else []
+
+
+X86_TUNING = _accepted(["-mmove-max=256", "-mstore-max=256", "-mno-avx256-split-unaligned-load",
+                        "-mno-avx256-split-unaligned-store"]) \
+    if platform.machine() in ("x86_64", "AMD64") else []
+
 ffibuilder.cdef(CDEF)
 ffibuilder.set_source(
     "numa_engram._native",
@@ -47,7 +71,7 @@ ffibuilder.set_source(
     define_macros=[("NE_CORE_VERSION", f'"{VERSION}"')],
     # -O3 lets GCC vectorise the branch-free dequant loop for the baseline
     # ISA; nothing here assumes the build host's CPU (no -march=native).
-    extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-unused-function"],
+    extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-unused-function", *X86_TUNING],
     libraries=["pthread"],
 )
 

@@ -498,15 +498,19 @@ def test_a_pooled_output_is_handed_out_again_only_once_nothing_refers_to_it():
         again = table.lookup(ids)
         assert again.data_ptr() == ptr, "a dropped result's buffer is reused"
         for keep in (lambda r: r, lambda r: r[1:3], lambda r: r.view(torch.int16).numpy()):
+            ptr = again.data_ptr()
             held = keep(again)
             del again
             gc.collect()
             other = table.lookup(ids)
             assert other.data_ptr() != ptr, "memory still referred to was handed out"
+            other_ptr = other.data_ptr()
             del held, other
             gc.collect()
             again = table.lookup(ids)
-            assert again.data_ptr() == ptr
+            # the last call's buffer first (its lines are the ones in cache)
+            assert again.data_ptr() == other_ptr, "a freed buffer is reused, not a new one made"
+            assert len(table._outputs._buffers) == 2
 
 
 def test_a_prepared_output_gives_what_out_gives_and_refuses_another_shape():

@@ -1,7 +1,7 @@
 /* lookup.h: a shard's rows for a batch of hash ids, BF16 or packed, and
  * the plain random-read rate they are measured against.  Each id is -1
  * (DEAD: a zero row) or inside its head; a bad one gives a zero row and is
- * reported in bad[0..2] = (count, first flat index t*n_heads+h, its value).
+ * counted (ne_lookup's result), the first kept for ne_last_bad.
  * The builder reads this header as the cffi declarations.
  *
  * cffi-constants (the defaults lookup.c tunes from):
@@ -31,9 +31,12 @@ struct ne_geometry {
     int64_t dim, block, n_heads;
     const int64_t *head_offsets, *bucket_sizes, *id_base;
 };
-int ne_lookup(const struct ne_geometry *g, const void *ids, int64_t col0, int64_t n_tokens,
-              int64_t stride, int global_ids, void *out, void *out_scales, int n_threads,
-              const int *cpus, int n_cpus, struct ne_pool *pool, int64_t *bad);
+int64_t ne_lookup(const struct ne_geometry *g, const void *ids, int64_t col0, int64_t n_tokens,
+                  int64_t stride, int global_ids, void *out, void *out_scales, int n_threads,
+                  const int *cpus, int n_cpus, struct ne_pool *pool);
+/* (flat index t*n_heads+h, value) of the first bad id of the calling
+ * thread's last lookup that had bad ids */
+void ne_last_bad(int64_t *flat_and_value);
 int ne_read_rows(const uint8_t *table, int64_t dim, const int64_t *rows, int64_t n,
                  int ahead, int n_threads, uint64_t *sum);
 

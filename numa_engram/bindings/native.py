@@ -280,9 +280,10 @@ def ids_address(ids: np.ndarray) -> Any:
     """The kernel's view of int64 ids: the buffer of contiguous ones (the
     cheap path), the first element's address of a strided view (a token's
     columns adjacent, tokens apart)."""
-    if ids.flags.c_contiguous:
+    try:  # the common case without a flags check: a contiguous array's buffer
         return ffi.from_buffer(ids)
-    return ffi.cast("void *", ids.ctypes.data)
+    except ValueError:  # numpy's "not C-contiguous"
+        return ffi.cast("void *", ids.ctypes.data)
 
 
 def _ptr(array: np.ndarray, ctype: str):
@@ -385,18 +386,26 @@ def run_geometry_lookup(geom: Geometry, ids: np.ndarray, col0: int, global_ids: 
     table; bad ones give zero rows.  ``cpus`` from ``cpu_list``, ``workers``
     the caller's persistent threads (or None).  Returns (bad ids, flat index
     of the first, its value)."""
-    bad = ffi.new("int64_t[3]")
     pool = ffi.NULL if workers is None or not workers.usable else workers.pool
     tokens = ids.shape[0]
-    if isinstance(out, tuple):
+    if out_buffer is not None:
+        rows, scales = out_buffer, ffi.NULL
+    elif isinstance(out, tuple):
         rows, scales = ffi.from_buffer(out[0]), ffi.from_buffer(out[1])
     else:
-        rows, scales = ffi.from_buffer(out) if out_buffer is None else out_buffer, ffi.NULL
-    rc = lib.ne_lookup(geom.struct, ids_address(ids), col0, tokens, _row_stride(ids), global_ids,
-                       rows, scales, threads, cpus[0], cpus[1], pool, bad)
-    if rc != 0:
-        _check_lookup_rc(rc, tokens, geom.n_heads, threads)
-    return bad[0], bad[1], bad[2]
+        rows, scales = ffi.from_buffer(out), ffi.NULL
+    bad = lib.ne_lookup(geom.struct, ids_address(ids), col0, tokens, _row_stride(ids),
+                        global_ids, rows, scales, threads, cpus[0], cpus[1], pool)
+    if bad == 0:
+        return _NO_BAD_IDS
+    if bad < 0:
+        _check_lookup_rc(bad, tokens, geom.n_heads, threads)
+    first = ffi.new("int64_t[2]")
+    lib.ne_last_bad(first)  # this thread's: the call above was its last
+    return bad, first[0], first[1]
+
+
+_NO_BAD_IDS = (0, -1, 0)
 
 
 def tune_small_rows(rows: int) -> None:

@@ -62,12 +62,20 @@ def lookup_rows(weights: np.ndarray, scales: np.ndarray, hash_ids: Any, *, head_
     return result
 
 
+_INT64 = np.dtype(np.int64)  # numpy's one int64 descriptor: what arrays of int64 carry
+
+
 def check_hash_ids(hash_ids: Any, n_cols: int | None = None) -> np.ndarray:
     """2-D ``[T, n_cols]`` int64 hash ids as a numpy array, without a copy (a
     CPU torch tensor is viewed through ``__array__``; rows may be strided,
     e.g. ``out[:, layer]`` of ``HashState.hash``; columns must be adjacent).
     int32 ids (as vLLM passes global rows) are widened, which copies.
     ``n_cols=None`` accepts any column count."""
+    # the common case in a few attribute reads: a decode step's whole
+    # lookup is a few us, and the general checks below take one
+    if type(hash_ids) is np.ndarray and hash_ids.dtype is _INT64 and hash_ids.ndim == 2 \
+            and (n_cols is None or hash_ids.shape[1] == n_cols) and hash_ids.flags.c_contiguous:
+        return hash_ids
     device = getattr(hash_ids, "device", None)
     if device is not None and getattr(device, "type", "cpu") != "cpu":
         raise LookupIdError(f"hash ids are on {device}; the CPU lookup needs them on the CPU")

@@ -122,6 +122,7 @@ class OutputPool:
     def __init__(self, max_free: int = 4, *, packed: bool = False) -> None:
         self.max_free, self.packed = max_free, packed
         self._buffers: list[_Pooled] = []
+        self._last: _Pooled | None = None
         self._lock = threading.Lock()
 
     def take(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
@@ -134,14 +135,18 @@ class OutputPool:
         numpy view, the kernel's buffer of them).  Returned under the lock,
         so the caller's references make the buffer busy before another
         thread can look at it."""
-        n = math.prod(shape)
         with self._lock:
-            for entry in self._buffers:  # the common case: the first idle one fits
+            last = self._last  # the common case: the buffer of the last call, free again
+            if last is not None and last.shape == shape and last.idle():
+                return last.tensor, last.bits, last.pointer
+            n = math.prod(shape)
+            for entry in self._buffers:
                 if n <= entry.size <= 2 * n and entry.idle():
                     break
             else:
                 entry = self._new_entry(n)
             entry.shape_as(shape)
+            self._last = entry
             return entry.tensor, entry.bits, entry.pointer
 
     def _new_entry(self, n: int) -> _Pooled:
@@ -175,10 +180,10 @@ class _Pooled:
     def shape_as(self, shape: tuple[int, ...]) -> None:
         """Make ``tensor``/``bits`` the memory as ``shape`` (kept when it is
         the shape they have), and note what idle counts are then."""
+        if shape == self.shape:  # before the import: a decode step's lookup is a few us
+            return
         import torch
 
-        if shape == self.shape:
-            return
         self.tensor = self.bits = None
         bits = self.memory[:math.prod(shape)].reshape(shape)
         # (no other tensor of the storage may be alive when the counts are noted)
@@ -200,7 +205,15 @@ class _Pooled:
 
 
 def _storage_use_count(storage: int) -> int:
-    """How many tensors share the storage at that address (torch's count)."""
-    import torch
+    """How many tensors share the storage at that address (torch's count;
+    torch's function found once: an import statement per call cost more
+    than the count)."""
+    global _use_count
+    if _use_count is None:
+        import torch
 
-    return torch._C._storage_Use_Count(storage)
+        _use_count = torch._C._storage_Use_Count
+    return _use_count(storage)
+
+
+_use_count: Any = None
