@@ -391,11 +391,11 @@ def test_table_workers_persist_and_stop_with_close_no_leak_after_100_tables():
     # 3 threads a call: the caller runs one part, 2 workers the others
     with SharedEngramTable.create(spec, 1, shard, lookup_threads=3) as table:
         first = table.lookup(ids).clone()
-        workers = table._workers
+        workers = table._kernel.workers
         assert workers is not None and _threads() == before + 2  # made once...
         for _ in range(5):
             assert torch.equal(table.lookup(ids), first)
-        assert table._workers is workers and _threads() == before + 2  # ...and kept
+        assert table._kernel.workers is workers and _threads() == before + 2  # ...and kept
         want = reference_lookup(table.weights, table.scales, ids, head_start=0,
                                 bucket_sizes=spec.bucket_sizes(1))
         assert torch.equal(first.view(torch.int16), want.view(torch.int16))
@@ -423,7 +423,7 @@ def test_a_forked_child_looks_up_through_a_pool_of_its_own():
             ok = False
             try:  # numpy only: torch's OpenMP pool does not survive a fork
                 got = table.lookup(ids).view(torch.int16).numpy()
-                ok = np.array_equal(got, want) and table._workers.pid == os.getpid()
+                ok = np.array_equal(got, want) and table._kernel.workers.pid == os.getpid()
             finally:
                 os.write(w, b"1" if ok else b"0")
                 os._exit(0)

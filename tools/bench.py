@@ -306,9 +306,11 @@ def _turns(fns: dict, least: int, budget_s: float = 1.0, most: int = 2000) -> in
 def _bare_native(table, ids, bits, threads: int | None = None) -> None:
     """The kernel call alone: the floor of any Python around it (with the
     table's threads, or ``threads``)."""
-    native.run_geometry_lookup(table._geometry, ids, 0, False, bits,
-                               threads or table.lookup_threads, table._cpus,
-                               table._lookup_workers())
+    if threads is None:
+        table._shard_kernel()(ids, 0, False, bits)
+    else:
+        native.run_geometry_lookup(table._geometry, ids, 0, False, bits, threads,
+                                   native.cpu_list(table.lookup_cpus))
 
 
 def bench_serving(table_gib: float = 2.0, sweep: tuple[float, ...] = (0.5, 2.0, 8.0),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -375,31 +376,78 @@ NO_CPUS = (ffi.NULL, 0)
 
 
 def run_geometry_lookup(geom: Geometry, ids: np.ndarray, col0: int, global_ids: bool, out: Any,
-                        threads: int, cpus: tuple[Any, int] = NO_CPUS,
-                        workers: Workers | None = None,
-                        out_buffer: Any = None) -> tuple[int, int, int]:
+                        threads: int, cpus: tuple[Any, int] = NO_CPUS) -> tuple[int, int, int]:
     """The kernel (GIL released) over a shard's ``Geometry``, for ids from
-    column ``col0``: ``out`` BF16 bits, or (FP8 rows, scales) for the packed
-    gather (``out_buffer``: the BF16 output's buffer, when the caller keeps
-    it, e.g. a pooled output).  It checks every id as it reads it (once), so
+    column ``col0``, once: ``out`` BF16 bits, or (FP8 rows, scales) for the
+    packed gather, on the caller and fresh threads (a table keeps its
+    threads: ``ShardKernel``).  It checks every id as it reads it (once), so
     ids another thread changes meanwhile never make it read outside the
-    table; bad ones give zero rows.  ``cpus`` from ``cpu_list``, ``workers``
-    the caller's persistent threads (or None).  Returns (bad ids, flat index
-    of the first, its value)."""
-    pool = ffi.NULL if workers is None or not workers.usable else workers.pool
-    tokens = ids.shape[0]
+    table; bad ones give zero rows.  ``cpus`` from ``cpu_list``.  Returns
+    (bad ids, flat index of the first, its value)."""
+    return _kernel(geom, ids, col0, global_ids, out, None, (threads, *cpus, ffi.NULL))
+
+
+class ShardKernel:
+    """One shard's lookup kernel with all but the ids and the output bound
+    once: its ``Geometry``, the threads a call may use, the CPUs they are
+    bound to and, for more than one thread, the persistent ``Workers``
+    (made at the first call, and again in a forked child, whose copy has no
+    threads).  A call is the kernel and a few attribute reads: a decode
+    step's whole lookup is a few us."""
+
+    def __init__(self, geometry: Geometry, threads: int, cpus: Sequence[int] = ()) -> None:
+        self.geometry, self.threads, self.cpus = geometry, max(1, int(threads)), tuple(cpus)
+        self.workers: Workers | None = None
+        self._cpu_arg = cpu_list(self.cpus)
+        self._tail: tuple | None = None  # (threads, cpus, n_cpus, pool): ne_lookup's last four
+        self._pid = 0  # the process _tail was made in
+        self._lock = threading.Lock()
+
+    def __call__(self, ids: np.ndarray, col0: int, global_ids: bool, out: Any,
+                 out_buffer: Any = None) -> tuple[int, int, int]:
+        """``run_geometry_lookup`` on this shard's threads (``out_buffer``:
+        the kernel's buffer of a BF16 ``out``, when the caller keeps one)."""
+        tail = self._tail
+        if tail is None or self._pid != _this_process[0]:
+            tail = self._bind()
+        return _kernel(self.geometry, ids, col0, global_ids, out, out_buffer, tail)
+
+    def _bind(self) -> tuple:
+        """The call's fixed tail in this process, its workers made first."""
+        with self._lock:
+            if self._tail is None or self._pid != _this_process[0]:
+                pool = ffi.NULL
+                if self.threads > 1:  # the calling thread runs one part of a call itself
+                    self.workers = Workers(self.threads - 1, self.cpus)
+                    pool = self.workers.pool
+                self._tail, self._pid = (self.threads, *self._cpu_arg, pool), _this_process[0]
+            return self._tail
+
+    def close(self) -> None:
+        """Stop the workers (a forked child's copy has none to stop); a
+        later call makes new ones."""
+        with self._lock:
+            workers, self.workers, self._tail = self.workers, None, None
+        if workers is not None and workers.usable:
+            workers.close()
+
+
+def _kernel(geom: Geometry, ids: np.ndarray, col0: int, global_ids: bool, out: Any,
+            out_buffer: Any, tail: tuple) -> tuple[int, int, int]:
+    """One ne_lookup call (``tail``: threads, cpus, n_cpus, pool)."""
     if out_buffer is not None:
         rows, scales = out_buffer, ffi.NULL
     elif isinstance(out, tuple):
         rows, scales = ffi.from_buffer(out[0]), ffi.from_buffer(out[1])
     else:
         rows, scales = ffi.from_buffer(out), ffi.NULL
+    tokens = ids.shape[0]
     bad = lib.ne_lookup(geom.struct, ids_address(ids), col0, tokens, _row_stride(ids),
-                        global_ids, rows, scales, threads, cpus[0], cpus[1], pool)
+                        global_ids, rows, scales, *tail)
     if bad == 0:
         return _NO_BAD_IDS
     if bad < 0:
-        _check_lookup_rc(bad, tokens, geom.n_heads, threads)
+        _check_lookup_rc(bad, tokens, geom.n_heads, tail[0])
     first = ffi.new("int64_t[2]")
     lib.ne_last_bad(first)  # this thread's: the call above was its last
     return bad, first[0], first[1]

@@ -155,7 +155,7 @@ class SharedEngramTable:
         self._geometry: native.Geometry | None = native.Geometry.of(
             self.weights, self.scales, prefix_offsets(self._bucket_sizes), self._bucket_sizes,
             self.id_base("global"), spec.block)
-        self._workers: native.Workers | None = None  # made at the first threaded lookup
+        self._kernel: native.ShardKernel | None = None  # bound at the first lookup
         self._n_cols, self._row_shape = spec.n_hash_cols, (shard.num_heads, spec.head_dim)
         self._device_shard: DeviceShard | None = None
         self._closed = False
@@ -331,16 +331,16 @@ class SharedEngramTable:
             result: Any
             bits: Any
             buffer = None  # the kernel's buffer of a pooled output, made once
-            if isinstance(out, PreparedOutput):
+            if out is None and not packed:  # the default first: a decode step is a few us
+                result, bits, buffer = self._outputs.take_with_buffer(shape)
+            elif isinstance(out, PreparedOutput):
                 result, bits, buffer = _prepared(out, shape, packed)
             elif packed and out is None:
                 result, bits = self._packed_outputs(shape)
             elif packed:
                 result, bits = packed_out(out, shape, self.spec.block)
-            elif out is not None:
-                result, bits = bf16_out(out, shape)
             else:
-                result, bits, buffer = self._outputs.take_with_buffer(shape)
+                result, bits = bf16_out(out, shape)
             if shape[0]:
                 self._gather(ids, bits, id_format == "global", buffer)
             rows = shape[0] * shape[1]
@@ -371,11 +371,8 @@ class SharedEngramTable:
                 global_ids: bool, buffer: Any = None) -> None:
         """The kernel over this shard's cached geometry, on this table's
         persistent workers when it looks up with several threads."""
-        if self._geometry is None:  # _enter_lookup refuses a closed table first
-            raise StorageError(f"table {self.path} is closed")
-        count, first, value = native.run_geometry_lookup(
-            self._geometry, ids, self.shard.head_start, global_ids, bits, self._lookup_threads,
-            self._cpus, self._lookup_workers(), buffer)
+        kernel = self._kernel or self._shard_kernel()
+        count, first, value = kernel(ids, self.shard.head_start, global_ids, bits, buffer)
         if count:
             t, h = divmod(first, self.shard.num_heads)
             base = self.id_base("global") if global_ids else None
@@ -389,8 +386,7 @@ class SharedEngramTable:
     @lookup_cpus.setter
     def lookup_cpus(self, cpus: Sequence[int]) -> None:
         self._lookup_cpus = tuple(cpus)
-        self._cpus = native.cpu_list(self._lookup_cpus)
-        self._drop_workers()  # pinned to the old CPUs
+        self._drop_kernel()  # its threads are pinned to the old CPUs
 
     @property
     def lookup_threads(self) -> int:
@@ -399,28 +395,25 @@ class SharedEngramTable:
     @lookup_threads.setter
     def lookup_threads(self, threads: int) -> None:
         self._lookup_threads = max(1, int(threads))
-        self._drop_workers()
+        self._drop_kernel()
 
-    def _lookup_workers(self) -> native.Workers | None:
-        """This table's lookup threads (None for one thread: the caller's own),
-        made once, pinned to the rows' node; a forked child makes its own."""
-        if self._lookup_threads < 2:
-            return None
-        workers = self._workers  # made once: the lock only to make them
-        if workers is not None and workers.usable:
-            return workers
+    def _shard_kernel(self) -> native.ShardKernel:
+        """This table's kernel, bound to its threads and CPUs (made at the
+        first lookup; its workers stop with close())."""
         with self._idle:
-            if self._workers is None or not self._workers.usable:
-                # the calling thread runs one part of a call itself
-                self._workers = native.Workers(self._lookup_threads - 1, self._lookup_cpus)
-            return self._workers
+            if self._geometry is None:  # _enter_lookup refuses a closed table first
+                raise StorageError(f"table {self.path} is closed")
+            if self._kernel is None:
+                self._kernel = native.ShardKernel(self._geometry, self._lookup_threads,
+                                                  self._lookup_cpus)
+            return self._kernel
 
-    def _drop_workers(self) -> None:
-        """Stop this table's threads (a forked child's copy has none to stop)."""
-        workers = getattr(self, "_workers", None)
-        self._workers = None
-        if workers is not None and workers.usable:
-            workers.close()
+    def _drop_kernel(self) -> None:
+        """Stop this table's lookup threads; the next lookup binds anew."""
+        kernel = getattr(self, "_kernel", None)
+        self._kernel = None
+        if kernel is not None:
+            kernel.close()
 
     def id_base(self, id_format: IdFormat) -> np.ndarray | None:
         """Each shard head's first global row (None for bucket ids)."""
@@ -527,7 +520,7 @@ class SharedEngramTable:
                 return
             self._closed = True
             self._idle.wait_for(lambda: self._active == 0)
-        self._drop_workers()  # no lookup runs now: the threads stop here
+        self._drop_kernel()  # no lookup runs now: the threads stop here
         # no view of the mapping may outlive close: empty arrays of the same
         # row shape stand in for the rows
         self.weights = np.empty((0, self.weights.shape[1]), np.uint8)
@@ -545,7 +538,8 @@ class SharedEngramTable:
     def _enter_lookup(self) -> None:
         """A lookup begins: refused once closed; close() waits until it ends."""
         with self._lookup_lock:
-            self._check_open()
+            if self._closed:
+                self._check_open()  # raises
             self._active += 1
 
     def _leave_lookup(self, rows: int, seconds: float, failure: str = "failed",
