@@ -446,21 +446,26 @@ def split_and_stream_default():
     yield
     native.tune_split_rows(native.lib.NE_SPLIT_ROWS)
     native.tune_stream_bytes(native.lib.NE_STREAM_BYTES)
+    native.tune_job_rows(native.lib.NE_JOB_ROWS)
 
 
 @pytest.mark.parametrize("split_rows", [1, native.lib.NE_SPLIT_ROWS, 1 << 40])
 @pytest.mark.parametrize("stream_bytes", [0, native.lib.NE_STREAM_BYTES, 1 << 40])
+@pytest.mark.parametrize("job_rows", [1, native.lib.NE_JOB_ROWS, native.lib.NE_SHARE_ROWS])
 def test_split_and_streaming_thresholds_never_change_the_bits(split_and_stream_default,
-                                                              split_rows, stream_bytes):
+                                                              split_rows, stream_bytes, job_rows):
     """A call splits over the table's threads (the caller and its pool)
-    only above split_rows rows per thread, and writes with streaming stores
-    from stream_bytes on: every side of both gives the reference's bits, for
-    a decode step, a chunk either side of the split and a large call."""
+    only above split_rows rows per thread, in jobs of job_rows rows that
+    the threads claim up to NE_SHARE_ROWS rows (one job a thread above),
+    and writes with streaming stores from stream_bytes on: every side of
+    each gives the reference's bits, for a decode step, a call either side
+    of the split, one that shares jobs and a large call."""
     from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 
     spec = EngramSpec.small(rows_per_head=500)
     native.tune_split_rows(split_rows)
     native.tune_stream_bytes(stream_bytes)
+    native.tune_job_rows(job_rows)
     rng = np.random.default_rng(split_rows % 97)
     with SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0),
                                   lookup_threads=3) as table:
@@ -475,8 +480,49 @@ def test_split_and_streaming_thresholds_never_change_the_bits(split_and_stream_d
             assert torch.equal(table.lookup(ids).view(torch.int16), want.view(torch.int16))
     with pytest.raises(ValueError, match=">= 1"):
         native.tune_split_rows(0)
+    with pytest.raises(ValueError, match="1..16384"):
+        native.tune_job_rows(0)
     with pytest.raises(ValueError, match=">= 0"):
         native.tune_stream_bytes(-1)
+
+
+def test_jobs_claimed_by_whichever_thread_is_awake_give_the_bits_of_every_call():
+    """The caller and the table's workers claim a call's jobs as they come,
+    so a worker that wakes late claims none, or claims jobs of the next
+    call: two caller threads making calls of every size, some right after
+    another (workers spinning), some after a pause (workers asleep, woken
+    mid-call), each get exactly their own rows."""
+    import threading
+    import time
+
+    from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+
+    spec = EngramSpec.small(rows_per_head=500)
+    sizes = spec.bucket_sizes(1)
+    with SharedEngramTable.create(spec, 1, shard_heads(sizes, 1, 0), lookup_threads=3) as table:
+        rng = np.random.default_rng(11)
+        table.weights[:] = rng.integers(0, 256, table.weights.shape, dtype=np.uint8)
+        table.scales[:] = rng.integers(100, 140, table.scales.shape, dtype=np.uint8)
+        wrong: list[int] = []
+
+        def caller(seed: int) -> None:
+            r = np.random.default_rng(seed)
+            for call in range(60):
+                tokens = int(r.choice([1, 40, 70, 300, 700, 2500]))
+                ids = np.stack([r.integers(-1, n, tokens) for n in sizes], 1)
+                want = reference_lookup(table.weights, table.scales, ids, head_start=0,
+                                        bucket_sizes=sizes)
+                if call % 3 == 0:
+                    time.sleep(0.002)  # past the workers' spin: they sleep
+                if not torch.equal(table.lookup(ids).view(torch.int16), want.view(torch.int16)):
+                    wrong.append(call)
+
+        threads = [threading.Thread(target=caller, args=(seed,)) for seed in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert wrong == []
 
 
 def test_a_pooled_output_is_handed_out_again_only_once_nothing_refers_to_it():

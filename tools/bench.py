@@ -29,18 +29,22 @@ def best_of(fn, repeat=5):
     return best_interleaved({"x": fn}, repeat)["x"]
 
 
-def best_interleaved(fns: dict, repeat: int = 7) -> dict:
+def best_interleaved(fns: dict, repeat: int = 7, pause_s: float = 0.0) -> dict:
     """Best time of each function, run in turns (each variant once a turn,
     in a new seeded order each turn) so a noisy neighbour slows every
     variant alike instead of whichever ran then, and no variant always
     follows the same one (a fixed order moved an identical configuration by
-    6-11%: what ran before it, e.g. a 2-thread call, set its start)."""
+    6-11%: what ran before it, e.g. a 2-thread call, set its start).
+    ``pause_s`` before each call: what a server computes between two
+    lookups (a layer), long enough that a table's workers are asleep."""
     best = {name: float("inf") for name in fns}
     names = list(fns)
     order = random.Random(0)
     for _ in range(repeat):
         order.shuffle(names)
         for name in names:
+            if pause_s:
+                time.sleep(pause_s)
             t0 = time.perf_counter()
             fns[name]()
             best[name] = min(best[name], time.perf_counter() - t0)
@@ -291,7 +295,13 @@ def _serving_variants(spec, table, tokens: int, rng,
     }, sched
 
 
-def _turns(fns: dict, least: int, budget_s: float = 1.0, most: int = 2000) -> int:
+# A layer's compute between two lookups of a server: the lookup workers'
+# spin (NE_POOL_SPIN_NS, 50 us) is over, as it is between a server's layers.
+LAYER_PAUSE_S = 0.0002
+
+
+def _turns(fns: dict, least: int, budget_s: float = 1.0, most: int = 2000,
+           pause_s: float = 0.0) -> int:
     """Turns for best_interleaved: at least ``least``, more for fast calls
     (a decode step's lookup is tens of us, and this machine's noise is
     larger than that: the best of many turns finds the floor), within about
@@ -299,7 +309,7 @@ def _turns(fns: dict, least: int, budget_s: float = 1.0, most: int = 2000) -> in
     t0 = time.perf_counter()
     for fn in fns.values():
         fn()
-    turn = time.perf_counter() - t0
+    turn = time.perf_counter() - t0 + pause_s * len(fns)
     return max(least, min(most, int(budget_s / max(turn, 1e-9))))
 
 
@@ -338,7 +348,8 @@ def bench_serving(table_gib: float = 2.0, sweep: tuple[float, ...] = (0.5, 2.0, 
         names = None
         for tokens in tokens_list:
             fns, sched = _serving_variants(spec, table, tokens, rng)
-            best = best_interleaved(fns, _turns(fns, repeat))
+            best = best_interleaved(fns, _turns(fns, repeat, pause_s=LAYER_PAUSE_S),
+                                    LAYER_PAUSE_S)
             sched.close()
             names = names or list(fns)
             if tokens == tokens_list[0]:
@@ -360,7 +371,8 @@ def bench_serving(table_gib: float = 2.0, sweep: tuple[float, ...] = (0.5, 2.0, 
         for tokens in (64, 4096):
             fns, sched = _serving_variants(spec, table, tokens, rng)
             pair = {k: fns[k] for k in ("lookup(ids)", "numpy take")}
-            best = best_interleaved(pair, _turns(pair, repeat))
+            best = best_interleaved(pair, _turns(pair, repeat, pause_s=LAYER_PAUSE_S),
+                                    LAYER_PAUSE_S)
             sched.close()
             cells.append(f"{tokens} tokens {best['lookup(ids)'] * 1e6:8.1f} us "
                          f"({best['lookup(ids)'] / best['numpy take']:.2f}x)")

@@ -500,38 +500,66 @@ static void run_job_of(void *job)
     run_job(job);
 }
 
-/* One job on the calling thread.  A large one runs on a CPU of the rows'
- * node (cpus) when the caller is not on one and is allowed there: its
- * affinity is set for the call and put back after (two syscalls, nothing
- * next to a large gather); a small one runs where the caller is. */
-static void run_on_caller(struct lookup_job *j, const int *cpus, int n_cpus)
+/* A large job (more than small_rows rows) runs on a CPU of the rows' node
+ * (cpus) when the caller is not on one and is allowed there: its affinity
+ * is set for the call (*saved: what to put back) and 1 returned; a small
+ * one runs where the caller is (two syscalls are nothing next to a large
+ * gather, much next to a decode step's). */
+static int caller_to_node(const int *cpus, int n_cpus, int64_t job_rows, cpu_set_t *saved)
 {
-    const int64_t n_rows = (j->t_end - j->t_begin) * j->n_heads;
-    cpu_set_t saved, want;
-    int moved = 0;
-    if (n_cpus > 0 && n_rows > small_rows) {
-        int here = sched_getcpu(), local = 0;
-        CPU_ZERO(&want);
-        for (int i = 0; i < n_cpus; i++) {
-            local |= cpus[i] == here;
-            if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE)
-                CPU_SET(cpus[i], &want);
-        }
-        if (!local && pthread_getaffinity_np(pthread_self(), sizeof saved, &saved) == 0)
-            moved = pthread_setaffinity_np(pthread_self(), sizeof want, &want) == 0;
+    cpu_set_t want;
+    if (n_cpus <= 0 || job_rows <= small_rows)
+        return 0;
+    int here = sched_getcpu(), local = 0;
+    CPU_ZERO(&want);
+    for (int i = 0; i < n_cpus; i++) {
+        local |= cpus[i] == here;
+        if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE)
+            CPU_SET(cpus[i], &want);
     }
-    run_job(j);
+    if (local || pthread_getaffinity_np(pthread_self(), sizeof *saved, saved) != 0)
+        return 0;
+    return pthread_setaffinity_np(pthread_self(), sizeof want, &want) == 0;
+}
+
+static void caller_back(int moved, const cpu_set_t *saved)
+{
     if (moved)
-        pthread_setaffinity_np(pthread_self(), sizeof saved, &saved);
+        pthread_setaffinity_np(pthread_self(), sizeof *saved, saved);
+}
+
+/* A pooled call of at most NE_SHARE_ROWS rows is cut into jobs of
+ * job_rows rows that the caller and the workers claim as they come: a
+ * worker still waking up (20-200 us here) claims none, so the caller never
+ * waits for it, and one that is awake shares the work.  A larger call is
+ * one job per thread (each sorted into table order as a whole).  Measured
+ * here with the workers asleep between calls (as between a server's
+ * layers), 2 threads: 48-row jobs took 0.60-0.66x numpy take from 64 to
+ * 256 tokens, 96-row ones 0.63-0.74x, one job a thread 0.74-0.95x; the
+ * knob (ne_tune_job_rows) is for benchmarks and tests. */
+#define NE_JOB_ROWS 48
+#define NE_SHARE_ROWS 16384
+static int64_t job_rows = NE_JOB_ROWS;
+
+int ne_tune_job_rows(int64_t rows)
+{
+    return set_knob(&job_rows, rows, 1, NE_SHARE_ROWS);
+}
+
+static int pool_jobs(int64_t n_tokens, int64_t n_heads, int n_threads)
+{
+    const int64_t rows = n_tokens * n_heads;
+    const int64_t jobs = rows > NE_SHARE_ROWS ? n_threads : rows / job_rows;
+    return clamp_threads(jobs < n_threads ? n_threads : (int)jobs, n_tokens);
 }
 
 /* A call is split over threads only when each gets at least split_rows
- * rows.  Measured here (2 GiB table, rows from DRAM): two threads took
- * 0.62-0.83x one from 48 rows up when the pool's thread was still spinning
- * from the call before; a thread woken from sleep adds ~20 us, which a
- * part of ~100 rows hides.  Tunable (ne_tune_split_rows) for benchmarks
- * and tests. */
-#define NE_SPLIT_ROWS 96 /* rows per thread */
+ * rows: waking a sleeping worker costs the caller a system call (~10 us in
+ * this guest, with the IPI), which a decode step of 8 tokens (192 rows,
+ * ~60 us) does not win back: split, it took 1.2-1.5x unsplit; 32 tokens
+ * split took 0.9x.  Tunable (ne_tune_split_rows) for benchmarks and
+ * tests. */
+#define NE_SPLIT_ROWS 256 /* rows per thread */
 static int64_t split_rows = NE_SPLIT_ROWS;
 
 int ne_tune_split_rows(int64_t rows)
@@ -576,22 +604,27 @@ static int64_t run_lookup_jobs(const struct lookup_job *proto, int64_t n_tokens,
     int rc = 0;
     const int pool_threads = ne_pool_size(pool);
     n_threads = call_threads(n_threads, n_tokens, proto->n_heads, pool_threads);
-    for (int i = 0; i < n_threads; i++) {
+    const int n_jobs = n_threads > 1 && pool_threads > 0
+                           ? pool_jobs(n_tokens, proto->n_heads, n_threads) : n_threads;
+    for (int i = 0; i < n_jobs; i++) {
         jobs[i] = *proto;
-        split_range(n_tokens, n_threads, i, &jobs[i].t_begin, &jobs[i].t_end);
+        split_range(n_tokens, n_jobs, i, &jobs[i].t_begin, &jobs[i].t_end);
         jobs[i].cpus = cpus;
         jobs[i].n_cpus = n_cpus;
     }
-    if (n_threads == 1) {
-        run_on_caller(&jobs[0], cpus, n_cpus); /* a thread handoff costs more than it saves */
-    } else if (pool_threads > 0) {
-        pool_start(pool, run_job_of, &jobs[1], sizeof(jobs[0]), n_threads - 1);
-        run_on_caller(&jobs[0], cpus, n_cpus);
-        pool_wait(pool);
+    if (n_threads == 1 || pool_threads > 0) {
+        /* one thread: a handoff costs more than it saves */
+        cpu_set_t saved;
+        int moved = caller_to_node(cpus, n_cpus, n_tokens * proto->n_heads / n_threads, &saved);
+        if (n_threads == 1)
+            run_job(&jobs[0]);
+        else
+            pool_run(pool, run_job_of, jobs, sizeof(jobs[0]), n_jobs);
+        caller_back(moved, &saved);
     } else {
         rc = run_threads(lookup_thread, jobs, sizeof(jobs[0]), n_threads);
     }
-    for (int i = 0; i < n_threads; i++)   /* jobs are in token order */
+    for (int i = 0; i < n_jobs; i++)   /* jobs are in token order */
         if (jobs[i].bad_count) {
             if (bad == 0) {
                 last_bad[0] = jobs[i].first_bad;
@@ -599,7 +632,7 @@ static int64_t run_lookup_jobs(const struct lookup_job *proto, int64_t n_tokens,
             }
             bad += jobs[i].bad_count;
         }
-    for (int i = 0; i < n_threads && rc == 0; i++)
+    for (int i = 0; i < n_jobs && rc == 0; i++)
         if (jobs[i].error) {
             errno = jobs[i].error;
             rc = -1;

@@ -6,10 +6,15 @@
 /* Lookup threads that live as long as their table: pinned once to the
  * rows' node's CPUs, woken per call (a condition variable, no thread
  * creation: creating, pinning and joining a pthread cost ~50 us a call).
- * One call at a time per pool; a caller that finds it busy waits.  A
- * forked child inherits the memory but not the threads: every entry point
- * checks the pid, and the child's Python side makes a pool of its own. */
-enum { MAX_POOL = NE_MAX_THREADS }; /* a pool runs one call's jobs, one per thread */
+ * A call is a list of jobs that the caller and the workers claim one at a
+ * time, so the caller never waits for a worker that is still waking up
+ * (here a sleeping worker took 20-200 us to wake, more than a decode step's
+ * lookup): what no worker has claimed, the caller runs itself; it waits
+ * only for jobs a worker claimed.  One call at a time per pool; a caller
+ * that finds it busy waits.  A forked child inherits the memory but not
+ * the threads: every entry point checks the pid, and the child's Python
+ * side makes a pool of its own. */
+enum { MAX_POOL = NE_MAX_THREADS, MAX_POOL_JOBS = 0xFFFF };
 
 struct ne_pool {
     pid_t pid;
@@ -20,11 +25,15 @@ struct ne_pool {
     pthread_mutex_t call;     /* one dispatch at a time */
     pthread_mutex_t mu;
     pthread_cond_t go, done;
-    /* bumped per dispatch (atomically, release: the call's fields are
-     * written before it, so a spinning worker that sees it reads them) */
-    uint64_t generation;
-    int n_jobs, stop;
-    int remaining;            /* jobs not yet done (atomic) */
+    uint64_t generation;      /* bumped per dispatch (under mu; read atomically) */
+    /* The call's claims, one word: the generation's low 32 bits, the next
+     * job's index (16 bits), the job count (16 bits).  A claim is a CAS of
+     * it, so a worker that wakes after its call ended (or during the next)
+     * claims nothing and never reads a finished call's jobs; a successful
+     * claim (acquire) sees the fields below, written before the word. */
+    uint64_t claim;
+    int finished;             /* jobs of this call done (atomic) */
+    int stop;
     int sleeping;             /* workers asleep on go (under mu) */
     int caller_sleeping;      /* the dispatcher asleep on done (under mu) */
     void (*fn)(void *job);
@@ -68,11 +77,6 @@ static uint64_t spin_while_u64(const uint64_t *word, uint64_t from, const int *s
     }
 }
 
-struct pool_worker_arg {
-    struct ne_pool *pool;
-    int index;
-};
-
 /* The next call's generation: seen spinning, else after sleeping on go. */
 static uint64_t next_call(struct ne_pool *p, uint64_t seen)
 {
@@ -89,27 +93,45 @@ static uint64_t next_call(struct ne_pool *p, uint64_t seen)
     return g;
 }
 
+static uint64_t claim_word(uint64_t generation, uint64_t index, uint64_t n_jobs)
+{
+    return (generation & 0xFFFFFFFFu) << 32 | index << 16 | n_jobs;
+}
+
+/* Claim and run jobs of call `generation` until none is left (or that
+ * call is over); whoever finishes the call's last job wakes a sleeping
+ * dispatcher. */
+static void pool_work(struct ne_pool *p, uint64_t generation)
+{
+    uint64_t w = __atomic_load_n(&p->claim, __ATOMIC_ACQUIRE);
+    for (;;) {
+        const uint64_t index = (w >> 16) & 0xFFFF, n_jobs = w & 0xFFFF;
+        if (w >> 32 != (generation & 0xFFFFFFFFu) || index >= n_jobs)
+            return;
+        if (!__atomic_compare_exchange_n(&p->claim, &w, claim_word(generation, index + 1, n_jobs),
+                                         1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            continue; /* w is the word another thread left */
+        p->fn(p->jobs + index * p->job_size);
+        if (__atomic_add_fetch(&p->finished, 1, __ATOMIC_ACQ_REL) == (int)n_jobs) {
+            pthread_mutex_lock(&p->mu); /* the dispatcher checks and sleeps under mu */
+            if (p->caller_sleeping)
+                pthread_cond_signal(&p->done);
+            pthread_mutex_unlock(&p->mu);
+        }
+        w = __atomic_load_n(&p->claim, __ATOMIC_ACQUIRE);
+    }
+}
+
 static void *pool_worker(void *arg)
 {
-    struct pool_worker_arg *a = arg;
-    struct ne_pool *p = a->pool;
-    const int me = a->index;
-    free(a);
+    struct ne_pool *p = arg;
     pin_to(p->cpus, p->n_cpus);
     uint64_t seen = 0;
     for (;;) {
         seen = next_call(p, seen);
         if (__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE))
             break;
-        if (me >= p->n_jobs)
-            continue;
-        p->fn(p->jobs + (size_t)me * p->job_size);
-        if (__atomic_sub_fetch(&p->remaining, 1, __ATOMIC_ACQ_REL) == 0) {
-            pthread_mutex_lock(&p->mu); /* the dispatcher checks and sleeps under mu */
-            if (p->caller_sleeping)
-                pthread_cond_signal(&p->done);
-            pthread_mutex_unlock(&p->mu);
-        }
+        pool_work(p, seen);
     }
     return NULL;
 }
@@ -134,12 +156,8 @@ struct ne_pool *ne_pool_new(int n, const int *cpus, int n_cpus)
     pthread_cond_init(&p->go, NULL);
     pthread_cond_init(&p->done, NULL);
     for (int i = 0; i < n; i++) {
-        struct pool_worker_arg *a = malloc(sizeof *a);
-        if (a)
-            *a = (struct pool_worker_arg){p, i};
-        int err = a ? pthread_create(&p->thread[i], NULL, pool_worker, a) : ENOMEM;
+        int err = pthread_create(&p->thread[i], NULL, pool_worker, p);
         if (err) {
-            free(a);
             ne_pool_free(p);
             errno = err;
             return NULL;
@@ -171,33 +189,31 @@ int ne_pool_size(const struct ne_pool *p)
     return p && p->pid == getpid() ? p->n : 0;
 }
 
-/* Hand n jobs (an array of job_size-byte structs) to the pool's first n
- * threads and return at once: the caller runs a job of its own meanwhile
- * (one thread fewer to wake), then waits in pool_wait.  One call at a
- * time: the call lock is held from here to pool_wait.  Spinning workers
- * see the new generation; sleeping ones are woken. */
-static void pool_start(struct ne_pool *p, void (*fn)(void *), void *jobs, size_t job_size, int n)
+/* Run n jobs (an array of job_size-byte structs, n <= MAX_POOL_JOBS) on
+ * the calling thread and the pool's: the caller claims jobs like any
+ * worker, so a call whose workers are all asleep costs it one wake-up
+ * call; then it waits for the jobs workers claimed (spinning, then
+ * asleep).  One call at a time: the call lock is held throughout. */
+static void pool_run(struct ne_pool *p, void (*fn)(void *), void *jobs, size_t job_size, int n)
 {
     pthread_mutex_lock(&p->call);
     p->fn = fn;
     p->job_size = job_size;
     p->jobs = jobs;
-    p->n_jobs = n;
-    __atomic_store_n(&p->remaining, n, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->finished, 0, __ATOMIC_RELAXED);
+    const uint64_t g = p->generation + 1; /* only a dispatcher writes it, under the call lock */
+    __atomic_store_n(&p->claim, claim_word(g, 0, (uint64_t)n), __ATOMIC_RELEASE);
     pthread_mutex_lock(&p->mu);
-    __atomic_add_fetch(&p->generation, 1, __ATOMIC_RELEASE);
+    __atomic_store_n(&p->generation, g, __ATOMIC_RELEASE);
     if (p->sleeping)
         pthread_cond_broadcast(&p->go);
     pthread_mutex_unlock(&p->mu);
-}
-
-static void pool_wait(struct ne_pool *p)
-{
+    pool_work(p, g);
     const int64_t until = now_ns() + NE_POOL_SPIN_NS;
-    for (int i = 1; __atomic_load_n(&p->remaining, __ATOMIC_ACQUIRE) > 0; i++) {
+    for (int i = 1; __atomic_load_n(&p->finished, __ATOMIC_ACQUIRE) < n; i++) {
         if (i % 64 == 0 && now_ns() > until) {
             pthread_mutex_lock(&p->mu);
-            while (__atomic_load_n(&p->remaining, __ATOMIC_ACQUIRE) > 0) {
+            while (__atomic_load_n(&p->finished, __ATOMIC_ACQUIRE) < n) {
                 p->caller_sleeping = 1;
                 pthread_cond_wait(&p->done, &p->mu);
             }

@@ -470,6 +470,14 @@ def tune_split_rows(rows: int) -> None:
         raise ValueError(f"split rows must be >= 1, got {rows}")
 
 
+def tune_job_rows(rows: int) -> None:
+    """Set the rows of a job that the caller and a table's workers claim in
+    a call of up to ``lib.NE_SHARE_ROWS`` rows (the default is
+    ``lib.NE_JOB_ROWS``).  For benchmarks and tests."""
+    if lib.ne_tune_job_rows(rows) != 0:
+        raise ValueError(f"job rows must be in 1..{lib.NE_SHARE_ROWS}, got {rows}")
+
+
 def tune_stream_bytes(size: int) -> None:
     """Set the output size (bytes per thread) from which the AVX2 rows are
     written with streaming stores (the default is ``lib.NE_STREAM_BYTES``).
