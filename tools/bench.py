@@ -35,8 +35,10 @@ def best_interleaved(fns: dict, repeat: int = 7, pause_s: float = 0.0) -> dict:
     variant alike instead of whichever ran then, and no variant always
     follows the same one (a fixed order moved an identical configuration by
     6-11%: what ran before it, e.g. a 2-thread call, set its start).
-    ``pause_s`` before each call: what a server computes between two
-    lookups (a layer), long enough that a table's workers are asleep."""
+    ``pause_s`` before each call: what a server does between two lookups
+    of a table (other layers), long enough that the table's workers are
+    asleep; busy, as a server's thread is (an idle CPU comes back with
+    cold caches, which a server's does not)."""
     best = {name: float("inf") for name in fns}
     names = list(fns)
     order = random.Random(0)
@@ -44,7 +46,7 @@ def best_interleaved(fns: dict, repeat: int = 7, pause_s: float = 0.0) -> dict:
         order.shuffle(names)
         for name in names:
             if pause_s:
-                time.sleep(pause_s)
+                _busy(pause_s)
             t0 = time.perf_counter()
             fns[name]()
             best[name] = min(best[name], time.perf_counter() - t0)
@@ -295,9 +297,16 @@ def _serving_variants(spec, table, tokens: int, rng,
     }, sched
 
 
-# A layer's compute between two lookups of a server: the lookup workers'
-# spin (NE_POOL_SPIN_NS, 50 us) is over, as it is between a server's layers.
+# A server's work between two lookups of one table (its other layers): the
+# table's workers' spin (NE_POOL_SPIN_NS, 50 us) is over, as it is there.
 LAYER_PAUSE_S = 0.0002
+
+
+def _busy(seconds: float) -> None:
+    """Keep this thread busy for ``seconds``."""
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
 
 
 def _turns(fns: dict, least: int, budget_s: float = 1.0, most: int = 2000,
