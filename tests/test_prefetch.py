@@ -267,6 +267,32 @@ def test_a_lookup_with_a_long_lead_runs_ahead_on_the_worker():
     assert len(threads) == 5 and threading.current_thread() not in threads
 
 
+def test_a_long_lookup_goes_ahead_with_any_lead_longer_than_a_hand_off_only():
+    """A long lookup (a prefill chunk) waited for at once runs on the
+    waiter too (the hand-off would only add to it); with a lead longer than
+    a hand-off costs, though shorter than the lookup, it runs ahead."""
+    from numa_engram.lookup.prefetch import HANDOFF_S
+
+    threads = []
+
+    def where(ids, out):
+        threads.append(threading.current_thread())
+        time.sleep(8 * HANDOFF_S)  # longer than any lead below
+        return out.fill_(1)
+    waiter = threading.current_thread()
+    with _sched({1: where}) as sched:
+        for _ in range(4):  # waited for at once
+            sched.submit(1, _ids())
+            assert bool((sched.wait(1) == 1).all())
+        assert all(t is waiter for t in threads[1:])
+        del threads[:]
+        for _ in range(4):  # a lead of 4 hand-offs: half the lookup hidden
+            sched.submit(1, _ids())
+            time.sleep(4 * HANDOFF_S)
+            assert bool((sched.wait(1) == 1).all())
+    assert len(threads) == 4 and all(t is not waiter for t in threads[1:])
+
+
 def test_lookups_left_to_their_waiters_still_finish_on_reset_and_timed_waits():
     """A small lookup no worker was told about: reset() drains it, and a
     wait with a timeout (which runs nothing itself) hands it to the worker."""

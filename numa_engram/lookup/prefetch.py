@@ -11,13 +11,12 @@ the oldest completes.  An error in a lookup is raised by that layer's
 rows) and reused every step, so a CUDA graph can be captured around them.
 
 Backends: ``cpu`` (a worker thread; the fully tested contract) and
-``cuda`` (a side stream and CUDA events).  On the CPU a small lookup (at most
-``INLINE_MAX_TOKENS`` tokens) of a layer whose last wait came sooner after
-its submit than its last lookup took (so running ahead hid nothing) is not
-handed to an idle worker: its ``wait`` runs it on the waiting thread (with
-any such lookups queued before it, in order), since waking the worker and
-waiting for it cost more than a decode step's lookup.  Every other lookup
-runs on the worker, ahead of its wait.
+``cuda`` (a side stream and CUDA events).  On the CPU a lookup of a layer
+whose last wait came sooner after its submit than both its last lookup took
+and ``HANDOFF_S`` (so running ahead would have hidden less than the hand-off
+to the worker and back costs) is not handed to an idle worker: its
+``wait`` runs it on the waiting thread (with any such lookups queued before
+it, in order).  Every other lookup runs on the worker, ahead of its wait.
 
 Threads: ``submit``, ``wait``, ``reset`` and ``close`` may be called from any
 thread; every state change happens under one lock.  A layer has at most one
@@ -45,10 +44,11 @@ if TYPE_CHECKING:
     Rows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 LookupFn = Callable[[Any, Any], Any]  # (hash_ids, out) -> out
-# a lookup of at most this many tokens is left to its waiter when the worker
-# is idle: below it the thread hand-off costs more than the lookup (a decode
-# step); above it the worker runs it ahead of the wait
-INLINE_MAX_TOKENS = 256
+# What handing a lookup to the worker and back may cost: two thread
+# wake-ups, each up to ~200 us in a VM guest (a 1,024-token lookup waited for
+# at once took 1.8x a direct one through the worker).  A lead (submit ->
+# wait) shorter than this and than the lookup hides less than it costs.
+HANDOFF_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -78,11 +78,11 @@ class LayerMetrics:
     last_lead_s: float = float("inf")
     last_lookup_s: float = 0.0
 
-    def ahead_pays(self, tokens: int) -> bool:
-        """Whether the next lookup of ``tokens`` should go to the worker: a
-        large one always, a small one when the last lead was long enough
-        for the worker to finish it before its wait."""
-        return tokens > INLINE_MAX_TOKENS or self.last_lead_s >= self.last_lookup_s
+    def ahead_pays(self) -> bool:
+        """Whether the layer's next lookup should go to the worker: when the
+        last lead was long enough for the worker to finish it before its
+        wait, or longer than a hand-off costs (a long lookup gains it)."""
+        return self.last_lead_s >= min(self.last_lookup_s, HANDOFF_S)
 
     def as_dict(self) -> dict:
         n = max(1, self.lookups)
@@ -226,7 +226,7 @@ class PrefetchScheduler:
             job.slot = True
             if self.backend == "cpu":  # under the lock: close() stops the worker after it
                 self._queue.append(job)
-                if self.metrics[layer].ahead_pays(n) or self._running or \
+                if self.metrics[layer].ahead_pays() or self._running or \
                         len(self._queue) > 1 and self._queue[-2].woken:
                     job.woken = True  # the worker runs it (after what it has)
                     self._work.notify()
