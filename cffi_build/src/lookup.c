@@ -505,10 +505,10 @@ static void run_job_of(void *job)
  * is set for the call (*saved: what to put back) and 1 returned; a small
  * one runs where the caller is (two syscalls are nothing next to a large
  * gather, much next to a decode step's). */
-static int caller_to_node(const int *cpus, int n_cpus, int64_t job_rows, cpu_set_t *saved)
+static int caller_to_node(const int *cpus, int n_cpus, int64_t rows_each, cpu_set_t *saved)
 {
     cpu_set_t want;
-    if (n_cpus <= 0 || job_rows <= small_rows)
+    if (n_cpus <= 0 || rows_each <= small_rows)
         return 0;
     int here = sched_getcpu(), local = 0;
     CPU_ZERO(&want);
