@@ -143,7 +143,12 @@ def test_a_signal_cleans_up_prints_one_line_and_exits_128_plus_it(command, sig):
     from .conftest import shm_files
 
     before = shm_files()
-    child = subprocess.Popen([sys.executable, "-m", "numa_engram", *command],
+    # SIGINT at its default, as a terminal starts a command: a test run
+    # started in the background (`&`, nohup) passes SIGINT on ignored, and
+    # Python then installs no handler for it
+    launcher = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                "runpy.run_module('numa_engram', run_name='__main__', alter_sys=True)")
+    child = subprocess.Popen([sys.executable, "-c", launcher, *command],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not _maps_a_table(child.pid) and time.monotonic() < deadline and child.poll() is None:
