@@ -41,10 +41,7 @@ def declarations(header: Path) -> str:
 
 CDEF = "\n".join(declarations(HERE / "src" / name) for name in HEADERS)
 
-ffibuilder = FFI()
-# GCC's generic tuning copies with 16-byte moves and splits unaligned
-# 32-byte loads and stores, even in the AVX2 clones (a row's copy into the
-# stage was sixteen 16-byte moves); CPUs with AVX2 do them whole.
+
 def _accepted(flags: list[str]) -> list[str]:
     """``flags`` if the C compiler Python builds with takes them (GCC 12 and
     later; an older or other compiler keeps its own tuning), else none."""
@@ -57,10 +54,14 @@ def _accepted(flags: list[str]) -> list[str]:
     return flags if probe.returncode == 0 else []
 
 
+# GCC's generic tuning copies with 16-byte moves and splits unaligned
+# 32-byte loads and stores, even in the AVX2 clones (a row's copy into the
+# stage was sixteen 16-byte moves); CPUs with AVX2 do them whole.
 X86_TUNING = _accepted(["-mmove-max=256", "-mstore-max=256", "-mno-avx256-split-unaligned-load",
                         "-mno-avx256-split-unaligned-store"]) \
     if platform.machine() in ("x86_64", "AMD64") else []
 
+ffibuilder = FFI()
 ffibuilder.cdef(CDEF)
 ffibuilder.set_source(
     "numa_engram._native",

@@ -253,16 +253,21 @@ static void order_chunk(struct lookup_job *j, struct cursor *cur, int64_t k0, in
  * interleaving prefetches with the dequant was 0.6-0.7x these phases). */
 enum { STAGE_ROWS = 64, MAX_STAGE_BYTES = 1024, MAX_STAGE_SCALES = 64 };
 
+/* A table row's weights and scale bytes on their way to cache. */
+static inline __attribute__((always_inline)) void
+prefetch_table_row(const struct lookup_job *j, int64_t row, int64_t n_scales)
+{
+    prefetch_row((const char *)(j->weights + row * j->dim), j->dim);
+    prefetch_row((const char *)(j->scales + row * n_scales), 1);
+}
+
 /* Row q + ahead of the chunk, weights and scale bytes, on its way to cache. */
 static inline __attribute__((always_inline)) void
 prefetch_ahead_of(const struct lookup_job *j, const struct order *o, int64_t q, int ahead_n,
                   int64_t n_scales)
 {
-    if (ahead_n > 0 && q + ahead_n < o->n) {
-        int64_t row = o->row[q + ahead_n];
-        prefetch_row((const char *)(j->weights + row * j->dim), j->dim);
-        prefetch_row((const char *)(j->scales + row * n_scales), 1);
-    }
+    if (ahead_n > 0 && q + ahead_n < o->n)
+        prefetch_table_row(j, o->row[q + ahead_n], n_scales);
 }
 
 /* The chunk's first rows (those no row before them prefetches) on their
@@ -273,10 +278,8 @@ prefetch_ahead_of(const struct lookup_job *j, const struct order *o, int64_t q, 
 static inline __attribute__((always_inline)) void
 prefetch_first(const struct lookup_job *j, const struct order *o, int ahead_n, int64_t n_scales)
 {
-    for (int64_t q = 0; q < ahead_n && q < o->n; q++) {
-        prefetch_row((const char *)(j->weights + o->row[q] * j->dim), j->dim);
-        prefetch_row((const char *)(j->scales + o->row[q] * n_scales), 1);
-    }
+    for (int64_t q = 0; q < ahead_n && q < o->n; q++)
+        prefetch_table_row(j, o->row[q], n_scales);
 }
 
 /* The chunk's rows dequantised, STAGE_ROWS at a time: copied (prefetched
@@ -288,9 +291,9 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 static void dequant_chunk(const struct lookup_job *j, const struct order *o, int64_t k0,
                           row_fn row_dequant)
 {
-    const int64_t dim = j->dim, n_scales = j->dim / j->block;
+    const int64_t dim = j->dim, n_scales = dim / j->block;
     const uint8_t *const weights = j->weights, *const scales = j->scales;
-    const int staged = j->dim <= MAX_STAGE_BYTES && n_scales <= MAX_STAGE_SCALES;
+    const int staged = dim <= MAX_STAGE_BYTES && n_scales <= MAX_STAGE_SCALES;
     const int ahead_n = prefetch_ahead;
     uint8_t w_stage[STAGE_ROWS * MAX_STAGE_BYTES] __attribute__((aligned(64)));
     uint8_t s_stage[STAGE_ROWS * MAX_STAGE_SCALES] __attribute__((aligned(64)));
@@ -306,17 +309,16 @@ static void dequant_chunk(const struct lookup_job *j, const struct order *o, int
             copy_row(s_stage + (q - q0) * n_scales, scales + row * n_scales, n_scales);
         }
         for (int64_t q = q0; q < q0 + n; q++) {
-            const uint8_t *w = staged ? w_stage + (q - q0) * j->dim
-                                      : j->weights + o->row[q] * j->dim;
+            const uint8_t *w = staged ? w_stage + (q - q0) * dim : weights + o->row[q] * dim;
             const uint8_t *s = staged ? s_stage + (q - q0) * n_scales
-                                      : j->scales + o->row[q] * n_scales;
-            uint16_t *out = j->out + (k0 + o->pos[q]) * j->dim;
+                                      : scales + o->row[q] * n_scales;
+            uint16_t *out = j->out + (k0 + o->pos[q]) * dim;
 #if defined(__x86_64__)
             if (row_dequant == row_avx512) /* a direct call the AVX-512 clone inlines */
-                row_avx512(w, s, j->dim, j->block, out);
+                row_avx512(w, s, dim, j->block, out);
             else
 #endif
-                row_dequant(w, s, j->dim, j->block, out);
+                row_dequant(w, s, dim, j->block, out);
         }
     }
 }
@@ -591,10 +593,10 @@ void ne_last_bad(int64_t *flat_and_value)
     flat_and_value[1] = last_bad[1];
 }
 
-/* Split proto's tokens over the call's threads and run them: job 0 on the
- * calling thread, the others on the pool's threads when a pool of this
- * process is given, else on fresh threads (bound to the CPUs cpus[0..n_cpus)
- * when n_cpus > 0).  Returns the number of bad ids (the first one kept for
+/* Split proto's tokens over the call's threads and run them: one thread
+ * on the caller; with a pool of this process, jobs (pool_jobs) that the
+ * caller and the pool's threads claim (pool_run); else one job a fresh
+ * thread (bound to the CPUs cpus[0..n_cpus) when n_cpus > 0).  Returns the number of bad ids (the first one kept for
  * ne_last_bad), or -1 with errno. */
 static int64_t run_lookup_jobs(const struct lookup_job *proto, int64_t n_tokens, int n_threads,
                                const int *cpus, int n_cpus, struct ne_pool *pool)

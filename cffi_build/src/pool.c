@@ -14,7 +14,7 @@
  * that finds it busy waits.  A forked child inherits the memory but not
  * the threads: every entry point checks the pid, and the child's Python
  * side makes a pool of its own. */
-enum { MAX_POOL = NE_MAX_THREADS, MAX_POOL_JOBS = 0xFFFF };
+enum { MAX_POOL = NE_MAX_THREADS };
 
 struct ne_pool {
     pid_t pid;
@@ -189,7 +189,8 @@ int ne_pool_size(const struct ne_pool *p)
     return p && p->pid == getpid() ? p->n : 0;
 }
 
-/* Run n jobs (an array of job_size-byte structs, n <= MAX_POOL_JOBS) on
+/* Run n jobs (an array of job_size-byte structs, n < 65536: the claim
+ * word's count) on
  * the calling thread and the pool's: the caller claims jobs like any
  * worker, so a call whose workers are all asleep costs it one wake-up
  * call; then it waits for the jobs workers claimed (spinning, then

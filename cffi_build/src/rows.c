@@ -262,7 +262,8 @@ static int have_avx2(void)
     return ne_cpu()->avx2;
 }
 
-/* The exact table, built once before the first BF16 lookup. */
+/* The exact table and (x86) the AVX2 rows' byte tables read off it, built
+ * once before the first BF16 lookup. */
 static void build_tables(void)
 {
     build_exact_lut();

@@ -371,8 +371,8 @@ class SharedEngramTable:
                 global_ids: bool, buffer: Any = None) -> None:
         """The kernel over this shard's cached geometry, on this table's
         persistent workers when it looks up with several threads."""
-        kernel = self._kernel or self._shard_kernel()
-        count, first, value = kernel(ids, self.shard.head_start, global_ids, bits, buffer)
+        count, first, value = self._shard_kernel()(ids, self.shard.head_start, global_ids,
+                                                   bits, buffer)
         if count:
             t, h = divmod(first, self.shard.num_heads)
             base = self.id_base("global") if global_ids else None
@@ -400,6 +400,9 @@ class SharedEngramTable:
     def _shard_kernel(self) -> native.ShardKernel:
         """This table's kernel, bound to its threads and CPUs (made at the
         first lookup; its workers stop with close())."""
+        kernel = self._kernel  # made once: the lock only to make it
+        if kernel is not None:
+            return kernel
         with self._idle:
             if self._geometry is None:  # _enter_lookup refuses a closed table first
                 raise StorageError(f"table {self.path} is closed")
