@@ -136,19 +136,22 @@ def test_fuzz_never_crashes(rows, head_start):
     np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
-@pytest.mark.parametrize("disabled", [("NUMA_ENGRAM_NO_AVX512",),
+@pytest.mark.parametrize("disabled", [(), ("NUMA_ENGRAM_NO_VBMI",), ("NUMA_ENGRAM_NO_AVX512",),
                                       ("NUMA_ENGRAM_NO_AVX512", "NUMA_ENGRAM_NO_AVX2")],
-                         ids=["avx2-streaming", "portable"])
-def test_portable_kernel_path_is_bit_exact_too(disabled):
-    """The AVX-512 path is used where the CPU has it, else the AVX2 row with
-    streaming stores; the portable (compiler vectorised) path must give the
-    same bits: every weight byte under every scale byte, on both sides of
-    the small-call threshold (256 rows read in token order, 8192 sorted)."""
+                         ids=["best", "avx512bw", "avx2", "portable"])
+def test_every_kernel_path_is_bit_exact_for_every_byte_under_every_scale(disabled):
+    """The AVX-512 VBMI row is used where the CPU has it, else AVX-512BW's,
+    else AVX2's, else the portable (compiler vectorised) one (a path the CPU
+    lacks runs the next one here): each must give the reference's bits for
+    every weight byte under every scale byte, with neighbouring blocks of a
+    row under different scales (the VBMI row takes two blocks a step), on
+    both sides of the small-call threshold (256 rows read in token order,
+    8192 sorted)."""
     code = """
         import numpy as np, torch
         from numa_engram.lookup.cpu import lookup_rows, reference_lookup
         w = np.tile(np.arange(256, dtype=np.uint8), 256).reshape(256, 256)
-        s = np.repeat(np.arange(256, dtype=np.uint8), 8).reshape(256, 8)
+        s = ((np.arange(256)[:, None] + 37 * np.arange(8)) % 256).astype(np.uint8)
         ok = True
         for tokens in (256, 8192):
             ids = (np.arange(tokens, dtype=np.int64) % 256).reshape(tokens, 1)

@@ -32,10 +32,10 @@
 enum { NE_MAX_THREADS = 256 };
 
 /* What the CPU can do and the environment allows (NUMA_ENGRAM_NO_AVX512,
- * NUMA_ENGRAM_NO_AVX2 switch paths off, for tests and benchmarks): read
+ * NUMA_ENGRAM_NO_VBMI, NUMA_ENGRAM_NO_AVX2 switch paths off, for tests and benchmarks): read
  * once per process, not per call (a small lookup is a few us). */
 struct ne_cpu {
-    int avx2, avx512bw, avx512dq;
+    int avx2, avx512bw, avx512dq, avx512vbmi;
 };
 
 static struct ne_cpu cpu_features;
@@ -49,6 +49,8 @@ static void read_cpu_features(void)
     cpu_features.avx512bw = __builtin_cpu_supports("avx512bw") && !no512;
     cpu_features.avx512dq = __builtin_cpu_supports("avx512f") &&
                             __builtin_cpu_supports("avx512dq") && !no512;
+    cpu_features.avx512vbmi = cpu_features.avx512bw && __builtin_cpu_supports("avx512vbmi") &&
+                              getenv("NUMA_ENGRAM_NO_VBMI") == NULL;
     cpu_features.avx2 = __builtin_cpu_supports("avx2") && getenv("NUMA_ENGRAM_NO_AVX2") == NULL;
 #endif
 }

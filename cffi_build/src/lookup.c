@@ -314,7 +314,9 @@ static void dequant_chunk(const struct lookup_job *j, const struct order *o, int
                                       : scales + o->row[q] * n_scales;
             uint16_t *out = j->out + (k0 + o->pos[q]) * dim;
 #if defined(__x86_64__)
-            if (row_dequant == row_avx512) /* a direct call the AVX-512 clone inlines */
+            if (row_dequant == row_vbmi) /* direct calls (the AVX-512 clone inlines them) */
+                row_vbmi(w, s, dim, j->block, out);
+            else if (row_dequant == row_avx512)
                 row_avx512(w, s, dim, j->block, out);
             else
 #endif
@@ -395,10 +397,13 @@ static void direct_chunk(struct lookup_job *j, struct cursor *cur, int64_t k0, i
     }
 }
 
-/* Outputs from this size on are written with streaming stores on the AVX2
- * path: a large gather's scattered output lines are not worth reading for
- * ownership, a small one's stay in cache for the reader that comes next
- * (the TP gather, the copy to the GPU). */
+/* A job's outputs from this size on are written with streaming stores (the
+ * AVX2 and AVX-512 rows, and the packed copy where AVX-512 is): a large
+ * gather's scattered output lines are not worth reading for ownership, a
+ * small one's stay in cache for the reader that comes next (the TP gather,
+ * the copy to the GPU).  The AVX-512 paths streamed every aligned output
+ * before 0.5: no faster at decode sizes (A/B in one process, 1-1,024
+ * tokens: 0.98-1.00x), and it sent a decode step's rows out of cache. */
 static int64_t stream_min_bytes = NE_STREAM_BYTES;
 
 int ne_tune_stream_bytes(int64_t bytes)
@@ -412,6 +417,10 @@ static row_fn job_row_fn(const struct lookup_job *j, row_fn picked)
 {
 #if defined(__x86_64__)
     const int64_t out_bytes = (j->t_end - j->t_begin) * j->n_heads * j->dim * 2;
+    if (picked == row_vbmi)
+        return out_bytes >= stream_min_bytes ? row_vbmi_stream : row_vbmi;
+    if (picked == row_avx512)
+        return out_bytes >= stream_min_bytes ? row_avx512_stream : row_avx512;
     if (picked == row_generic && have_avx2() && j->block == 32 && j->dim % 32 == 0)
         return out_bytes >= stream_min_bytes && ((uintptr_t)j->out & 31) == 0 ? row_avx2_stream
                                                                            : row_avx2;
@@ -425,7 +434,10 @@ static int use_streaming(const struct lookup_job *j, row_fn row_dequant)
 #if defined(__x86_64__)
     /* streaming needs AVX-512 (the picked row function says whether it is
      * there and allowed) and whole 64-byte lines at every output row */
-    return row_dequant == row_avx512 && j->dim % 64 == 0 && ((uintptr_t)j->raw_w & 63) == 0;
+    const int64_t out_bytes = (j->t_end - j->t_begin) * j->n_heads * j->dim;
+    const int avx512 = row_dequant == row_avx512 || row_dequant == row_vbmi;
+    return avx512 && out_bytes >= stream_min_bytes && j->dim % 64 == 0
+           && ((uintptr_t)j->raw_w & 63) == 0;
 #else
     (void)j;
     (void)row_dequant;

@@ -1,5 +1,6 @@
 /* rows.c: FP8 e4m3 rows with ue8m0 block scales -> BF16 rows, one row
- * function per ISA (portable, AVX2 with streaming stores, AVX-512BW).
+ * function per ISA (portable, AVX2, AVX-512BW, AVX-512 VBMI), with
+ * streaming stores for large outputs.
  * The values are bit-exact with numa_engram.model.fp8.dequantize_rows,
  * the reference every path is tested against. */
 #include "core.h"
@@ -200,12 +201,13 @@ static void row_avx2_stream(const uint8_t *w, const uint8_t *s, int64_t dim, int
 }
 
 /* AVX-512BW row (block 32): 32 values per instruction, the subnormal e4m3
- * table in one vpermw, and streaming stores: the BF16 output is twice the
- * bytes read and is not read back by this thread, so skipping the
- * read-for-ownership of its cache lines saves a third of the traffic. */
-__attribute__((target("avx512f,avx512bw")))
-static void row_avx512(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block,
-                       uint16_t *out)
+ * table in one vpermw.  stream: streaming stores for a large gather's
+ * 64-byte aligned output, whose lines are not read back by this thread (no
+ * read-for-ownership: a third of the traffic); a small output stays in
+ * cache for its reader, as on the AVX2 path (job_row_fn picks). */
+__attribute__((target("avx512f,avx512bw"))) static inline void
+row_avx512_any(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block, uint16_t *out,
+               int stream)
 {
     const __m512i sub_table = _mm512_set_epi16(
         0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
@@ -215,7 +217,7 @@ static void row_avx512(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t 
     const __m512i k7f = _mm512_set1_epi16(0x7F), k7 = _mm512_set1_epi16(7);
     const __m512i k80 = _mm512_set1_epi16(0x80), bias = _mm512_set1_epi16(120 << 7);
     const __m512i nan = _mm512_set1_epi16(0x7FC0), eight = _mm512_set1_epi16(8);
-    const int aligned = ((uintptr_t)out & 63) == 0;
+    const int aligned = stream && ((uintptr_t)out & 63) == 0;
     if (block != 32) {
         row_generic(w, s, dim, block, out);
         return;
@@ -243,6 +245,114 @@ static void row_avx512(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t 
             _mm512_storeu_si512(dst, r);
     }
 }
+
+__attribute__((target("avx512f,avx512bw")))
+static void row_avx512(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block,
+                       uint16_t *out)
+{
+    row_avx512_any(w, s, dim, block, out, 0);
+}
+
+__attribute__((target("avx512f,avx512bw")))
+static void row_avx512_stream(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block,
+                              uint16_t *out)
+{
+    row_avx512_any(w, s, dim, block, out, 1);
+}
+
+/* AVX-512 VBMI row (block 32, dim a multiple of 64), 64 values a step: in
+ * the fast scale range a value's bf16 is its unscaled one (scale byte
+ * 127's) plus (s - 127) in the exponent field, except for zeros and NaN,
+ * which no scale changes.  The unscaled bf16 of each of the 128 e4m3
+ * magnitudes is a low and a high byte, two 128-entry tables that vpermi2b
+ * reads 64 bytes at a time; the sign is the e4m3 sign bit.  ~20
+ * instructions for 64 values where row_avx512's formula takes ~34
+ * (measured, rows in cache, 8 tokens x 24 heads on one thread: 20 ns a
+ * row over the packed copy's time, row_avx512 40 ns). */
+static uint8_t vbmi_tables[2][128] __attribute__((aligned(64))); /* low, high byte */
+static uint8_t vbmi_interleave[2][64] __attribute__((aligned(64))); /* words 0-31, 32-63 */
+
+static void build_vbmi_tables(void)
+{
+    for (int m = 0; m < 128; m++) {
+        vbmi_tables[0][m] = (uint8_t)exact_lut[127][m];
+        vbmi_tables[1][m] = (uint8_t)(exact_lut[127][m] >> 8);
+    }
+    for (int half = 0; half < 2; half++)
+        for (int i = 0; i < 32; i++) { /* word i: low byte from the low table's, high from 64 on */
+            vbmi_interleave[half][2 * i] = (uint8_t)(32 * half + i);
+            vbmi_interleave[half][2 * i + 1] = (uint8_t)(64 + 32 * half + i);
+        }
+}
+
+static inline int fast_scale(uint8_t s)
+{
+    return s >= 10 && s <= 246;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) static inline void
+row_vbmi_any(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block, uint16_t *out,
+             int stream)
+{
+    if (block != 32 || dim % 64) {
+        row_avx512_any(w, s, dim, block, out, stream);
+        return;
+    }
+    const __m512i lo0 = _mm512_load_si512(vbmi_tables[0]);
+    const __m512i lo1 = _mm512_load_si512(vbmi_tables[0] + 64);
+    const __m512i hi0 = _mm512_load_si512(vbmi_tables[1]);
+    const __m512i hi1 = _mm512_load_si512(vbmi_tables[1] + 64);
+    const __m512i first = _mm512_load_si512(vbmi_interleave[0]);
+    const __m512i second = _mm512_load_si512(vbmi_interleave[1]);
+    const __m512i k7f = _mm512_set1_epi8(0x7F), k80 = _mm512_set1_epi8((char)0x80);
+    const __m512i nan = _mm512_set1_epi16(0x7FC0);
+    const int aligned = stream && ((uintptr_t)out & 63) == 0;
+    for (int64_t b = 0; b < dim / 64; b++) {
+        const uint8_t sa = s[2 * b], sb = s[2 * b + 1];
+        uint16_t *dst = out + b * 64;
+        if (!fast_scale(sa) || !fast_scale(sb)) {
+            dequant_block(w + b * 64, sa, 32, dst);
+            dequant_block(w + b * 64 + 32, sb, 32, dst + 32);
+            continue;
+        }
+        const __m512i x = _mm512_loadu_si512(w + b * 64);
+        const __m512i lo = _mm512_permutex2var_epi8(lo0, x, lo1); /* bit 7 (sign) ignored */
+        __m512i hi = _mm512_permutex2var_epi8(hi0, x, hi1);
+        hi = _mm512_ternarylogic_epi32(hi, x, k80, 0xF8); /* hi | (x & 0x80): the sign */
+        const __mmask64 zero = _mm512_testn_epi8_mask(x, k7f);
+        const __mmask64 is_nan = _mm512_cmpeq_epi8_mask(_mm512_and_si512(x, k7f), k7f);
+        const __mmask64 scaled = _knot_mask64(_kor_mask64(zero, is_nan));
+        __m512i r0 = _mm512_permutex2var_epi8(lo, first, hi);
+        __m512i r1 = _mm512_permutex2var_epi8(lo, second, hi);
+        r0 = _mm512_mask_add_epi16(r0, (__mmask32)scaled, r0,
+                                   _mm512_set1_epi16((short)(((int)sa - 127) << 7)));
+        r1 = _mm512_mask_add_epi16(r1, (__mmask32)(scaled >> 32), r1,
+                                   _mm512_set1_epi16((short)(((int)sb - 127) << 7)));
+        r0 = _mm512_mask_mov_epi16(r0, (__mmask32)is_nan, nan); /* either sign: 0x7FC0 */
+        r1 = _mm512_mask_mov_epi16(r1, (__mmask32)(is_nan >> 32), nan);
+        if (aligned) {
+            _mm512_stream_si512((__m512i *)dst, r0);
+            _mm512_stream_si512((__m512i *)(dst + 32), r1);
+        } else {
+            _mm512_storeu_si512(dst, r0);
+            _mm512_storeu_si512(dst + 32, r1);
+        }
+    }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vbmi")))
+static void row_vbmi(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block,
+                     uint16_t *out)
+{
+    row_vbmi_any(w, s, dim, block, out, 0);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vbmi")))
+static void row_vbmi_stream(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block,
+                            uint16_t *out)
+{
+    row_vbmi_any(w, s, dim, block, out, 1);
+}
 #endif
 
 /* The row function: picked from the CPU's features, which are read once
@@ -250,6 +360,8 @@ static void row_avx512(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t 
 static row_fn pick_row_fn(void)
 {
 #if defined(__x86_64__)
+    if (ne_cpu()->avx512vbmi)
+        return row_vbmi;
     if (ne_cpu()->avx512bw)
         return row_avx512;
 #endif
@@ -269,6 +381,7 @@ static void build_tables(void)
     build_exact_lut();
 #if defined(__x86_64__)
     build_byte_tables();
+    build_vbmi_tables();
 #endif
 }
 
