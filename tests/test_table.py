@@ -315,3 +315,32 @@ def test_a_create_request_names_the_bad_argument(kwargs, text):
     with pytest.raises(SpecError, match=text):
         _request(**kwargs)
 
+
+
+def test_lookup_counts_every_outcome_and_a_closed_table_says_so_whatever_the_ids():
+    """The ids are checked before the lookup lock and the pooled output is
+    taken under it: a wrongly shaped id array is still counted as a bad-id
+    lookup, a good one as a lookup, the table's in-flight count is back to
+    0 after each (close() does not wait), and a closed table refuses good
+    and bad ids alike with its own error."""
+    from numa_engram.errors import LookupIdError
+
+    spec = EngramSpec.small()
+    table = SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0))
+    good = np.zeros((3, spec.n_hash_cols), dtype=np.int64)
+    assert table.lookup(good).shape == (3, spec.n_hash_cols, spec.head_dim)
+    with pytest.raises(LookupIdError, match="shape"):
+        table.lookup(np.zeros((3, spec.n_hash_cols + 1), dtype=np.int64))
+    with pytest.raises(LookupIdError, match="dtype"):
+        table.lookup(np.zeros((3, spec.n_hash_cols), dtype=np.float32))
+    bad_value = good.copy()
+    bad_value[1, 2] = 1 << 40
+    with pytest.raises(LookupIdError):
+        table.lookup(bad_value)
+    stats = table.stats()
+    assert (stats.lookups, stats.bad_id_lookups, stats.failed_lookups) == (1, 3, 0)
+    assert table._active == 0
+    table.close()
+    for ids in (good, np.zeros((3, 1), dtype=np.int64)):
+        with pytest.raises(StorageError, match="closed"):
+            table.lookup(ids)

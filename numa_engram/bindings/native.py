@@ -442,8 +442,13 @@ def _kernel(geom: Geometry, ids: np.ndarray, col0: int, global_ids: bool, out: A
     else:
         rows, scales = ffi.from_buffer(out), ffi.NULL
     tokens = ids.shape[0]
-    bad = lib.ne_lookup(geom.struct, ids_address(ids), col0, tokens, _row_stride(ids),
-                        global_ids, rows, scales, *tail)
+    try:  # ids_address and _row_stride spelled inline: a decode step is a few us
+        address = ffi.from_buffer(ids)
+    except ValueError:
+        address = ffi.cast("void *", ids.ctypes.data)
+    stride = ids.strides[0] // 8 if tokens > 1 else ids.shape[1]
+    bad = lib.ne_lookup(geom.struct, address, col0, tokens, stride, global_ids, rows, scales,
+                        *tail)
     if bad == 0:
         return _NO_BAD_IDS
     if bad < 0:

@@ -119,11 +119,13 @@ class OutputPool:
     step's lookup is ~20).  Thread-safe; at most ``max_free`` idle buffers
     are kept."""
 
-    def __init__(self, max_free: int = 4, *, packed: bool = False) -> None:
+    def __init__(self, max_free: int = 4, *, packed: bool = False,
+                 lock: threading.Lock | None = None) -> None:
         self.max_free, self.packed = max_free, packed
         self._buffers: list[_Pooled] = []
         self._last: _Pooled | None = None
-        self._lock = threading.Lock()
+        # ``lock``: an owner's lock that it may hold already (take_locked)
+        self._lock = lock or threading.Lock()
 
     def take(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
         """(BF16 tensor of ``shape``, uint16 numpy view of its bits)."""
@@ -136,18 +138,22 @@ class OutputPool:
         so the caller's references make the buffer busy before another
         thread can look at it."""
         with self._lock:
-            last = self._last  # the common case: the buffer of the last call, free again
-            if last is not None and last.shape == shape and last.idle():
-                return last.tensor, last.bits, last.pointer
-            n = math.prod(shape)
-            for entry in self._buffers:
-                if n <= entry.size <= 2 * n and entry.idle():
-                    break
-            else:
-                entry = self._new_entry(n)
-            entry.shape_as(shape)
-            self._last = entry
-            return entry.tensor, entry.bits, entry.pointer
+            return self.take_locked(shape)
+
+    def take_locked(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray, Any]:
+        """``take_with_buffer`` for a caller that holds the pool's lock."""
+        last = self._last  # the common case: the buffer of the last call, free again
+        if last is not None and last.shape == shape and last.idle():
+            return last.tensor, last.bits, last.pointer
+        n = math.prod(shape)
+        for entry in self._buffers:
+            if n <= entry.size <= 2 * n and entry.idle():
+                break
+        else:
+            entry = self._new_entry(n)
+        entry.shape_as(shape)
+        self._last = entry
+        return entry.tensor, entry.bits, entry.pointer
 
     def _new_entry(self, n: int) -> _Pooled:
         free = [e for e in self._buffers if e.idle()]

@@ -156,6 +156,7 @@ class SharedEngramTable:
             self.weights, self.scales, prefix_offsets(self._bucket_sizes), self._bucket_sizes,
             self.id_base("global"), spec.block)
         self._kernel: native.ShardKernel | None = None  # bound at the first lookup
+        self._head_start = shard.head_start  # the ids' first column of this shard
         self._n_cols, self._row_shape = spec.n_hash_cols, (shard.num_heads, spec.head_dim)
         self._device_shard: DeviceShard | None = None
         self._closed = False
@@ -165,7 +166,8 @@ class SharedEngramTable:
         # lookup is a few us); close() waits on the condition built on it
         self._lookup_lock = threading.Lock()
         self._idle = threading.Condition(self._lookup_lock)
-        self._outputs = OutputPool()  # lookup(ids) without out= reuses freed outputs
+        # lookup(ids) without out= reuses freed outputs, taken under the lookup lock
+        self._outputs = OutputPool(lock=self._lookup_lock)
         self._packed_pools = (OutputPool(packed=True), OutputPool(packed=True))  # rows, scales
         self._counts = {"lookups": 0, "rows": 0, "seconds": 0.0, "bad_ids": 0, "failed": 0}
         self._latency = Histogram()
@@ -317,22 +319,30 @@ class SharedEngramTable:
         ``lookup_cuda(packed=True)`` gives them (``dequantize=False`` is its
         old, deprecated spelling).  ``out`` may also be what
         ``prepare_out(buffer)`` gave, for a buffer used call after call."""
-        check_id_format(id_format)
+        if id_format != "bucket":
+            check_id_format(id_format)
         if dequantize is not None:
             warnings.warn("lookup(dequantize=...) is now lookup(packed=...), its opposite",
                           DeprecationWarning, stacklevel=2)
             packed = not dequantize
-        # one lock round trip in and one out: a decode step's lookup is a few us
-        self._enter_lookup()
-        started, rows, failure = time.perf_counter(), -1, "failed"  # -1: not counted
-        try:
+        started = time.perf_counter()
+        try:  # before the lock: the ids are the caller's, not the table's
             ids = check_hash_ids(hash_ids, self._n_cols)
-            shape = (ids.shape[0], *self._row_shape)
+        except LookupIdError:
+            self._enter_lookup()  # counted; a closed table says so instead
+            self._leave_lookup(-1, 0.0, "bad_ids")
+            raise
+        shape = (ids.shape[0], *self._row_shape)
+        default = out is None and not packed  # the default first: a decode step is a few us
+        # one lock round trip in (with the pooled output) and one out
+        pooled = self._enter_lookup(shape if default else None)
+        rows, failure = -1, "failed"  # -1: not counted
+        try:
             result: Any
             bits: Any
-            buffer = None  # the kernel's buffer of a pooled output, made once
-            if out is None and not packed:  # the default first: a decode step is a few us
-                result, bits, buffer = self._outputs.take_with_buffer(shape)
+            buffer = None  # the kernel's buffer of a pooled or prepared output, made once
+            if default:
+                result, bits, buffer = pooled
             elif isinstance(out, PreparedOutput):
                 result, bits, buffer = _prepared(out, shape, packed)
             elif packed and out is None:
@@ -342,7 +352,11 @@ class SharedEngramTable:
             else:
                 result, bits = bf16_out(out, shape)
             if shape[0]:
-                self._gather(ids, bits, id_format == "global", buffer)
+                kernel = self._kernel or self._shard_kernel()
+                count, first, value = kernel(ids, self._head_start, id_format == "global", bits,
+                                             buffer)
+                if count:
+                    self._raise_bad_ids(count, first, value, id_format == "global")
             rows = shape[0] * shape[1]
             return result
         except LookupIdError:
@@ -367,17 +381,12 @@ class SharedEngramTable:
         rows = out[0] if packed and isinstance(out, tuple) else out
         return prepare_out(out, (int(rows.shape[0]), *self._row_shape), packed, self.spec.block)
 
-    def _gather(self, ids: np.ndarray, bits: np.ndarray | tuple[np.ndarray, np.ndarray],
-                global_ids: bool, buffer: Any = None) -> None:
-        """The kernel over this shard's cached geometry, on this table's
-        persistent workers when it looks up with several threads."""
-        count, first, value = self._shard_kernel()(ids, self.shard.head_start, global_ids,
-                                                   bits, buffer)
-        if count:
-            t, h = divmod(first, self.shard.num_heads)
-            base = self.id_base("global") if global_ids else None
-            raise LookupIdError(bad_id_text(value, t, self.shard.head_start + h,
-                                             int(self._bucket_sizes[h]), base, h, count))
+    def _raise_bad_ids(self, count: int, first: int, value: int, global_ids: bool) -> None:
+        """LookupIdError for the kernel's first bad id (flat index ``first``)."""
+        t, h = divmod(first, self.shard.num_heads)
+        base = self.id_base("global") if global_ids else None
+        raise LookupIdError(bad_id_text(value, t, self.shard.head_start + h,
+                                         int(self._bucket_sizes[h]), base, h, count))
 
     @property
     def lookup_cpus(self) -> tuple[int, ...]:
@@ -538,30 +547,49 @@ class SharedEngramTable:
         if self._closed:
             raise StorageError("the table is closed")
 
-    def _enter_lookup(self) -> None:
-        """A lookup begins: refused once closed; close() waits until it ends."""
-        with self._lookup_lock:
+    def _enter_lookup(self, pooled_shape: tuple[int, ...] | None = None) -> Any:
+        """A lookup begins: refused once closed; close() waits until it ends.
+        ``pooled_shape``: also take a pooled output of that shape (under the
+        same lock: a decode step's lookup is a few us) and return it."""
+        lock = self._lookup_lock
+        lock.acquire()  # (not `with`: twice its cost, a tenth of a 1-token lookup's Python)
+        try:
             if self._closed:
                 self._check_open()  # raises
-            self._active += 1
+            pooled = None
+            if pooled_shape is not None:
+                try:
+                    pooled = self._outputs.take_locked(pooled_shape)
+                except BaseException:
+                    self._counts["failed"] += 1
+                    raise
+            self._active += 1  # last: nothing to undo when the take fails
+            return pooled
+        finally:
+            lock.release()
 
     def _leave_lookup(self, rows: int, seconds: float, failure: str = "failed",
                       timed: bool = True) -> None:
         """A lookup ended (counted unless it failed: rows -1, counted as
         ``failure``); wakes a waiting close().  ``timed``: ``seconds`` is the
         lookup's latency (a GPU launch's is not)."""
-        with self._lookup_lock:
+        lock = self._lookup_lock
+        lock.acquire()
+        try:
             self._active -= 1
+            counts = self._counts
             if rows >= 0:
-                self._counts["lookups"] += 1
-                self._counts["rows"] += rows
-                self._counts["seconds"] += seconds
+                counts["lookups"] += 1
+                counts["rows"] += rows
+                counts["seconds"] += seconds
                 if timed:
                     self._latency.observe(seconds)
             else:
-                self._counts[failure] += 1
+                counts[failure] += 1
             if self._closed:
                 self._idle.notify_all()
+        finally:
+            lock.release()
 
     def __enter__(self) -> SharedEngramTable:
         return self
