@@ -326,3 +326,25 @@ def test_a_waiter_never_runs_its_lookup_ahead_of_an_earlier_one():
         waiter.join(10)
         assert log == [1, 2] and bool((got[2] == 2).all())
         assert bool((sched.wait(1) == 1).all())
+
+
+def test_a_fast_lookup_with_a_lead_shorter_than_a_hand_off_stays_on_the_waiter():
+    """A lead longer than the lookup but shorter than a hand-off hides
+    nothing (the worker is still waking when the wait comes): the lookup
+    runs on the waiter, not ahead."""
+    from numa_engram.lookup.prefetch import HANDOFF_S
+
+    threads = []
+
+    def where(ids, out):
+        threads.append(threading.current_thread())
+        return out.fill_(1)  # a few us: shorter than the lead below
+    waiter = threading.current_thread()
+    with _sched({1: where}) as sched:
+        for _ in range(20):
+            sched.submit(1, _ids())
+            until = time.perf_counter() + HANDOFF_S / 5
+            while time.perf_counter() < until:  # the layers before it compute
+                pass
+            assert bool((sched.wait(1) == 1).all())
+    assert len(threads) == 20 and all(t is waiter for t in threads[1:])

@@ -12,9 +12,9 @@ rows) and reused every step, so a CUDA graph can be captured around them.
 
 Backends: ``cpu`` (a worker thread; the fully tested contract) and
 ``cuda`` (a side stream and CUDA events).  On the CPU a lookup of a layer
-whose last wait came sooner after its submit than both its last lookup took
-and ``HANDOFF_S`` (so running ahead would have hidden less than the hand-off
-to the worker and back costs) is not handed to an idle worker: its
+whose last wait came sooner after its submit than ``HANDOFF_S`` (so running
+ahead would have hidden less than the hand-off to the worker and back
+costs) is not handed to an idle worker: its
 ``wait`` runs it on the waiting thread (with any such lookups queued before
 it, in order).  Every other lookup runs on the worker, ahead of its wait.
 
@@ -47,7 +47,7 @@ LookupFn = Callable[[Any, Any], Any]  # (hash_ids, out) -> out
 # What handing a lookup to the worker and back may cost: two thread
 # wake-ups, each up to ~200 us in a VM guest (a 1,024-token lookup waited for
 # at once took 1.8x a direct one through the worker).  A lead (submit ->
-# wait) shorter than this and than the lookup hides less than it costs.
+# wait) shorter than this hides less than it costs.
 HANDOFF_S = 0.0005
 
 
@@ -73,16 +73,18 @@ class LayerMetrics:
     errors: int = 0
     timeouts: int = 0
     latency: Histogram = field(default_factory=Histogram)
-    # the last lookup's lead (submit -> wait) and own time: whether running
-    # the next one ahead can hide anything
+    # the last lookup's lead (submit -> wait): whether running the next one
+    # ahead can hide anything
     last_lead_s: float = float("inf")
-    last_lookup_s: float = 0.0
 
     def ahead_pays(self) -> bool:
         """Whether the layer's next lookup should go to the worker: when the
-        last lead was long enough for the worker to finish it before its
-        wait, or longer than a hand-off costs (a long lookup gains it)."""
-        return self.last_lead_s >= min(self.last_lookup_s, HANDOFF_S)
+        last lead was longer than a hand-off costs.  A shorter lead hides
+        nothing even if the lookup is shorter still: the worker is still
+        waking when the wait comes (measured: 1-token lookups with a lead of
+        a few us went to the worker whenever the lead outlasted the
+        lookup, one in six, and cost ~100 us each)."""
+        return self.last_lead_s >= HANDOFF_S
 
     def as_dict(self) -> dict:
         n = max(1, self.lookups)
@@ -182,8 +184,10 @@ class PrefetchScheduler:
         self._inflight: dict[Any, _Job] = {}
         self._outstanding = 0  # jobs holding one of the `depth` slots
         self._sleepers = 0  # threads waiting on the lock (_sleep)
-        mutex = threading.Lock()
-        self._lock = threading.Condition(mutex)  # state changes, waiters, submitters
+        # state changes hold the mutex (a Condition's `with` runs Python code,
+        # the lock's does not: a decode step's lookup is a few us)
+        self._mutex = mutex = threading.Lock()
+        self._lock = threading.Condition(mutex)  # waiters, submitters
         self._work = threading.Condition(mutex)  # the worker: a job queued, or stop
         self._closed = self._stopping = False
         if backend == "cpu":
@@ -208,7 +212,7 @@ class PrefetchScheduler:
                                 f"{self.max_tokens} of the static staging buffer")
         out, target = self._staged(layer, n)
         job = _Job(layer, hash_ids, out, target, time.perf_counter(), n)
-        with self._lock:  # check and claim the layer in one step
+        with self._mutex:  # check and claim the layer in one step
             self._check_open()
             if layer in self._inflight:
                 raise PrefetchError(f"layer {layer!r} already has a lookup in flight; wait() "
@@ -241,14 +245,23 @@ class PrefetchScheduler:
         sync) and raise LookupIdError for bad ids.  ``timeout_s`` (CPU): give
         up after that long with PrefetchError; the lookup stays in flight
         (wait again, or reset())."""
-        with self._lock:
+        with self._mutex:
             self._check_open()
             job = self._inflight.get(layer)
+            # the common case of a decode step: its own lookup is next and
+            # no one runs: claimed here, in the same lock round trip
+            here = job is not None and timeout_s is None and self.backend == "cpu" and \
+                not job.woken and not self._running and bool(self._queue) and self._queue[0] is job
+            if here:
+                self._queue.popleft()
+                self._running = True
         if job is None:
             raise PrefetchError(f"wait({layer!r}) without a submit({layer!r}) this step")
         called = time.perf_counter()
-        if self.backend == "cpu" and not self._wait_cpu(job, timeout_s):
-            with self._lock:
+        if here:
+            self._execute(job)
+        elif self.backend == "cpu" and not self._wait_cpu(job, timeout_s):
+            with self._mutex:
                 self.metrics[layer].timeouts += 1
             raise PrefetchError(f"the lookup of layer {layer!r} did not finish in {timeout_s} s;"
                                 " it is still in flight: wait again or reset()")
@@ -273,7 +286,7 @@ class PrefetchScheduler:
     def reset(self) -> None:
         """Drop every lookup not yet waited for (e.g. between steps after an
         abort); a running one finishes but its rows are discarded."""
-        with self._lock:
+        with self._mutex:
             pending = self._cancel_all()
             if self.backend == "cpu":  # the worker drains what no waiter will run now
                 for job in self._queue:
@@ -289,13 +302,13 @@ class PrefetchScheduler:
     def close(self) -> None:
         """Drop what is queued, let a running lookup finish, wake every
         waiter (PrefetchError) and stop the worker.  Idempotent."""
-        with self._lock:
+        with self._mutex:
             if self._closed:
                 return
             self._closed = True
             self._cancel_all()
         if self.backend == "cpu":
-            with self._lock:
+            with self._mutex:
                 self._stopping = True
                 self._work.notify()
             self._worker.join()  # skipped jobs and the running one set `done`
@@ -304,7 +317,7 @@ class PrefetchScheduler:
         """Per layer totals since the scheduler started (no sync: CUDA
         lookup times are counted once their events have completed)."""
         self._read_gpu_times()
-        with self._lock:
+        with self._mutex:
             return {layer: LayerStats(m.lookups, m.lookup_s, m.lead_s, m.exposed_s, m.errors,
                                       m.timeouts, m.latency.snapshot())
                     for layer, m in self.metrics.items()}
@@ -380,7 +393,7 @@ class PrefetchScheduler:
         return [job for job in self._inflight.values() if job.slot]
 
     def _retire(self, job: _Job) -> None:
-        with self._lock:
+        with self._mutex:
             if self._inflight.get(job.layer) is job:
                 del self._inflight[job.layer]
             if job.slot:
@@ -393,9 +406,9 @@ class PrefetchScheduler:
         m.lookups += 1
         m.last_lead_s = called - job.submitted
         if self.backend == "cpu":
-            m.last_lookup_s = max(0.0, job.finished - job.started)
-            m.lookup_s += m.last_lookup_s
-            m.latency.observe(m.last_lookup_s)
+            seconds = max(0.0, job.finished - job.started)
+            m.lookup_s += seconds
+            m.latency.observe(seconds)
         elif job.start_event is not None:
             self._gpu_times.append((job.layer, job.start_event, job.event))
         m.lead_s += m.last_lead_s
@@ -422,7 +435,7 @@ class PrefetchScheduler:
         else.  False when ``timeout_s`` passed first (a wait that may give
         up runs nothing itself: the worker is told to run it)."""
         while True:
-            with self._lock:
+            with self._mutex:
                 if job.done:
                     return True
                 head = self._queue[0] if self._queue and not self._running else None
@@ -442,7 +455,7 @@ class PrefetchScheduler:
         return self._sleep(lambda: job.done, timeout_s)
 
     def _wait_done(self, job: _Job) -> None:
-        with self._lock:
+        with self._mutex:
             self._sleep(lambda: job.done)
 
     def _execute(self, job: _Job) -> None:
@@ -453,7 +466,7 @@ class PrefetchScheduler:
             except BaseException as exc:  # surfaces at this layer's wait()
                 job.error = exc
         job.finished = time.perf_counter()
-        with self._lock:
+        with self._mutex:
             job.done, self._running = True, False
             self._wake_all()
             if self._stopping or self._queue and self._queue[0].woken:
