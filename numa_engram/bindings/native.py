@@ -273,18 +273,16 @@ def statfs_type(path: str) -> int:
 
 # ------------------------------------------------------------- kernels --
 
-def _row_stride(ids: np.ndarray) -> int:
-    return ids.strides[0] // 8 if ids.shape[0] > 1 else ids.shape[1]
-
-
-def ids_address(ids: np.ndarray) -> Any:
-    """The kernel's view of int64 ids: the buffer of contiguous ones (the
-    cheap path), the first element's address of a strided view (a token's
-    columns adjacent, tokens apart)."""
+def ids_args(ids: np.ndarray) -> tuple[Any, int]:
+    """The kernel's view of int64 ids and their row stride in ids: the
+    buffer of contiguous ones (the cheap path), the first element's address
+    of a strided view (a token's columns adjacent, tokens apart).  One call
+    for both: a decode step's lookup is a few us."""
     try:  # the common case without a flags check: a contiguous array's buffer
-        return ffi.from_buffer(ids)
+        address = ffi.from_buffer(ids)
     except ValueError:  # numpy's "not C-contiguous"
-        return ffi.cast("void *", ids.ctypes.data)
+        address = ffi.cast("void *", ids.ctypes.data)
+    return address, ids.strides[0] // 8 if ids.shape[0] > 1 else ids.shape[1]
 
 
 def _ptr(array: np.ndarray, ctype: str):
@@ -297,8 +295,8 @@ def first_bad_id(ids: np.ndarray, col0: int, sizes: np.ndarray,
     ``col0 ..`` that is neither -1 nor inside its head's range; -1 if none."""
     if ids.shape[0] == 0:
         return -1
-    return int(lib.ne_first_bad_id(ffi.cast("int64_t *", ids_address(ids)) + col0, ids.shape[0],
-                                   _row_stride(ids),
+    address, stride = ids_args(ids)
+    return int(lib.ne_first_bad_id(ffi.cast("int64_t *", address) + col0, ids.shape[0], stride,
                                    len(sizes), _ptr(sizes, "int64_t *"),
                                    ffi.NULL if id_base is None else _ptr(id_base, "int64_t *")))
 
@@ -442,11 +440,7 @@ def _kernel(geom: Geometry, ids: np.ndarray, col0: int, global_ids: bool, out: A
     else:
         rows, scales = ffi.from_buffer(out), ffi.NULL
     tokens = ids.shape[0]
-    try:  # ids_address and _row_stride spelled inline: a decode step is a few us
-        address = ffi.from_buffer(ids)
-    except ValueError:
-        address = ffi.cast("void *", ids.ctypes.data)
-    stride = ids.strides[0] // 8 if tokens > 1 else ids.shape[1]
+    address, stride = ids_args(ids)
     bad = lib.ne_lookup(geom.struct, address, col0, tokens, stride, global_ids, rows, scales,
                         *tail)
     if bad == 0:

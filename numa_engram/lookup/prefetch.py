@@ -27,6 +27,7 @@ PrefetchError.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import PrefetchError
 from ..histogram import Histogram
 from ..literals import IdFormat, check_id_format
+from .outputs import aligned_empty
 
 if TYPE_CHECKING:
     import torch
@@ -132,13 +134,26 @@ def _as_lookup(source: Any, backend: str = "cpu", max_sms: int | None = None,
 def _staging(torch: Any, max_tokens: int, row_shape: tuple[int, int], dtype: Any, device: Any,
              table: Any) -> Rows:
     """The layer's static buffer: BF16 rows, or (FP8 rows, scales) of
-    ``table``'s block size when packed."""
-    if table is None:
-        return torch.empty((max_tokens, *row_shape), dtype=dtype or torch.bfloat16,
-                           device=device)
+    ``table``'s block size when packed.  On the CPU from ``aligned_empty``,
+    as a table's own outputs: 64-byte aligned for the streaming stores, and
+    transparent huge pages for a prefill's scattered rows (torch's
+    allocator asks for neither: a 16,384-token step took 1.2x a direct
+    lookup)."""
     heads, dim = row_shape
-    return (torch.empty((max_tokens, heads, dim), dtype=torch.uint8),
-            torch.empty((max_tokens, heads, dim // table.spec.block), dtype=torch.uint8))
+    if table is None:
+        dtype = dtype or torch.bfloat16
+        if device.type != "cpu" or dtype != torch.bfloat16:
+            return torch.empty((max_tokens, heads, dim), dtype=dtype, device=device)
+        return _cpu_buffer(torch, (max_tokens, heads, dim), torch.bfloat16)
+    return (_cpu_buffer(torch, (max_tokens, heads, dim), torch.uint8),
+            _cpu_buffer(torch, (max_tokens, heads, dim // table.spec.block), torch.uint8))
+
+
+def _cpu_buffer(torch: Any, shape: tuple[int, ...], dtype: Any) -> torch.Tensor:
+    """A CPU tensor of ``shape`` on ``aligned_empty`` memory (BF16 or uint8)."""
+    if dtype == torch.uint8:
+        return torch.from_numpy(aligned_empty(math.prod(shape), "uint8").reshape(shape))
+    return torch.from_numpy(aligned_empty(math.prod(shape)).reshape(shape)).view(torch.bfloat16)
 
 
 class PrefetchScheduler:
