@@ -178,6 +178,48 @@ def test_ids_changed_by_another_thread_never_read_outside_the_table():
 
 
 
+def test_lookup_threads_and_cpus_changed_while_other_threads_look_up():
+    """Setting lookup_threads or lookup_cpus while other threads look up
+    binds a new kernel for later calls; the old one's threads stop once no
+    call uses them (stopped at once, a running call's pool was freed under
+    it: threads were left behind in 2 of 4 runs of this test).  Every result
+    keeps the reference's bits, and no thread is left after close()."""
+    child = run_python("""
+        import threading
+        import numpy as np, torch
+        from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+        from numa_engram.lookup.cpu import reference_lookup
+        spec = EngramSpec.small(rows_per_head=2000)
+        t = SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0))
+        t.weights[:] = np.random.default_rng(0).integers(0, 256, t.weights.shape, np.uint8)
+        ids = np.random.default_rng(1).integers(0, 2000, (1024, spec.n_hash_cols))
+        want = reference_lookup(t.weights, t.scales, ids, head_start=0,
+                                bucket_sizes=spec.bucket_sizes(1)).view(torch.int16)
+        torch.set_num_threads(1)  # torch's own pool stays as it is
+        torch.equal(want, want)
+        tasks = lambda: len(__import__("os").listdir("/proc/self/task"))
+        before = tasks()  # no lookup yet: no kernel threads
+        wrong, stop = [], False
+        def reader():
+            while not stop:
+                if not torch.equal(t.lookup(ids).view(torch.int16), want):
+                    wrong.append(1)
+        readers = [threading.Thread(target=reader) for _ in range(2)]
+        for th in readers:
+            th.start()
+        for i in range(3000):
+            t.lookup_threads = 1 + i % 3
+            t.lookup_cpus = (0,) if i % 2 else ()
+        stop = True
+        for th in readers:
+            th.join()
+        t.close()
+        print("survived", len(wrong), before == tasks())
+    """, timeout=300)
+    assert child.returncode == 0, f"crashed: {child.returncode} {child.stderr[-500:]}"
+    assert "survived 0 True" in child.stdout, child.stdout
+
+
 def test_close_waits_for_running_lookups_and_later_lookups_raise():
     spec = EngramSpec.small(rows_per_head=2000)
     table = SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0))

@@ -328,9 +328,9 @@ class SharedEngramTable:
         started = time.perf_counter()
         try:  # before the lock: the ids are the caller's, not the table's
             ids = check_hash_ids(hash_ids, self._n_cols)
-        except LookupIdError:
+        except Exception as exc:
             self._enter_lookup()  # counted; a closed table says so instead
-            self._leave_lookup(-1, 0.0, "bad_ids")
+            self._leave_lookup(-1, 0.0, "bad_ids" if isinstance(exc, LookupIdError) else "failed")
             raise
         shape = (ids.shape[0], *self._row_shape)
         default = out is None and not packed  # the default first: a decode step is a few us
@@ -420,11 +420,15 @@ class SharedEngramTable:
                                                   self._lookup_cpus)
             return self._kernel
 
-    def _drop_kernel(self) -> None:
-        """Stop this table's lookup threads; the next lookup binds anew."""
+    def _drop_kernel(self, stop: bool = False) -> None:
+        """Forget this table's kernel; the next lookup binds anew.  Its
+        threads stop when the last lookup still using it lets go of it (a
+        setter may run while other threads look up: stopping them under a
+        running call freed its pool), or at once with ``stop`` (close(),
+        when no lookup runs)."""
         kernel = getattr(self, "_kernel", None)
         self._kernel = None
-        if kernel is not None:
+        if kernel is not None and stop:
             kernel.close()
 
     def id_base(self, id_format: IdFormat) -> np.ndarray | None:
@@ -532,7 +536,7 @@ class SharedEngramTable:
                 return
             self._closed = True
             self._idle.wait_for(lambda: self._active == 0)
-        self._drop_kernel()  # no lookup runs now: the threads stop here
+        self._drop_kernel(stop=True)  # no lookup runs now: the threads stop here
         # no view of the mapping may outlive close: empty arrays of the same
         # row shape stand in for the rows
         self.weights = np.empty((0, self.weights.shape[1]), np.uint8)
