@@ -181,6 +181,7 @@ class _Pooled:
         self.tensor: Any = None
         self.bits: Any = None
         self._storage = 0  # the tensor's storage (its address: the tensor keeps it alive)
+        self._use_count: Any = None  # torch's count of the tensors sharing a storage
         self._idle_refs = (0, 0, 0)
 
     def shape_as(self, shape: tuple[int, ...]) -> None:
@@ -197,8 +198,9 @@ class _Pooled:
             torch.from_numpy(bits).view(torch.bfloat16)
         self.bits, self.shape = bits, shape
         self._storage = self.tensor.untyped_storage()._cdata
+        self._use_count = torch._C._storage_Use_Count  # found once: idle() runs every call
         self._idle_refs = (sys.getrefcount(self.owner), sys.getrefcount(self.tensor),
-                           _storage_use_count(self._storage))
+                           self._use_count(self._storage))
 
     def idle(self) -> bool:
         """Nothing but the pool refers to the memory (no result of an earlier
@@ -207,19 +209,4 @@ class _Pooled:
             return True
         owner, tensor, storage = self._idle_refs
         return sys.getrefcount(self.owner) == owner and sys.getrefcount(self.tensor) == tensor \
-            and _storage_use_count(self._storage) == storage
-
-
-def _storage_use_count(storage: int) -> int:
-    """How many tensors share the storage at that address (torch's count;
-    torch's function found once: an import statement per call cost more
-    than the count)."""
-    global _use_count
-    if _use_count is None:
-        import torch
-
-        _use_count = torch._C._storage_Use_Count
-    return _use_count(storage)
-
-
-_use_count: Any = None
+            and self._use_count(self._storage) == storage
