@@ -79,10 +79,17 @@ static inline void dequant_fast32(const uint8_t *restrict w, uint16_t shift,
     }
 }
 
+/* Scale bytes whose blocks take the branch-free formulas (every path's
+ * fast range); the others read the exact table. */
+static inline int fast_scale(uint8_t s)
+{
+    return s >= 10 && s <= 246;
+}
+
 static inline void dequant_block(const uint8_t *restrict w, uint8_t s, int64_t n,
                                  uint16_t *restrict out)
 {
-    if (n == 32 && s >= 10 && s <= 246) {
+    if (n == 32 && fast_scale(s)) {
         dequant_fast32(w, (uint16_t)(((int)s - 127) << 7), out);
         return;
     }
@@ -162,11 +169,13 @@ dequant32_avx2(const uint8_t *w, uint8_t s, __m256i *first, __m256i *second)
  * Blocks with a scale near the fp32 range edges take the exact table, as
  * everywhere. */
 __attribute__((target("avx2"))) static inline void
-row_avx2_any(const uint8_t *w, const uint8_t *s, int64_t dim, uint16_t *out, int stream)
+row_avx2_any(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block, uint16_t *out,
+             int stream)
 {
+    (void)block; /* job_row_fn picks this row for block 32 only */
     for (int64_t b = 0; b < dim / 32; b++) {
         uint16_t *dst = out + b * 32;
-        if (s[b] < 10 || s[b] > 246) {
+        if (!fast_scale(s[b])) {
             uint16_t line[32] __attribute__((aligned(32)));
             dequant_block(w + b * 32, s[b], 32, line);
             memcpy(dst, line, sizeof line);
@@ -184,21 +193,22 @@ row_avx2_any(const uint8_t *w, const uint8_t *s, int64_t dim, uint16_t *out, int
     }
 }
 
-__attribute__((target("avx2")))
-static void row_avx2(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block,
-                     uint16_t *out)
-{
-    (void)block;
-    row_avx2_any(w, s, dim, out, 0);
-}
+/* An ISA's pair of row functions over its name##_any(..., stream): plain
+ * stores, and (name##_stream) streaming stores for a large output; row_fn
+ * has no stream argument, job_row_fn picks one of the pair per job. */
+#define ROW_FN_PAIR(name, isa)                                                               \
+    __attribute__((target(isa))) static void name(const uint8_t *w, const uint8_t *s,       \
+                                                  int64_t dim, int64_t block, uint16_t *out) \
+    {                                                                                        \
+        name##_any(w, s, dim, block, out, 0);                                                \
+    }                                                                                        \
+    __attribute__((target(isa))) static void name##_stream(                                  \
+        const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block, uint16_t *out)       \
+    {                                                                                        \
+        name##_any(w, s, dim, block, out, 1);                                                \
+    }
 
-__attribute__((target("avx2")))
-static void row_avx2_stream(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block,
-                            uint16_t *out)
-{
-    (void)block;
-    row_avx2_any(w, s, dim, out, 1);
-}
+ROW_FN_PAIR(row_avx2, "avx2")
 
 /* AVX-512BW row (block 32): 32 values per instruction, the subnormal e4m3
  * table in one vpermw.  stream: streaming stores for a large gather's
@@ -225,7 +235,7 @@ row_avx512_any(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block, u
     for (int64_t b = 0; b < dim / 32; b++) {
         uint8_t sb = s[b];
         uint16_t *dst = out + b * 32;
-        if (sb < 10 || sb > 246) {
+        if (!fast_scale(sb)) {
             dequant_block(w + b * 32, sb, 32, dst);
             continue;
         }
@@ -246,19 +256,7 @@ row_avx512_any(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block, u
     }
 }
 
-__attribute__((target("avx512f,avx512bw")))
-static void row_avx512(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block,
-                       uint16_t *out)
-{
-    row_avx512_any(w, s, dim, block, out, 0);
-}
-
-__attribute__((target("avx512f,avx512bw")))
-static void row_avx512_stream(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block,
-                              uint16_t *out)
-{
-    row_avx512_any(w, s, dim, block, out, 1);
-}
+ROW_FN_PAIR(row_avx512, "avx512f,avx512bw")
 
 /* AVX-512 VBMI row (block 32, dim a multiple of 64), 64 values a step: in
  * the fast scale range a value's bf16 is its unscaled one (scale byte
@@ -283,11 +281,6 @@ static void build_vbmi_tables(void)
             vbmi_interleave[half][2 * i] = (uint8_t)(32 * half + i);
             vbmi_interleave[half][2 * i + 1] = (uint8_t)(64 + 32 * half + i);
         }
-}
-
-static inline int fast_scale(uint8_t s)
-{
-    return s >= 10 && s <= 246;
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) static inline void
@@ -340,19 +333,7 @@ row_vbmi_any(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block, uin
     }
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vbmi")))
-static void row_vbmi(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block,
-                     uint16_t *out)
-{
-    row_vbmi_any(w, s, dim, block, out, 0);
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vbmi")))
-static void row_vbmi_stream(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block,
-                            uint16_t *out)
-{
-    row_vbmi_any(w, s, dim, block, out, 1);
-}
+ROW_FN_PAIR(row_vbmi, "avx512f,avx512bw,avx512vbmi")
 #endif
 
 /* The row function: picked from the CPU's features, which are read once

@@ -263,19 +263,10 @@ class PrefetchScheduler:
         with self._mutex:
             self._check_open()
             job = self._inflight.get(layer)
-            # the common case of a decode step: its own lookup is next and
-            # no one runs: claimed here, in the same lock round trip
-            here = job is not None and timeout_s is None and self.backend == "cpu" and \
-                not job.woken and not self._running and bool(self._queue) and self._queue[0] is job
-            if here:
-                self._queue.popleft()
-                self._running = True
         if job is None:
             raise PrefetchError(f"wait({layer!r}) without a submit({layer!r}) this step")
         called = time.perf_counter()
-        if here:
-            self._execute(job)
-        elif self.backend == "cpu" and not self._wait_cpu(job, timeout_s):
+        if self.backend == "cpu" and not self._wait_cpu(job, timeout_s):
             with self._mutex:
                 self.metrics[layer].timeouts += 1
             raise PrefetchError(f"the lookup of layer {layer!r} did not finish in {timeout_s} s;"
@@ -459,6 +450,8 @@ class PrefetchScheduler:
                 self._queue.popleft()
                 self._running = True
             self._execute(head)
+            if head is job:  # done, here: no lock round trip to read that
+                return True
 
     def _wait_for_worker(self, job: _Job, timeout_s: float | None) -> bool:
         """Under the lock: make sure the worker runs what is queued, then wait

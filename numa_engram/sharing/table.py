@@ -156,7 +156,6 @@ class SharedEngramTable:
             self.weights, self.scales, prefix_offsets(self._bucket_sizes), self._bucket_sizes,
             self.id_base("global"), spec.block)
         self._kernel: native.ShardKernel | None = None  # bound at the first lookup
-        self._head_start = shard.head_start  # the ids' first column of this shard
         self._n_cols, self._row_shape = spec.n_hash_cols, (shard.num_heads, spec.head_dim)
         self._device_shard: DeviceShard | None = None
         self._closed = False
@@ -352,9 +351,8 @@ class SharedEngramTable:
             else:
                 result, bits = bf16_out(out, shape)
             if shape[0]:
-                kernel = self._kernel or self._shard_kernel()
-                count, first, value = kernel(ids, self._head_start, id_format == "global", bits,
-                                             buffer)
+                count, first, value = self._shard_kernel()(ids, self.shard.head_start,
+                                                           id_format == "global", bits, buffer)
                 if count:
                     self._raise_bad_ids(count, first, value, id_format == "global")
             rows = shape[0] * shape[1]
