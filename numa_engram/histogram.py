@@ -24,6 +24,11 @@ class Histogram:
         self.counts[bisect_left(self.bounds, seconds)] += 1
         self.total += seconds
 
+    @property
+    def count(self) -> int:
+        """Observations so far."""
+        return sum(self.counts)
+
     def snapshot(self) -> tuple[tuple[tuple[str, int], ...], float]:
         """(("0.001", cumulative count), ..., ("+Inf", count)), sum: what a
         Prometheus histogram family takes."""

@@ -326,7 +326,7 @@ def _bare_native(table, ids, bits, threads: int | None = None) -> None:
     """The kernel call alone: the floor of any Python around it (with the
     table's threads, or ``threads``)."""
     if threads is None:
-        table._shard_kernel()(ids, 0, False, bits)
+        table._shard_kernel()(ids, False, bits)
     else:
         native.run_geometry_lookup(table._geometry, ids, 0, False, bits, threads,
                                    native.cpu_list(table.lookup_cpus))

@@ -61,6 +61,29 @@ static const struct ne_cpu *ne_cpu(void)
     return &cpu_features;
 }
 
+/* This process's id without a system call (getpid() is one, ~300 ns in a
+ * guest: a tenth of a decode step's lookup): read once, again in a forked
+ * child (pthread_atfork), so a pool can tell the process that made it. */
+static pid_t this_pid;
+static pthread_once_t pid_once = PTHREAD_ONCE_INIT;
+
+static void reread_pid(void)
+{
+    this_pid = getpid();
+}
+
+static void read_pid(void)
+{
+    reread_pid();
+    pthread_atfork(NULL, NULL, reread_pid);
+}
+
+static pid_t current_pid(void)
+{
+    pthread_once(&pid_once, read_pid);
+    return this_pid;
+}
+
 /* Threads to use: at least 1, at most NE_MAX_THREADS and one per item. */
 static int clamp_threads(int n_threads, int64_t n_items)
 {

@@ -654,26 +654,26 @@ static int64_t run_lookup_jobs(const struct lookup_job *proto, int64_t n_tokens,
     return rc ? -1 : bad;
 }
 
-/* A shard's rows for n_tokens tokens of ids (ids[t * stride + col0 + h]
- * for head h), over the fixed arguments in g (struct ne_geometry, set up
- * once per table): BF16 rows into out[n_tokens][n_heads][dim] when
- * out_scales is NULL, else packed, the FP8 bytes into out and the scale
- * bytes into out_scales[n_tokens][n_heads][dim / block], as the table
- * stores them (half the output bytes; dequantised later, e.g. on the GPU).
- * Each id is checked against its head's bucket_sizes as it is read (after
+/* A shard's rows for n_tokens tokens of ids (ids[t * stride + k->col0 + h]
+ * for head h), over the fixed arguments in k (struct ne_kernel, bound once
+ * per table): BF16 rows into out[n_tokens][n_heads][dim] when out_scales
+ * is NULL, else packed, the FP8 bytes into out and the scale bytes into
+ * out_scales[n_tokens][n_heads][dim / block], as the table stores them
+ * (half the output bytes; dequantised later, e.g. on the GPU).  Each id is
+ * checked against its head's bucket_sizes as it is read (after
  * subtracting id_base[h], the head's first global row, when global_ids is
- * set); -1 is DEAD; bad ones give zero rows.  At most n_threads threads
- * (the caller and the pool's, or fresh ones bound to cpus[0..n_cpus)).
- * Returns the number of bad ids (ne_last_bad gives the first), or -1 with
- * errno when a thread cannot be started (EAGAIN) or its scratch (ENOMEM)
+ * set); -1 is DEAD; bad ones give zero rows.  At most k->n_threads threads
+ * (the caller and the pool's, or fresh ones bound to k->cpus).  Returns
+ * the number of bad ids (ne_last_bad gives the first), or -1 with errno
+ * when a thread cannot be started (EAGAIN) or its scratch (ENOMEM)
  * allocated. */
-int64_t ne_lookup(const struct ne_geometry *g, const void *ids, int64_t col0, int64_t n_tokens,
-                  int64_t stride, int global_ids, void *out, void *out_scales, int n_threads,
-                  const int *cpus, int n_cpus, struct ne_pool *pool)
+int64_t ne_lookup(const struct ne_kernel *k, const void *ids, int64_t n_tokens, int64_t stride,
+                  int global_ids, void *out, void *out_scales)
 {
+    const struct ne_geometry *g = k->g;
     struct lookup_job proto = {
         .weights = g->weights, .scales = g->scales, .dim = g->dim, .block = g->block,
-        .ids = (const int64_t *)ids + col0, .stride = stride, .n_heads = g->n_heads,
+        .ids = (const int64_t *)ids + k->col0, .stride = stride, .n_heads = g->n_heads,
         .head_offsets = g->head_offsets, .bucket_sizes = g->bucket_sizes,
         .id_base = global_ids ? g->id_base : NULL, .first_bad = -1, .first_bad_id = 0};
     if (out_scales) {
@@ -683,7 +683,7 @@ int64_t ne_lookup(const struct ne_geometry *g, const void *ids, int64_t col0, in
         rows_ready();
         proto.out = out;
     }
-    return run_lookup_jobs(&proto, n_tokens, n_threads, cpus, n_cpus, pool);
+    return run_lookup_jobs(&proto, n_tokens, k->n_threads, k->cpus, k->n_cpus, k->pool);
 }
 
 /* ------------------------------------------- the random-read limit --- */

@@ -34,9 +34,22 @@ struct ne_geometry {
     int64_t dim, block, n_heads;
     const int64_t *head_offsets, *bucket_sizes, *id_base;
 };
-int64_t ne_lookup(const struct ne_geometry *g, const void *ids, int64_t col0, int64_t n_tokens,
-                  int64_t stride, int global_ids, void *out, void *out_scales, int n_threads,
-                  const int *cpus, int n_cpus, struct ne_pool *pool);
+/* A shard's lookup with all but the ids and the output bound once per
+ * table (and process): its geometry, the first id column it reads, at
+ * most n_threads threads, the CPUs fresh ones are bound to and the pool
+ * of persistent ones (NULL: none).  A call then passes seven arguments,
+ * not twelve: each costs ~50 ns through cffi, and a decode step's whole
+ * lookup is a few us. */
+struct ne_kernel {
+    const struct ne_geometry *g;
+    int64_t col0;
+    int n_threads;
+    const int *cpus;
+    int n_cpus;
+    struct ne_pool *pool;
+};
+int64_t ne_lookup(const struct ne_kernel *k, const void *ids, int64_t n_tokens, int64_t stride,
+                  int global_ids, void *out, void *out_scales);
 /* (flat index t*n_heads+h, value) of the first bad id of the calling
  * thread's last lookup that had bad ids */
 void ne_last_bad(int64_t *flat_and_value);

@@ -147,7 +147,7 @@ struct ne_pool *ne_pool_new(int n, const int *cpus, int n_cpus)
     struct ne_pool *p = calloc(1, sizeof *p);
     if (!p)
         return NULL;
-    p->pid = getpid();
+    p->pid = current_pid();
     p->n_cpus = n_cpus < CPU_SETSIZE ? n_cpus : CPU_SETSIZE;
     for (int i = 0; i < p->n_cpus; i++)
         p->cpus[i] = cpus[i];
@@ -173,7 +173,7 @@ void ne_pool_free(struct ne_pool *p)
 {
     if (!p)
         return;
-    if (p->pid == getpid()) {
+    if (p->pid == current_pid()) {
         pthread_mutex_lock(&p->mu);
         __atomic_store_n(&p->stop, 1, __ATOMIC_RELEASE);
         pthread_cond_broadcast(&p->go);
@@ -186,7 +186,7 @@ void ne_pool_free(struct ne_pool *p)
 
 int ne_pool_size(const struct ne_pool *p)
 {
-    return p && p->pid == getpid() ? p->n : 0;
+    return p && p->pid == current_pid() ? p->n : 0;
 }
 
 /* Run n jobs (an array of job_size-byte structs, n < 65536: the claim

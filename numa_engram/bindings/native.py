@@ -382,74 +382,91 @@ def run_geometry_lookup(geom: Geometry, ids: np.ndarray, col0: int, global_ids: 
     ids another thread changes meanwhile never make it read outside the
     table; bad ones give zero rows.  ``cpus`` from ``cpu_list``.  Returns
     (bad ids, flat index of the first, its value)."""
-    return _kernel(geom, ids, col0, global_ids, out, None, (threads, *cpus, ffi.NULL))
+    kernel = ShardKernel(geom, threads, col0=col0, persistent=False)
+    kernel.bind(cpus)
+    return kernel(ids, global_ids, out)
 
 
 class ShardKernel:
     """One shard's lookup kernel with all but the ids and the output bound
-    once: its ``Geometry``, the threads a call may use, the CPUs they are
-    bound to and, for more than one thread, the persistent ``Workers``
-    (made at the first call, and again in a forked child, whose copy has no
-    threads).  A call is the kernel and a few attribute reads: a decode
-    step's whole lookup is a few us."""
+    once into a ``struct ne_kernel``: its ``Geometry``, the first id column
+    it reads (``col0``), the threads a call may use, the CPUs they are bound
+    to and, for more than one thread, the persistent ``Workers`` (made at
+    the first call, and again in a forked child, whose copy has no
+    threads; ``persistent=False``: fresh threads per call instead).  A call
+    is the kernel and a few attribute reads: a decode step's whole lookup
+    is a few us."""
 
-    def __init__(self, geometry: Geometry, threads: int, cpus: Sequence[int] = ()) -> None:
+    def __init__(self, geometry: Geometry, threads: int, cpus: Sequence[int] = (),
+                 col0: int = 0, *, persistent: bool = True) -> None:
         self.geometry, self.threads, self.cpus = geometry, max(1, int(threads)), tuple(cpus)
+        self.col0, self.persistent = int(col0), persistent
         self.workers: Workers | None = None
-        self._cpu_arg = cpu_list(self.cpus)
-        self._tail: tuple | None = None  # (threads, cpus, n_cpus, pool): ne_lookup's last four
-        self._pid = 0  # the process _tail was made in
+        self._bound: Any = None  # struct ne_kernel * in the process _pid
+        self._keep: tuple = ()  # what _bound points into
+        self._pid = 0
         self._lock = threading.Lock()
 
-    def __call__(self, ids: np.ndarray, col0: int, global_ids: bool, out: Any,
+    def __call__(self, ids: np.ndarray, global_ids: bool, out: Any,
                  out_buffer: Any = None) -> tuple[int, int, int]:
         """``run_geometry_lookup`` on this shard's threads (``out_buffer``:
-        the kernel's buffer of a BF16 ``out``, when the caller keeps one)."""
-        tail = self._tail
-        if tail is None or self._pid != _this_process[0]:
-            tail = self._bind()
-        return _kernel(self.geometry, ids, col0, global_ids, out, out_buffer, tail)
+        the kernel's buffer of a BF16 ``out``, when the caller keeps one).
+        One Python frame around the C call: a 1-token lookup is a few us."""
+        bound = self._bound
+        if bound is None or self._pid != _this_process[0]:
+            bound = self.bind()
+        if out_buffer is not None:
+            rows, scales = out_buffer, ffi.NULL
+        elif isinstance(out, tuple):
+            rows, scales = ffi.from_buffer(out[0]), ffi.from_buffer(out[1])
+        else:
+            rows, scales = ffi.from_buffer(out), ffi.NULL
+        tokens = ids.shape[0]
+        try:  # the common case without a flags check: a contiguous array's buffer
+            address = ffi.from_buffer(ids)
+        except ValueError:  # numpy's "not C-contiguous": a strided view's first element
+            address = ffi.cast("void *", ids.ctypes.data)
+        bad = lib.ne_lookup(bound, address, tokens,
+                            ids.strides[0] // 8 if tokens > 1 else ids.shape[1],
+                            global_ids, rows, scales)
+        if bad == 0:
+            return _NO_BAD_IDS
+        return self._bad_ids(bad, tokens)
 
-    def _bind(self) -> tuple:
-        """The call's fixed tail in this process, its workers made first."""
+    def _bad_ids(self, bad: int, tokens: int) -> tuple[int, int, int]:
+        """(bad ids, flat index of the first, its value); raises when the
+        call failed (-1: no thread or no scratch)."""
+        if bad < 0:
+            _check_lookup_rc(bad, tokens, self.geometry.n_heads, self.threads)
+        first = ffi.new("int64_t[2]")
+        lib.ne_last_bad(first)  # this thread's: the call above was its last
+        return bad, first[0], first[1]
+
+    def bind(self, cpus: tuple[Any, int] | None = None) -> Any:
+        """The ``struct ne_kernel`` of this process, its workers made first
+        (``cpus``: what ``cpu_list`` gave, when the caller has it)."""
         with self._lock:
-            if self._tail is None or self._pid != _this_process[0]:
+            if self._bound is None or self._pid != _this_process[0]:
+                cpu_arg = cpus or cpu_list(self.cpus)
                 pool = ffi.NULL
-                if self.threads > 1:  # the calling thread runs one part of a call itself
+                if self.threads > 1 and self.persistent:  # the caller runs one part itself
                     self.workers = Workers(self.threads - 1, self.cpus)
                     pool = self.workers.pool
-                self._tail, self._pid = (self.threads, *self._cpu_arg, pool), _this_process[0]
-            return self._tail
+                bound = ffi.new("struct ne_kernel *", {
+                    "g": self.geometry.struct, "col0": self.col0, "n_threads": self.threads,
+                    "cpus": cpu_arg[0], "n_cpus": cpu_arg[1], "pool": pool})
+                # the struct points into these: they live as long as it does
+                self._keep = (cpu_arg, pool)
+                self._bound, self._pid = bound, _this_process[0]
+            return self._bound
 
     def close(self) -> None:
         """Stop the workers (a forked child's copy has none to stop); a
         later call makes new ones."""
         with self._lock:
-            workers, self.workers, self._tail = self.workers, None, None
+            workers, self.workers, self._bound = self.workers, None, None
         if workers is not None and workers.usable:
             workers.close()
-
-
-def _kernel(geom: Geometry, ids: np.ndarray, col0: int, global_ids: bool, out: Any,
-            out_buffer: Any, tail: tuple) -> tuple[int, int, int]:
-    """One ne_lookup call (``tail``: threads, cpus, n_cpus, pool)."""
-    if out_buffer is not None:
-        rows, scales = out_buffer, ffi.NULL
-    elif isinstance(out, tuple):
-        rows, scales = ffi.from_buffer(out[0]), ffi.from_buffer(out[1])
-    else:
-        rows, scales = ffi.from_buffer(out), ffi.NULL
-    tokens = ids.shape[0]
-    address, stride = ids_args(ids)
-    bad = lib.ne_lookup(geom.struct, address, col0, tokens, stride, global_ids, rows, scales,
-                        *tail)
-    if bad == 0:
-        return _NO_BAD_IDS
-    if bad < 0:
-        _check_lookup_rc(bad, tokens, geom.n_heads, tail[0])
-    first = ffi.new("int64_t[2]")
-    lib.ne_last_bad(first)  # this thread's: the call above was its last
-    return bad, first[0], first[1]
 
 
 _NO_BAD_IDS = (0, -1, 0)

@@ -15,8 +15,10 @@ import os
 import threading
 import time
 import warnings
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
+from time import perf_counter
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
 
 import numpy as np
@@ -168,7 +170,11 @@ class SharedEngramTable:
         # lookup(ids) without out= reuses freed outputs, taken under the lookup lock
         self._outputs = OutputPool(lock=self._lookup_lock)
         self._packed_pools = (OutputPool(packed=True), OutputPool(packed=True))  # rows, scales
-        self._counts = {"lookups": 0, "rows": 0, "seconds": 0.0, "bad_ids": 0, "failed": 0}
+        # lookups that failed, by why; those that ran are the latency
+        # histogram's count (and its sum their seconds) and _untimed (GPU
+        # launches), their rows _rows: one add each per call, not four
+        self._failures = {"bad_ids": 0, "failed": 0}
+        self._rows = self._untimed = 0
         self._latency = Histogram()
 
     # ------------------------------------------------------------ create --
@@ -324,7 +330,7 @@ class SharedEngramTable:
             warnings.warn("lookup(dequantize=...) is now lookup(packed=...), its opposite",
                           DeprecationWarning, stacklevel=2)
             packed = not dequantize
-        started = time.perf_counter()
+        started = perf_counter()
         try:  # before the lock: the ids are the caller's, not the table's
             ids = check_hash_ids(hash_ids, self._n_cols)
         except Exception as exc:
@@ -351,8 +357,8 @@ class SharedEngramTable:
             else:
                 result, bits = bf16_out(out, shape)
             if shape[0]:
-                count, first, value = self._shard_kernel()(ids, self.shard.head_start,
-                                                           id_format == "global", bits, buffer)
+                kernel = self._kernel or self._shard_kernel()  # (made at the first lookup)
+                count, first, value = kernel(ids, id_format == "global", bits, buffer)
                 if count:
                     self._raise_bad_ids(count, first, value, id_format == "global")
             rows = shape[0] * shape[1]
@@ -361,7 +367,7 @@ class SharedEngramTable:
             failure = "bad_ids"
             raise
         finally:
-            self._leave_lookup(rows, time.perf_counter() - started, failure)
+            self._leave_lookup(rows, perf_counter() - started, failure)
 
     def _packed_outputs(self, shape: tuple[int, ...]) -> tuple[Any, Any]:
         """Pooled (rows, scales) uint8 tensors for a packed lookup, and their
@@ -415,7 +421,7 @@ class SharedEngramTable:
                 raise StorageError(f"table {self.path} is closed")
             if self._kernel is None:
                 self._kernel = native.ShardKernel(self._geometry, self._lookup_threads,
-                                                  self._lookup_cpus)
+                                                  self._lookup_cpus, self.shard.head_start)
             return self._kernel
 
     def _drop_kernel(self, stop: bool = False) -> None:
@@ -487,17 +493,17 @@ class SharedEngramTable:
         """Counters since creation and the last placement report's figures."""
         report = self._report
         with self._idle:
-            counts = dict(self._counts)
+            failures, rows = dict(self._failures), self._rows
+            lookups, seconds = self._latency.count + self._untimed, self._latency.total
             latency = self._latency.snapshot()
-        rows = int(counts["rows"])
         physical = self.backing_bytes if self.mode == "independent" or \
             self.mode == "dp_shared" and self.leader else 0
         return TableStats(self.layer_id, self.shard.head_start, self.shard.head_end, self.mode,
-                          self.backing_bytes, int(counts["lookups"]), rows,
-                          rows * self.spec.row_bytes, counts["seconds"],
+                          self.backing_bytes, lookups, rows,
+                          rows * self.spec.row_bytes, seconds,
                           None if report is None else report.fraction_on_plan,
                           report.bytes_per_node() if report is not None else {},
-                          physical, int(counts["bad_ids"]), int(counts["failed"]), latency)
+                          physical, failures["bad_ids"], failures["failed"], latency)
 
     def mode_report(self) -> ModeReport:
         report = self._report
@@ -563,7 +569,7 @@ class SharedEngramTable:
                 try:
                     pooled = self._outputs.take_locked(pooled_shape)
                 except BaseException:
-                    self._counts["failed"] += 1
+                    self._failures["failed"] += 1
                     raise
             self._active += 1  # last: nothing to undo when the take fails
             return pooled
@@ -579,15 +585,16 @@ class SharedEngramTable:
         lock.acquire()
         try:
             self._active -= 1
-            counts = self._counts
-            if rows >= 0:
-                counts["lookups"] += 1
-                counts["rows"] += rows
-                counts["seconds"] += seconds
-                if timed:
-                    self._latency.observe(seconds)
+            if rows < 0:
+                self._failures[failure] += 1
             else:
-                counts[failure] += 1
+                self._rows += rows
+                if timed:  # Histogram.observe inlined: a decode step's lookup is a few us
+                    latency = self._latency
+                    latency.counts[bisect_left(latency.bounds, seconds)] += 1
+                    latency.total += seconds
+                else:
+                    self._untimed += 1
             if self._closed:
                 self._idle.notify_all()
         finally:
