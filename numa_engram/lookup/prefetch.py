@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PrefetchError
@@ -109,6 +109,7 @@ class _Job:
     cancelled: bool = False
     slot: bool = False  # holds one of the scheduler's `depth` slots
     woken: bool = False  # the worker was told to run it (else its waiter does)
+    retired: bool = False  # its layer and slot are free again (under the lock)
     event: Any = None  # CUDA event: the lookup is done
     start_event: Any = None  # CUDA event: the lookup started (timing)
 
@@ -205,9 +206,9 @@ class PrefetchScheduler:
         self._lock = threading.Condition(mutex)  # waiters, submitters
         self._work = threading.Condition(mutex)  # the worker: a job queued, or stop
         self._closed = self._stopping = False
+        self._queue: deque[_Job] = deque()  # CPU: submitted, not started, in order
+        self._running = False  # CPU: a lookup runs (on the worker or a waiter)
         if backend == "cpu":
-            self._queue: deque[_Job] = deque()  # submitted, not started, in order
-            self._running = False  # a lookup runs (on the worker or a waiter)
             self._worker = threading.Thread(target=self._run_cpu, name="engram-prefetch",
                                             daemon=True)
             self._worker.start()
@@ -217,17 +218,20 @@ class PrefetchScheduler:
     # -------------------------------------------------------------- api --
     def submit(self, layer: Any, hash_ids: Any) -> None:
         """Queue the layer's lookup after everything already submitted."""
-        self._check_open()
-        if layer not in self._lookups:
+        views = self._views.get(layer)
+        if views is None:
+            self._check_open()
             raise PrefetchError(f"layer {layer!r} has no lookup; layers are "
                                 f"{list(self._lookups)}")
         n = int(hash_ids.shape[0])
         if n > self.max_tokens:
             raise PrefetchError(f"{n} tokens for layer {layer!r} exceed max_tokens "
                                 f"{self.max_tokens} of the static staging buffer")
-        out, target = self._staged(layer, n)
-        job = _Job(layer, hash_ids, out, target, time.perf_counter(), n)
-        with self._mutex:  # check and claim the layer in one step
+        out, target = views.get(n) or self._staged(layer, n)
+        job = _Job(layer, hash_ids, out, target, perf_counter(), n)
+        mutex = self._mutex
+        mutex.acquire()  # check and claim the layer in one step
+        try:
             self._check_open()
             if layer in self._inflight:
                 raise PrefetchError(f"layer {layer!r} already has a lookup in flight; wait() "
@@ -244,11 +248,14 @@ class PrefetchScheduler:
             self._outstanding += 1
             job.slot = True
             if self.backend == "cpu":  # under the lock: close() stops the worker after it
-                self._queue.append(job)
+                queue = self._queue
+                queue.append(job)
                 if self.metrics[layer].ahead_pays() or self._running or \
-                        len(self._queue) > 1 and self._queue[-2].woken:
+                        len(queue) > 1 and queue[-2].woken:
                     job.woken = True  # the worker runs it (after what it has)
                     self._work.notify()
+        finally:
+            mutex.release()
         if self.backend == "cuda":
             self._launch_cuda(job)
 
@@ -260,13 +267,27 @@ class PrefetchScheduler:
         sync) and raise LookupIdError for bad ids.  ``timeout_s`` (CPU): give
         up after that long with PrefetchError; the lookup stays in flight
         (wait again, or reset())."""
-        with self._mutex:
+        mutex = self._mutex
+        mutex.acquire()
+        try:
             self._check_open()
             job = self._inflight.get(layer)
+            # the common case claimed in this round trip: the job is next, no
+            # worker was told to run it and none runs; it runs here, below
+            queue = self._queue
+            here = job is not None and timeout_s is None and not self._running and \
+                bool(queue) and queue[0] is job and not job.woken
+            if here:
+                queue.popleft()
+                self._running = True
+        finally:
+            mutex.release()
         if job is None:
             raise PrefetchError(f"wait({layer!r}) without a submit({layer!r}) this step")
-        called = time.perf_counter()
-        if self.backend == "cpu" and not self._wait_cpu(job, timeout_s):
+        called = perf_counter()
+        if here:
+            self._execute(job, retire=True)  # done and retired in one lock round trip
+        elif self.backend == "cpu" and not self._wait_cpu(job, timeout_s):
             with self._mutex:
                 self.metrics[layer].timeouts += 1
             raise PrefetchError(f"the lookup of layer {layer!r} did not finish in {timeout_s} s;"
@@ -277,17 +298,18 @@ class PrefetchScheduler:
             if job.cancelled:
                 raise PrefetchError(f"the lookup of layer {layer!r} was dropped: the scheduler "
                                     "was closed or reset while it was awaited")
-            ready = time.perf_counter()
-            self._account(job, called, ready)
+            self._account(job, called, job.finished if here else perf_counter())
             if job.error is not None:
                 self.metrics[layer].errors += 1
                 raise job.error
-            source = self._sources[layer]
-            if check_errors and hasattr(source, "check_device_errors"):
-                source.check_device_errors()
+            if check_errors:
+                source = self._sources[layer]
+                if hasattr(source, "check_device_errors"):
+                    source.check_device_errors()
             return job.out
         finally:
-            self._retire(job)
+            if not job.retired:  # (set by this thread when the lookup ran here)
+                self._retire(job)
 
     def reset(self) -> None:
         """Drop every lookup not yet waited for (e.g. between steps after an
@@ -400,12 +422,17 @@ class PrefetchScheduler:
 
     def _retire(self, job: _Job) -> None:
         with self._mutex:
-            if self._inflight.get(job.layer) is job:
-                del self._inflight[job.layer]
-            if job.slot:
-                job.slot = False
-                self._outstanding -= 1
-                self._wake_all()
+            self._retire_locked(job)
+
+    def _retire_locked(self, job: _Job) -> None:
+        """Under the lock: the job's layer and slot are free again."""
+        job.retired = True
+        if self._inflight.get(job.layer) is job:
+            del self._inflight[job.layer]
+        if job.slot:
+            job.slot = False
+            self._outstanding -= 1
+            self._wake_all()
 
     def _account(self, job: _Job, called: float, ready: float) -> None:
         m = self.metrics[job.layer]
@@ -466,21 +493,30 @@ class PrefetchScheduler:
         with self._mutex:
             self._sleep(lambda: job.done)
 
-    def _execute(self, job: _Job) -> None:
-        job.started = time.perf_counter()
+    def _execute(self, job: _Job, retire: bool = False) -> None:
+        """Run the job's lookup (an error is kept for its wait), then mark
+        it done (and with ``retire``, its layer and slot free: a waiter
+        running its own lookup) in one lock round trip."""
+        job.started = perf_counter()
         if not job.cancelled:
             try:
                 self._lookups[job.layer](job.ids, job.target)
             except BaseException as exc:  # surfaces at this layer's wait()
                 job.error = exc
-        job.finished = time.perf_counter()
-        with self._mutex:
+        job.finished = perf_counter()
+        mutex = self._mutex
+        mutex.acquire()
+        try:
             job.done, self._running = True, False
+            if retire:
+                self._retire_locked(job)
             self._wake_all()
             if self._stopping or self._queue and self._queue[0].woken:
                 # only when there is work for it: a woken worker that finds
                 # none still takes the GIL from the thread doing the work
                 self._work.notify()
+        finally:
+            mutex.release()
 
     def _launch_cuda(self, job: _Job) -> None:
         torch = self._torch
@@ -488,7 +524,7 @@ class PrefetchScheduler:
         self._stream.wait_stream(consumer)  # after the work already queued
         job.event = torch.cuda.Event(enable_timing=True)
         job.start_event = torch.cuda.Event(enable_timing=True)
-        job.started = time.perf_counter()
+        job.started = perf_counter()
         if torch.is_tensor(job.ids) and job.ids.is_cuda:
             # made on the consumer stream, read on ours: keep the allocator
             # from reusing its memory before our lookup has run
@@ -500,4 +536,4 @@ class PrefetchScheduler:
             except BaseException as exc:
                 job.error = exc
             job.event.record(self._stream)
-        job.finished = time.perf_counter()
+        job.finished = perf_counter()
