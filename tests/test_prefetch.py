@@ -348,3 +348,32 @@ def test_a_fast_lookup_with_a_lead_shorter_than_a_hand_off_stays_on_the_waiter()
                 pass
             assert bool((sched.wait(1) == 1).all())
     assert len(threads) == 20 and all(t is waiter for t in threads[1:])
+
+
+def test_a_lookup_run_by_its_waiter_frees_its_layer_and_slot_on_success_and_on_error():
+    """The waiter that runs its own lookup marks it done and frees the layer
+    and its depth slot in one step: with depth 1 every next submit must find
+    the slot free at once (else it blocks), after a failed lookup too, and
+    each lookup is counted once."""
+    fail = [False]
+
+    def lookup(ids, out):
+        if fail[0]:
+            raise ValueError("bad step")
+        return out.fill_(int(ids[0, 0]))
+    with _sched({1: lookup}, depth=1) as sched:
+        sched.submit(1, _ids())
+        sched.wait(1)  # the first goes to the worker; the rest run on this thread
+        for step in range(1, 200):
+            fail[0] = step % 7 == 0
+            sched.submit(1, np.full((4, 2), step, np.int64))  # blocks if the slot were held
+            if fail[0]:
+                with pytest.raises(ValueError, match="bad step"):
+                    sched.wait(1)
+            else:
+                assert bool((sched.wait(1) == step).all())
+        assert sched._outstanding == 0 and not sched._inflight
+        stats = sched.stats()[1]
+        assert stats.lookups == 200 and stats.errors == len(range(7, 200, 7))
+        with pytest.raises(PrefetchError, match="without a submit"):
+            sched.wait(1)
