@@ -24,10 +24,16 @@ class Histogram:
         self.counts[bisect_left(self.bounds, seconds)] += 1
         self.total += seconds
 
-    @property
-    def count(self) -> int:
-        """Observations so far."""
-        return sum(self.counts)
+    @classmethod
+    def of(cls, counts: Sequence[int], total: float,
+           bounds: Sequence[float] = LOOKUP_BUCKETS) -> Histogram:
+        """A histogram with these per-bucket counts and sum (what the lookup
+        kernel counted)."""
+        histogram = cls(bounds)
+        if len(counts) != len(histogram.counts):
+            raise ValueError(f"{len(counts)} counts for {len(histogram.counts)} buckets")
+        histogram.counts, histogram.total = list(counts), float(total)
+        return histogram
 
     def snapshot(self) -> tuple[tuple[tuple[str, int], ...], float]:
         """(("0.001", cumulative count), ..., ("+Inf", count)), sum: what a

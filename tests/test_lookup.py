@@ -378,10 +378,19 @@ def test_both_sides_of_the_small_call_threshold_are_bit_exact(small_rows_default
         native.tune_small_rows(5000)
 
 
-def _threads() -> int:
+def _threads(settle_at: int | None = None) -> int:
+    """This process's thread count; with ``settle_at``, once it is that (or
+    after 5 s): a thread pthread_join returned for stays in /proc/self/task
+    until the kernel has reaped it, a moment later (a leaked one stays)."""
     import os
+    import time
 
-    return len(os.listdir("/proc/self/task"))
+    deadline = time.monotonic() + 5
+    while True:
+        count = len(os.listdir("/proc/self/task"))
+        if settle_at is None or count == settle_at or time.monotonic() > deadline:
+            return count
+        time.sleep(0.005)
 
 
 def test_table_workers_persist_and_stop_with_close_no_leak_after_100_tables():
@@ -402,12 +411,12 @@ def test_table_workers_persist_and_stop_with_close_no_leak_after_100_tables():
         want = reference_lookup(table.weights, table.scales, ids, head_start=0,
                                 bucket_sizes=spec.bucket_sizes(1))
         assert torch.equal(first.view(torch.int16), want.view(torch.int16))
-    assert _threads() == before  # close() stopped them
+    assert _threads(settle_at=before) == before  # close() stopped them
     for _ in range(100):
         table = SharedEngramTable.create(spec, 1, shard, lookup_threads=3)
         table.lookup(ids)
         table.close()
-    assert _threads() == before
+    assert _threads(settle_at=before) == before
 
 
 def test_a_forked_child_looks_up_through_a_pool_of_its_own():

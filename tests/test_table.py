@@ -214,6 +214,10 @@ def test_lookup_threads_and_cpus_changed_while_other_threads_look_up():
         for th in readers:
             th.join()
         t.close()
+        import time  # a joined thread leaves /proc/self/task a moment later
+        deadline = time.monotonic() + 5
+        while tasks() != before and time.monotonic() < deadline:
+            time.sleep(0.005)
         print("survived", len(wrong), before == tasks())
     """, timeout=300)
     assert child.returncode == 0, f"crashed: {child.returncode} {child.stderr[-500:]}"
@@ -386,3 +390,99 @@ def test_lookup_counts_every_outcome_and_a_closed_table_says_so_whatever_the_ids
     for ids in (good, np.zeros((3, 1), dtype=np.int64)):
         with pytest.raises(StorageError, match="closed"):
             table.lookup(ids)
+
+
+@pytest.fixture
+def counted_table():
+    """A TP shard (heads 4..8 of 8) of a small table, placed by a policy."""
+    spec = EngramSpec.small(rows_per_head=400)
+    shard = shard_heads(spec.bucket_sizes(14), 2, 1)
+    with SharedEngramTable.create(spec, 14, shard, placement="interleave") as t:
+        yield spec, t
+
+
+def test_the_kernel_counts_each_lookup_once_in_the_bucket_its_time_falls_in(counted_table):
+    """CPU lookups are counted in C (struct ne_table_state): every output
+    kind and a zero-token call once, with all their rows; a lookup with a
+    bad id not as a lookup; the counts go on across a new thread count
+    (a new kernel); the time is in the first bucket whose bound it does not
+    pass: all in the first with bounds of 10 s and more, all in +Inf with
+    bounds of picoseconds, the bound rule at both ends."""
+    import torch
+
+    from numa_engram.bindings import native
+    from numa_engram.errors import LookupIdError
+
+    spec, t = counted_table
+    ids = np.zeros((5, spec.n_hash_cols), np.int64)
+    t0 = time.perf_counter()
+    t.lookup(ids)
+    t.lookup(ids, out=torch.empty((5, 4, spec.head_dim), dtype=torch.bfloat16))
+    t.lookup(ids, packed=True)
+    t.lookup_threads = 1 if t.lookup_threads > 1 else 2  # a new kernel, the same counts
+    t.lookup(ids[:0])
+    bad = ids.copy()
+    bad[2, 5] = 1 << 40
+    with pytest.raises(LookupIdError):
+        t.lookup(bad)
+    wall = time.perf_counter() - t0
+    s = t.stats()
+    assert (s.lookups, s.rows, s.bad_id_lookups) == (4, 3 * 5 * 4, 1)
+    assert 0 < s.lookup_seconds < wall and dict(s.latency[0])["+Inf"] == 4
+
+    def bucket_counts(bounds):
+        geometry = t._geometry
+        state = native.TableState(bounds)
+        kernel = native.ShardKernel(geometry, 1, col0=t.shard.head_start, state=state)
+        out = np.empty((5, 4, spec.head_dim), np.uint16)
+        for _ in range(3):
+            assert kernel(ids, False, out) == (0, -1, 0)
+        return state.counts()
+    lookups, rows, seconds, buckets = bucket_counts([10.0 + i for i in range(16)])
+    assert (lookups, rows, buckets[0], sum(buckets)) == (3, 60, 3, 3) and seconds > 0
+    lookups, rows, seconds, buckets = bucket_counts([1e-12 * (i + 1) for i in range(16)])
+    assert (lookups, buckets[16], sum(buckets)) == (3, 3, 3)
+    with pytest.raises(ValueError, match="latency bounds"):
+        native.TableState([1.0] * 15)
+
+
+def test_a_closed_table_state_refuses_the_kernel_and_close_waits_for_running_calls(
+        counted_table):
+    """ne_table_close: calls inside finish (their rows intact, counted),
+    later ones are refused with StorageError, nothing counted for them; no
+    call is inside once it returns."""
+    import torch
+
+    from numa_engram.bindings import native
+
+    spec, t = counted_table
+    state = native.TableState([1e-3 * (i + 1) for i in range(16)])
+    kernel = native.ShardKernel(t._geometry, 1, col0=t.shard.head_start, state=state)
+    ids = np.random.default_rng(0).integers(0, 400, (4000, spec.n_hash_cols))
+    expected = t.lookup(ids).view(torch.int16).numpy()
+    outcomes = []
+
+    def reader():  # until refused: every call after close() is
+        out = np.empty((4000, 4, spec.head_dim), np.uint16)
+        for _ in range(100_000):
+            try:
+                kernel(ids, False, out)
+            except StorageError as exc:
+                outcomes.append(str(exc))
+                return
+            outcomes.append(bool((out.view(np.int16) == expected).all()))
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for th in threads:
+        th.start()
+    time.sleep(0.05)
+    state.close()
+    assert state.struct.active == 0
+    done_at_close = state.counts()[0]
+    for th in threads:
+        th.join(30)
+    assert outcomes.count("the table is closed") == 2 and all(
+        o is True for o in outcomes if o != "the table is closed")
+    assert state.counts()[0] == done_at_close == outcomes.count(True) > 0
+    with pytest.raises(StorageError, match="the table is closed"):
+        kernel(ids, False, np.empty((4000, 4, spec.head_dim), np.uint16))
+

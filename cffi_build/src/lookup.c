@@ -654,6 +654,49 @@ static int64_t run_lookup_jobs(const struct lookup_job *proto, int64_t n_tokens,
     return rc ? -1 : bad;
 }
 
+/* ---------------------------------------------- a table's calls, counted --- */
+
+enum { LATENCY_BOUNDS = sizeof(((struct ne_table_state *)0)->bounds_ns) / sizeof(int64_t) };
+
+/* A call enters a table that is not closed (1), or is refused (0).  The
+ * count goes up before closed is read, and ne_table_close sets closed
+ * before it reads the count (both sequentially consistent): either the
+ * call sees closed, or close sees the call and waits for it. */
+static int table_enter(struct ne_table_state *st)
+{
+    __atomic_add_fetch(&st->active, 1, __ATOMIC_SEQ_CST);
+    if (!__atomic_load_n(&st->closed, __ATOMIC_SEQ_CST))
+        return 1;
+    __atomic_sub_fetch(&st->active, 1, __ATOMIC_SEQ_CST);
+    return 0;
+}
+
+/* A call leaves; one that read its rows (rows >= 0) is counted first. */
+static void table_leave(struct ne_table_state *st, int64_t rows, int64_t nanos)
+{
+    if (rows >= 0) {
+        int b = 0;
+        while (b < LATENCY_BOUNDS && nanos > st->bounds_ns[b])
+            b++;
+        __atomic_add_fetch(&st->buckets[b], 1, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&st->rows, rows, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&st->nanos, nanos, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&st->lookups, 1, __ATOMIC_RELAXED);
+    }
+    __atomic_sub_fetch(&st->active, 1, __ATOMIC_SEQ_CST);
+}
+
+/* Refuse the table's later calls and wait until none is inside (they
+ * finish normally); then its rows may be unmapped. */
+void ne_table_close(struct ne_table_state *st)
+{
+    __atomic_store_n(&st->closed, 1, __ATOMIC_SEQ_CST);
+    while (__atomic_load_n(&st->active, __ATOMIC_SEQ_CST) > 0) {
+        struct timespec pause = {0, 20000};
+        nanosleep(&pause, NULL);
+    }
+}
+
 /* A shard's rows for n_tokens tokens of ids (ids[t * stride + k->col0 + h]
  * for head h), over the fixed arguments in k (struct ne_kernel, bound once
  * per table): BF16 rows into out[n_tokens][n_heads][dim] when out_scales
@@ -663,14 +706,19 @@ static int64_t run_lookup_jobs(const struct lookup_job *proto, int64_t n_tokens,
  * checked against its head's bucket_sizes as it is read (after
  * subtracting id_base[h], the head's first global row, when global_ids is
  * set); -1 is DEAD; bad ones give zero rows.  At most k->n_threads threads
- * (the caller and the pool's, or fresh ones bound to k->cpus).  Returns
- * the number of bad ids (ne_last_bad gives the first), or -1 with errno
- * when a thread cannot be started (EAGAIN) or its scratch (ENOMEM)
- * allocated. */
+ * (the caller and the pool's, or fresh ones bound to k->cpus).  Counted in
+ * k->state when there is one.  Returns the number of bad ids (ne_last_bad
+ * gives the first), -1 with errno when a thread cannot be started (EAGAIN)
+ * or its scratch (ENOMEM) allocated, or -2 when the table is closed
+ * (nothing read). */
 int64_t ne_lookup(const struct ne_kernel *k, const void *ids, int64_t n_tokens, int64_t stride,
                   int global_ids, void *out, void *out_scales)
 {
     const struct ne_geometry *g = k->g;
+    struct ne_table_state *st = k->state;
+    if (st && !table_enter(st))
+        return -2;
+    const int64_t started = st ? now_ns() : 0;
     struct lookup_job proto = {
         .weights = g->weights, .scales = g->scales, .dim = g->dim, .block = g->block,
         .ids = (const int64_t *)ids + k->col0, .stride = stride, .n_heads = g->n_heads,
@@ -683,7 +731,11 @@ int64_t ne_lookup(const struct ne_kernel *k, const void *ids, int64_t n_tokens, 
         rows_ready();
         proto.out = out;
     }
-    return run_lookup_jobs(&proto, n_tokens, k->n_threads, k->cpus, k->n_cpus, k->pool);
+    const int64_t bad = run_lookup_jobs(&proto, n_tokens, k->n_threads, k->cpus, k->n_cpus,
+                                        k->pool);
+    if (st)
+        table_leave(st, bad == 0 ? n_tokens * g->n_heads : -1, now_ns() - started);
+    return bad;
 }
 
 /* ------------------------------------------- the random-read limit --- */

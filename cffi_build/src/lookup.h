@@ -34,6 +34,23 @@ struct ne_geometry {
     int64_t dim, block, n_heads;
     const int64_t *head_offsets, *bucket_sizes, *id_base;
 };
+/* A table's lookups as the kernel sees them, shared by every kernel bound
+ * to the table (a new thread count binds a new kernel, the counts go on):
+ * once closed, a call is refused (ne_lookup returns -2) and
+ * ne_table_close waits until no call is inside; a call that read its rows
+ * (no bad id, no error) is counted with its rows and its time in ns, in
+ * the first bucket whose bound (bounds_ns, ascending) it does not pass,
+ * or the last.  The Python side reads the counts as they are (each
+ * updated atomically), not per call: a decode step's lookup is a few us,
+ * and counting it in Python took two lock round trips. */
+struct ne_table_state {
+    int closed;
+    int64_t active;
+    int64_t lookups, rows, nanos;
+    int64_t bounds_ns[16];
+    int64_t buckets[17];
+};
+void ne_table_close(struct ne_table_state *st);
 /* A shard's lookup with all but the ids and the output bound once per
  * table (and process): its geometry, the first id column it reads, at
  * most n_threads threads, the CPUs fresh ones are bound to and the pool
@@ -47,6 +64,7 @@ struct ne_kernel {
     const int *cpus;
     int n_cpus;
     struct ne_pool *pool;
+    struct ne_table_state *state; /* NULL: a one-off call, not a table's */
 };
 int64_t ne_lookup(const struct ne_kernel *k, const void *ids, int64_t n_tokens, int64_t stride,
                   int global_ids, void *out, void *out_scales);

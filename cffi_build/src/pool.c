@@ -47,13 +47,6 @@ struct ne_pool {
  * lookup; the spin is a bounded few us of one core after each call. */
 #define NE_POOL_SPIN_NS 50000
 
-static int64_t now_ns(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
 static inline void cpu_relax(void)
 {
 #if defined(__x86_64__)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .._version import __version__
-from ..errors import CapacityError, SyscallError
+from ..errors import CapacityError, StorageError, SyscallError
 
 try:
     from .._native import ffi, lib
@@ -387,20 +387,47 @@ def run_geometry_lookup(geom: Geometry, ids: np.ndarray, col0: int, global_ids: 
     return kernel(ids, global_ids, out)
 
 
+class TableState:
+    """A table's ``struct ne_table_state``: the kernel counts the table's
+    lookups there (rows, time in ``bounds_s`` buckets) and refuses them once
+    ``close()`` ran; shared by every ``ShardKernel`` of the table."""
+
+    def __init__(self, bounds_s: Sequence[float]) -> None:
+        self.struct = ffi.new("struct ne_table_state *")
+        if len(bounds_s) != len(self.struct.bounds_ns):
+            raise ValueError(f"{len(bounds_s)} latency bounds; the kernel counts "
+                             f"{len(self.struct.bounds_ns)}")
+        for i, bound in enumerate(bounds_s):
+            self.struct.bounds_ns[i] = round(bound * 1e9)
+
+    def close(self) -> None:
+        """Refuse later lookups and wait for the running ones (GIL released)."""
+        lib.ne_table_close(self.struct)
+
+    def counts(self) -> tuple[int, int, float, list[int]]:
+        """(lookups, rows, seconds, per-bucket counts) so far."""
+        st = self.struct
+        return st.lookups, st.rows, st.nanos / 1e9, list(st.buckets)
+
+
 class ShardKernel:
     """One shard's lookup kernel with all but the ids and the output bound
     once into a ``struct ne_kernel``: its ``Geometry``, the first id column
     it reads (``col0``), the threads a call may use, the CPUs they are bound
     to and, for more than one thread, the persistent ``Workers`` (made at
     the first call, and again in a forked child, whose copy has no
-    threads; ``persistent=False``: fresh threads per call instead).  A call
-    is the kernel and a few attribute reads: a decode step's whole lookup
-    is a few us."""
+    threads; ``persistent=False``: fresh threads per call instead) and the
+    table's ``TableState`` (``state``: its lookups counted, refused once it
+    is closed).  A call is the kernel and a few attribute reads: a decode
+    step's whole lookup is a few us.  After ``close()`` a call raises
+    StorageError."""
 
     def __init__(self, geometry: Geometry, threads: int, cpus: Sequence[int] = (),
-                 col0: int = 0, *, persistent: bool = True) -> None:
+                 col0: int = 0, *, persistent: bool = True,
+                 state: TableState | None = None) -> None:
         self.geometry, self.threads, self.cpus = geometry, max(1, int(threads)), tuple(cpus)
-        self.col0, self.persistent = int(col0), persistent
+        self.col0, self.persistent, self.state = int(col0), persistent, state
+        self.closed = False
         self.workers: Workers | None = None
         self._bound: Any = None  # struct ne_kernel * in the process _pid
         self._keep: tuple = ()  # what _bound points into
@@ -435,7 +462,9 @@ class ShardKernel:
 
     def _bad_ids(self, bad: int, tokens: int) -> tuple[int, int, int]:
         """(bad ids, flat index of the first, its value); raises when the
-        call failed (-1: no thread or no scratch)."""
+        call failed (-1: no thread or no scratch; -2: the table is closed)."""
+        if bad == -2:
+            raise StorageError("the table is closed")
         if bad < 0:
             _check_lookup_rc(bad, tokens, self.geometry.n_heads, self.threads)
         first = ffi.new("int64_t[2]")
@@ -446,6 +475,8 @@ class ShardKernel:
         """The ``struct ne_kernel`` of this process, its workers made first
         (``cpus``: what ``cpu_list`` gave, when the caller has it)."""
         with self._lock:
+            if self.closed:  # (no new workers for a closed table's late caller)
+                raise StorageError("the table is closed")
             if self._bound is None or self._pid != _this_process[0]:
                 cpu_arg = cpus or cpu_list(self.cpus)
                 pool = ffi.NULL
@@ -454,7 +485,8 @@ class ShardKernel:
                     pool = self.workers.pool
                 bound = ffi.new("struct ne_kernel *", {
                     "g": self.geometry.struct, "col0": self.col0, "n_threads": self.threads,
-                    "cpus": cpu_arg[0], "n_cpus": cpu_arg[1], "pool": pool})
+                    "cpus": cpu_arg[0], "n_cpus": cpu_arg[1], "pool": pool,
+                    "state": ffi.NULL if self.state is None else self.state.struct})
                 # the struct points into these: they live as long as it does
                 self._keep = (cpu_arg, pool)
                 self._bound, self._pid = bound, _this_process[0]
@@ -462,9 +494,10 @@ class ShardKernel:
 
     def close(self) -> None:
         """Stop the workers (a forked child's copy has none to stop); a
-        later call makes new ones."""
+        later call raises StorageError."""
         with self._lock:
             workers, self.workers, self._bound = self.workers, None, None
+            self.closed = True
         if workers is not None and workers.usable:
             workers.close()
 

@@ -137,8 +137,12 @@ class OutputPool:
         numpy view, the kernel's buffer of them).  Returned under the lock,
         so the caller's references make the buffer busy before another
         thread can look at it."""
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # (not `with`: twice its cost, a tenth of a 1-token lookup's Python)
+        try:
             return self.take_locked(shape)
+        finally:
+            lock.release()
 
     def take_locked(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray, Any]:
         """``take_with_buffer`` for a caller that holds the pool's lock."""

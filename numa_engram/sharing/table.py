@@ -15,10 +15,8 @@ import os
 import threading
 import time
 import warnings
-from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
-from time import perf_counter
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
 
 import numpy as np
@@ -28,7 +26,7 @@ from ..errors import (
     LookupIdError,
     StorageError,
 )
-from ..histogram import Histogram
+from ..histogram import LOOKUP_BUCKETS, Histogram
 from ..host.topology import Topology, current_node
 from ..literals import CreateMode, IdFormat, PageSize, check_id_format
 from ..lookup.cpu import (
@@ -79,7 +77,8 @@ class TableStats:
     lookups: int            # calls, CPU and GPU
     rows: int               # rows asked for (DEAD ones included)
     bytes_read: int         # rows x row bytes
-    lookup_seconds: float   # CPU lookups' wall time (GPU time: the scheduler's CUDA events)
+    lookup_seconds: float   # CPU lookups' kernel time, counted by the kernel (GPU time:
+                            # the scheduler's CUDA events)
     fraction_on_plan: float | None
     bytes_per_node: dict[int, int]
     # the memory this process accounts for: its own copy, or a shared copy
@@ -88,7 +87,7 @@ class TableStats:
     physical_bytes: int = 0
     bad_id_lookups: int = 0     # lookups refused for ids outside the shard's buckets
     failed_lookups: int = 0     # lookups that failed otherwise
-    latency: tuple = ()         # CPU lookups: Histogram.snapshot()
+    latency: tuple = ()         # CPU lookups' kernel times: Histogram.snapshot()
 
 
 class PlacementSummary(TypedDict):
@@ -168,14 +167,14 @@ class SharedEngramTable:
         self._lookup_lock = threading.Lock()
         self._idle = threading.Condition(self._lookup_lock)
         # lookup(ids) without out= reuses freed outputs, taken under the lookup lock
-        self._outputs = OutputPool(lock=self._lookup_lock)
+        self._outputs = OutputPool()
         self._packed_pools = (OutputPool(packed=True), OutputPool(packed=True))  # rows, scales
-        # lookups that failed, by why; those that ran are the latency
-        # histogram's count (and its sum their seconds) and _untimed (GPU
-        # launches), their rows _rows: one add each per call, not four
+        # the CPU lookups that ran are counted by the kernel (rows, time),
+        # which refuses them once the table is closed; here, under the lock,
+        # the GPU launches and their rows, and the lookups that failed, by why
+        self._state = native.TableState(LOOKUP_BUCKETS)
         self._failures = {"bad_ids": 0, "failed": 0}
-        self._rows = self._untimed = 0
-        self._latency = Histogram()
+        self._gpu_lookups = self._gpu_rows = 0
 
     # ------------------------------------------------------------ create --
     @classmethod
@@ -330,24 +329,19 @@ class SharedEngramTable:
             warnings.warn("lookup(dequantize=...) is now lookup(packed=...), its opposite",
                           DeprecationWarning, stacklevel=2)
             packed = not dequantize
-        started = perf_counter()
-        try:  # before the lock: the ids are the caller's, not the table's
+        try:
             ids = check_hash_ids(hash_ids, self._n_cols)
         except Exception as exc:
             self._enter_lookup()  # counted; a closed table says so instead
-            self._leave_lookup(-1, 0.0, "bad_ids" if isinstance(exc, LookupIdError) else "failed")
+            self._leave_lookup(-1, "bad_ids" if isinstance(exc, LookupIdError) else "failed")
             raise
         shape = (ids.shape[0], *self._row_shape)
-        default = out is None and not packed  # the default first: a decode step is a few us
-        # one lock round trip in (with the pooled output) and one out
-        pooled = self._enter_lookup(shape if default else None)
-        rows, failure = -1, "failed"  # -1: not counted
         try:
             result: Any
             bits: Any
             buffer = None  # the kernel's buffer of a pooled or prepared output, made once
-            if default:
-                result, bits, buffer = pooled
+            if out is None and not packed:  # the default first: a decode step is a few us
+                result, bits, buffer = self._outputs.take_with_buffer(shape)
             elif isinstance(out, PreparedOutput):
                 result, bits, buffer = _prepared(out, shape, packed)
             elif packed and out is None:
@@ -356,18 +350,20 @@ class SharedEngramTable:
                 result, bits = packed_out(out, shape, self.spec.block)
             else:
                 result, bits = bf16_out(out, shape)
-            if shape[0]:
-                kernel = self._kernel or self._shard_kernel()  # (made at the first lookup)
-                count, first, value = kernel(ids, id_format == "global", bits, buffer)
-                if count:
-                    self._raise_bad_ids(count, first, value, id_format == "global")
-            rows = shape[0] * shape[1]
+            kernel = self._kernel or self._shard_kernel()  # (made at the first lookup)
+            # counted there, with its time; refused once the table is closed
+            count, first, value = kernel(ids, id_format == "global", bits, buffer)
+            if count:
+                self._raise_bad_ids(count, first, value, id_format == "global")
             return result
         except LookupIdError:
-            failure = "bad_ids"
+            self._count_failure("bad_ids")
             raise
-        finally:
-            self._leave_lookup(rows, perf_counter() - started, failure)
+        except StorageError:  # closed: not a lookup
+            raise
+        except BaseException:
+            self._count_failure("failed")
+            raise
 
     def _packed_outputs(self, shape: tuple[int, ...]) -> tuple[Any, Any]:
         """Pooled (rows, scales) uint8 tensors for a packed lookup, and their
@@ -417,11 +413,12 @@ class SharedEngramTable:
         if kernel is not None:
             return kernel
         with self._idle:
-            if self._geometry is None:  # _enter_lookup refuses a closed table first
-                raise StorageError(f"table {self.path} is closed")
+            self._check_open()
             if self._kernel is None:
+                assert self._geometry is not None  # (None only once closed)
                 self._kernel = native.ShardKernel(self._geometry, self._lookup_threads,
-                                                  self._lookup_cpus, self.shard.head_start)
+                                                  self._lookup_cpus, self.shard.head_start,
+                                                  state=self._state)
             return self._kernel
 
     def _drop_kernel(self, stop: bool = False) -> None:
@@ -471,7 +468,7 @@ class SharedEngramTable:
             rows = hash_ids.shape[0] * self.shard.num_heads
             return result
         finally:
-            self._leave_lookup(rows, 0.0, timed=False)
+            self._leave_lookup(rows)
 
     def check_device_errors(self) -> None:
         """Raise LookupIdError for bad ids the GPU lookups met since the last
@@ -493,9 +490,11 @@ class SharedEngramTable:
         """Counters since creation and the last placement report's figures."""
         report = self._report
         with self._idle:
-            failures, rows = dict(self._failures), self._rows
-            lookups, seconds = self._latency.count + self._untimed, self._latency.total
-            latency = self._latency.snapshot()
+            failures, gpu_lookups, gpu_rows = dict(self._failures), self._gpu_lookups, \
+                self._gpu_rows
+        lookups, rows, seconds, buckets = self._state.counts()
+        latency = Histogram.of(buckets, seconds).snapshot()  # CPU lookups: GPU ones are launches
+        lookups, rows = lookups + gpu_lookups, rows + gpu_rows
         physical = self.backing_bytes if self.mode == "independent" or \
             self.mode == "dp_shared" and self.leader else 0
         return TableStats(self.layer_id, self.shard.head_start, self.shard.head_end, self.mode,
@@ -539,7 +538,8 @@ class SharedEngramTable:
             if self._closed:
                 return
             self._closed = True
-            self._idle.wait_for(lambda: self._active == 0)
+            self._idle.wait_for(lambda: self._active == 0)  # GPU lookups
+        self._state.close()  # CPU lookups: later ones refused, running ones finish
         self._drop_kernel(stop=True)  # no lookup runs now: the threads stop here
         # no view of the mapping may outlive close: empty arrays of the same
         # row shape stand in for the rows
@@ -555,50 +555,32 @@ class SharedEngramTable:
         if self._closed:
             raise StorageError("the table is closed")
 
-    def _enter_lookup(self, pooled_shape: tuple[int, ...] | None = None) -> Any:
-        """A lookup begins: refused once closed; close() waits until it ends.
-        ``pooled_shape``: also take a pooled output of that shape (under the
-        same lock: a decode step's lookup is a few us) and return it."""
-        lock = self._lookup_lock
-        lock.acquire()  # (not `with`: twice its cost, a tenth of a 1-token lookup's Python)
-        try:
-            if self._closed:
-                self._check_open()  # raises
-            pooled = None
-            if pooled_shape is not None:
-                try:
-                    pooled = self._outputs.take_locked(pooled_shape)
-                except BaseException:
-                    self._failures["failed"] += 1
-                    raise
-            self._active += 1  # last: nothing to undo when the take fails
-            return pooled
-        finally:
-            lock.release()
+    def _enter_lookup(self) -> None:
+        """A GPU lookup (or a failed CPU one, to be counted) begins: refused
+        once closed; close() waits until it ends.  (CPU lookups that run are
+        counted, and refused once closed, by the kernel.)"""
+        with self._idle:
+            self._check_open()
+            self._active += 1
 
-    def _leave_lookup(self, rows: int, seconds: float, failure: str = "failed",
-                      timed: bool = True) -> None:
-        """A lookup ended (counted unless it failed: rows -1, counted as
-        ``failure``); wakes a waiting close().  ``timed``: ``seconds`` is the
-        lookup's latency (a GPU launch's is not)."""
-        lock = self._lookup_lock
-        lock.acquire()
-        try:
+    def _leave_lookup(self, rows: int, failure: str = "failed") -> None:
+        """A lookup from ``_enter_lookup`` ended: a GPU launch of ``rows``
+        rows, or (rows -1) one that failed, counted as ``failure``; wakes a
+        waiting close()."""
+        with self._idle:
             self._active -= 1
             if rows < 0:
                 self._failures[failure] += 1
             else:
-                self._rows += rows
-                if timed:  # Histogram.observe inlined: a decode step's lookup is a few us
-                    latency = self._latency
-                    latency.counts[bisect_left(latency.bounds, seconds)] += 1
-                    latency.total += seconds
-                else:
-                    self._untimed += 1
+                self._gpu_lookups += 1
+                self._gpu_rows += rows
             if self._closed:
                 self._idle.notify_all()
-        finally:
-            lock.release()
+
+    def _count_failure(self, failure: str) -> None:
+        """A CPU lookup that reached the kernel failed (bad ids, an error)."""
+        with self._idle:
+            self._failures[failure] += 1
 
     def __enter__(self) -> SharedEngramTable:
         return self
