@@ -232,7 +232,8 @@ class PrefetchScheduler:
         mutex = self._mutex
         mutex.acquire()  # check and claim the layer in one step
         try:
-            self._check_open()
+            if self._closed:
+                self._check_open()
             if layer in self._inflight:
                 raise PrefetchError(f"layer {layer!r} already has a lookup in flight; wait() "
                                     "for it or reset() first")
@@ -270,7 +271,8 @@ class PrefetchScheduler:
         mutex = self._mutex
         mutex.acquire()
         try:
-            self._check_open()
+            if self._closed:
+                self._check_open()
             job = self._inflight.get(layer)
             # the common case claimed in this round trip: the job is next, no
             # worker was told to run it and none runs; it runs here, below
@@ -510,7 +512,8 @@ class PrefetchScheduler:
             job.done, self._running = True, False
             if retire:
                 self._retire_locked(job)
-            self._wake_all()
+            if self._sleepers:  # (_wake_all, inline: a decode step's lookup is a few us)
+                self._lock.notify_all()
             if self._stopping or self._queue and self._queue[0].woken:
                 # only when there is work for it: a woken worker that finds
                 # none still takes the GIL from the thread doing the work
