@@ -160,13 +160,11 @@ class SharedEngramTable:
         self._n_cols, self._row_shape = spec.n_hash_cols, (shard.num_heads, spec.head_dim)
         self._device_shard: DeviceShard | None = None
         self._closed = False
-        # lookups in flight: close() waits for them (they finish normally)
+        # GPU lookups in flight (CPU ones: the kernel's count): close() waits
+        # for them (they finish normally), on this condition
         self._active = 0
-        # lookups count in and out under the plain lock (a decode step's
-        # lookup is a few us); close() waits on the condition built on it
-        self._lookup_lock = threading.Lock()
-        self._idle = threading.Condition(self._lookup_lock)
-        # lookup(ids) without out= reuses freed outputs, taken under the lookup lock
+        self._idle = threading.Condition(threading.Lock())
+        # lookup(ids) without out= reuses freed outputs (the pool's own lock)
         self._outputs = OutputPool()
         self._packed_pools = (OutputPool(packed=True), OutputPool(packed=True))  # rows, scales
         # the CPU lookups that ran are counted by the kernel (rows, time),
