@@ -271,3 +271,35 @@ def test_the_kernels_token_map_and_dead_ids_equal_compressed(dead):
     got = mapped.hash(ids, slots, positions, token_mask=mask)
     want = plain.hash(mapped.compressed(ids, mask), slots, positions)
     np.testing.assert_array_equal(got, want)
+
+
+def test_hash_reuses_its_last_result_only_once_nothing_refers_to_it():
+    """hash() hands its last array out again only when the caller dropped
+    it and every view of it: a kept result, a numpy view of it, a tensor
+    made from it or a memoryview keeps its values, whatever later calls
+    hash; a dropped one is reused (no allocation per decode step)."""
+    import torch
+
+    spec = EngramSpec.small()
+    state = HashState(spec, max_requests=4)
+    slots = np.arange(4, dtype=np.int64)
+
+    def step(position, tokens):
+        return state.hash(np.asarray(tokens, np.int64), slots, np.full(4, position, np.int64),
+                          commit=False)
+    want = step(0, [5, 6, 7, 8]).copy()
+    holders = {"array": lambda a: a, "view": lambda a: a[1:], "tensor": torch.from_numpy,
+               "memoryview": memoryview}
+    for name, hold in holders.items():
+        result = step(0, [5, 6, 7, 8])
+        held = hold(result)
+        del result  # only the holder refers to it now
+        for _ in range(3):
+            other = step(0, [9, 10, 11, 12])
+            assert not np.shares_memory(other, want) and not np.array_equal(other, want)
+        kept = np.asarray(held)
+        assert np.array_equal(kept, want[1:] if name == "view" else want), name
+        del kept, held, other
+    address = step(0, [1, 2, 3, 4]).ctypes.data  # dropped at once
+    again = step(0, [5, 6, 7, 8])
+    assert again.ctypes.data == address and np.array_equal(again, want)

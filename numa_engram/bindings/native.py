@@ -649,14 +649,16 @@ class WindowState:
 
 def hash_step(state: WindowState, tokens: np.ndarray, mask: np.ndarray | None,
               slots: np.ndarray, positions: np.ndarray, commit: bool | np.ndarray,
-              out: np.ndarray, global_rows: bool, threads: int = 1) -> tuple[int, int]:
+              out: np.ndarray, global_rows: bool, threads: int = 1,
+              out_buffer: Any = None) -> tuple[int, int]:
     """One HashState step in one kernel call: the tokens compressed through
     the state's token map and dead ids (``mask``: uint8 or bool, one per
     token; None: all take part), the sequential window pass (history
     updated in place on success), then every layer's hashes into ``out [T,
     layers, cols]``; ``commit`` a bool for every token, or a uint8 flag per
     token.  (-1, 0), or (index of the first bad token, 1 slot / 2 position
-    not the slot's next / 3 position out of range), nothing changed then."""
+    not the slot's next / 3 position out of range), nothing changed then.
+    ``out_buffer``: ``ffi.from_buffer(out)``, when the caller keeps one."""
     n_tokens = len(tokens)
     if n_tokens > state.capacity:
         state.reserve(n_tokens)
@@ -667,7 +669,9 @@ def hash_step(state: WindowState, tokens: np.ndarray, mask: np.ndarray | None,
     bad = lib.ne_hash_step(state.struct, ffi.from_buffer(tokens),
                            ffi.NULL if mask is None else ffi.from_buffer(mask),
                            ffi.from_buffer(slots), ffi.from_buffer(positions), flags, commit_all,
-                           n_tokens, global_rows, ffi.from_buffer(out), threads, state.why)
+                           n_tokens, global_rows,
+                           ffi.from_buffer(out) if out_buffer is None else out_buffer, threads,
+                           state.why)
     if bad == -2:
         _raise("pthread_create", f"hashing with {threads} threads")
     if bad >= 0:

@@ -25,6 +25,7 @@ layer are native (the hashing threaded, GIL released).  No torch here.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import TypeGuard
 
@@ -107,6 +108,9 @@ class HashState:
                                           spec.pad_id, spec.n_head_per_ngram, self.token_map,
                                           self.dead_ids)
         self._n_layers, self._n_cols = len(layers), spec.n_hash_cols
+        # hash()'s last result and its buffer, reused once the caller dropped it
+        self._last_out: tuple[np.ndarray, object] | None = None
+        self._idle_refs = 0
 
     @property
     def token_map(self) -> np.ndarray | None:
@@ -137,14 +141,33 @@ class HashState:
             positions = self._column(positions, n, "positions")  # bounds: in the kernel
         mask = None if token_mask is None else self._token_mask(token_mask, n)
         commits = commit if commit is True or commit is False else self._commit_mask(commit, n)
-        # (a dtype object, not np.int64: numpy resolves that every call, 2x the empty)
-        out = np.empty((n, self._n_layers, self._n_cols), _INT64)
+        out, out_buffer = self._output(n)
         # one kernel call: the token map and dead ids, the windows, the hashes
         bad, why = native.hash_step(self._native, tokens, mask, slots, positions, commits, out,
-                                    id_format == "global", threads)
+                                    id_format == "global", threads, out_buffer)
         if bad >= 0:
             raise SpecError(self._misuse(bad, why, slots, positions))
         return out
+
+    def _output(self, n: int) -> tuple[np.ndarray, object]:
+        """``[n, layers, cols]`` int64 for ``hash`` and the kernel's buffer
+        of it: the last call's again when nothing else refers to the array
+        (the caller dropped it and every view of it: a numpy view, a tensor
+        from_numpy or a memoryview holds it), else a new one.  Making the
+        array and its buffer was half of a 64-token decode step's Python."""
+        last = self._last_out
+        if last is not None and last[0].shape[0] == n and \
+                sys.getrefcount(last[0]) == self._idle_refs:
+            return last
+        # (a dtype object, not np.int64: numpy resolves that every call, 2x the empty)
+        out = np.empty((n, self._n_layers, self._n_cols), _INT64)
+        last = (out, native.ffi.from_buffer(out))
+        del out
+        # the array's count with no caller holding it: the pair's, its
+        # buffer's (cffi's), getrefcount's argument
+        self._idle_refs = sys.getrefcount(last[0])
+        self._last_out = last
+        return last
 
     def release(self, slot: int) -> None:
         """The request in ``slot`` finished: its next token must be position 0."""
