@@ -36,6 +36,18 @@ def numa_nodes() -> tuple[int, ...]:
     return nodes
 
 
+@pytest.fixture
+def tp_shard_table():
+    """(spec, table): a TP shard (heads 4..8 of 8, layer 14) of a small
+    table, placed by a policy."""
+    from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+
+    spec = EngramSpec.small(rows_per_head=400)
+    shard = shard_heads(spec.bucket_sizes(14), 2, 1)
+    with SharedEngramTable.create(spec, 14, shard, placement="interleave") as table:
+        yield spec, table
+
+
 def run_python(code: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run code in a fresh interpreter (a real second process)."""
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args],

@@ -4,23 +4,14 @@ scraping the registry's text output."""
 import numpy as np
 import pytest
 
-from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 from numa_engram.lookup.prefetch import PrefetchScheduler
 
 prometheus_client = pytest.importorskip(
     "prometheus_client", reason="the 'prometheus' extra (prometheus_client) is not installed")
 
 
-@pytest.fixture
-def table():
-    spec = EngramSpec.small(rows_per_head=400)
-    shard = shard_heads(spec.bucket_sizes(14), 2, 1)
-    with SharedEngramTable.create(spec, 14, shard, placement="interleave") as t:
-        yield spec, t
-
-
-def test_table_stats_count_lookups_and_keep_the_last_placement_report(table):
-    spec, t = table
+def test_table_stats_count_lookups_and_keep_the_last_placement_report(tp_shard_table):
+    spec, t = tp_shard_table
     ids = np.zeros((10, spec.n_hash_cols), np.int64)
     t.lookup(ids)
     t.lookup(ids[:3])
@@ -31,12 +22,12 @@ def test_table_stats_count_lookups_and_keep_the_last_placement_report(table):
     assert (s.layer_id, s.head_start, s.head_end) == (14, 4, 8)
 
 
-def test_prometheus_collector_exposes_tables_and_schedulers(table):
+def test_prometheus_collector_exposes_tables_and_schedulers(tp_shard_table):
     from prometheus_client import CollectorRegistry, generate_latest
 
     from numa_engram.metrics import EngramCollector
 
-    spec, t = table
+    spec, t = tp_shard_table
     ids = np.zeros((6, spec.n_hash_cols), np.int64)
     with PrefetchScheduler({14: t}, {14: (4, spec.head_dim)}, max_tokens=16) as sched:
         sched.submit(14, ids)
@@ -96,12 +87,12 @@ def test_two_processes_sharing_a_copy_are_scraped_with_labels_counted_once():
     assert sorted(physical) == [0.0, float(table_bytes)]  # one copy, counted by its leader
 
 
-def test_placement_is_re_verified_at_most_every_verify_every_s(table):
+def test_placement_is_re_verified_at_most_every_verify_every_s(tp_shard_table):
     from prometheus_client import CollectorRegistry, generate_latest
 
     from numa_engram.metrics import EngramCollector
 
-    _, t = table
+    _, t = tp_shard_table
     first = t.placement_report(refresh=False)
     lazy, eager = CollectorRegistry(), CollectorRegistry()
     lazy.register(EngramCollector(tables=[t], verify_every_s=3600))

@@ -392,16 +392,7 @@ def test_lookup_counts_every_outcome_and_a_closed_table_says_so_whatever_the_ids
             table.lookup(ids)
 
 
-@pytest.fixture
-def counted_table():
-    """A TP shard (heads 4..8 of 8) of a small table, placed by a policy."""
-    spec = EngramSpec.small(rows_per_head=400)
-    shard = shard_heads(spec.bucket_sizes(14), 2, 1)
-    with SharedEngramTable.create(spec, 14, shard, placement="interleave") as t:
-        yield spec, t
-
-
-def test_the_kernel_counts_each_lookup_once_in_the_bucket_its_time_falls_in(counted_table):
+def test_the_kernel_counts_each_lookup_once_in_the_bucket_its_time_falls_in(tp_shard_table):
     """CPU lookups are counted in C (struct ne_table_state): every output
     kind and a zero-token call once, with all their rows; a lookup with a
     bad id not as a lookup; the counts go on across a new thread count
@@ -413,7 +404,7 @@ def test_the_kernel_counts_each_lookup_once_in_the_bucket_its_time_falls_in(coun
     from numa_engram.bindings import native
     from numa_engram.errors import LookupIdError
 
-    spec, t = counted_table
+    spec, t = tp_shard_table
     ids = np.zeros((5, spec.n_hash_cols), np.int64)
     t0 = time.perf_counter()
     t.lookup(ids)
@@ -447,7 +438,7 @@ def test_the_kernel_counts_each_lookup_once_in_the_bucket_its_time_falls_in(coun
 
 
 def test_a_closed_table_state_refuses_the_kernel_and_close_waits_for_running_calls(
-        counted_table):
+        tp_shard_table):
     """ne_table_close: calls inside finish (their rows intact, counted),
     later ones are refused with StorageError, nothing counted for them; no
     call is inside once it returns."""
@@ -455,7 +446,7 @@ def test_a_closed_table_state_refuses_the_kernel_and_close_waits_for_running_cal
 
     from numa_engram.bindings import native
 
-    spec, t = counted_table
+    spec, t = tp_shard_table
     state = native.TableState([1e-3 * (i + 1) for i in range(16)])
     kernel = native.ShardKernel(t._geometry, 1, col0=t.shard.head_start, state=state)
     ids = np.random.default_rng(0).integers(0, 400, (4000, spec.n_hash_cols))

@@ -437,8 +437,7 @@ class ShardKernel:
     def __call__(self, ids: np.ndarray, global_ids: bool, out: Any,
                  out_buffer: Any = None) -> tuple[int, int, int]:
         """``run_geometry_lookup`` on this shard's threads (``out_buffer``:
-        the kernel's buffer of a BF16 ``out``, when the caller keeps one).
-        One Python frame around the C call: a 1-token lookup is a few us."""
+        the kernel's buffer of a BF16 ``out``, when the caller keeps one)."""
         bound = self._bound
         if bound is None or self._pid != _this_process[0]:
             bound = self.bind()
@@ -448,17 +447,11 @@ class ShardKernel:
             rows, scales = ffi.from_buffer(out[0]), ffi.from_buffer(out[1])
         else:
             rows, scales = ffi.from_buffer(out), ffi.NULL
-        tokens = ids.shape[0]
-        try:  # the common case without a flags check: a contiguous array's buffer
-            address = ffi.from_buffer(ids)
-        except ValueError:  # numpy's "not C-contiguous": a strided view's first element
-            address = ffi.cast("void *", ids.ctypes.data)
-        bad = lib.ne_lookup(bound, address, tokens,
-                            ids.strides[0] // 8 if tokens > 1 else ids.shape[1],
-                            global_ids, rows, scales)
+        address, stride = ids_args(ids)
+        bad = lib.ne_lookup(bound, address, ids.shape[0], stride, global_ids, rows, scales)
         if bad == 0:
             return _NO_BAD_IDS
-        return self._bad_ids(bad, tokens)
+        return self._bad_ids(bad, ids.shape[0])
 
     def _bad_ids(self, bad: int, tokens: int) -> tuple[int, int, int]:
         """(bad ids, flat index of the first, its value); raises when the

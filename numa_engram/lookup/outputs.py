@@ -119,13 +119,11 @@ class OutputPool:
     step's lookup is ~20).  Thread-safe; at most ``max_free`` idle buffers
     are kept."""
 
-    def __init__(self, max_free: int = 4, *, packed: bool = False,
-                 lock: threading.Lock | None = None) -> None:
+    def __init__(self, max_free: int = 4, *, packed: bool = False) -> None:
         self.max_free, self.packed = max_free, packed
         self._buffers: list[_Pooled] = []
         self._last: _Pooled | None = None
-        # ``lock``: an owner's lock that it may hold already (take_locked)
-        self._lock = lock or threading.Lock()
+        self._lock = threading.Lock()
 
     def take(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
         """(BF16 tensor of ``shape``, uint16 numpy view of its bits)."""
@@ -140,24 +138,20 @@ class OutputPool:
         lock = self._lock
         lock.acquire()  # (not `with`: twice its cost, a tenth of a 1-token lookup's Python)
         try:
-            return self.take_locked(shape)
+            last = self._last  # the common case: the buffer of the last call, free again
+            if last is not None and last.shape == shape and last.idle():
+                return last.tensor, last.bits, last.pointer
+            n = math.prod(shape)
+            for entry in self._buffers:
+                if n <= entry.size <= 2 * n and entry.idle():
+                    break
+            else:
+                entry = self._new_entry(n)
+            entry.shape_as(shape)
+            self._last = entry
+            return entry.tensor, entry.bits, entry.pointer
         finally:
             lock.release()
-
-    def take_locked(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray, Any]:
-        """``take_with_buffer`` for a caller that holds the pool's lock."""
-        last = self._last  # the common case: the buffer of the last call, free again
-        if last is not None and last.shape == shape and last.idle():
-            return last.tensor, last.bits, last.pointer
-        n = math.prod(shape)
-        for entry in self._buffers:
-            if n <= entry.size <= 2 * n and entry.idle():
-                break
-        else:
-            entry = self._new_entry(n)
-        entry.shape_as(shape)
-        self._last = entry
-        return entry.tensor, entry.bits, entry.pointer
 
     def _new_entry(self, n: int) -> _Pooled:
         free = [e for e in self._buffers if e.idle()]
