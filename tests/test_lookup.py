@@ -596,6 +596,47 @@ def test_a_prepared_output_gives_what_out_gives_and_refuses_another_shape():
             table.lookup(ids, out=prepared, packed=True)
 
 
+def test_a_bound_lookup_gives_what_lookup_gives_and_counts_what_it_refuses():
+    from numa_engram import EngramSpec, SharedEngramTable, StorageError, shard_heads
+    from numa_engram.errors import LookupIdError
+
+    spec = EngramSpec.small(rows_per_head=500)
+    rng = np.random.default_rng(4)
+    table = SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0))
+    table.weights[:] = rng.integers(0, 256, table.weights.shape, dtype=np.uint8)
+    table.scales[:] = rng.integers(110, 130, table.scales.shape, dtype=np.uint8)
+    buf = torch.empty((5, spec.n_hash_cols, spec.head_dim), dtype=torch.bfloat16)
+    into = table.bind_lookup(buf)
+    for _ in range(3):  # the same output every call, with other ids each time
+        ids = rng.integers(-1, 500, (5, spec.n_hash_cols))
+        assert into(ids) is buf
+        want = _bits(table.lookup(ids))
+        assert np.array_equal(_bits(buf), want)
+        assert np.array_equal(_bits(into(torch.from_numpy(ids))), want)  # a tensor of them too
+    pair = (torch.empty((5, spec.n_hash_cols, spec.head_dim), dtype=torch.uint8),
+            torch.empty((5, spec.n_hash_cols, spec.scales_per_row), dtype=torch.uint8))
+    base = table.id_base("global")
+    packed = table.bind_lookup(pair, packed=True, id_format="global")
+    rows, scales = packed(np.where(ids >= 0, ids + base, -1))
+    want_rows, want_scales = table.lookup(ids, packed=True)
+    assert torch.equal(rows, want_rows) and torch.equal(scales, want_scales)
+    before = table.stats()
+    bad = ids.copy()
+    bad[2, 1] = 10**9
+    with pytest.raises(LookupIdError, match="1000000000"):
+        into(bad)
+    with pytest.raises(ValueError, match="bind one for this many tokens"):
+        into(ids[:4])
+    with pytest.raises(ValueError, match="packed=True"):
+        table.bind_lookup(table.prepare_out(buf), packed=True)
+    after = table.stats()
+    assert (after.bad_id_lookups, after.failed_lookups) == \
+        (before.bad_id_lookups + 1, before.failed_lookups + 1)
+    table.close()
+    with pytest.raises(StorageError, match="closed"):
+        into(ids)
+
+
 def test_default_lookup_threads_are_the_allowed_cpus_of_the_rows_node_at_most_four():
     import os
 

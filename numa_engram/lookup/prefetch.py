@@ -99,7 +99,7 @@ class _Job:
     layer: Any
     ids: Any
     out: Any  # the staged rows wait() returns
-    target: Any  # what the lookup writes into: out, or a table's prepared handle of it
+    run: Any  # CPU: run(ids) looks up into out (a table's bind_lookup of it)
     submitted: float
     tokens: int = 0
     done: bool = False  # under the scheduler's lock; waiters wait on its condition
@@ -196,7 +196,7 @@ class PrefetchScheduler:
         self.metrics = {layer: LayerMetrics() for layer in self._lookups}
         self._views: dict[Any, dict[int, tuple[Rows, Any]]] = {layer: {} for layer in
                                                                self._lookups}
-        self._packed = packed
+        self._packed, self._id_format = packed, id_format
         self._inflight: dict[Any, _Job] = {}
         self._outstanding = 0  # jobs holding one of the `depth` slots
         self._sleepers = 0  # threads waiting on the lock (_sleep)
@@ -227,8 +227,8 @@ class PrefetchScheduler:
         if n > self.max_tokens:
             raise PrefetchError(f"{n} tokens for layer {layer!r} exceed max_tokens "
                                 f"{self.max_tokens} of the static staging buffer")
-        out, target = views.get(n) or self._staged(layer, n)
-        job = _Job(layer, hash_ids, out, target, perf_counter(), n)
+        out, run = views.get(n) or self._staged(layer, n)
+        job = _Job(layer, hash_ids, out, run, perf_counter(), n)
         mutex = self._mutex
         mutex.acquire()  # check and claim the layer in one step
         try:
@@ -288,7 +288,7 @@ class PrefetchScheduler:
             raise PrefetchError(f"wait({layer!r}) without a submit({layer!r}) this step")
         called = perf_counter()
         if here:
-            self._execute(job, retire=True)  # done and retired in one lock round trip
+            self._execute(job, retire=True, started=called)  # done and retired: one round trip
         elif self.backend == "cpu" and not self._wait_cpu(job, timeout_s):
             with self._mutex:
                 self.metrics[layer].timeouts += 1
@@ -396,18 +396,25 @@ class PrefetchScheduler:
             raise PrefetchError("the scheduler is closed")
 
     def _staged(self, layer: Any, n: int) -> tuple[Rows, Any]:
-        """The first ``n`` rows of the layer's staging buffer, and what the
-        lookup writes into (a table's prepared handle of them: checked
-        once): the same pair, made once per size, every step."""
+        """The first ``n`` rows of the layer's staging buffer, and (CPU) the
+        lookup into them, ``run(ids)``: a table's ``bind_lookup`` (the
+        buffer checked once, a call is the kernel), else the layer's lookup
+        with the buffer as ``out``; made once per size, the same every step."""
         views = self._views[layer]
         pair = views.get(n)
         if pair is not None:
             return pair
         staged = self.staging[layer]
         view: Any = tuple(b[:n] for b in staged) if isinstance(staged, tuple) else staged[:n]
-        prepare = getattr(self._sources[layer], "prepare_out", None) \
-            if self.backend == "cpu" else None
-        made = (view, view if prepare is None else prepare(view, packed=self._packed))
+        source, run = self._sources[layer], None
+        if self.backend == "cpu" and hasattr(source, "bind_lookup"):
+            run = source.bind_lookup(view, packed=self._packed, id_format=self._id_format)
+        elif self.backend == "cpu":
+            lookup = self._lookups[layer]
+
+            def run(ids: Any) -> Any:
+                return lookup(ids, view)
+        made = (view, run)
         if len(views) >= 64:  # many sizes: keep the recent ones
             views.clear()
         views[n] = made
@@ -495,14 +502,15 @@ class PrefetchScheduler:
         with self._mutex:
             self._sleep(lambda: job.done)
 
-    def _execute(self, job: _Job, retire: bool = False) -> None:
+    def _execute(self, job: _Job, retire: bool = False, started: float | None = None) -> None:
         """Run the job's lookup (an error is kept for its wait), then mark
         it done (and with ``retire``, its layer and slot free: a waiter
-        running its own lookup) in one lock round trip."""
-        job.started = perf_counter()
+        running its own lookup) in one lock round trip.  ``started``: the
+        clock's reading just now, when the caller has one."""
+        job.started = perf_counter() if started is None else started
         if not job.cancelled:
             try:
-                self._lookups[job.layer](job.ids, job.target)
+                job.run(job.ids)
             except BaseException as exc:  # surfaces at this layer's wait()
                 job.error = exc
         job.finished = perf_counter()

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
 
@@ -327,17 +327,12 @@ class SharedEngramTable:
             warnings.warn("lookup(dequantize=...) is now lookup(packed=...), its opposite",
                           DeprecationWarning, stacklevel=2)
             packed = not dequantize
-        try:
-            ids = check_hash_ids(hash_ids, self._n_cols)
-        except Exception as exc:
-            self._enter_lookup()  # counted; a closed table says so instead
-            self._leave_lookup(-1, "bad_ids" if isinstance(exc, LookupIdError) else "failed")
-            raise
+        ids = self._checked_ids(hash_ids)
         shape = (ids.shape[0], *self._row_shape)
+        result: Any
+        bits: Any
+        buffer = None  # the kernel's buffer of a pooled or prepared output, made once
         try:
-            result: Any
-            bits: Any
-            buffer = None  # the kernel's buffer of a pooled or prepared output, made once
             if out is None and not packed:  # the default first: a decode step is a few us
                 result, bits, buffer = self._outputs.take_with_buffer(shape)
             elif isinstance(out, PreparedOutput):
@@ -348,12 +343,58 @@ class SharedEngramTable:
                 result, bits = packed_out(out, shape, self.spec.block)
             else:
                 result, bits = bf16_out(out, shape)
+        except BaseException:
+            self._count_failure("failed")
+            raise
+        self._run_kernel(ids, id_format == "global", bits, buffer)
+        return result
+
+    def bind_lookup(self, out: Any, *, packed: bool = False,
+                    id_format: IdFormat = "bucket") -> Callable[[Any], Rows]:
+        """``lookup(ids, out=out, packed=packed, id_format=id_format)`` with
+        everything but the ids bound once: ``out`` (``out.shape[0]``
+        tokens) checked and cast here, so a call checks only the ids and runs
+        the kernel (a staging buffer filled step after step: the prefetch
+        scheduler's).  Calls return what ``lookup`` returns, raise what it
+        raises and are counted alike."""
+        check_id_format(id_format)
+        prepared = out if isinstance(out, PreparedOutput) else self.prepare_out(out, packed=packed)
+        if prepared.packed != packed:
+            raise ValueError(f"a prepared output with packed={prepared.packed} bound for "
+                             f"packed={packed}; prepare it with packed={packed}")
+        result, bits, buffer, tokens = prepared.result, prepared.bits, prepared.buffer, \
+            prepared.shape[0]
+        global_ids = id_format == "global"
+
+        def lookup_into(hash_ids: Any) -> Rows:
+            ids = self._checked_ids(hash_ids)
+            if ids.shape[0] != tokens:
+                self._count_failure("failed")
+                raise ValueError(f"{ids.shape[0]} tokens of ids for a lookup bound to an "
+                                 f"output of {tokens}; bind one for this many tokens")
+            self._run_kernel(ids, global_ids, bits, buffer)
+            return result
+        return lookup_into
+
+    def _checked_ids(self, hash_ids: Any) -> np.ndarray:
+        """``check_hash_ids`` for this table; a refusal is counted."""
+        try:
+            return check_hash_ids(hash_ids, self._n_cols)
+        except Exception as exc:
+            self._enter_lookup()  # counted; a closed table says so instead
+            self._leave_lookup(-1, "bad_ids" if isinstance(exc, LookupIdError) else "failed")
+            raise
+
+    def _run_kernel(self, ids: np.ndarray, global_ids: bool, bits: Any, buffer: Any) -> None:
+        """The shard's kernel over checked ids into ``bits`` (``buffer``: the
+        kernel's buffer of them, or None); bad ids raise LookupIdError, a
+        closed table StorageError; failures are counted."""
+        try:
             kernel = self._kernel or self._shard_kernel()  # (made at the first lookup)
             # counted there, with its time; refused once the table is closed
-            count, first, value = kernel(ids, id_format == "global", bits, buffer)
+            count, first, value = kernel(ids, global_ids, bits, buffer)
             if count:
-                self._raise_bad_ids(count, first, value, id_format == "global")
-            return result
+                self._raise_bad_ids(count, first, value, global_ids)
         except LookupIdError:
             self._count_failure("bad_ids")
             raise
