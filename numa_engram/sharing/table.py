@@ -359,11 +359,8 @@ class SharedEngramTable:
         raises and are counted alike."""
         check_id_format(id_format)
         prepared = out if isinstance(out, PreparedOutput) else self.prepare_out(out, packed=packed)
-        if prepared.packed != packed:
-            raise ValueError(f"a prepared output with packed={prepared.packed} bound for "
-                             f"packed={packed}; prepare it with packed={packed}")
-        result, bits, buffer, tokens = prepared.result, prepared.bits, prepared.buffer, \
-            prepared.shape[0]
+        result, bits, buffer = _prepared(prepared, prepared.shape, packed)  # (packed checked)
+        tokens = prepared.shape[0]
         global_ids = id_format == "global"
 
         def lookup_into(hash_ids: Any) -> Rows:
