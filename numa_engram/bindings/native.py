@@ -285,6 +285,17 @@ def ids_args(ids: np.ndarray) -> tuple[Any, int]:
     return address, ids.strides[0] // 8 if ids.shape[0] > 1 else ids.shape[1]
 
 
+def kernel_outputs(out: Any, buffer: Any = None) -> tuple[Any, Any]:
+    """The kernel's (rows, scales) of an output's bits: BF16 rows (scales
+    NULL; ``buffer``: their buffer, when the caller made it once), or a
+    packed (rows, scales) pair."""
+    if buffer is not None:
+        return buffer, ffi.NULL
+    if isinstance(out, tuple):
+        return ffi.from_buffer(out[0]), ffi.from_buffer(out[1])
+    return ffi.from_buffer(out), ffi.NULL
+
+
 def _ptr(array: np.ndarray, ctype: str):
     return ffi.cast(ctype, ffi.from_buffer(array))
 
@@ -438,22 +449,25 @@ class ShardKernel:
                  out_buffer: Any = None) -> tuple[int, int, int]:
         """``run_geometry_lookup`` on this shard's threads (``out_buffer``:
         the kernel's buffer of a BF16 ``out``, when the caller keeps one)."""
+        rows, scales = kernel_outputs(out, out_buffer)
+        address, stride = ids_args(ids)
+        bad = self.run(address, ids.shape[0], stride, global_ids, rows, scales)
+        if bad == 0:
+            return _NO_BAD_IDS
+        return self.bad_ids(bad, ids.shape[0])
+
+    def run(self, address: Any, tokens: int, stride: int, global_ids: bool, rows: Any,
+            scales: Any = ffi.NULL) -> int:
+        """The kernel over ids already cast (``ids_args``) into outputs
+        already cast: the count of bad ids, 0 for none, or a failure
+        (``bad_ids`` says which).  A decode step's lookup calls this
+        directly: its Python is most of its cost."""
         bound = self._bound
         if bound is None or self._pid != _this_process[0]:
             bound = self.bind()
-        if out_buffer is not None:
-            rows, scales = out_buffer, ffi.NULL
-        elif isinstance(out, tuple):
-            rows, scales = ffi.from_buffer(out[0]), ffi.from_buffer(out[1])
-        else:
-            rows, scales = ffi.from_buffer(out), ffi.NULL
-        address, stride = ids_args(ids)
-        bad = lib.ne_lookup(bound, address, ids.shape[0], stride, global_ids, rows, scales)
-        if bad == 0:
-            return _NO_BAD_IDS
-        return self._bad_ids(bad, ids.shape[0])
+        return lib.ne_lookup(bound, address, tokens, stride, global_ids, rows, scales)
 
-    def _bad_ids(self, bad: int, tokens: int) -> tuple[int, int, int]:
+    def bad_ids(self, bad: int, tokens: int) -> tuple[int, int, int]:
         """(bad ids, flat index of the first, its value); raises when the
         call failed (-1: no thread or no scratch; -2: the table is closed)."""
         if bad == -2:

@@ -97,6 +97,28 @@ def check_hash_ids(hash_ids: Any, n_cols: int | None = None) -> np.ndarray:
     return ids
 
 
+_from_buffer = native.ffi.from_buffer
+
+
+def ids_for_kernel(hash_ids: Any, n_cols: int) -> tuple[np.ndarray, Any, int, int]:
+    """``check_hash_ids`` and ``native.ids_args`` in one: (the ids, the
+    kernel's view of them, their row stride, their token count); the
+    caller keeps the ids alive while the kernel reads them (a widened or
+    strided array's view does not).  A decode step's whole lookup is a few
+    us, and its ids are nearly always a C-contiguous int64 array: that case
+    is a few attribute reads and the buffer (cffi refuses a strided array
+    with ValueError, which takes the general path)."""
+    if type(hash_ids) is np.ndarray and hash_ids.dtype is _INT64:
+        shape = hash_ids.shape
+        if len(shape) == 2 and shape[1] == n_cols:
+            try:
+                return hash_ids, _from_buffer(hash_ids), n_cols, shape[0]
+            except ValueError:
+                pass
+    ids = check_hash_ids(hash_ids, n_cols)
+    return (ids, *native.ids_args(ids), ids.shape[0])
+
+
 def check_ids_in_range(ids: np.ndarray, head_start: int, sizes: np.ndarray,
                        id_base: np.ndarray | None = None) -> None:
     """Every id of heads ``head_start ..`` is -1 (DEAD) or in its head's

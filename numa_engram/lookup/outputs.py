@@ -20,6 +20,8 @@ from ..errors import CapacityError
 if TYPE_CHECKING:
     import torch
 
+_getrefcount = sys.getrefcount  # (a global, not an attribute: idle checks run every call)
+
 
 def aligned_empty(n: int, dtype: Any = np.uint16) -> np.ndarray:
     """``n`` items of ``dtype``, 64-byte aligned (the kernel's streaming
@@ -139,8 +141,12 @@ class OutputPool:
         lock.acquire()  # (not `with`: twice its cost, a tenth of a 1-token lookup's Python)
         try:
             last = self._last  # the common case: the buffer of the last call, free again
-            if last is not None and last.shape == shape and last.idle():
-                return last.tensor, last.bits, last.pointer
+            if last is not None and last.shape == shape:
+                # last.idle(), inline: a decode step's lookup is a few us
+                owner, tensor, storage = last._idle_refs
+                if _getrefcount(last.owner) == owner and _getrefcount(last.tensor) == tensor \
+                        and last._use_count(last._storage) == storage:
+                    return last.tensor, last.bits, last.pointer
             n = math.prod(shape)
             for entry in self._buffers:
                 if n <= entry.size <= 2 * n and entry.idle():
@@ -197,7 +203,7 @@ class _Pooled:
         self.bits, self.shape = bits, shape
         self._storage = self.tensor.untyped_storage()._cdata
         self._use_count = torch._C._storage_Use_Count  # found once: idle() runs every call
-        self._idle_refs = (sys.getrefcount(self.owner), sys.getrefcount(self.tensor),
+        self._idle_refs = (_getrefcount(self.owner), _getrefcount(self.tensor),
                            self._use_count(self._storage))
 
     def idle(self) -> bool:
@@ -206,5 +212,5 @@ class _Pooled:
         if self.tensor is None:
             return True
         owner, tensor, storage = self._idle_refs
-        return sys.getrefcount(self.owner) == owner and sys.getrefcount(self.tensor) == tensor \
+        return _getrefcount(self.owner) == owner and _getrefcount(self.tensor) == tensor \
             and self._use_count(self._storage) == storage

@@ -14,9 +14,11 @@ Backends: ``cpu`` (a worker thread; the fully tested contract) and
 ``cuda`` (a side stream and CUDA events).  On the CPU a lookup of a layer
 whose last wait came sooner after its submit than ``HANDOFF_S`` (so running
 ahead would have hidden less than the hand-off to the worker and back
-costs) is not handed to an idle worker: its
-``wait`` runs it on the waiting thread (with any such lookups queued before
-it, in order).  Every other lookup runs on the worker, ahead of its wait.
+costs) is not handed to an idle worker: a table's runs in its ``submit``
+when nothing is queued or running (its ``wait`` then only collects it),
+else its ``wait`` runs it on the waiting thread (with any such lookups
+queued before it, in order).  Every other lookup runs on the worker, ahead
+of its wait.
 
 Threads: ``submit``, ``wait``, ``reset`` and ``close`` may be called from any
 thread; every state change happens under one lock.  A layer has at most one
@@ -101,7 +103,6 @@ class _Job:
     out: Any  # the staged rows wait() returns
     run: Any  # CPU: run(ids) looks up into out (a table's bind_lookup of it)
     submitted: float
-    tokens: int = 0
     done: bool = False  # under the scheduler's lock; waiters wait on its condition
     started: float = 0.0
     finished: float = 0.0
@@ -194,7 +195,7 @@ class PrefetchScheduler:
                                         self._sources[layer] if packed else None)
                         for layer in self._lookups}
         self.metrics = {layer: LayerMetrics() for layer in self._lookups}
-        self._views: dict[Any, dict[int, tuple[Rows, Any]]] = {layer: {} for layer in
+        self._views: dict[Any, dict[int, tuple[Rows, Any, bool]]] = {layer: {} for layer in
                                                                self._lookups}
         self._packed, self._id_format = packed, id_format
         self._inflight: dict[Any, _Job] = {}
@@ -208,6 +209,7 @@ class PrefetchScheduler:
         self._closed = self._stopping = False
         self._queue: deque[_Job] = deque()  # CPU: submitted, not started, in order
         self._running = False  # CPU: a lookup runs (on the worker or a waiter)
+        self._cpu = backend == "cpu"  # (read every call: a decode step's lookup is a few us)
         if backend == "cpu":
             self._worker = threading.Thread(target=self._run_cpu, name="engram-prefetch",
                                             daemon=True)
@@ -223,42 +225,66 @@ class PrefetchScheduler:
             self._check_open()
             raise PrefetchError(f"layer {layer!r} has no lookup; layers are "
                                 f"{list(self._lookups)}")
-        n = int(hash_ids.shape[0])
+        n = hash_ids.shape[0]
         if n > self.max_tokens:
             raise PrefetchError(f"{n} tokens for layer {layer!r} exceed max_tokens "
                                 f"{self.max_tokens} of the static staging buffer")
-        out, run = views.get(n) or self._staged(layer, n)
-        job = _Job(layer, hash_ids, out, run, perf_counter(), n)
+        out, run, now_ok = views.get(n) or self._staged(layer, n)
+        job = _Job(layer, hash_ids, out, run, perf_counter())
         mutex = self._mutex
         mutex.acquire()  # check and claim the layer in one step
         try:
-            if self._closed:
-                self._check_open()
-            if layer in self._inflight:
-                raise PrefetchError(f"layer {layer!r} already has a lookup in flight; wait() "
-                                    "for it or reset() first")
+            if self._closed or layer in self._inflight or self._outstanding >= self.depth:
+                self._claim_slowly(job)  # refused, or waits for a slot
             self._inflight[layer] = job
-            # backpressure: at most `depth` lookups outstanding
-            if self._outstanding >= self.depth:
-                self._sleep(lambda: self._outstanding < self.depth or self._closed
-                            or job.cancelled)
-            if self._closed or job.cancelled:
-                del self._inflight[layer]
-                raise PrefetchError(f"the scheduler was closed or reset while layer {layer!r} "
-                                    "waited for a slot")
             self._outstanding += 1
             job.slot = True
-            if self.backend == "cpu":  # under the lock: close() stops the worker after it
+            if self._cpu:  # under the lock: close() stops the worker after it
                 queue = self._queue
+                # (metrics.ahead_pays(), inline: a decode step's lookup is a few us)
+                ahead = self.metrics[layer].last_lead_s >= HANDOFF_S
+                if now_ok and not ahead and not queue and not self._running:
+                    # nothing before it and its wait comes too soon for the
+                    # worker to run it ahead: it runs now, under the lock (a
+                    # table's kernel, which never calls back), and its wait
+                    # finds it done: one lock round trip each
+                    self._run_now(job)
+                    return
                 queue.append(job)
-                if self.metrics[layer].ahead_pays() or self._running or \
-                        len(queue) > 1 and queue[-2].woken:
+                if ahead or self._running or len(queue) > 1 and queue[-2].woken:
                     job.woken = True  # the worker runs it (after what it has)
                     self._work.notify()
         finally:
             mutex.release()
-        if self.backend == "cuda":
+        if not self._cpu:
             self._launch_cuda(job)
+
+    def _run_now(self, job: _Job) -> None:
+        """Under the lock, with no lookup running or queued: the job's lookup
+        on this thread (an error is kept for its wait), done."""
+        job.started = job.submitted  # (read just now: a decode step's lookup is a few us)
+        try:
+            job.run(job.ids)
+        except BaseException as exc:  # surfaces at this layer's wait()
+            job.error = exc
+        job.finished = perf_counter()
+        job.done = True
+
+    def _claim_slowly(self, job: _Job) -> None:
+        """Under the lock, for a submit that cannot claim its layer at once:
+        PrefetchError when the scheduler is closed or the layer has a lookup
+        in flight; else wait for one of the ``depth`` slots (backpressure)."""
+        layer = job.layer
+        self._check_open()
+        if layer in self._inflight:
+            raise PrefetchError(f"layer {layer!r} already has a lookup in flight; wait() "
+                                "for it or reset() first")
+        self._inflight[layer] = job  # (claimed while it waits: a second submit is refused)
+        self._sleep(lambda: self._outstanding < self.depth or self._closed or job.cancelled)
+        if self._closed or job.cancelled:
+            del self._inflight[layer]
+            raise PrefetchError(f"the scheduler was closed or reset while layer {layer!r} "
+                                "waited for a slot")
 
     def wait(self, layer: Any, *, check_errors: bool = False,
              timeout_s: float | None = None) -> Rows:
@@ -274,11 +300,15 @@ class PrefetchScheduler:
             if self._closed:
                 self._check_open()
             job = self._inflight.get(layer)
-            # the common case claimed in this round trip: the job is next, no
-            # worker was told to run it and none runs; it runs here, below
+            # the common cases settled in this round trip: the job is done
+            # (run at its submit) and is retired here; or it is next, no
+            # worker was told to run it and none runs: it runs here, below
+            done = job is not None and job.done
+            if job is not None and done:
+                self._retire_locked(job)
             queue = self._queue
-            here = job is not None and timeout_s is None and not self._running and \
-                bool(queue) and queue[0] is job and not job.woken
+            here = not done and job is not None and timeout_s is None and \
+                not self._running and bool(queue) and queue[0] is job and not job.woken
             if here:
                 queue.popleft()
                 self._running = True
@@ -287,20 +317,23 @@ class PrefetchScheduler:
         if job is None:
             raise PrefetchError(f"wait({layer!r}) without a submit({layer!r}) this step")
         called = perf_counter()
-        if here:
+        if done:
+            pass
+        elif here:
             self._execute(job, retire=True, started=called)  # done and retired: one round trip
-        elif self.backend == "cpu" and not self._wait_cpu(job, timeout_s):
+        elif self._cpu and not self._wait_cpu(job, timeout_s):
             with self._mutex:
                 self.metrics[layer].timeouts += 1
             raise PrefetchError(f"the lookup of layer {layer!r} did not finish in {timeout_s} s;"
                                 " it is still in flight: wait again or reset()")
         try:
-            if self.backend == "cuda":  # (the CPU lookup is done: above)
+            if not self._cpu:  # (the CPU lookup is done: above)
                 self._torch.cuda.current_stream(job.out.device).wait_event(job.event)
             if job.cancelled:
                 raise PrefetchError(f"the lookup of layer {layer!r} was dropped: the scheduler "
                                     "was closed or reset while it was awaited")
-            self._account(job, called, job.finished if here else perf_counter())
+            self._account(job, called, called if done else job.finished if here else
+                          perf_counter())
             if job.error is not None:
                 self.metrics[layer].errors += 1
                 raise job.error
@@ -395,26 +428,29 @@ class PrefetchScheduler:
         if self._closed:
             raise PrefetchError("the scheduler is closed")
 
-    def _staged(self, layer: Any, n: int) -> tuple[Rows, Any]:
-        """The first ``n`` rows of the layer's staging buffer, and (CPU) the
+    def _staged(self, layer: Any, n: int) -> tuple[Rows, Any, bool]:
+        """The first ``n`` rows of the layer's staging buffer, (CPU) the
         lookup into them, ``run(ids)``: a table's ``bind_lookup`` (the
         buffer checked once, a call is the kernel), else the layer's lookup
-        with the buffer as ``out``; made once per size, the same every step."""
+        with the buffer as ``out``; and whether ``run`` may run under the
+        scheduler's lock (a table's: it never calls back).  Made once per
+        size, the same every step."""
         views = self._views[layer]
-        pair = views.get(n)
-        if pair is not None:
-            return pair
+        made = views.get(n)
+        if made is not None:
+            return made
         staged = self.staging[layer]
         view: Any = tuple(b[:n] for b in staged) if isinstance(staged, tuple) else staged[:n]
         source, run = self._sources[layer], None
-        if self.backend == "cpu" and hasattr(source, "bind_lookup"):
+        now_ok = self.backend == "cpu" and hasattr(source, "bind_lookup")
+        if now_ok:
             run = source.bind_lookup(view, packed=self._packed, id_format=self._id_format)
         elif self.backend == "cpu":
             lookup = self._lookups[layer]
 
             def run(ids: Any) -> Any:
                 return lookup(ids, view)
-        made = (view, run)
+        made = (view, run, now_ok)
         if len(views) >= 64:  # many sizes: keep the recent ones
             views.clear()
         views[n] = made
@@ -446,15 +482,16 @@ class PrefetchScheduler:
     def _account(self, job: _Job, called: float, ready: float) -> None:
         m = self.metrics[job.layer]
         m.lookups += 1
-        m.last_lead_s = called - job.submitted
-        if self.backend == "cpu":
-            seconds = max(0.0, job.finished - job.started)
+        m.last_lead_s = lead = called - job.submitted
+        m.lead_s += lead
+        m.exposed_s += ready - called
+        if self._cpu:
+            seconds = job.finished - job.started
+            seconds = seconds if seconds > 0.0 else 0.0
             m.lookup_s += seconds
             m.latency.observe(seconds)
         elif job.start_event is not None:
             self._gpu_times.append((job.layer, job.start_event, job.event))
-        m.lead_s += m.last_lead_s
-        m.exposed_s += ready - called
 
     def _run_cpu(self) -> None:
         """The worker: the oldest queued job whenever no lookup runs; after

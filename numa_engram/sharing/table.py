@@ -31,9 +31,9 @@ from ..host.topology import Topology, current_node
 from ..literals import CreateMode, IdFormat, PageSize, check_id_format
 from ..lookup.cpu import (
     bad_id_text,
-    check_hash_ids,
     default_lookup_threads,
     id_base,
+    ids_for_kernel,
 )
 from ..lookup.outputs import (
     OutputPool,
@@ -321,33 +321,47 @@ class SharedEngramTable:
         ``lookup_cuda(packed=True)`` gives them (``dequantize=False`` is its
         old, deprecated spelling).  ``out`` may also be what
         ``prepare_out(buffer)`` gave, for a buffer used call after call."""
-        if id_format != "bucket":
-            check_id_format(id_format)
+        if out is None and not packed and dequantize is None and id_format == "bucket":
+            # the default, a decode step's call: its Python is most of its
+            # cost (~7 us in all at one token), so the fewest steps (`ids`
+            # stays alive while the kernel reads it)
+            try:
+                ids, address, stride, tokens = ids_for_kernel(hash_ids, self._n_cols)
+            except Exception as exc:
+                self._count_refused(exc)
+                raise
+            try:
+                result, _, buffer = self._outputs.take_with_buffer((tokens, *self._row_shape))
+            except BaseException:
+                self._count_failure("failed")
+                raise
+            self._run_kernel(address, tokens, stride, False, buffer)
+            return result
+        check_id_format(id_format)
         if dequantize is not None:
             warnings.warn("lookup(dequantize=...) is now lookup(packed=...), its opposite",
                           DeprecationWarning, stacklevel=2)
             packed = not dequantize
-        ids = self._checked_ids(hash_ids)
-        shape = (ids.shape[0], *self._row_shape)
-        result: Any
-        bits: Any
-        buffer = None  # the kernel's buffer of a pooled or prepared output, made once
+        ids, address, stride, tokens = self._kernel_ids(hash_ids)
+        shape = (tokens, *self._row_shape)
+        rows_out: Any  # (the BF16 tensor, or the packed pair)
         try:
-            if out is None and not packed:  # the default first: a decode step is a few us
-                result, bits, buffer = self._outputs.take_with_buffer(shape)
-            elif isinstance(out, PreparedOutput):
-                result, bits, buffer = _prepared(out, shape, packed)
-            elif packed and out is None:
-                result, bits = self._packed_outputs(shape)
+            if isinstance(out, PreparedOutput):
+                rows_out, bits, buffer = _prepared(out, shape, packed)
+            elif out is None and not packed:  # (global ids: the pooled output too)
+                rows_out, bits, buffer = self._outputs.take_with_buffer(shape)
             elif packed:
-                result, bits = packed_out(out, shape, self.spec.block)
+                rows_out, bits = self._packed_outputs(shape) if out is None else \
+                    packed_out(out, shape, self.spec.block)
+                buffer = None
             else:
-                result, bits = bf16_out(out, shape)
+                rows_out, bits, buffer = (*bf16_out(out, shape), None)
+            rows, scales = native.kernel_outputs(bits, buffer)
         except BaseException:
             self._count_failure("failed")
             raise
-        self._run_kernel(ids, id_format == "global", bits, buffer)
-        return result
+        self._run_kernel(address, shape[0], stride, id_format == "global", rows, scales)
+        return rows_out
 
     def bind_lookup(self, out: Any, *, packed: bool = False,
                     id_format: IdFormat = "bucket") -> Callable[[Any], Rows]:
@@ -360,37 +374,45 @@ class SharedEngramTable:
         check_id_format(id_format)
         prepared = out if isinstance(out, PreparedOutput) else self.prepare_out(out, packed=packed)
         result, bits, buffer = _prepared(prepared, prepared.shape, packed)  # (packed checked)
+        rows, scales = native.kernel_outputs(bits, buffer)
         tokens = prepared.shape[0]
         global_ids = id_format == "global"
 
         def lookup_into(hash_ids: Any) -> Rows:
-            ids = self._checked_ids(hash_ids)
-            if ids.shape[0] != tokens:
+            ids, address, stride, given = self._kernel_ids(hash_ids)
+            if given != tokens:
                 self._count_failure("failed")
-                raise ValueError(f"{ids.shape[0]} tokens of ids for a lookup bound to an "
+                raise ValueError(f"{given} tokens of ids for a lookup bound to an "
                                  f"output of {tokens}; bind one for this many tokens")
-            self._run_kernel(ids, global_ids, bits, buffer)
+            self._run_kernel(address, tokens, stride, global_ids, rows, scales)
             return result
         return lookup_into
 
-    def _checked_ids(self, hash_ids: Any) -> np.ndarray:
-        """``check_hash_ids`` for this table; a refusal is counted."""
+    def _kernel_ids(self, hash_ids: Any) -> tuple[np.ndarray, Any, int, int]:
+        """``ids_for_kernel`` for this table; a refusal is counted."""
         try:
-            return check_hash_ids(hash_ids, self._n_cols)
+            return ids_for_kernel(hash_ids, self._n_cols)
         except Exception as exc:
-            self._enter_lookup()  # counted; a closed table says so instead
-            self._leave_lookup(-1, "bad_ids" if isinstance(exc, LookupIdError) else "failed")
+            self._count_refused(exc)
             raise
 
-    def _run_kernel(self, ids: np.ndarray, global_ids: bool, bits: Any, buffer: Any) -> None:
-        """The shard's kernel over checked ids into ``bits`` (``buffer``: the
-        kernel's buffer of them, or None); bad ids raise LookupIdError, a
-        closed table StorageError; failures are counted."""
+    def _count_refused(self, exc: Exception) -> None:
+        """Ids refused before the kernel (``exc``), counted; a closed table
+        raises StorageError instead."""
+        self._enter_lookup()
+        self._leave_lookup(-1, "bad_ids" if isinstance(exc, LookupIdError) else "failed")
+
+    def _run_kernel(self, address: Any, tokens: int, stride: int, global_ids: bool, rows: Any,
+                    scales: Any = native.ffi.NULL) -> None:
+        """The shard's kernel over ids and outputs already cast
+        (``_kernel_ids``, ``native.kernel_outputs``); bad ids raise
+        LookupIdError, a closed table StorageError; failures are counted
+        (the kernel counts the lookups, with their time)."""
         try:
             kernel = self._kernel or self._shard_kernel()  # (made at the first lookup)
-            # counted there, with its time; refused once the table is closed
-            count, first, value = kernel(ids, global_ids, bits, buffer)
-            if count:
+            bad = kernel.run(address, tokens, stride, global_ids, rows, scales)
+            if bad:
+                count, first, value = kernel.bad_ids(bad, tokens)
                 self._raise_bad_ids(count, first, value, global_ids)
         except LookupIdError:
             self._count_failure("bad_ids")
