@@ -477,3 +477,29 @@ def test_a_closed_table_state_refuses_the_kernel_and_close_waits_for_running_cal
     with pytest.raises(StorageError, match="the table is closed"):
         kernel(ids, False, np.empty((4000, 4, spec.head_dim), np.uint16))
 
+
+
+def test_a_callers_output_tensor_gets_the_same_bits_and_a_wrong_one_is_refused(tp_shard_table):
+    """``lookup(ids, out=tensor)`` writes through the tensor's address (no
+    numpy view per call): the same bits as the pooled output, at a strided
+    view of ids too, and the tensor returned.  A float, misshapen or
+    non-contiguous tensor, a numpy array or a list is a ValueError that
+    names it, counted as a failed lookup; the table works on."""
+    import torch
+
+    spec, t = tp_shard_table
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 400, (7, 2, spec.n_hash_cols))  # [T, layers, cols]: a strided view
+    out = torch.full((7, 4, spec.head_dim), 3.0, dtype=torch.bfloat16)
+    assert t.lookup(ids[:, 1], out=out) is out
+    assert torch.equal(out.view(torch.int16), t.lookup(ids[:, 1]).view(torch.int16))
+    failed = t.stats().failed_lookups
+    wrong = [out.float(), out[:6], torch.empty((7, 8, spec.head_dim), dtype=torch.bfloat16)[:, ::2],
+             out.view(torch.int16).numpy(), [[0.0]]]
+    for bad in wrong:
+        with pytest.raises(ValueError, match=r"out must be a contiguous CPU bfloat16 tensor of "
+                                             r"shape \[7, 4, \d+\], got "):
+            t.lookup(ids[:, 1], out=bad)
+    assert t.stats().failed_lookups == failed + len(wrong)
+    assert torch.equal(t.lookup(ids[:, 0], out=out).view(torch.int16),
+                       t.lookup(ids[:, 0]).view(torch.int16))

@@ -15,6 +15,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -255,10 +256,10 @@ def rotating_id_sets(tokens: int, heads: int, row_bytes: int) -> int:
 
 
 def _serving_variants(spec, table, tokens: int, rng,
-                      id_sets: int | None = None) -> tuple[dict, object]:
+                      id_sets: int | None = None) -> tuple[dict, Callable[[], None]]:
     """Every variant of one size, each call on the next of ``id_sets`` id
     sets (enough that no call finds a previous call's rows in cache); and
-    the prefetch scheduler to close after."""
+    what closes its prefetch scheduler and kernel after."""
     import torch
 
     from numa_engram.lookup.outputs import aligned_empty
@@ -277,6 +278,14 @@ def _serving_variants(spec, table, tokens: int, rng,
     gathered_s = np.empty((tokens * len(sizes), spec.scales_per_row), np.uint8)
     turn = [0]
     sched = PrefetchScheduler({1: table}, {1: (len(sizes), spec.head_dim)}, max_tokens=tokens)
+    # the bare calls: the table's kernel, and one bound alike to a single
+    # thread on the same CPUs, both made once (as a table makes its own)
+    kernel, buffer = table._shard_kernel(), native.ffi.from_buffer(bits)
+    one_thread = native.ShardKernel(table._geometry, 1, table.lookup_cpus)
+
+    def close() -> None:
+        sched.close()
+        one_thread.close()
 
     def nxt() -> int:
         turn[0] += 1
@@ -291,10 +300,10 @@ def _serving_variants(spec, table, tokens: int, rng,
         "packed": lambda: table.lookup(sets[nxt()], packed=True),
         "numpy take": lambda: _take(table.weights, table.scales, flats[nxt()], gathered_w,
                                     gathered_s),
-        "bare native": lambda: _bare_native(table, sets[nxt()], bits),
-        "bare, 1 thread": lambda: _bare_native(table, sets[nxt()], bits, threads=1),
+        "bare native": lambda: _bare_native(kernel, sets[nxt()], buffer),
+        "bare, 1 thread": lambda: _bare_native(one_thread, sets[nxt()], buffer),
         "prefetch submit+wait": prefetched,
-    }, sched
+    }, close
 
 
 # A server's work between two lookups of one table (its other layers): the
@@ -322,14 +331,11 @@ def _turns(fns: dict, least: int, budget_s: float = 1.0, most: int = 2000,
     return max(least, min(most, int(budget_s / max(turn, 1e-9))))
 
 
-def _bare_native(table, ids, bits, threads: int | None = None) -> None:
-    """The kernel call alone: the floor of any Python around it (with the
-    table's threads, or ``threads``)."""
-    if threads is None:
-        table._shard_kernel()(ids, False, bits)
-    else:
-        native.run_geometry_lookup(table._geometry, ids, 0, False, bits, threads,
-                                   native.cpu_list(table.lookup_cpus))
+def _bare_native(kernel, ids, buffer) -> None:
+    """The kernel call alone (ids cast, output cast once): the floor of any
+    Python around it."""
+    address, stride = native.ids_args(ids)
+    kernel.run(address, ids.shape[0], stride, False, buffer)
 
 
 def _prefetch_ratio(best: dict) -> float:
@@ -363,10 +369,10 @@ def bench_serving(table_gib: float = 2.0, sweep: tuple[float, ...] = (0.5, 2.0, 
               f"{table.lookup_threads} thread(s); time in us, ratio to numpy take")
         names = None
         for tokens in tokens_list:
-            fns, sched = _serving_variants(spec, table, tokens, rng)
+            fns, close = _serving_variants(spec, table, tokens, rng)
             best = best_interleaved(fns, _turns(fns, repeat, pause_s=LAYER_PAUSE_S),
                                     LAYER_PAUSE_S)
-            sched.close()
+            close()
             names = names or list(fns)
             if tokens == tokens_list[0]:
                 print("  tokens  " + "  ".join(f"{n:>20}" for n in names))
@@ -384,11 +390,11 @@ def bench_serving(table_gib: float = 2.0, sweep: tuple[float, ...] = (0.5, 2.0, 
             continue
         cells = []
         for tokens in (64, 4096):
-            fns, sched = _serving_variants(spec, table, tokens, rng)
+            fns, close = _serving_variants(spec, table, tokens, rng)
             pair = {k: fns[k] for k in ("lookup(ids)", "numpy take")}
             best = best_interleaved(pair, _turns(pair, repeat, pause_s=LAYER_PAUSE_S),
                                     LAYER_PAUSE_S)
-            sched.close()
+            close()
             cells.append(f"{tokens} tokens {best['lookup(ids)'] * 1e6:8.1f} us "
                          f"({best['lookup(ids)'] / best['numpy take']:.2f}x)")
         table.close()

@@ -48,11 +48,23 @@ def bf16_out(out: torch.Tensor | None,
             raise CapacityError(f"the output of {list(shape)} BF16 values ({2 * math.prod(shape)}"
                                 f" bytes) cannot be allocated ({str(exc).splitlines()[0][:120]});"
                                 " look up fewer tokens per call") from exc
-    elif out.dtype != torch.bfloat16 or tuple(out.shape) != tuple(shape) \
-            or not out.is_contiguous() or out.device.type != "cpu":
-        raise ValueError(f"out must be a contiguous CPU bfloat16 tensor of shape {list(shape)}, "
-                         f"got {out.dtype} {list(out.shape)} on {out.device}")
+    else:
+        check_bf16_out(out, shape)
     return out, out.view(torch.int16).numpy().view(np.uint16)
+
+
+def check_bf16_out(out: Any, shape: tuple[int, ...]) -> None:
+    """``out`` must be a contiguous CPU BF16 tensor of ``shape``.  The
+    cheapest of torch's reads (``is_cpu``, not ``device.type``; ``shape``
+    compared as it is): ``lookup(ids, out=)`` runs this every call."""
+    import torch
+
+    if not (torch.is_tensor(out) and out.dtype is torch.bfloat16 and out.shape == shape
+            and out.is_cpu and out.is_contiguous()):
+        described = f"{out.dtype} {list(out.shape)} on {out.device}" if torch.is_tensor(out) \
+            else type(out).__name__
+        raise ValueError(f"out must be a contiguous CPU bfloat16 tensor of shape {list(shape)}, "
+                         f"got {described}")
 
 
 def scales_shape(shape: tuple[int, ...], block: int) -> tuple[int, ...]:
