@@ -367,38 +367,53 @@ def bench_serving(table_gib: float = 2.0, sweep: tuple[float, ...] = (0.5, 2.0, 
         print(f"== serving lookups: {table.backing_bytes / 2**30:.2f} GiB table on {page} pages, "
               f"24 heads, lookup_cpus {list(table.lookup_cpus) or 'none'}, "
               f"{table.lookup_threads} thread(s); time in us, ratio to numpy take")
-        names = None
         for tokens in tokens_list:
-            fns, close = _serving_variants(spec, table, tokens, rng)
-            best = best_interleaved(fns, _turns(fns, repeat, pause_s=LAYER_PAUSE_S),
-                                    LAYER_PAUSE_S)
-            close()
-            names = names or list(fns)
+            best = _serving_best(spec, table, tokens, rng, repeat)
             if tokens == tokens_list[0]:
-                print("  tokens  " + "  ".join(f"{n:>20}" for n in names))
+                print("  tokens  " + "  ".join(f"{n:>20}" for n in best))
             take = best["numpy take"]
             print(f"  {tokens:6d}  " + "  ".join(
-                f"{best[n] * 1e6:10.1f} ({best[n] / take:5.2f}x)" for n in names)
+                f"{t * 1e6:10.1f} ({t / take:5.2f}x)" for t in best.values())
                 + f"   prefetch/direct {_prefetch_ratio(best):.2f}x")
-        table.close()
+        _close_table(table)
     print("== table-size sweep (4K pages): lookup(ids) / numpy take")
     for gib in sweep:
         try:
             spec, table = _serving_table(gib, "4K", rng)
         except CapacityError as exc:
-            print(f"  {gib:4.1f} GiB: skipped ({str(exc).splitlines()[0][:120]})")
+            print(f"  {gib:4.1f} GiB: skipped ({str(exc).splitlines()[0][:160]})")
             continue
         cells = []
         for tokens in (64, 4096):
-            fns, close = _serving_variants(spec, table, tokens, rng)
-            pair = {k: fns[k] for k in ("lookup(ids)", "numpy take")}
-            best = best_interleaved(pair, _turns(pair, repeat, pause_s=LAYER_PAUSE_S),
-                                    LAYER_PAUSE_S)
-            close()
+            best = _serving_best(spec, table, tokens, rng, repeat,
+                                 only=("lookup(ids)", "numpy take"))
             cells.append(f"{tokens} tokens {best['lookup(ids)'] * 1e6:8.1f} us "
                          f"({best['lookup(ids)'] / best['numpy take']:.2f}x)")
-        table.close()
+        _close_table(table)
         print(f"  {gib:4.1f} GiB: " + ", ".join(cells))
+
+
+def _serving_best(spec, table, tokens: int, rng, repeat: int,
+                  only: tuple[str, ...] | None = None) -> dict:
+    """Each variant's best time at one size (``only``: these variants); its
+    id sets, outputs and references to the table go with the call."""
+    fns, close = _serving_variants(spec, table, tokens, rng)
+    if only:
+        fns = {k: fns[k] for k in only}
+    try:
+        return best_interleaved(fns, _turns(fns, repeat, pause_s=LAYER_PAUSE_S), LAYER_PAUSE_S)
+    finally:
+        close()
+
+
+def _close_table(table) -> None:
+    """Close a benchmark table and drop what still maps it (the variants'
+    numpy views keep a closed table's pages), so the next table finds its
+    node's memory free."""
+    import gc
+
+    table.close()
+    gc.collect()
 
 
 # --------------------------------------------------------------- hashing --
