@@ -446,3 +446,44 @@ def test_a_tables_lookup_waited_for_at_once_runs_in_its_submit(small_table):
         assert bool((sched.wait(99) == 99).all())
         assert torch.equal(sched.wait(layer).view(torch.int16),
                            table.lookup(steps[3]).view(torch.int16))
+
+
+def test_a_layers_job_is_reused_step_after_step_and_keeps_no_ids_alive(small_table):
+    """No allocation per step on the CPU: the job a wait collected is the
+    layer's next submit's (also after a failed lookup); once waited for, the
+    scheduler keeps no reference to the step's ids; a job dropped by reset
+    is never reused (reset may still hold it)."""
+    import gc
+    import weakref
+
+    spec, layer, table = small_table
+    rng = np.random.default_rng(1)
+    with PrefetchScheduler({layer: table}, {layer: (spec.n_hash_cols, spec.head_dim)},
+                           max_tokens=6) as sched:
+        seen = set()
+        for step in range(6):
+            ids = ngram_hashes(spec, rng.integers(0, 1000, 6), layer)
+            if step == 3:
+                ids[0, 0] = 10**12
+            sched.submit(layer, ids)
+            seen.add(id(sched._inflight[layer]))
+            if step == 3:
+                with pytest.raises(LookupIdError):
+                    sched.wait(layer)
+            else:
+                assert torch.equal(sched.wait(layer).view(torch.int16),
+                                   table.lookup(ids).view(torch.int16))
+            gone = weakref.ref(ids)
+            del ids
+            gc.collect()
+            assert gone() is None  # the step's ids are the caller's alone again
+        assert len(seen) == 1  # one job for all six steps
+
+        sched.submit(layer, ngram_hashes(spec, rng.integers(0, 1000, 6), layer))
+        dropped = sched._inflight[layer]
+        sched.reset()
+        ids = ngram_hashes(spec, rng.integers(0, 1000, 6), layer)
+        sched.submit(layer, ids)
+        assert sched._inflight[layer] is not dropped
+        assert torch.equal(sched.wait(layer).view(torch.int16),
+                           table.lookup(ids).view(torch.int16))

@@ -114,6 +114,14 @@ class _Job:
     event: Any = None  # CUDA event: the lookup is done
     start_event: Any = None  # CUDA event: the lookup started (timing)
 
+    def rearm(self, ids: Any, out: Any, run: Any, submitted: float) -> None:
+        """The layer's next CPU lookup in this (retired) job: no allocation
+        per step."""
+        self.ids, self.out, self.run, self.submitted = ids, out, run, submitted
+        self.done = self.cancelled = self.slot = self.woken = self.retired = False
+        self.started = self.finished = 0.0
+        self.error = None
+
 
 def _as_lookup(source: Any, backend: str = "cpu", max_sms: int | None = None,
                background: bool = True, packed: bool = False,
@@ -199,6 +207,7 @@ class PrefetchScheduler:
                                                                self._lookups}
         self._packed, self._id_format = packed, id_format
         self._inflight: dict[Any, _Job] = {}
+        self._spare: dict[Any, _Job] = {}  # CPU: a layer's collected job, for its next submit
         self._outstanding = 0  # jobs holding one of the `depth` slots
         self._sleepers = 0  # threads waiting on the lock (_sleep)
         # state changes hold the mutex (a Condition's `with` runs Python code,
@@ -230,7 +239,11 @@ class PrefetchScheduler:
             raise PrefetchError(f"{n} tokens for layer {layer!r} exceed max_tokens "
                                 f"{self.max_tokens} of the static staging buffer")
         out, run, now_ok = views.get(n) or self._staged(layer, n)
-        job = _Job(layer, hash_ids, out, run, perf_counter())
+        job = self._spare.pop(layer, None)  # the layer's last job, collected by its wait
+        if job is None:
+            job = _Job(layer, hash_ids, out, run, perf_counter())
+        else:
+            job.rearm(hash_ids, out, run, perf_counter())
         mutex = self._mutex
         mutex.acquire()  # check and claim the layer in one step
         try:
@@ -345,6 +358,12 @@ class PrefetchScheduler:
         finally:
             if not job.retired:  # (set by this thread when the lookup ran here)
                 self._retire(job)
+            if self._cpu and not job.cancelled:
+                # retired and never cancelled: nothing refers to it now (a
+                # reset or close only holds the jobs it cancelled), so the
+                # layer's next submit reuses it
+                job.ids = job.error = None
+                self._spare[layer] = job
 
     def reset(self) -> None:
         """Drop every lookup not yet waited for (e.g. between steps after an
