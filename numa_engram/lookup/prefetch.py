@@ -260,8 +260,15 @@ class PrefetchScheduler:
                     # nothing before it and its wait comes too soon for the
                     # worker to run it ahead: it runs now, under the lock (a
                     # table's kernel, which never calls back), and its wait
-                    # finds it done: one lock round trip each
-                    self._run_now(job)
+                    # finds it done: one lock round trip each (inline: a
+                    # decode step's lookup is a few us)
+                    job.started = job.submitted
+                    try:
+                        run(hash_ids)
+                    except BaseException as exc:  # surfaces at this layer's wait()
+                        job.error = exc
+                    job.finished = perf_counter()
+                    job.done = True
                     return
                 queue.append(job)
                 if ahead or self._running or len(queue) > 1 and queue[-2].woken:
@@ -271,17 +278,6 @@ class PrefetchScheduler:
             mutex.release()
         if not self._cpu:
             self._launch_cuda(job)
-
-    def _run_now(self, job: _Job) -> None:
-        """Under the lock, with no lookup running or queued: the job's lookup
-        on this thread (an error is kept for its wait), done."""
-        job.started = job.submitted  # (read just now: a decode step's lookup is a few us)
-        try:
-            job.run(job.ids)
-        except BaseException as exc:  # surfaces at this layer's wait()
-            job.error = exc
-        job.finished = perf_counter()
-        job.done = True
 
     def _claim_slowly(self, job: _Job) -> None:
         """Under the lock, for a submit that cannot claim its layer at once:
@@ -307,15 +303,55 @@ class PrefetchScheduler:
         sync) and raise LookupIdError for bad ids.  ``timeout_s`` (CPU): give
         up after that long with PrefetchError; the lookup stays in flight
         (wait again, or reset())."""
+        # a decode step's case first, in the fewest steps (its lookup is a
+        # few us): a CPU job already done (at its submit, or on the worker)
+        # and never dropped (close() drops every job in flight) is retired
+        # and collected here; anything else takes _wait_slowly
+        mutex = self._mutex
+        mutex.acquire()
+        try:
+            job = self._inflight.get(layer)
+            collect = job is not None and job.done and self._cpu and not job.cancelled
+            if collect:  # (_retire_locked, inline: a done job holds its slot)
+                job.retired, job.slot = True, False
+                del self._inflight[layer]
+                self._outstanding -= 1
+                if self._sleepers:
+                    self._lock.notify_all()
+        finally:
+            mutex.release()
+        if not collect:
+            return self._wait_slowly(layer, check_errors, timeout_s)
+        called = perf_counter()
+        m = self.metrics[layer]  # (_account, inline)
+        m.lookups += 1
+        m.last_lead_s = lead = called - job.submitted
+        m.lead_s += lead
+        seconds = job.finished - job.started
+        m.lookup_s += seconds
+        m.latency.observe(seconds)
+        out, error = job.out, job.error
+        job.ids = job.error = None  # nothing else refers to it: the next submit's
+        self._spare[layer] = job
+        if error is not None:
+            m.errors += 1
+            raise error
+        if check_errors:
+            self._check_device_errors(layer)
+        return out
+
+    def _wait_slowly(self, layer: Any, check_errors: bool, timeout_s: float | None) -> Rows:
+        """wait() for a job not yet done (run here when it is next and no
+        worker was told to, else waited for), dropped, or on CUDA."""
         mutex = self._mutex
         mutex.acquire()
         try:
             if self._closed:
                 self._check_open()
             job = self._inflight.get(layer)
-            # the common cases settled in this round trip: the job is done
-            # (run at its submit) and is retired here; or it is next, no
-            # worker was told to run it and none runs: it runs here, below
+            # settled in this round trip: the job is done (a CUDA one, or
+            # dropped) and is retired here; or it is next, no worker was
+            # told to run it and none runs: it runs here, below
             done = job is not None and job.done
             if job is not None and done:
                 self._retire_locked(job)
@@ -351,9 +387,7 @@ class PrefetchScheduler:
                 self.metrics[layer].errors += 1
                 raise job.error
             if check_errors:
-                source = self._sources[layer]
-                if hasattr(source, "check_device_errors"):
-                    source.check_device_errors()
+                self._check_device_errors(layer)
             return job.out
         finally:
             if not job.retired:  # (set by this thread when the lookup ran here)
@@ -364,6 +398,11 @@ class PrefetchScheduler:
                 # layer's next submit reuses it
                 job.ids = job.error = None
                 self._spare[layer] = job
+
+    def _check_device_errors(self, layer: Any) -> None:
+        source = self._sources[layer]
+        if hasattr(source, "check_device_errors"):
+            source.check_device_errors()
 
     def reset(self) -> None:
         """Drop every lookup not yet waited for (e.g. between steps after an
