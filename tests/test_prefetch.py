@@ -448,6 +448,73 @@ def test_a_tables_lookup_waited_for_at_once_runs_in_its_submit(small_table):
                            table.lookup(steps[3]).view(torch.int16))
 
 
+def test_a_tables_lookup_longer_than_a_hand_off_stays_in_its_submit(small_table, monkeypatch):
+    """A lookup run in its submit is not a lead: one that takes longer than
+    a hand-off, waited for at once, runs in its submit step after step (the
+    lead counted from the submit's call sent every other one to the worker,
+    and its wait paid two wake-ups: 256-token steps 1.26-1.42x a direct
+    lookup)."""
+    from numa_engram.lookup.prefetch import HANDOFF_S
+
+    spec, layer, table = small_table
+    where, bind = [], table.bind_lookup
+
+    def slow_bind(out, **kw):
+        run = bind(out, **kw)
+
+        def slow(ids):
+            where.append(threading.current_thread())
+            time.sleep(2 * HANDOFF_S)
+            return run(ids)
+        return slow
+
+    monkeypatch.setattr(table, "bind_lookup", slow_bind)
+    ids = ngram_hashes(spec, np.arange(6), layer)
+    want = table.lookup(ids).view(torch.int16)
+    with PrefetchScheduler({layer: table}, {layer: (spec.n_hash_cols, spec.head_dim)},
+                           max_tokens=6) as sched:
+        for _ in range(8):
+            sched.submit(layer, ids)
+            assert torch.equal(sched.wait(layer).view(torch.int16), want)
+        stats = sched.stats()[layer]
+    here = threading.current_thread()
+    assert where[0] is not here  # the first: no lead known yet
+    assert all(t is here for t in where[1:]), where
+    assert stats.lookups == 8 and stats.lead_seconds >= 7 * 2 * HANDOFF_S  # (submit -> wait)
+
+
+def test_wait_reads_the_device_error_record_only_when_asked(small_table, monkeypatch):
+    """``wait(check_errors=True)`` reads the source's device record, on the
+    worker's path (the first lookup: no lead known yet) and on a done job's
+    (run at its submit) alike; what that raises is the wait's, and the layer
+    takes its next submit; a plain wait never reads it."""
+    spec, layer, table = small_table
+    reads, fail = [], [False]
+
+    def check_device_errors() -> None:
+        reads.append(1)
+        if fail[0]:
+            raise LookupIdError("bad ids on the device")
+
+    monkeypatch.setattr(table, "check_device_errors", check_device_errors)
+    ids = ngram_hashes(spec, np.arange(6), layer)
+    want = table.lookup(ids).view(torch.int16)
+    with PrefetchScheduler({layer: table}, {layer: (spec.n_hash_cols, spec.head_dim)},
+                           max_tokens=6) as sched:
+        for step in range(4):  # step 0 is the worker's, the others run at submit
+            sched.submit(layer, ids)
+            rows = sched.wait(layer, check_errors=step % 2 == 0)
+            assert torch.equal(rows.view(torch.int16), want)
+        assert len(reads) == 2
+        fail[0] = True
+        sched.submit(layer, ids)
+        with pytest.raises(LookupIdError, match="on the device"):
+            sched.wait(layer, check_errors=True)
+        sched.submit(layer, ids)  # the layer is free again
+        assert torch.equal(sched.wait(layer).view(torch.int16), want)
+    assert len(reads) == 3
+
+
 def test_a_layers_job_is_reused_step_after_step_and_keeps_no_ids_alive(small_table):
     """No allocation per step on the CPU: the job a wait collected is the
     layer's next submit's (also after a failed lookup); once waited for, the

@@ -77,7 +77,8 @@ class LayerMetrics:
     errors: int = 0
     timeouts: int = 0
     latency: Histogram = field(default_factory=Histogram)
-    # the last lookup's lead (submit -> wait): whether running the next one
+    # the last lookup's free lead (its submit's return -> its wait: a
+    # lookup run in its submit is not a lead): whether running the next one
     # ahead can hide anything
     last_lead_s: float = float("inf")
 
@@ -103,6 +104,7 @@ class _Job:
     out: Any  # the staged rows wait() returns
     run: Any  # CPU: run(ids) looks up into out (a table's bind_lookup of it)
     submitted: float
+    returned: float  # submit returned to its caller (after the lookup, when run in it)
     done: bool = False  # under the scheduler's lock; waiters wait on its condition
     started: float = 0.0
     finished: float = 0.0
@@ -117,7 +119,8 @@ class _Job:
     def rearm(self, ids: Any, out: Any, run: Any, submitted: float) -> None:
         """The layer's next CPU lookup in this (retired) job: no allocation
         per step."""
-        self.ids, self.out, self.run, self.submitted = ids, out, run, submitted
+        self.ids, self.out, self.run = ids, out, run
+        self.submitted = self.returned = submitted
         self.done = self.cancelled = self.slot = self.woken = self.retired = False
         self.started = self.finished = 0.0
         self.error = None
@@ -240,10 +243,11 @@ class PrefetchScheduler:
                                 f"{self.max_tokens} of the static staging buffer")
         out, run, now_ok = views.get(n) or self._staged(layer, n)
         job = self._spare.pop(layer, None)  # the layer's last job, collected by its wait
+        now = perf_counter()
         if job is None:
-            job = _Job(layer, hash_ids, out, run, perf_counter())
+            job = _Job(layer, hash_ids, out, run, now, now)
         else:
-            job.rearm(hash_ids, out, run, perf_counter())
+            job.rearm(hash_ids, out, run, now)
         mutex = self._mutex
         mutex.acquire()  # check and claim the layer in one step
         try:
@@ -267,7 +271,7 @@ class PrefetchScheduler:
                         run(hash_ids)
                     except BaseException as exc:  # surfaces at this layer's wait()
                         job.error = exc
-                    job.finished = perf_counter()
+                    job.finished = job.returned = perf_counter()
                     job.done = True
                     return
                 queue.append(job)
@@ -325,8 +329,8 @@ class PrefetchScheduler:
         called = perf_counter()
         m = self.metrics[layer]  # (_account, inline)
         m.lookups += 1
-        m.last_lead_s = lead = called - job.submitted
-        m.lead_s += lead
+        m.last_lead_s = called - job.returned
+        m.lead_s += called - job.submitted
         seconds = job.finished - job.started
         m.lookup_s += seconds
         m.latency.observe(seconds)
@@ -540,8 +544,8 @@ class PrefetchScheduler:
     def _account(self, job: _Job, called: float, ready: float) -> None:
         m = self.metrics[job.layer]
         m.lookups += 1
-        m.last_lead_s = lead = called - job.submitted
-        m.lead_s += lead
+        m.last_lead_s = called - job.returned
+        m.lead_s += called - job.submitted
         m.exposed_s += ready - called
         if self._cpu:
             seconds = job.finished - job.started
