@@ -12,10 +12,11 @@ rows) and reused every step, so a CUDA graph can be captured around them.
 
 Backends: ``cpu`` (a worker thread; the fully tested contract) and
 ``cuda`` (a side stream and CUDA events).  On the CPU a lookup of a layer
-whose last wait came sooner after its submit than ``HANDOFF_S`` (so running
-ahead would have hidden less than the hand-off to the worker and back
-costs) is not handed to an idle worker: a table's runs in its ``submit``
-when nothing is queued or running (its ``wait`` then only collects it),
+whose last wait came sooner after its submit returned than ``HANDOFF_S``
+(a lookup run in its submit is no lead), so that running ahead would have
+hidden less than the hand-off to the worker and back costs, is not handed
+to an idle worker: a table's runs in its ``submit`` when nothing is queued
+or running (its ``wait`` then only collects it),
 else its ``wait`` runs it on the waiting thread (with any such lookups
 queued before it, in order).  Every other lookup runs on the worker, ahead
 of its wait.
@@ -413,12 +414,12 @@ class PrefetchScheduler:
         abort); a running one finishes but its rows are discarded."""
         with self._mutex:
             pending = self._cancel_all()
-            if self.backend == "cpu":  # the worker drains what no waiter will run now
+            if self._cpu:  # the worker drains what no waiter will run now
                 for job in self._queue:
                     job.woken = True
                 self._work.notify()
         for job in pending:
-            if self.backend == "cpu":
+            if self._cpu:
                 self._wait_done(job)
             else:
                 job.event.synchronize()
@@ -432,7 +433,7 @@ class PrefetchScheduler:
                 return
             self._closed = True
             self._cancel_all()
-        if self.backend == "cpu":
+        if self._cpu:
             with self._mutex:
                 self._stopping = True
                 self._work.notify()
@@ -504,10 +505,10 @@ class PrefetchScheduler:
         staged = self.staging[layer]
         view: Any = tuple(b[:n] for b in staged) if isinstance(staged, tuple) else staged[:n]
         source, run = self._sources[layer], None
-        now_ok = self.backend == "cpu" and hasattr(source, "bind_lookup")
+        now_ok = self._cpu and hasattr(source, "bind_lookup")
         if now_ok:
             run = source.bind_lookup(view, packed=self._packed, id_format=self._id_format)
-        elif self.backend == "cpu":
+        elif self._cpu:
             lookup = self._lookups[layer]
 
             def run(ids: Any) -> Any:
