@@ -49,7 +49,9 @@ static void read_cpu_features(void)
     cpu_features.avx512bw = __builtin_cpu_supports("avx512bw") && !no512;
     cpu_features.avx512dq = __builtin_cpu_supports("avx512f") &&
                             __builtin_cpu_supports("avx512dq") && !no512;
+    /* (the VBMI row's shift table is read with 256-bit AVX-512VL loads) */
     cpu_features.avx512vbmi = cpu_features.avx512bw && __builtin_cpu_supports("avx512vbmi") &&
+                              __builtin_cpu_supports("avx512vl") &&
                               getenv("NUMA_ENGRAM_NO_VBMI") == NULL;
     cpu_features.avx2 = __builtin_cpu_supports("avx2") && getenv("NUMA_ENGRAM_NO_AVX2") == NULL;
 #endif

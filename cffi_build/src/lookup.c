@@ -308,13 +308,24 @@ static void dequant_chunk(const struct lookup_job *j, const struct order *o, int
             copy_row(w_stage + (q - q0) * dim, weights + row * dim, dim);
             copy_row(s_stage + (q - q0) * n_scales, scales + row * n_scales, n_scales);
         }
+#if defined(__x86_64__)
+        if (staged && (row_dequant == row_vbmi || row_dequant == row_vbmi_stream)) {
+            /* the stage in one call: row_vbmi's ISA is more than the
+             * x86-64-v4 clone's, so it is never inlined here, and a call a
+             * row (its tables loaded each time) cost ~5% of a decode step's
+             * kernel time in cache */
+            rows_vbmi(w_stage, s_stage, n, dim, j->block, j->out + k0 * dim, o->pos + q0,
+                      row_dequant == row_vbmi_stream);
+            continue;
+        }
+#endif
         for (int64_t q = q0; q < q0 + n; q++) {
             const uint8_t *w = staged ? w_stage + (q - q0) * dim : weights + o->row[q] * dim;
             const uint8_t *s = staged ? s_stage + (q - q0) * n_scales
                                       : scales + o->row[q] * n_scales;
             uint16_t *out = j->out + (k0 + o->pos[q]) * dim;
 #if defined(__x86_64__)
-            if (row_dequant == row_vbmi) /* direct calls (the AVX-512 clone inlines them) */
+            if (row_dequant == row_vbmi) /* direct calls (rows read in place: wider than a stage) */
                 row_vbmi(w, s, dim, j->block, out);
             else if (row_dequant == row_avx512)
                 row_avx512(w, s, dim, j->block, out);
