@@ -317,7 +317,7 @@ class PrefetchScheduler:
         try:
             job = self._inflight.get(layer)
             collect = job is not None and job.done and self._cpu and not job.cancelled
-            if collect:  # (_retire_locked, inline: a done job holds its slot)
+            if job is not None and collect:  # (_retire_locked, inline: a done job holds its slot)
                 job.retired, job.slot = True, False
                 del self._inflight[layer]
                 self._outstanding -= 1
@@ -325,7 +325,7 @@ class PrefetchScheduler:
                     self._lock.notify_all()
         finally:
             mutex.release()
-        if not collect:
+        if job is None or not collect:
             return self._wait_slowly(layer, check_errors, timeout_s)
         called = perf_counter()
         m = self.metrics[layer]  # (_account, inline)
