@@ -317,29 +317,19 @@ class PrefetchScheduler:
         try:
             job = self._inflight.get(layer)
             collect = job is not None and job.done and self._cpu and not job.cancelled
-            if job is not None and collect:  # (_retire_locked, inline: a done job holds its slot)
-                job.retired, job.slot = True, False
-                del self._inflight[layer]
-                self._outstanding -= 1
-                if self._sleepers:
-                    self._lock.notify_all()
+            if job is not None and collect:
+                self._retire_locked(job)
         finally:
             mutex.release()
         if job is None or not collect:
             return self._wait_slowly(layer, check_errors, timeout_s)
         called = perf_counter()
-        m = self.metrics[layer]  # (_account, inline)
-        m.lookups += 1
-        m.last_lead_s = called - job.returned
-        m.lead_s += called - job.submitted
-        seconds = job.finished - job.started
-        m.lookup_s += seconds
-        m.latency.observe(seconds)
+        self._account(job, called, called)
         out, error = job.out, job.error
         job.ids = job.error = None  # nothing else refers to it: the next submit's
         self._spare[layer] = job
         if error is not None:
-            m.errors += 1
+            self.metrics[layer].errors += 1
             raise error
         if check_errors:
             self._check_device_errors(layer)

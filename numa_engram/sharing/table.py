@@ -326,7 +326,7 @@ class SharedEngramTable:
         if out is None and not packed and dequantize is None and id_format == "bucket":
             # the default, a decode step's call: its Python is most of its
             # cost (~7 us in all at one token), so the fewest steps
-            ids, address, stride, tokens = self._ids_at_once(hash_ids)
+            ids, address, stride, tokens = self._kernel_ids(hash_ids)
             try:
                 result, _, buffer = self._outputs.take_with_buffer((tokens, *self._row_shape))
             except BaseException:
@@ -377,7 +377,7 @@ class SharedEngramTable:
         global_ids = id_format == "global"
 
         def lookup_into(hash_ids: Any) -> Rows:
-            ids, address, stride, given = self._ids_at_once(hash_ids)  # (kept while read)
+            ids, address, stride, given = self._kernel_ids(hash_ids)  # (kept while read)
             if given != tokens:
                 self._count_failure("failed")
                 raise ValueError(f"{given} tokens of ids for a lookup bound to an "
@@ -386,12 +386,12 @@ class SharedEngramTable:
             return result
         return lookup_into
 
-    def _ids_at_once(self, hash_ids: Any) -> tuple[Any, Any, int, int]:
-        """``_kernel_ids`` with its common case first: a decode step's ids,
-        a C-contiguous int64 ``[T, n_cols]`` array, are their own buffer
-        (the checks of ``ids_for_kernel``'s first case here: one call less,
-        ~0.3 us of a bound lookup's ~2.3 hot); cffi refuses a strided one,
-        which takes ``_kernel_ids``."""
+    def _kernel_ids(self, hash_ids: Any) -> tuple[np.ndarray, Any, int, int]:
+        """``ids_for_kernel`` for this table; a refusal is counted.  Its
+        first case, a decode step's ids (a C-contiguous int64 ``[T,
+        n_cols]`` array: their own buffer), is spelled here too: one call
+        less on every lookup's path (~0.3 us of a bound lookup's ~2.3
+        hot); cffi refuses a strided array, which takes the general path."""
         if type(hash_ids) is np.ndarray and hash_ids.dtype is _INT64:
             shape = hash_ids.shape
             if len(shape) == 2 and shape[1] == self._n_cols:
@@ -399,10 +399,6 @@ class SharedEngramTable:
                     return hash_ids, _from_buffer(hash_ids), shape[1], shape[0]
                 except ValueError:
                     pass
-        return self._kernel_ids(hash_ids)
-
-    def _kernel_ids(self, hash_ids: Any) -> tuple[np.ndarray, Any, int, int]:
-        """``ids_for_kernel`` for this table; a refusal is counted."""
         try:
             return ids_for_kernel(hash_ids, self._n_cols)
         except Exception as exc:
