@@ -41,6 +41,7 @@ struct lookup_job {
     uint16_t *out;
     uint8_t *raw_w, *raw_s; /* packed output instead of out: the rows as stored */
     int64_t t_begin, t_end;
+    int64_t call_rows; /* the whole call's rows: whether its output is streamed */
     const int *cpus; /* a fresh thread's affinity: the rows' node's CPUs */
     int n_cpus;
     /* ids outside their head's buckets (neither DEAD nor valid): written
@@ -379,7 +380,7 @@ static void run_sorted_job(struct lookup_job *j);
  * the same stage) from stack scratch.  The threshold is tunable
  * (ne_tune_small_rows) so tools/bench.py can measure it and tests can run
  * both sides; the default is what bench measured. */
-#define NE_STREAM_BYTES (4 << 20) /* a job's output: bench's crossover of plain and streaming */
+#define NE_STREAM_BYTES (512 << 10) /* a call's output: bench's crossover of plain and streaming */
 #define NE_SMALL_ROWS 2048 /* rows: bench's crossover of token order and table order */
 enum { MAX_SMALL_ROWS = 4096 }; /* the small path's scratch is on the stack (64 KiB) */
 static int64_t small_rows = NE_SMALL_ROWS;
@@ -408,13 +409,18 @@ static void direct_chunk(struct lookup_job *j, struct cursor *cur, int64_t k0, i
     }
 }
 
-/* A job's outputs from this size on are written with streaming stores (the
- * AVX2 and AVX-512 rows, and the packed copy where AVX-512 is): a large
- * gather's scattered output lines are not worth reading for ownership, a
- * small one's stay in cache for the reader that comes next (the TP gather,
- * the copy to the GPU).  The AVX-512 paths streamed every aligned output
- * before 0.5: no faster at decode sizes (A/B in one process, 1-1,024
- * tokens: 0.98-1.00x), and it sent a decode step's rows out of cache. */
+/* A call's output from this size on is written with streaming stores (the
+ * AVX2 and AVX-512 rows, and the packed copy where AVX-512 is), by every
+ * job of it: so large an output is mostly out of the core's L2 (2 MiB
+ * here, which the rows read pass through too) before its reader comes, so
+ * its lines are not worth reading for ownership; a decode step's smaller
+ * one stays in cache for that reader
+ * (the TP gather, the copy to the GPU).  Decided per job before 0.5, so a
+ * call cut into 48-row jobs never streamed below 16,384 rows.  Measured
+ * (tools/bench.py serving's regime, 24 heads of 256, one run): 64-256
+ * tokens took 0.68-0.84x numpy take streamed against 0.90-1.08x plain;
+ * 8-16 tokens streamed took 1.1x their plain time; the lookup and a CPU
+ * reader's copy of its rows took 0.90-1.10x plain at 64-512 tokens. */
 static int64_t stream_min_bytes = NE_STREAM_BYTES;
 
 int ne_tune_stream_bytes(int64_t bytes)
@@ -427,7 +433,7 @@ int ne_tune_stream_bytes(int64_t bytes)
 static row_fn job_row_fn(const struct lookup_job *j, row_fn picked)
 {
 #if defined(__x86_64__)
-    const int64_t out_bytes = (j->t_end - j->t_begin) * j->n_heads * j->dim * 2;
+    const int64_t out_bytes = j->call_rows * j->dim * 2;
     if (picked == row_vbmi)
         return out_bytes >= stream_min_bytes ? row_vbmi_stream : row_vbmi;
     if (picked == row_avx512)
@@ -445,7 +451,7 @@ static int use_streaming(const struct lookup_job *j, row_fn row_dequant)
 #if defined(__x86_64__)
     /* streaming needs AVX-512 (the picked row function says whether it is
      * there and allowed) and whole 64-byte lines at every output row */
-    const int64_t out_bytes = (j->t_end - j->t_begin) * j->n_heads * j->dim;
+    const int64_t out_bytes = j->call_rows * j->dim;
     const int avx512 = row_dequant == row_avx512 || row_dequant == row_vbmi;
     return avx512 && out_bytes >= stream_min_bytes && j->dim % 64 == 0
            && ((uintptr_t)j->raw_w & 63) == 0;
@@ -734,7 +740,8 @@ int64_t ne_lookup(const struct ne_kernel *k, const void *ids, int64_t n_tokens, 
         .weights = g->weights, .scales = g->scales, .dim = g->dim, .block = g->block,
         .ids = (const int64_t *)ids + k->col0, .stride = stride, .n_heads = g->n_heads,
         .head_offsets = g->head_offsets, .bucket_sizes = g->bucket_sizes,
-        .id_base = global_ids ? g->id_base : NULL, .first_bad = -1, .first_bad_id = 0};
+        .id_base = global_ids ? g->id_base : NULL, .call_rows = n_tokens * g->n_heads,
+        .first_bad = -1, .first_bad_id = 0};
     if (out_scales) {
         proto.raw_w = out;
         proto.raw_s = out_scales;
