@@ -40,6 +40,18 @@ def _ids(n=4):
     return np.zeros((n, 2), np.int64)
 
 
+def _until_a_short_lead(sched, layer, ids, tries=100):
+    """submit + wait at once until the layer's last lead is shorter than a
+    hand-off: its first lookup goes to the worker (no lead known yet), and
+    on a loaded machine that wait may come late."""
+    for _ in range(tries):
+        if not sched.metrics[layer].ahead_pays():
+            return
+        sched.submit(layer, ids)
+        sched.wait(layer)
+    raise AssertionError(f"no lead shorter than a hand-off in {tries} steps")
+
+
 def test_fifo_order_across_layers_and_each_wait_returns_its_own_rows():
     log = []
     with _sched({k: Recorder(k, log, 0.01) for k in (1, 2, 3)}) as s:
@@ -414,8 +426,7 @@ def test_a_tables_lookup_waited_for_at_once_runs_in_its_submit(small_table):
     with PrefetchScheduler({layer: table, 99: Recorder(99, log, gate=gate)},
                            {layer: (spec.n_hash_cols, spec.head_dim),
                             99: (spec.n_hash_cols, spec.head_dim)}, max_tokens=6) as sched:
-        sched.submit(layer, steps[0])
-        sched.wait(layer)  # the first goes to the worker: no lead is known yet
+        _until_a_short_lead(sched, layer, steps[0])  # the first goes to the worker
         staged = sched.staging[layer].view(torch.int16)
         for ids in steps[1:]:
             sched.submit(layer, ids)
@@ -473,14 +484,20 @@ def test_a_tables_lookup_longer_than_a_hand_off_stays_in_its_submit(small_table,
     want = table.lookup(ids).view(torch.int16)
     with PrefetchScheduler({layer: table}, {layer: (spec.n_hash_cols, spec.head_dim)},
                            max_tokens=6) as sched:
+        sched.submit(layer, ids)
+        assert torch.equal(sched.wait(layer).view(torch.int16), want)
+        assert where[0] is not threading.current_thread()  # the first: no lead known yet
+        _until_a_short_lead(sched, layer, ids)
+        where.clear()
+        before = sched.stats()[layer]
         for _ in range(8):
             sched.submit(layer, ids)
             assert torch.equal(sched.wait(layer).view(torch.int16), want)
         stats = sched.stats()[layer]
     here = threading.current_thread()
-    assert where[0] is not here  # the first: no lead known yet
-    assert all(t is here for t in where[1:]), where
-    assert stats.lookups == 8 and stats.lead_seconds >= 7 * 2 * HANDOFF_S  # (submit -> wait)
+    assert len(where) == 8 and all(t is here for t in where), where
+    assert stats.lookups - before.lookups == 8
+    assert stats.lead_seconds - before.lead_seconds >= 8 * 2 * HANDOFF_S  # (submit -> wait)
 
 
 def test_wait_reads_the_device_error_record_only_when_asked(small_table, monkeypatch):
@@ -515,11 +532,13 @@ def test_wait_reads_the_device_error_record_only_when_asked(small_table, monkeyp
     assert len(reads) == 3
 
 
-def test_a_layers_job_is_reused_step_after_step_and_keeps_no_ids_alive(small_table):
-    """No allocation per step on the CPU: the job a wait collected is the
-    layer's next submit's (also after a failed lookup); once waited for, the
-    scheduler keeps no reference to the step's ids; a job dropped by reset
-    is never reused (reset may still hold it)."""
+def test_a_decode_step_allocates_nothing_and_keeps_no_ids_alive(small_table):
+    """No allocation per step on the CPU: a table's lookup waited for at
+    once (after the first, the worker's) needs no job at all, only its
+    layer's lane (after a failed lookup too); one that goes through a job (a
+    callable's, run by its waiter) reuses the job its last wait collected;
+    once waited for, the scheduler keeps no reference to the step's ids; a
+    job dropped by reset is never reused (reset may still hold it)."""
     import gc
     import weakref
 
@@ -527,30 +546,98 @@ def test_a_layers_job_is_reused_step_after_step_and_keeps_no_ids_alive(small_tab
     rng = np.random.default_rng(1)
     with PrefetchScheduler({layer: table}, {layer: (spec.n_hash_cols, spec.head_dim)},
                            max_tokens=6) as sched:
-        seen = set()
+        _until_a_short_lead(sched, layer, ngram_hashes(spec, np.arange(6), layer))
+        counted = sched.stats()[layer].lookups
         for step in range(6):
             ids = ngram_hashes(spec, rng.integers(0, 1000, 6), layer)
             if step == 3:
                 ids[0, 0] = 10**12
             sched.submit(layer, ids)
-            seen.add(id(sched._inflight[layer]))
+            assert not sched._inflight and sched._lanes[layer].held  # done, no job
             if step == 3:
                 with pytest.raises(LookupIdError):
                     sched.wait(layer)
             else:
                 assert torch.equal(sched.wait(layer).view(torch.int16),
                                    table.lookup(ids).view(torch.int16))
+            assert not sched._lanes[layer].held and sched._outstanding == 0
             gone = weakref.ref(ids)
             del ids
             gc.collect()
             assert gone() is None  # the step's ids are the caller's alone again
+        assert sched.stats()[layer].lookups - counted == 6 and sched.stats()[layer].errors == 1
+
+    def lookup(ids, out):
+        if ids[0, 0] < 0:
+            raise ValueError("bad step")
+        return out.fill_(int(ids[0, 0]))
+    with _sched({1: lookup}) as sched:
+        seen = set()
+        for step in range(6):
+            ids = np.full((4, 2), -1 if step == 3 else step, np.int64)
+            sched.submit(1, ids)
+            seen.add(id(sched._inflight[1]))
+            if step == 3:
+                with pytest.raises(ValueError, match="bad step"):
+                    sched.wait(1)
+            else:
+                assert bool((sched.wait(1) == step).all())
+            gone = weakref.ref(ids)
+            del ids
+            gc.collect()
+            assert gone() is None
         assert len(seen) == 1  # one job for all six steps
 
-        sched.submit(layer, ngram_hashes(spec, rng.integers(0, 1000, 6), layer))
-        dropped = sched._inflight[layer]
+        sched.submit(1, _ids())
+        dropped = sched._inflight[1]
         sched.reset()
-        ids = ngram_hashes(spec, rng.integers(0, 1000, 6), layer)
-        sched.submit(layer, ids)
-        assert sched._inflight[layer] is not dropped
-        assert torch.equal(sched.wait(layer).view(torch.int16),
-                           table.lookup(ids).view(torch.int16))
+        sched.submit(1, np.full((4, 2), 7, np.int64))
+        assert sched._inflight[1] is not dropped
+        assert bool((sched.wait(1) == 7).all())
+
+
+def test_a_lookup_run_in_its_submit_holds_its_layer_and_a_slot_until_its_wait(small_table):
+    """A table's lookup that ran in its submit (no job: its layer's lane)
+    is in flight until its wait like any other: a second submit of the layer
+    raises, with depth 1 another layer's submit waits for that wait, and
+    reset() and close() drop it (its wait then raises)."""
+    spec, layer, table = small_table
+    ids = ngram_hashes(spec, np.arange(6), layer)
+    want = table.lookup(ids).view(torch.int16)
+    shape = (spec.n_hash_cols, spec.head_dim)
+    with PrefetchScheduler({1: table, 2: table}, {1: shape, 2: shape}, max_tokens=6,
+                           depth=1) as sched:
+        for lay in (1, 2):
+            _until_a_short_lead(sched, lay, ids)
+        sched.submit(1, ids)
+        assert sched._lanes[1].held and sched._outstanding == 1
+        with pytest.raises(PrefetchError, match="already has a lookup in flight"):
+            sched.submit(1, ids)
+        claimed = threading.Event()
+
+        def second():
+            sched.submit(2, ids)
+            claimed.set()
+        other = threading.Thread(target=second)
+        other.start()
+        assert not claimed.wait(0.2)  # no slot: layer 1 holds the only one
+        assert torch.equal(sched.wait(1).view(torch.int16), want)
+        assert claimed.wait(10)
+        other.join()
+        assert torch.equal(sched.wait(2).view(torch.int16), want)
+
+        _until_a_short_lead(sched, 1, ids)  # (its last wait came 0.2 s late: a lead)
+        sched.submit(1, ids)
+        assert sched._lanes[1].held
+        sched.reset()
+        assert not sched._lanes[1].held and sched._outstanding == 0
+        with pytest.raises(PrefetchError, match="without a submit"):
+            sched.wait(1)
+        sched.submit(1, ids)
+        assert sched._lanes[1].held
+        sched.close()
+        assert sched._outstanding == 0
+        with pytest.raises(PrefetchError, match="closed"):
+            sched.wait(1)
+        with pytest.raises(PrefetchError, match="closed"):
+            sched.submit(2, ids)

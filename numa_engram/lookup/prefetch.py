@@ -16,9 +16,10 @@ whose last wait came sooner after its submit returned than ``HANDOFF_S``
 (a lookup run in its submit is no lead), so that running ahead would have
 hidden less than the hand-off to the worker and back costs, is not handed
 to an idle worker: a table's runs in its ``submit`` when nothing is queued
-or running (its ``wait`` then only collects it),
-else its ``wait`` runs it on the waiting thread (with any such lookups
-queued before it, in order).  Every other lookup runs on the worker, ahead
+or running and a slot is free (no job is made for it: its layer's lane
+holds the rows' state, and its ``wait`` only collects them), else its
+``wait`` runs it on the waiting thread (with any such lookups queued before
+it, in order).  Every other lookup runs on the worker, ahead
 of its wait.
 
 Threads: ``submit``, ``wait``, ``reset`` and ``close`` may be called from any
@@ -49,6 +50,9 @@ if TYPE_CHECKING:
     Rows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 LookupFn = Callable[[Any, Any], Any]  # (hash_ids, out) -> out
+# A layer's staged rows of one size: (rows, run(ids) into them, whether run
+# may run under the scheduler's lock)
+_Staged = tuple[Any, Any, bool]
 # What handing a lookup to the worker and back may cost: two thread
 # wake-ups, each up to ~200 us in a VM guest (a 1,024-token lookup waited for
 # at once took 1.8x a direct one through the worker).  A lead (submit ->
@@ -69,10 +73,9 @@ class LayerStats:
     latency: tuple = ()          # the lookups' own times: Histogram.snapshot()
 
 
-@dataclass
+@dataclass(slots=True)
 class LayerMetrics:
     lookups: int = 0
-    lookup_s: float = 0.0   # time the lookup itself ran
     lead_s: float = 0.0     # submit -> wait call
     exposed_s: float = 0.0  # wait call -> rows ready (what the consumer lost)
     errors: int = 0
@@ -82,6 +85,11 @@ class LayerMetrics:
     # lookup run in its submit is not a lead): whether running the next one
     # ahead can hide anything
     last_lead_s: float = float("inf")
+
+    @property
+    def lookup_s(self) -> float:
+        """Time the lookups themselves ran: their histogram's sum."""
+        return self.latency.total
 
     def ahead_pays(self) -> bool:
         """Whether the layer's next lookup should go to the worker: when the
@@ -105,7 +113,6 @@ class _Job:
     out: Any  # the staged rows wait() returns
     run: Any  # CPU: run(ids) looks up into out (a table's bind_lookup of it)
     submitted: float
-    returned: float  # submit returned to its caller (after the lookup, when run in it)
     done: bool = False  # under the scheduler's lock; waiters wait on its condition
     started: float = 0.0
     finished: float = 0.0
@@ -121,10 +128,29 @@ class _Job:
         """The layer's next CPU lookup in this (retired) job: no allocation
         per step."""
         self.ids, self.out, self.run = ids, out, run
-        self.submitted = self.returned = submitted
+        self.submitted = submitted
         self.done = self.cancelled = self.slot = self.woken = self.retired = False
         self.started = self.finished = 0.0
         self.error = None
+
+
+@dataclass(slots=True)
+class _Lane:
+    """A layer's views of its staging buffer, its metrics, and the state of
+    its lookup when that ran in its submit (a table's, with nothing queued
+    or running and its wait due at once: a decode step's), which needs no
+    job: ``held``, its rows wait in the staging buffer for the layer's
+    wait, and it holds one of the ``depth`` slots (under the scheduler's
+    lock).  A decode step's lookup is a few us: the fewer steps, the
+    better."""
+
+    views: dict[int, _Staged]  # staged rows by token count (_staged)
+    metrics: LayerMetrics
+    held: bool = False
+    out: Any = None  # the rows wait() returns
+    error: BaseException | None = None
+    submitted: float = 0.0
+    returned: float = 0.0  # the lookup finished and submit returned
 
 
 def _as_lookup(source: Any, backend: str = "cpu", max_sms: int | None = None,
@@ -207,8 +233,7 @@ class PrefetchScheduler:
                                         self._sources[layer] if packed else None)
                         for layer in self._lookups}
         self.metrics = {layer: LayerMetrics() for layer in self._lookups}
-        self._views: dict[Any, dict[int, tuple[Rows, Any, bool]]] = {layer: {} for layer in
-                                                               self._lookups}
+        self._lanes = {layer: _Lane({}, self.metrics[layer]) for layer in self._lookups}
         self._packed, self._id_format = packed, id_format
         self._inflight: dict[Any, _Job] = {}
         self._spare: dict[Any, _Job] = {}  # CPU: a layer's collected job, for its next submit
@@ -233,50 +258,68 @@ class PrefetchScheduler:
     # -------------------------------------------------------------- api --
     def submit(self, layer: Any, hash_ids: Any) -> None:
         """Queue the layer's lookup after everything already submitted."""
-        views = self._views.get(layer)
-        if views is None:
+        lane = self._lanes.get(layer)
+        if lane is None:
             self._check_open()
             raise PrefetchError(f"layer {layer!r} has no lookup; layers are "
                                 f"{list(self._lookups)}")
         n = hash_ids.shape[0]
-        if n > self.max_tokens:
-            raise PrefetchError(f"{n} tokens for layer {layer!r} exceed max_tokens "
-                                f"{self.max_tokens} of the static staging buffer")
-        out, run, now_ok = views.get(n) or self._staged(layer, n)
+        made = lane.views.get(n)
+        if made is None:
+            if n > self.max_tokens:
+                raise PrefetchError(f"{n} tokens for layer {layer!r} exceed max_tokens "
+                                    f"{self.max_tokens} of the static staging buffer")
+            made = self._staged(layer, n)
+        out, run, now_ok = made
+        mutex = self._mutex
+        mutex.acquire()
+        try:
+            # a decode step's case, in the fewest steps (its lookup is a few
+            # us): a table's lookup with nothing queued or running, whose
+            # wait comes too soon for the worker to run it ahead
+            # (metrics.ahead_pays(), inline), runs now, under the lock (a
+            # table's kernel never calls back); its wait only collects it
+            if now_ok and not lane.held and not self._queue and not self._running \
+                    and lane.metrics.last_lead_s < HANDOFF_S \
+                    and self._outstanding < self.depth and not self._closed \
+                    and layer not in self._inflight:
+                submitted = perf_counter()
+                try:
+                    run(hash_ids)
+                except BaseException as exc:  # surfaces at this layer's wait()
+                    lane.error = exc
+                lane.returned = perf_counter()
+                lane.submitted, lane.out, lane.held = submitted, out, True
+                self._outstanding += 1
+                return
+        finally:
+            mutex.release()
+        self._submit_job(layer, lane, hash_ids, out, run)
+
+    def _submit_job(self, layer: Any, lane: _Lane, hash_ids: Any, out: Any, run: Any) -> None:
+        """submit() of a lookup that goes through a job: queued for the
+        worker (a long lead, or behind its work) or for its waiter (the
+        waiter runs it when it is next), or launched on the side stream."""
         job = self._spare.pop(layer, None)  # the layer's last job, collected by its wait
         now = perf_counter()
         if job is None:
-            job = _Job(layer, hash_ids, out, run, now, now)
+            job = _Job(layer, hash_ids, out, run, now)
         else:
             job.rearm(hash_ids, out, run, now)
         mutex = self._mutex
         mutex.acquire()  # check and claim the layer in one step
         try:
-            if self._closed or layer in self._inflight or self._outstanding >= self.depth:
-                self._claim_slowly(job)  # refused, or waits for a slot
+            if self._closed or layer in self._inflight or lane.held or \
+                    self._outstanding >= self.depth:
+                self._claim_slowly(job, lane)  # refused, or waits for a slot
             self._inflight[layer] = job
             self._outstanding += 1
             job.slot = True
             if self._cpu:  # under the lock: close() stops the worker after it
                 queue = self._queue
-                # (metrics.ahead_pays(), inline: a decode step's lookup is a few us)
-                ahead = self.metrics[layer].last_lead_s >= HANDOFF_S
-                if now_ok and not ahead and not queue and not self._running:
-                    # nothing before it and its wait comes too soon for the
-                    # worker to run it ahead: it runs now, under the lock (a
-                    # table's kernel, which never calls back), and its wait
-                    # finds it done: one lock round trip each (inline: a
-                    # decode step's lookup is a few us)
-                    job.started = job.submitted
-                    try:
-                        run(hash_ids)
-                    except BaseException as exc:  # surfaces at this layer's wait()
-                        job.error = exc
-                    job.finished = job.returned = perf_counter()
-                    job.done = True
-                    return
                 queue.append(job)
-                if ahead or self._running or len(queue) > 1 and queue[-2].woken:
+                if lane.metrics.ahead_pays() or self._running or \
+                        len(queue) > 1 and queue[-2].woken:
                     job.woken = True  # the worker runs it (after what it has)
                     self._work.notify()
         finally:
@@ -284,13 +327,13 @@ class PrefetchScheduler:
         if not self._cpu:
             self._launch_cuda(job)
 
-    def _claim_slowly(self, job: _Job) -> None:
+    def _claim_slowly(self, job: _Job, lane: _Lane) -> None:
         """Under the lock, for a submit that cannot claim its layer at once:
         PrefetchError when the scheduler is closed or the layer has a lookup
         in flight; else wait for one of the ``depth`` slots (backpressure)."""
         layer = job.layer
         self._check_open()
-        if layer in self._inflight:
+        if layer in self._inflight or lane.held:
             raise PrefetchError(f"layer {layer!r} already has a lookup in flight; wait() "
                                 "for it or reset() first")
         self._inflight[layer] = job  # (claimed while it waits: a second submit is refused)
@@ -309,9 +352,41 @@ class PrefetchScheduler:
         up after that long with PrefetchError; the lookup stays in flight
         (wait again, or reset())."""
         # a decode step's case first, in the fewest steps (its lookup is a
-        # few us): a CPU job already done (at its submit, or on the worker)
-        # and never dropped (close() drops every job in flight) is retired
-        # and collected here; anything else takes _wait_slowly
+        # few us): a lookup run in its submit (its lane held) is collected
+        mutex = self._mutex
+        mutex.acquire()
+        try:
+            lane = self._lanes.get(layer)
+            held = lane is not None and lane.held
+            if lane is not None and held:
+                lane.held = False
+                self._outstanding -= 1
+                if self._sleepers:  # (_wake_all, inline: a submit waits for a slot)
+                    self._lock.notify_all()
+        finally:
+            mutex.release()
+        if lane is None or not held:
+            return self._wait_job(layer, check_errors, timeout_s)
+        called = perf_counter()
+        m = lane.metrics
+        m.lookups += 1
+        m.last_lead_s = called - lane.returned  # (its wait found it done: nothing exposed)
+        m.lead_s += called - lane.submitted
+        m.latency.observe(lane.returned - lane.submitted)
+        error = lane.error
+        if error is not None:
+            lane.error = None
+            m.errors += 1
+            raise error
+        if check_errors:
+            self._check_device_errors(layer)
+        return lane.out
+
+    def _wait_job(self, layer: Any, check_errors: bool, timeout_s: float | None) -> Rows:
+        """wait() for a lookup that went through a job: a CPU job already
+        done (on the worker) and never dropped (close() drops every job in
+        flight) is retired and collected in one lock round trip; anything
+        else takes _wait_slowly."""
         mutex = self._mutex
         mutex.acquire()
         try:
@@ -449,7 +524,6 @@ class PrefetchScheduler:
         for layer, start, end in self._gpu_times:
             if end.query():
                 seconds = start.elapsed_time(end) / 1e3
-                self.metrics[layer].lookup_s += seconds
                 self.metrics[layer].latency.observe(seconds)
             else:
                 pending.append((layer, start, end))
@@ -481,14 +555,14 @@ class PrefetchScheduler:
         if self._closed:
             raise PrefetchError("the scheduler is closed")
 
-    def _staged(self, layer: Any, n: int) -> tuple[Rows, Any, bool]:
+    def _staged(self, layer: Any, n: int) -> _Staged:
         """The first ``n`` rows of the layer's staging buffer, (CPU) the
         lookup into them, ``run(ids)``: a table's ``bind_lookup`` (the
         buffer checked once, a call is the kernel), else the layer's lookup
         with the buffer as ``out``; and whether ``run`` may run under the
         scheduler's lock (a table's: it never calls back).  Made once per
         size, the same every step."""
-        views = self._views[layer]
+        views = self._lanes[layer].views
         made = views.get(n)
         if made is not None:
             return made
@@ -515,6 +589,10 @@ class PrefetchScheduler:
         running) are returned."""
         for job in self._inflight.values():
             job.cancelled = True
+        for lane in self._lanes.values():  # done already: its slot is free at once
+            if lane.held:
+                lane.held, lane.error = False, None
+                self._outstanding -= 1
         self._wake_all()
         return [job for job in self._inflight.values() if job.slot]
 
@@ -535,14 +613,11 @@ class PrefetchScheduler:
     def _account(self, job: _Job, called: float, ready: float) -> None:
         m = self.metrics[job.layer]
         m.lookups += 1
-        m.last_lead_s = called - job.returned
+        m.last_lead_s = called - job.submitted
         m.lead_s += called - job.submitted
         m.exposed_s += ready - called
-        if self._cpu:
-            seconds = job.finished - job.started
-            seconds = seconds if seconds > 0.0 else 0.0
-            m.lookup_s += seconds
-            m.latency.observe(seconds)
+        if self._cpu:  # (finished after started: the clock is monotonic)
+            m.latency.observe(job.finished - job.started)
         elif job.start_event is not None:
             self._gpu_times.append((job.layer, job.start_event, job.event))
 
