@@ -641,3 +641,42 @@ def test_a_lookup_run_in_its_submit_holds_its_layer_and_a_slot_until_its_wait(sm
             sched.wait(1)
         with pytest.raises(PrefetchError, match="closed"):
             sched.submit(2, ids)
+
+
+def test_threads_stepping_their_own_layers_through_fewer_slots_get_their_own_rows(small_table):
+    """Four threads, each submitting and waiting for its own layer (one
+    table) step after step through two slots: lookups run in their submit,
+    on the worker or on their waiter as the slots and leads allow, and
+    every wait returns its own step's rows, bit-exact; every lookup is
+    counted once and no slot is left held."""
+    spec, layer, table = small_table
+    shape = (spec.n_hash_cols, spec.head_dim)
+    layers = (1, 2, 3, 4)
+    rng = np.random.default_rng(5)
+    steps = [ngram_hashes(spec, rng.integers(0, 1000, 6), layer) for _ in range(8)]
+    wants = [table.lookup(ids).view(torch.int16).clone() for ids in steps]
+    failures: list = []
+    with PrefetchScheduler({k: table for k in layers}, {k: shape for k in layers},
+                           max_tokens=6, depth=2) as sched:
+        def stepper(lay: int) -> None:
+            try:
+                for i in range(200):
+                    k = (i * lay) % len(steps)
+                    sched.submit(lay, steps[k])
+                    if i % 17 == 0:
+                        time.sleep(0.001)  # a lead now and then: the worker's turn
+                    got = sched.wait(lay).view(torch.int16)
+                    if not torch.equal(got, wants[k]):
+                        failures.append((lay, i))
+            except BaseException as exc:  # (reported below)
+                failures.append((lay, exc))
+        threads = [threading.Thread(target=stepper, args=(k,)) for k in layers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        assert not failures, failures[:5]
+        assert sched._outstanding == 0 and not sched._inflight
+        assert not any(lane.held for lane in sched._lanes.values())
+        assert all(s.lookups == 200 and s.errors == 0 for s in sched.stats().values())

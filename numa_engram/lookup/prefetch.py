@@ -359,7 +359,11 @@ class PrefetchScheduler:
             lane = self._lanes.get(layer)
             held = lane is not None and lane.held
             if lane is not None and held:
-                lane.held = False
+                # read here: once the lock is free the layer's next submit
+                # may fill the lane again
+                out, error, submitted, returned = lane.out, lane.error, lane.submitted, \
+                    lane.returned
+                lane.held, lane.error = False, None
                 self._outstanding -= 1
                 if self._sleepers:  # (_wake_all, inline: a submit waits for a slot)
                     self._lock.notify_all()
@@ -370,17 +374,15 @@ class PrefetchScheduler:
         called = perf_counter()
         m = lane.metrics
         m.lookups += 1
-        m.last_lead_s = called - lane.returned  # (its wait found it done: nothing exposed)
-        m.lead_s += called - lane.submitted
-        m.latency.observe(lane.returned - lane.submitted)
-        error = lane.error
+        m.last_lead_s = called - returned  # (its wait found it done: nothing exposed)
+        m.lead_s += called - submitted
+        m.latency.observe(returned - submitted)
         if error is not None:
-            lane.error = None
             m.errors += 1
             raise error
         if check_errors:
             self._check_device_errors(layer)
-        return lane.out
+        return out
 
     def _wait_job(self, layer: Any, check_errors: bool, timeout_s: float | None) -> Rows:
         """wait() for a lookup that went through a job: a CPU job already
