@@ -182,10 +182,9 @@ def test_rows_wider_than_the_staging_buffer_take_the_direct_path():
 
 @pytest.mark.parametrize("dim", [64, 128, 512, 1024, 2048, 2112])
 def test_rows_of_every_width_are_bit_exact(dim):
-    """Rows of 2-66 scale blocks (the VBMI steps' shift table holds 64: a
-    wider row takes the AVX-512BW row; over 1024 bytes a row is read in
-    place, not staged), random bytes (NaN and every scale byte), token order
-    and table order, bit-exact."""
+    """Rows of 2-66 scale blocks (over 1024 bytes a row is read in place,
+    not staged), random bytes (NaN and every scale byte), token order and
+    table order, bit-exact."""
     w, s = random_rows(300, dim, seed=dim, raw=True)
     for tokens in (40, 3000):  # 40 rows read in token order, 3000 sorted
         ids = np.random.default_rng(dim + tokens).integers(-1, 300, size=(tokens, 1))

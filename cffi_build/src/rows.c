@@ -272,8 +272,14 @@ ROW_FN_PAIR(row_avx512, "avx512f,avx512bw")
  * broadcasts from registers, with a stage's rows in one call: 0.84-0.92x
  * that kernel's time, 1-64 tokens in cache). */
 static uint8_t vbmi_tables[2][128] __attribute__((aligned(64))); /* low, high byte */
-enum { MAX_VBMI_BLOCKS = 64 }; /* rows of up to 2,048 values (wider: row_avx512) */
 static uint8_t vbmi_interleave[2][64] __attribute__((aligned(64))); /* words 0-31, 32-63 */
+/* Each scale byte's exponent shift, (s - 127) << 7, twice in a 32-bit
+ * word: a step reads its blocks' with a broadcast from this table (a load:
+ * a broadcast from a register is a port-5 shuffle, the port the byte
+ * permutes keep busy).  Built per row in a stack array before 0.5, whose
+ * stores the broadcasts then read back: the table took 0.89x that row's
+ * time (rows in cache, one thread, bit-exact). */
+static int32_t vbmi_shift[256] __attribute__((aligned(64)));
 
 static void build_vbmi_tables(void)
 {
@@ -284,6 +290,10 @@ static void build_vbmi_tables(void)
     /* NaN's high byte flagged in its (otherwise clear) bit 7: the sign is
      * not merged into it, so either sign's NaN reads 0x7FC0 (exact_lut's) */
     vbmi_tables[1][127] |= 0x80;
+    for (int sc = 0; sc < 256; sc++) {
+        const uint32_t word = (uint32_t)(((sc - 127) * 128) & 0xFFFF);
+        vbmi_shift[sc] = (int32_t)(word | word << 16);
+    }
     for (int half = 0; half < 2; half++)
         for (int i = 0; i < 32; i++) { /* word i: low byte from the low table's, high from 64 on */
             vbmi_interleave[half][2 * i] = (uint8_t)(32 * half + i);
@@ -319,23 +329,7 @@ vbmi_load(struct vbmi_consts *c)
  * (else row_avx512's). */
 static inline int vbmi_fits(int64_t dim, int64_t block)
 {
-    return block == 32 && dim % 64 == 0 && dim / 32 <= MAX_VBMI_BLOCKS;
-}
-
-/* Each block's exponent shift, (s - 127) << 7, twice in a 32-bit word: the
- * steps read it with a broadcast from memory (a load; a broadcast from a
- * register is a port-5 shuffle, the port the byte permutes keep busy). */
-__attribute__((target(VBMI_ISA))) static inline __attribute__((always_inline)) void
-vbmi_shifts(const uint8_t *s, int64_t n_blocks, int32_t *shifts)
-{
-    for (int64_t b = 0; b < n_blocks; b += 8) {
-        const int64_t left = n_blocks - b;
-        const __mmask16 m = left >= 8 ? 0xFF : (__mmask16)((1u << left) - 1);
-        __m256i d = _mm256_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, s + b));
-        d = _mm256_slli_epi32(_mm256_sub_epi32(d, _mm256_set1_epi32(127)), 7);
-        d = _mm256_and_si256(d, _mm256_set1_epi32(0xFFFF));
-        _mm256_storeu_si256((__m256i *)(shifts + b), _mm256_or_si256(d, _mm256_slli_epi32(d, 16)));
-    }
+    return block == 32 && dim % 64 == 0;
 }
 
 /* One row (vbmi_fits): 64 values a step.  Zeros and NaN (magnitude 0 or
@@ -345,9 +339,7 @@ __attribute__((target(VBMI_ISA))) static inline __attribute__((always_inline)) v
 vbmi_row(const struct vbmi_consts *c, const uint8_t *w, const uint8_t *s, int64_t dim,
          uint16_t *out, int stream)
 {
-    int32_t shifts[MAX_VBMI_BLOCKS] __attribute__((aligned(32)));
     const int aligned = stream && ((uintptr_t)out & 63) == 0;
-    vbmi_shifts(s, dim / 32, shifts);
     for (int64_t b = 0; b < dim / 64; b++) {
         const uint8_t sa = s[2 * b], sb = s[2 * b + 1];
         uint16_t *dst = out + b * 64;
@@ -365,9 +357,10 @@ vbmi_row(const struct vbmi_consts *c, const uint8_t *w, const uint8_t *s, int64_
         const __mmask64 scaled = _mm512_test_epi8_mask(_mm512_add_epi8(x, c->one), c->k7e);
         __m512i r0 = _mm512_permutex2var_epi8(lo, c->first, hi);
         __m512i r1 = _mm512_permutex2var_epi8(lo, c->second, hi);
-        r0 = _mm512_mask_add_epi16(r0, (__mmask32)scaled, r0, _mm512_set1_epi32(shifts[2 * b]));
+        r0 = _mm512_mask_add_epi16(r0, (__mmask32)scaled, r0,
+                                   _mm512_set1_epi32(vbmi_shift[sa]));
         r1 = _mm512_mask_add_epi16(r1, (__mmask32)(scaled >> 32), r1,
-                                   _mm512_set1_epi32(shifts[2 * b + 1]));
+                                   _mm512_set1_epi32(vbmi_shift[sb]));
         if (aligned) {
             _mm512_stream_si512((__m512i *)dst, r0);
             _mm512_stream_si512((__m512i *)(dst + 32), r1);
