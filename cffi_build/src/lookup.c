@@ -414,10 +414,10 @@ static void direct_chunk(struct lookup_job *j, struct cursor *cur, int64_t k0, i
  * job of it: so large an output is mostly out of the core's L2 (2 MiB
  * here, which the rows read pass through too) before its reader comes, so
  * its lines are not worth reading for ownership; a decode step's smaller
- * one stays in cache for that reader
- * (the TP gather, the copy to the GPU).  Decided per job before 0.5, so a
- * call cut into 48-row jobs never streamed below 16,384 rows.  Measured
- * (tools/bench.py serving's regime, 24 heads of 256, one run): 64-256
+ * one stays in cache for that reader (the TP gather, the copy to the GPU).
+ * Decided per job before 0.5, so a call cut into 48-row jobs never
+ * streamed below 16,384 rows.  Measured (tools/bench.py serving's regime,
+ * 24 heads of 256, one run): 64-256
  * tokens took 0.68-0.84x numpy take streamed against 0.90-1.08x plain;
  * 8-16 tokens streamed took 1.1x their plain time; the lookup and a CPU
  * reader's copy of its rows took 0.90-1.10x plain at 64-512 tokens. */

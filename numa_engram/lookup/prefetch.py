@@ -86,6 +86,15 @@ class LayerMetrics:
     # ahead can hide anything
     last_lead_s: float = float("inf")
 
+    def count(self, lead_s: float, free_lead_s: float, exposed_s: float) -> None:
+        """One lookup waited for: ``lead_s`` from its submit's call to its
+        wait, ``free_lead_s`` from its submit's return (what decides where
+        the next one runs), ``exposed_s`` from the wait to its rows."""
+        self.lookups += 1
+        self.last_lead_s = free_lead_s
+        self.lead_s += lead_s
+        self.exposed_s += exposed_s
+
     @property
     def lookup_s(self) -> float:
         """Time the lookups themselves ran: their histogram's sum."""
@@ -373,9 +382,7 @@ class PrefetchScheduler:
             return self._wait_job(layer, check_errors, timeout_s)
         called = perf_counter()
         m = lane.metrics
-        m.lookups += 1
-        m.last_lead_s = called - returned  # (its wait found it done: nothing exposed)
-        m.lead_s += called - submitted
+        m.count(called - submitted, called - returned, 0.0)  # (found done: nothing exposed)
         m.latency.observe(returned - submitted)
         if error is not None:
             m.errors += 1
@@ -614,10 +621,7 @@ class PrefetchScheduler:
 
     def _account(self, job: _Job, called: float, ready: float) -> None:
         m = self.metrics[job.layer]
-        m.lookups += 1
-        m.last_lead_s = called - job.submitted
-        m.lead_s += called - job.submitted
-        m.exposed_s += ready - called
+        m.count(called - job.submitted, called - job.submitted, ready - called)
         if self._cpu:  # (finished after started: the clock is monotonic)
             m.latency.observe(job.finished - job.started)
         elif job.start_event is not None:
