@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -315,7 +316,17 @@ def first_bad_id(ids: np.ndarray, col0: int, sizes: np.ndarray,
 # this process's pid, renewed in a forked child: a pool's threads belong to
 # the process that made them (os.getpid() per lookup was a syscall each)
 _this_process = [os.getpid()]
-os.register_at_fork(after_in_child=lambda: _this_process.__setitem__(0, os.getpid()))
+# every ShardKernel, so that a forked child's forget their parent's binding
+_kernels: weakref.WeakSet[ShardKernel] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    _this_process[0] = os.getpid()
+    for kernel in list(_kernels):
+        kernel.forget_binding()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Workers:
@@ -429,9 +440,11 @@ class ShardKernel:
     the first call, and again in a forked child, whose copy has no
     threads; ``persistent=False``: fresh threads per call instead) and the
     table's ``TableState`` (``state``: its lookups counted, refused once it
-    is closed).  A call is the kernel and a few attribute reads: a decode
-    step's whole lookup is a few us.  After ``close()`` a call raises
-    StorageError."""
+    is closed).  ``bound`` is that struct once a call (or ``bind()``) made
+    it in this process: None before, after ``close()`` and in a forked
+    child.  A decode step's lookup calls ``lib.ne_lookup(bound, ...)``
+    itself when ``bound`` is set (its Python is most of its cost), else
+    ``run``.  After ``close()`` a call raises StorageError."""
 
     def __init__(self, geometry: Geometry, threads: int, cpus: Sequence[int] = (),
                  col0: int = 0, *, persistent: bool = True,
@@ -440,10 +453,10 @@ class ShardKernel:
         self.col0, self.persistent, self.state = int(col0), persistent, state
         self.closed = False
         self.workers: Workers | None = None
-        self._bound: Any = None  # struct ne_kernel * in the process _pid
-        self._keep: tuple = ()  # what _bound points into
-        self._pid = 0
+        self.bound: Any = None  # struct ne_kernel * of this process
+        self._keep: tuple = ()  # what bound points into
         self._lock = threading.Lock()
+        _kernels.add(self)
 
     def __call__(self, ids: np.ndarray, global_ids: bool, out: Any,
                  out_buffer: Any = None) -> tuple[int, int, int]:
@@ -462,8 +475,8 @@ class ShardKernel:
         already cast: the count of bad ids, 0 for none, or a failure
         (``bad_ids`` says which).  A decode step's lookup calls this
         directly: its Python is most of its cost."""
-        bound = self._bound
-        if bound is None or self._pid != _this_process[0]:
+        bound = self.bound
+        if bound is None:
             bound = self.bind()
         return lib.ne_lookup(bound, address, tokens, stride, global_ids, rows, scales)
 
@@ -484,7 +497,7 @@ class ShardKernel:
         with self._lock:
             if self.closed:  # (no new workers for a closed table's late caller)
                 raise StorageError("the table is closed")
-            if self._bound is None or self._pid != _this_process[0]:
+            if self.bound is None:
                 cpu_arg = cpus or cpu_list(self.cpus)
                 pool = ffi.NULL
                 if self.threads > 1 and self.persistent:  # the caller runs one part itself
@@ -496,14 +509,22 @@ class ShardKernel:
                     "state": ffi.NULL if self.state is None else self.state.struct})
                 # the struct points into these: they live as long as it does
                 self._keep = (cpu_arg, pool)
-                self._bound, self._pid = bound, _this_process[0]
-            return self._bound
+                self.bound = bound
+            return self.bound
+
+    def forget_binding(self) -> None:
+        """In a forked child: the parent's struct names its pool, whose
+        threads the child lacks (its copy is never stopped, only freed), and
+        the lock may have been held by a thread the child lacks; the next
+        call binds anew."""
+        self._lock = threading.Lock()
+        self.bound = None
 
     def close(self) -> None:
         """Stop the workers (a forked child's copy has none to stop); a
         later call raises StorageError."""
         with self._lock:
-            workers, self.workers, self._bound = self.workers, None, None
+            workers, self.workers, self.bound = self.workers, None, None
             self.closed = True
         if workers is not None and workers.usable:
             workers.close()

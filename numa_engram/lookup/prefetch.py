@@ -86,14 +86,19 @@ class LayerMetrics:
     # ahead can hide anything
     last_lead_s: float = float("inf")
 
-    def count(self, lead_s: float, free_lead_s: float, exposed_s: float) -> None:
+    def count(self, lead_s: float, free_lead_s: float, exposed_s: float,
+              ran_s: float | None) -> None:
         """One lookup waited for: ``lead_s`` from its submit's call to its
         wait, ``free_lead_s`` from its submit's return (what decides where
-        the next one runs), ``exposed_s`` from the wait to its rows."""
+        the next one runs), ``exposed_s`` from the wait to its rows, and
+        ``ran_s`` the lookup's own time (None: a CUDA one's, read from its
+        events later)."""
         self.lookups += 1
         self.last_lead_s = free_lead_s
         self.lead_s += lead_s
         self.exposed_s += exposed_s
+        if ran_s is not None:
+            self.latency.observe(ran_s)
 
     @property
     def lookup_s(self) -> float:
@@ -292,13 +297,13 @@ class PrefetchScheduler:
                     and lane.metrics.last_lead_s < HANDOFF_S \
                     and self._outstanding < self.depth and not self._closed \
                     and layer not in self._inflight:
-                submitted = perf_counter()
+                lane.submitted = perf_counter()
                 try:
                     run(hash_ids)
                 except BaseException as exc:  # surfaces at this layer's wait()
                     lane.error = exc
                 lane.returned = perf_counter()
-                lane.submitted, lane.out, lane.held = submitted, out, True
+                lane.out, lane.held = out, True
                 self._outstanding += 1
                 return
         finally:
@@ -366,8 +371,7 @@ class PrefetchScheduler:
         mutex.acquire()
         try:
             lane = self._lanes.get(layer)
-            held = lane is not None and lane.held
-            if lane is not None and held:
+            if lane is not None and lane.held:
                 # read here: once the lock is free the layer's next submit
                 # may fill the lane again
                 out, error, submitted, returned = lane.out, lane.error, lane.submitted, \
@@ -376,14 +380,15 @@ class PrefetchScheduler:
                 self._outstanding -= 1
                 if self._sleepers:  # (_wake_all, inline: a submit waits for a slot)
                     self._lock.notify_all()
+            else:
+                lane = None  # (a job's lookup)
         finally:
             mutex.release()
-        if lane is None or not held:
+        if lane is None:
             return self._wait_job(layer, check_errors, timeout_s)
         called = perf_counter()
-        m = lane.metrics
-        m.count(called - submitted, called - returned, 0.0)  # (found done: nothing exposed)
-        m.latency.observe(returned - submitted)
+        m = lane.metrics  # (found done: nothing exposed)
+        m.count(called - submitted, called - returned, 0.0, returned - submitted)
         if error is not None:
             m.errors += 1
             raise error
@@ -620,11 +625,10 @@ class PrefetchScheduler:
             self._wake_all()
 
     def _account(self, job: _Job, called: float, ready: float) -> None:
-        m = self.metrics[job.layer]
-        m.count(called - job.submitted, called - job.submitted, ready - called)
-        if self._cpu:  # (finished after started: the clock is monotonic)
-            m.latency.observe(job.finished - job.started)
-        elif job.start_event is not None:
+        m = self.metrics[job.layer]  # (finished after started: the clock is monotonic)
+        m.count(called - job.submitted, called - job.submitted, ready - called,
+                job.finished - job.started if self._cpu else None)
+        if not self._cpu and job.start_event is not None:
             self._gpu_times.append((job.layer, job.start_event, job.event))
 
     def _run_cpu(self) -> None:

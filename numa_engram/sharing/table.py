@@ -17,7 +17,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypedDict, overload
 
 import numpy as np
 
@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _INT64 = np.dtype(np.int64)  # numpy's one int64 descriptor: what arrays of int64 carry
 _from_buffer = native.ffi.from_buffer
+_ne_lookup, _NULL = native.lib.ne_lookup, native.ffi.NULL
 
 
 @dataclass(frozen=True)
@@ -325,15 +326,22 @@ class SharedEngramTable:
         ``prepare_out(buffer)`` gave, for a buffer used call after call."""
         if out is None and not packed and dequantize is None and id_format == "bucket":
             # the default, a decode step's call: its Python is most of its
-            # cost (~7 us in all at one token), so the fewest steps
-            ids, address, stride, tokens = self._kernel_ids(hash_ids)
-            try:
-                result, _, buffer = self._outputs.take_with_buffer((tokens, *self._row_shape))
-            except BaseException:
-                self._count_failure("failed")
-                raise
-            self._run_kernel(address, tokens, stride, False, buffer)
-            return result
+            # cost (a few us at one token), so the fewest steps: a decode
+            # step's ids into the pooled output by the bound kernel, called
+            # here as _run_kernel would; other ids, or a kernel not bound
+            # yet, take the general path below
+            kernel, address = self._kernel, self._decode_ids(hash_ids)
+            if kernel is not None and address is not None and (bound := kernel.bound) is not None:
+                tokens = hash_ids.shape[0]
+                try:
+                    result, _, buffer = self._outputs.take_with_buffer((tokens, *self._row_shape))
+                    bad = _ne_lookup(bound, address, tokens, self._n_cols, False, buffer, _NULL)
+                except BaseException:
+                    self._count_failure("failed")
+                    raise
+                if bad:
+                    self._kernel_failed(kernel, bad, tokens, False)
+                return result
         check_id_format(id_format)
         if dequantize is not None:
             warnings.warn("lookup(dequantize=...) is now lookup(packed=...), its opposite",
@@ -373,10 +381,32 @@ class SharedEngramTable:
         prepared = out if isinstance(out, PreparedOutput) else self.prepare_out(out, packed=packed)
         result, bits, buffer = _prepared(prepared, prepared.shape, packed)  # (packed checked)
         rows, scales = native.kernel_outputs(bits, buffer)
-        tokens = prepared.shape[0]
+        tokens, n_cols = prepared.shape[0], self._n_cols
+        decode_shape = (tokens, n_cols)
         global_ids = id_format == "global"
 
         def lookup_into(hash_ids: Any) -> Rows:
+            # a decode step's ids (as _decode_ids takes them) into the bound
+            # kernel (as _run_kernel calls it) in this one frame: a
+            # scheduler's whole decode step is a few us
+            kernel = self._kernel
+            if kernel is not None and (bound := kernel.bound) is not None and \
+                    type(hash_ids) is np.ndarray and hash_ids.dtype is _INT64 and \
+                    hash_ids.shape == decode_shape:
+                try:
+                    address = _from_buffer(hash_ids)
+                except ValueError:  # strided: below
+                    address = None
+                if address is not None:
+                    try:
+                        bad = _ne_lookup(bound, address, tokens, n_cols, global_ids, rows,
+                                         scales)
+                    except BaseException:
+                        self._count_failure("failed")
+                        raise
+                    if bad:
+                        self._kernel_failed(kernel, bad, tokens, global_ids)
+                    return result
             ids, address, stride, given = self._kernel_ids(hash_ids)  # (kept while read)
             if given != tokens:
                 self._count_failure("failed")
@@ -386,19 +416,22 @@ class SharedEngramTable:
             return result
         return lookup_into
 
-    def _kernel_ids(self, hash_ids: Any) -> tuple[np.ndarray, Any, int, int]:
-        """``ids_for_kernel`` for this table; a refusal is counted.  Its
-        first case, a decode step's ids (a C-contiguous int64 ``[T,
-        n_cols]`` array: their own buffer), is spelled here too: one call
-        less on every lookup's path (~0.3 us of a bound lookup's ~2.3
-        hot); cffi refuses a strided array, which takes the general path."""
+    def _decode_ids(self, hash_ids: Any) -> Any:
+        """The kernel's buffer of a decode step's ids: a C-contiguous int64
+        ``[T, n_cols]`` array, their row stride ``n_cols``; None for any
+        other ids (``_kernel_ids`` checks them).  cffi refuses a strided
+        array, which gives None too."""
         if type(hash_ids) is np.ndarray and hash_ids.dtype is _INT64:
             shape = hash_ids.shape
             if len(shape) == 2 and shape[1] == self._n_cols:
                 try:
-                    return hash_ids, _from_buffer(hash_ids), shape[1], shape[0]
+                    return _from_buffer(hash_ids)
                 except ValueError:
                     pass
+        return None
+
+    def _kernel_ids(self, hash_ids: Any) -> tuple[np.ndarray, Any, int, int]:
+        """``ids_for_kernel`` for this table; a refusal is counted."""
         try:
             return ids_for_kernel(hash_ids, self._n_cols)
         except Exception as exc:
@@ -420,9 +453,22 @@ class SharedEngramTable:
         try:
             kernel = self._kernel or self._shard_kernel()  # (made at the first lookup)
             bad = kernel.run(address, tokens, stride, global_ids, rows, scales)
-            if bad:
-                count, first, value = kernel.bad_ids(bad, tokens)
-                self._raise_bad_ids(count, first, value, global_ids)
+        except StorageError:  # closed: not a lookup
+            raise
+        except BaseException:
+            self._count_failure("failed")
+            raise
+        if bad:
+            self._kernel_failed(kernel, bad, tokens, global_ids)
+
+    def _kernel_failed(self, kernel: native.ShardKernel, bad: int, tokens: int,
+                       global_ids: bool) -> NoReturn:
+        """The kernel's call of ``tokens`` tokens returned ``bad`` (not 0):
+        LookupIdError for bad ids, StorageError once closed, else why it
+        failed; counted."""
+        try:
+            count, first, value = kernel.bad_ids(bad, tokens)
+            self._raise_bad_ids(count, first, value, global_ids)
         except LookupIdError:
             self._count_failure("bad_ids")
             raise
@@ -448,7 +494,7 @@ class SharedEngramTable:
         rows = out[0] if packed and isinstance(out, tuple) else out
         return prepare_out(out, (int(rows.shape[0]), *self._row_shape), packed, self.spec.block)
 
-    def _raise_bad_ids(self, count: int, first: int, value: int, global_ids: bool) -> None:
+    def _raise_bad_ids(self, count: int, first: int, value: int, global_ids: bool) -> NoReturn:
         """LookupIdError for the kernel's first bad id (flat index ``first``)."""
         t, h = divmod(first, self.shard.num_heads)
         base = self.id_base("global") if global_ids else None
