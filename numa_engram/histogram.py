@@ -3,6 +3,7 @@ bisect and two adds), read by the Prometheus collector.  No torch here."""
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections.abc import Sequence
 
@@ -19,9 +20,22 @@ class Histogram:
         self.bounds = tuple(float(b) for b in bounds)
         self.counts = [0] * (len(self.bounds) + 1)
         self.total = 0.0
+        # the last observation's bucket: its index and bounds (lo, hi]; a
+        # server's lookups of one size mostly fall in the same one, and two
+        # compares cost half a bisect
+        self.last, self.lo, self.hi = 0, -math.inf, self.bounds[0] if self.bounds else math.inf
 
     def observe(self, seconds: float) -> None:
-        self.counts[bisect_left(self.bounds, seconds)] += 1
+        """Count ``seconds`` in the first bucket whose bound it does not
+        pass.  (Inlined in the prefetch scheduler's decode path as
+        ``counts[last] += 1`` when ``lo < seconds <= hi``, else this.)"""
+        if self.lo < seconds <= self.hi:
+            self.counts[self.last] += 1
+        else:
+            self.last = b = bisect_left(self.bounds, seconds)
+            self.lo = self.bounds[b - 1] if b else -math.inf
+            self.hi = self.bounds[b] if b < len(self.bounds) else math.inf
+            self.counts[b] += 1
         self.total += seconds
 
     @classmethod

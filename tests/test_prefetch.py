@@ -680,3 +680,25 @@ def test_threads_stepping_their_own_layers_through_fewer_slots_get_their_own_row
         assert sched._outstanding == 0 and not sched._inflight
         assert not any(lane.held for lane in sched._lanes.values())
         assert all(s.lookups == 200 and s.errors == 0 for s in sched.stats().values())
+
+
+def test_histogram_buckets_are_a_bisects_whatever_the_last_bucket_was():
+    """observe() tries the last observation's bucket first (the decode
+    path inlines that); every value, a bound's own value and its
+    neighbours included, in any order, lands where bisect puts it."""
+    from bisect import bisect_left
+
+    from numa_engram.histogram import LOOKUP_BUCKETS, Histogram
+
+    rng = np.random.default_rng(5)
+    bounds = np.asarray(LOOKUP_BUCKETS)
+    edges = np.concatenate([bounds, np.nextafter(bounds, 0), np.nextafter(bounds, 2)])
+    values = np.concatenate([edges, edges[::-1], rng.uniform(0, 2, 500),
+                             10.0 ** rng.uniform(-7, 0.5, 500), [0.0, -1.0, 5.0, float("inf")]])
+    rng.shuffle(values)
+    h, expected = Histogram(), [0] * (len(bounds) + 1)
+    for v in values:
+        h.observe(float(v))
+        expected[bisect_left(LOOKUP_BUCKETS, float(v))] += 1
+    assert h.counts == expected
+    assert h.total == pytest.approx(float(np.sum(values)))
