@@ -150,21 +150,19 @@ class _Job:
 
 @dataclass(slots=True)
 class _Lane:
-    """A layer's views of its staging buffer, its metrics, and the state of
-    its lookup when that ran in its submit (a table's, with nothing queued
-    or running and its wait due at once: a decode step's), which needs no
-    job: ``held``, its rows wait in the staging buffer for the layer's
-    wait, and it holds one of the ``depth`` slots (under the scheduler's
-    lock).  A decode step's lookup is a few us: the fewer steps, the
-    better."""
+    """A layer's views of its staging buffer and its metrics."""
 
     views: dict[int, _Staged]  # staged rows by token count (_staged)
     metrics: LayerMetrics
-    held: bool = False
-    out: Any = None  # the rows wait() returns
-    error: BaseException | None = None
-    submitted: float = 0.0
-    returned: float = 0.0  # the lookup finished and submit returned
+
+
+# A lookup that ran in its submit (a table's, with no job in flight and its
+# wait due at once: a decode step's), which needs no job: (the rows wait()
+# returns, its error or None, the clock when it started and when it ended,
+# its layer's metrics).  Its rows wait in the staging buffer; the record
+# waits in the scheduler's ``_ran`` until the layer's wait takes it, and
+# holds one of the ``depth`` slots meanwhile.
+_Ran = tuple[Any, BaseException | None, float, float, LayerMetrics]
 
 
 def _as_lookup(source: Any, backend: str = "cpu", max_sms: int | None = None,
@@ -252,6 +250,11 @@ class PrefetchScheduler:
         self._inflight: dict[Any, _Job] = {}
         self._spare: dict[Any, _Job] = {}  # CPU: a layer's collected job, for its next submit
         self._outstanding = 0  # jobs holding one of the `depth` slots
+        # by layer, the lookups that ran in their submit, not yet waited for
+        # (each holds a slot too): put in under the lock, taken out by their
+        # wait with one dict.pop and no lock (atomic, and the record is
+        # immutable: exactly one of a wait, a reset and a close takes it)
+        self._ran: dict[Any, _Ran] = {}
         self._sleepers = 0  # threads waiting on the lock (_sleep)
         # state changes hold the mutex (a Condition's `with` runs Python code,
         # the lock's does not: a decode step's lookup is a few us)
@@ -296,17 +299,18 @@ class PrefetchScheduler:
             # comes too soon for the worker to run it ahead
             # (metrics.ahead_pays(), inline), runs now, under the lock (a
             # table's kernel never calls back); its wait only collects it
-            if now_ok and not lane.held and not self._inflight \
+            # (no job in flight: none holds a slot)
+            ran = self._ran
+            if now_ok and not self._inflight and layer not in ran \
                     and lane.metrics.last_lead_s < HANDOFF_S \
-                    and self._outstanding < self.depth and not self._closed:
-                lane.submitted = perf_counter()
+                    and len(ran) < self.depth and not self._closed:
+                error = None
+                submitted = perf_counter()
                 try:
                     run(hash_ids)
                 except BaseException as exc:  # surfaces at this layer's wait()
-                    lane.error = exc
-                lane.returned = perf_counter()
-                lane.out, lane.held = out, True
-                self._outstanding += 1
+                    error = exc
+                ran[layer] = (out, error, submitted, perf_counter(), lane.metrics)
                 return
         finally:
             mutex.release()
@@ -325,8 +329,8 @@ class PrefetchScheduler:
         mutex = self._mutex
         mutex.acquire()  # check and claim the layer in one step
         try:
-            if self._closed or layer in self._inflight or lane.held or \
-                    self._outstanding >= self.depth:
+            if self._closed or layer in self._inflight or layer in self._ran or \
+                    self._outstanding + len(self._ran) >= self.depth:
                 self._claim_slowly(job, lane)  # refused, or waits for a slot
             self._inflight[layer] = job
             self._outstanding += 1
@@ -349,11 +353,12 @@ class PrefetchScheduler:
         in flight; else wait for one of the ``depth`` slots (backpressure)."""
         layer = job.layer
         self._check_open()
-        if layer in self._inflight or lane.held:
+        if layer in self._inflight or layer in self._ran:
             raise PrefetchError(f"layer {layer!r} already has a lookup in flight; wait() "
                                 "for it or reset() first")
         self._inflight[layer] = job  # (claimed while it waits: a second submit is refused)
-        self._sleep(lambda: self._outstanding < self.depth or self._closed or job.cancelled)
+        self._sleep(lambda: self._outstanding + len(self._ran) < self.depth or self._closed
+                    or job.cancelled)
         if self._closed or job.cancelled:
             del self._inflight[layer]
             raise PrefetchError(f"the scheduler was closed or reset while layer {layer!r} "
@@ -368,32 +373,18 @@ class PrefetchScheduler:
         up after that long with PrefetchError; the lookup stays in flight
         (wait again, or reset())."""
         # a decode step's case first, in the fewest steps (its lookup is a
-        # few us): a lookup run in its submit (its lane held) is collected
-        mutex = self._mutex
-        mutex.acquire()
-        try:
-            lane = self._lanes.get(layer)
-            if lane is not None and lane.held:
-                # read here: once the lock is free the layer's next submit
-                # may fill the lane again
-                out, error, submitted, returned = lane.out, lane.error, lane.submitted, \
-                    lane.returned
-                lane.held = False
-                if error is not None:
-                    lane.error = None
-                self._outstanding -= 1
-                if self._sleepers:  # (_wake_all, inline: a submit waits for a slot)
-                    self._lock.notify_all()
-            else:
-                lane = None  # (a job's lookup)
-        finally:
-            mutex.release()
-        if lane is None:
+        # few us): a lookup run in its submit is collected without the lock
+        record = self._ran.pop(layer, None)
+        if record is None:  # (a job's lookup, or none)
             return self._wait_job(layer, check_errors, timeout_s)
+        if self._sleepers:  # a submit waits for the slot this frees
+            with self._mutex:
+                self._lock.notify_all()
         called = perf_counter()
+        out, error, submitted, returned, m = record
         # LayerMetrics.count and Histogram.observe, inline (found done:
         # nothing exposed): two calls were a fifth of this step's Python
-        m, ran_s = lane.metrics, returned - submitted
+        ran_s = returned - submitted
         m.lookups += 1
         m.last_lead_s = called - returned
         m.lead_s += called - submitted
@@ -617,10 +608,7 @@ class PrefetchScheduler:
         running) are returned."""
         for job in self._inflight.values():
             job.cancelled = True
-        for lane in self._lanes.values():  # done already: its slot is free at once
-            if lane.held:
-                lane.held, lane.error = False, None
-                self._outstanding -= 1
+        self._ran.clear()  # done already: their slots are free at once
         self._wake_all()
         return [job for job in self._inflight.values() if job.slot]
 
