@@ -1,5 +1,6 @@
 """PrefetchScheduler contract on the CPU backend (worker thread + events)."""
 
+import sys
 import threading
 import time
 
@@ -680,6 +681,78 @@ def test_threads_stepping_their_own_layers_through_fewer_slots_get_their_own_row
         assert sched._outstanding == 0 and not sched._inflight
         assert not sched._ran and sched._outstanding == 0
         assert all(s.lookups == 200 and s.errors == 0 for s in sched.stats().values())
+
+
+
+def test_waits_racing_resets_each_get_their_own_rows_or_a_clear_error(small_table):
+    """A lookup run in its submit is taken by its wait without the lock:
+    with another thread resetting all the while (and the threads switching
+    between any two bytecodes), each wait gets its own step's outcome (a
+    good step's rows bit-exact, a bad step's LookupIdError) or
+    PrefetchError (its lookup was dropped), never another step's (a
+    dropped bad step's error surfacing later); no record and no slot is
+    left behind, and the scheduler keeps stepping."""
+    spec, layer, table = small_table
+    shape = (spec.n_hash_cols, spec.head_dim)
+    rng = np.random.default_rng(9)
+    steps = [ngram_hashes(spec, rng.integers(0, 1000, 6), layer) for _ in range(5)]
+    wants = [table.lookup(ids).view(torch.int16).clone() for ids in steps]
+    bad = steps[2].copy()
+    bad[0, 0] = 10**12
+    steps[2], wants[2] = bad, None  # (its wait raises LookupIdError)
+    outcomes = {"rows": 0, "bad ids": 0, "dropped": 0}
+    wrong: list = []
+    stop = threading.Event()
+    with PrefetchScheduler({1: table, 2: table}, {1: shape, 2: shape}, max_tokens=6,
+                           depth=1) as sched:
+        _until_a_short_lead(sched, 1, steps[0])
+
+        def resetter() -> None:
+            while not stop.is_set():
+                sched.reset()
+                time.sleep(0)
+        other = threading.Thread(target=resetter)
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # the threads interleave between any two bytecodes
+        other.start()
+        try:
+            for i in range(20000):
+                if outcomes["dropped"] >= 20 and outcomes["rows"] >= 200:
+                    break
+                k = i % len(steps)
+                try:
+                    sched.submit(1, steps[k])
+                    _busy(2e-5)  # (a short lead: a reset may come in between)
+                    got = sched.wait(1).view(torch.int16)
+                except PrefetchError:
+                    outcomes["dropped"] += 1
+                    continue
+                except LookupIdError:
+                    outcomes["bad ids"] += 1
+                    if wants[k] is not None:
+                        wrong.append((i, "a bad id raised for a good step"))
+                    continue
+                outcomes["rows"] += 1
+                if wants[k] is None or not torch.equal(got, wants[k]):
+                    wrong.append((i, "rows"))
+        finally:
+            stop.set()
+            other.join(10)
+            sys.setswitchinterval(switch)
+        assert not wrong, wrong[:5]
+        assert min(outcomes.values()) > 0, outcomes
+        assert not sched._ran and sched._outstanding == 0 and not sched._inflight
+        other = threading.Thread(target=sched.submit, args=(2, steps[1]))
+        other.start()  # (depth 1: blocks for good if a slot were left held)
+        other.join(10)
+        assert not other.is_alive()
+        assert torch.equal(sched.wait(2).view(torch.int16), wants[1])
+
+
+def _busy(seconds: float) -> None:
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
 
 
 def test_histogram_buckets_are_a_bisects_whatever_the_last_bucket_was():
