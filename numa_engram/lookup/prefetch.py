@@ -15,18 +15,20 @@ Backends: ``cpu`` (a worker thread; the fully tested contract) and
 whose last wait came sooner after its submit returned than ``HANDOFF_S``
 (a lookup run in its submit is no lead), so that running ahead would have
 hidden less than the hand-off to the worker and back costs, is not handed
-to an idle worker: a table's runs in its ``submit`` when nothing is queued
-or running and a slot is free (no job is made for it: its layer's lane
-holds the rows' state, and its ``wait`` only collects them), else its
+to an idle worker: a table's runs in its ``submit`` when no job is in
+flight and a slot is free (no job is made for it: it leaves a record of
+its rows, error and times, which its ``wait`` only takes), else its
 ``wait`` runs it on the waiting thread (with any such lookups queued before
 it, in order).  Every other lookup runs on the worker, ahead
 of its wait.
 
 Threads: ``submit``, ``wait``, ``reset`` and ``close`` may be called from any
-thread; every state change happens under one lock.  A layer has at most one
-lookup in flight (a second ``submit`` of it, from any thread, raises), and
-``close()`` wakes every thread blocked in ``submit`` or ``wait`` with
-PrefetchError.
+thread; every state change happens under one lock, except a wait's taking
+of a lookup run in its submit: one ``dict.pop`` of an immutable record
+(atomic: exactly one of that wait, a reset and a close gets it).  A layer
+has at most one lookup in flight (a second ``submit`` of it, from any
+thread, raises), and ``close()`` wakes every thread blocked in ``submit``
+or ``wait`` with PrefetchError.
 """
 
 from __future__ import annotations
