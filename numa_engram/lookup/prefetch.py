@@ -297,11 +297,11 @@ class PrefetchScheduler:
             # a decode step's case, in the fewest steps (its lookup is a few
             # us): a table's lookup with no job in flight (none queued,
             # running, waiting for a slot or not yet collected: every job is
-            # in _inflight from its claim to its retirement), whose wait
-            # comes too soon for the worker to run it ahead
-            # (metrics.ahead_pays(), inline), runs now, under the lock (a
-            # table's kernel never calls back); its wait only collects it
-            # (no job in flight: none holds a slot)
+            # in _inflight from its claim to its retirement, so no job holds
+            # a slot either), whose wait comes too soon for the worker to
+            # run it ahead (metrics.ahead_pays(), inline), runs now, under
+            # the lock (a table's kernel never calls back); its wait only
+            # takes its record
             ran = self._ran
             if now_ok and not self._inflight and layer not in ran \
                     and lane.metrics.last_lead_s < HANDOFF_S \
