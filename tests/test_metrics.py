@@ -104,3 +104,4 @@ def test_placement_is_re_verified_at_most_every_verify_every_s(tp_shard_table):
     eager.register(EngramCollector(tables=[t], verify_every_s=0))
     generate_latest(eager)
     assert t.placement_report(refresh=False) is not measured
+
