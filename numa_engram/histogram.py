@@ -27,8 +27,7 @@ class Histogram:
 
     def observe(self, seconds: float) -> None:
         """Count ``seconds`` in the first bucket whose bound it does not
-        pass.  (Inlined in the prefetch scheduler's decode path as
-        ``counts[last] += 1`` when ``lo < seconds <= hi``, else this.)"""
+        pass: the last one's, when it is there, else a bisect."""
         if self.lo < seconds <= self.hi:
             self.counts[self.last] += 1
         else:

@@ -146,10 +146,10 @@ def test_exposed_wait_is_lookup_minus_lead(lookup_s, lead_s):
         s.submit(1, _ids())
         time.sleep(lead_s)  # the layers before this one compute
         s.wait(1)
-        m = s.metrics[1]
+        m = s.stats()[1]
     expected = max(0.0, lookup_s - lead_s)
-    assert abs(m.exposed_s - expected) < 0.08, (m, expected)
-    assert m.lookup_s >= lookup_s * 0.9 and m.lead_s >= lead_s * 0.9
+    assert abs(m.exposed_wait_seconds - expected) < 0.08, (m, expected)
+    assert m.lookup_seconds >= lookup_s * 0.9 and m.lead_seconds >= lead_s * 0.9
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -747,6 +747,60 @@ def test_waits_racing_resets_each_get_their_own_rows_or_a_clear_error(small_tabl
         other.join(10)
         assert not other.is_alive()
         assert torch.equal(sched.wait(2).view(torch.int16), wants[1])
+
+
+def test_stats_count_every_decode_step_once_while_other_threads_read_them(small_table,
+                                                                          monkeypatch):
+    """A decode step's wait only queues its lookup's times
+    (``LayerMetrics.unsettled``); ``stats()`` counts them, and so does the
+    wait once ``SETTLE_AT`` are queued (4 here, so waits and readers
+    settle all the while).  With another thread reading the stats and the
+    threads switching as often as they can: every step is counted once
+    (lookups and latency histogram alike), no read fails, and the waits
+    leave fewer than SETTLE_AT queued."""
+    from numa_engram.lookup import prefetch
+
+    monkeypatch.setattr(prefetch, "SETTLE_AT", 4)
+    spec, layer, table = small_table
+    ids = ngram_hashes(spec, np.arange(6), layer)
+    steps, reads, failed = 3000, [0], []
+    stop = threading.Event()
+    with PrefetchScheduler({1: table}, {1: (spec.n_hash_cols, spec.head_dim)},
+                           max_tokens=6) as sched:
+        _until_a_short_lead(sched, 1, ids)
+        before = sched.stats()[1]
+
+        def reader() -> None:
+            try:
+                while not stop.is_set():
+                    sched.stats()
+                    sched.metrics_report()
+                    reads[0] += 1
+            except BaseException as exc:  # (asserted below)
+                failed.append(exc)
+        other = threading.Thread(target=reader)
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)
+        other.start()
+        try:
+            for _ in range(steps):
+                sched.submit(1, ids)
+                sched.wait(1)
+        finally:
+            stop.set()
+            other.join(10)
+            sys.setswitchinterval(switch)
+        for _ in range(10):  # no reader now: the waits settle what they queue
+            sched.submit(1, ids)
+            sched.wait(1)
+        assert len(sched.metrics[1].unsettled) < 4
+        after = sched.stats()[1]
+    assert not failed and reads[0] > 0, failed
+    assert after.lookups - before.lookups == steps + 10
+    assert after.latency[0][-1][1] == after.lookups  # the histogram's +Inf count
+    assert after.lookup_seconds > before.lookup_seconds
+    assert after.lead_seconds > before.lead_seconds
+    assert after.errors == 0
 
 
 def _busy(seconds: float) -> None:

@@ -785,7 +785,8 @@ def bench_prefetch(lookup_ms: float = 20.0, layer_ms: float = 5.0, layers_before
             for _ in range(layers_before):
                 compute()
             s.wait(1)
-        on = s.metrics[1].exposed_s / s.metrics[1].lookups
+        done = s.stats()[1]
+        on = done.exposed_wait_seconds / done.lookups
         t0 = time.perf_counter()
         for _ in range(5):  # prefetch off: looked up when the layer needs it
             s.submit(1, ids)

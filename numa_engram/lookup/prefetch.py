@@ -75,8 +75,21 @@ class LayerStats:
     latency: tuple = ()          # the lookups' own times: Histogram.snapshot()
 
 
+# Waited-for lookups a layer's metrics hold before they are counted into
+# its totals at the latest (LayerMetrics.unsettled): a scheduler whose
+# stats are never read keeps at most this many.
+SETTLE_AT = 1024
+
+
 @dataclass(slots=True)
 class LayerMetrics:
+    """A layer's totals.  A wait only appends its lookup's times to
+    ``unsettled`` (one deque append: counting them there was a sixth of a
+    decode step's Python); ``settle()`` counts them, under the scheduler's
+    lock, when the stats are read or ``SETTLE_AT`` are waiting, so the
+    totals have one writer at a time.  ``errors``, ``timeouts`` and
+    ``last_lead_s`` are kept at once."""
+
     lookups: int = 0
     lead_s: float = 0.0     # submit -> wait call
     exposed_s: float = 0.0  # wait call -> rows ready (what the consumer lost)
@@ -87,6 +100,8 @@ class LayerMetrics:
     # lookup run in its submit is not a lead): whether running the next one
     # ahead can hide anything
     last_lead_s: float = float("inf")
+    # waited for, not yet in the totals: (lead_s, exposed_s, ran_s) each
+    unsettled: deque = field(default_factory=deque)
 
     def count(self, lead_s: float, free_lead_s: float, exposed_s: float,
               ran_s: float | None) -> None:
@@ -94,13 +109,22 @@ class LayerMetrics:
         wait, ``free_lead_s`` from its submit's return (what decides where
         the next one runs), ``exposed_s`` from the wait to its rows, and
         ``ran_s`` the lookup's own time (None: a CUDA one's, read from its
-        events later)."""
-        self.lookups += 1
+        events later).  Counted in the totals by the next ``settle()``."""
         self.last_lead_s = free_lead_s
-        self.lead_s += lead_s
-        self.exposed_s += exposed_s
-        if ran_s is not None:
-            self.latency.observe(ran_s)
+        self.unsettled.append((lead_s, exposed_s, ran_s))
+
+    def settle(self) -> LayerMetrics:
+        """Count the waited-for lookups into the totals (the caller holds
+        the scheduler's lock: waits only append meanwhile); returns self."""
+        unsettled = self.unsettled
+        while unsettled:
+            lead_s, exposed_s, ran_s = unsettled.popleft()
+            self.lookups += 1
+            self.lead_s += lead_s
+            self.exposed_s += exposed_s
+            if ran_s is not None:
+                self.latency.observe(ran_s)
+        return self
 
     @property
     def lookup_s(self) -> float:
@@ -384,18 +408,12 @@ class PrefetchScheduler:
                 self._lock.notify_all()
         called = perf_counter()
         out, error, submitted, returned, m = record
-        # LayerMetrics.count and Histogram.observe, inline (found done:
-        # nothing exposed): two calls were a fifth of this step's Python
-        ran_s = returned - submitted
-        m.lookups += 1
+        # LayerMetrics.count, inline (found done: nothing exposed)
         m.last_lead_s = called - returned
-        m.lead_s += called - submitted
-        latency = m.latency
-        if latency.lo < ran_s <= latency.hi:  # (its last bucket)
-            latency.counts[latency.last] += 1
-            latency.total += ran_s
-        else:
-            latency.observe(ran_s)
+        unsettled = m.unsettled
+        unsettled.append((called - submitted, 0.0, returned - submitted))
+        if len(unsettled) >= SETTLE_AT:
+            self._settle(m)
         if error is not None:
             m.errors += 1
             raise error
@@ -528,27 +546,40 @@ class PrefetchScheduler:
     def stats(self) -> dict[Any, LayerStats]:
         """Per layer totals since the scheduler started (no sync: CUDA
         lookup times are counted once their events have completed)."""
-        self._read_gpu_times()
         with self._mutex:
+            self._read_gpu_times()
             return {layer: LayerStats(m.lookups, m.lookup_s, m.lead_s, m.exposed_s, m.errors,
                                       m.timeouts, m.latency.snapshot())
-                    for layer, m in self.metrics.items()}
+                    for layer, m in self._settled()}
 
     def metrics_report(self) -> dict:
-        self._read_gpu_times()
-        return {str(layer): m.as_dict() for layer, m in self.metrics.items()}
+        with self._mutex:
+            self._read_gpu_times()
+            return {str(layer): m.as_dict() for layer, m in self._settled()}
+
+    def _settled(self) -> list[tuple[Any, LayerMetrics]]:
+        """Under the lock: every layer's metrics, settled."""
+        return [(layer, m.settle()) for layer, m in self.metrics.items()]
+
+    def _settle(self, m: LayerMetrics) -> None:
+        with self._mutex:
+            m.settle()
 
     def _read_gpu_times(self) -> None:
-        """CUDA lookup times from their events, for those already done
-        (``query()``, never a sync)."""
+        """Under the lock: CUDA lookup times from their events, for those
+        already done (``query()``, never a sync).  A wait appends to the
+        list without the lock: the read ones go in one slice assignment
+        (atomic), and what was appended meanwhile stays."""
+        times = self._gpu_times
+        n = len(times)
         pending = []
-        for layer, start, end in self._gpu_times:
+        for layer, start, end in times[:n]:
             if end.query():
                 seconds = start.elapsed_time(end) / 1e3
                 self.metrics[layer].latency.observe(seconds)
             else:
                 pending.append((layer, start, end))
-        self._gpu_times = pending
+        times[:n] = pending
 
     def __enter__(self) -> PrefetchScheduler:
         return self
@@ -632,6 +663,8 @@ class PrefetchScheduler:
         m = self.metrics[job.layer]  # (finished after started: the clock is monotonic)
         m.count(called - job.submitted, called - job.submitted, ready - called,
                 job.finished - job.started if self._cpu else None)
+        if len(m.unsettled) >= SETTLE_AT:
+            self._settle(m)
         if not self._cpu and job.start_event is not None:
             self._gpu_times.append((job.layer, job.start_event, job.event))
 
