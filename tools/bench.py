@@ -375,6 +375,8 @@ def bench_serving(table_gib: float = 2.0, sweep: tuple[float, ...] = (0.5, 2.0, 
             print(f"  {tokens:6d}  " + "  ".join(
                 f"{t * 1e6:10.1f} ({t / take:5.2f}x)" for t in best.values())
                 + f"   prefetch/direct {_prefetch_ratio(best):.2f}x")
+        if 64 in tokens_list and table.lookup_threads > 1:
+            print(_awake_line(spec, table, rng, repeat))
         _close_table(table)
     print("== table-size sweep (4K pages): lookup(ids) / numpy take")
     for gib in sweep:
@@ -394,16 +396,36 @@ def bench_serving(table_gib: float = 2.0, sweep: tuple[float, ...] = (0.5, 2.0, 
 
 
 def _serving_best(spec, table, tokens: int, rng, repeat: int,
-                  only: tuple[str, ...] | None = None) -> dict:
-    """Each variant's best time at one size (``only``: these variants); its
-    id sets, outputs and references to the table go with the call."""
+                  only: tuple[str, ...] | None = None, pause_s: float = LAYER_PAUSE_S) -> dict:
+    """Each variant's best time at one size (``only``: these variants), with
+    ``pause_s`` of work before each call; its id sets, outputs and
+    references to the table go with the call."""
     fns, close = _serving_variants(spec, table, tokens, rng)
     if only:
         fns = {k: fns[k] for k in only}
     try:
-        return best_interleaved(fns, _turns(fns, repeat, pause_s=LAYER_PAUSE_S), LAYER_PAUSE_S)
+        return best_interleaved(fns, _turns(fns, repeat, pause_s=pause_s), pause_s)
     finally:
         close()
+
+
+# Calls this close together find the table's workers still spinning
+# (NE_POOL_SPIN_NS, 50 us): what a lookup costs without a worker's wake-up.
+AWAKE_PAUSE_S = 0.00002
+
+
+def _awake_line(spec, table, rng, repeat: int, tokens: int = 64) -> str:
+    """lookup(ids) / numpy take at ``tokens`` tokens with the workers awake
+    and asleep, interleaved in one run: how much of a lookup is the
+    wake-up of a sleeping worker (a futex wake and an IPI: tens of us in a
+    VM guest)."""
+    only = ("lookup(ids)", "numpy take")
+    asleep = _serving_best(spec, table, tokens, rng, repeat, only)
+    awake = _serving_best(spec, table, tokens, rng, repeat, only, AWAKE_PAUSE_S)
+    return (f"  {tokens} tokens, workers asleep (calls {LAYER_PAUSE_S * 1e6:.0f} us apart) / "
+            f"awake ({AWAKE_PAUSE_S * 1e6:.0f} us apart): lookup(ids) "
+            f"{asleep['lookup(ids)'] / asleep['numpy take']:.2f}x / "
+            f"{awake['lookup(ids)'] / awake['numpy take']:.2f}x numpy take")
 
 
 def _close_table(table) -> None:
