@@ -394,9 +394,13 @@ def test_both_sides_of_the_small_call_threshold_are_bit_exact(small_rows_default
 def _threads(settle_at: int | None = None) -> int:
     """This process's thread count; with ``settle_at``, once it is that (or
     after 5 s): a thread pthread_join returned for stays in /proc/self/task
-    until the kernel has reaped it, a moment later (a leaked one stays)."""
+    until the kernel has reaped it, a moment later (a leaked one stays).
+    torch's own thread pool is started first (its first parallel op starts
+    it: a test run alone counted it as a lookup worker)."""
     import os
     import time
+
+    torch.equal(torch.zeros(1 << 20), torch.zeros(1 << 20))
 
     deadline = time.monotonic() + 5
     while True:
@@ -430,6 +434,88 @@ def test_table_workers_persist_and_stop_with_close_no_leak_after_100_tables():
         table.lookup(ids)
         table.close()
     assert _threads(settle_at=before) == before
+
+
+def test_tables_on_the_same_cpus_share_one_pool_that_the_last_to_let_go_stops():
+    """Tables whose lookups ask for as many threads on the same CPUs use one
+    set of workers (a step's second layer finds them awake); each stays
+    bit-exact, closing one leaves the other's lookups working, a table
+    dropped by a setter lets go of them too, another thread count gets a
+    pool of its own, and the last table to let go stops the threads."""
+    from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+
+    spec = EngramSpec.small(rows_per_head=500)
+    shard = shard_heads(spec.bucket_sizes(1), 1, 0)
+    ids = np.random.default_rng(2).integers(0, 500, (3000, spec.n_hash_cols))
+    before = _threads()
+    a = SharedEngramTable.create(spec, 1, shard, lookup_threads=3)
+    b = SharedEngramTable.create(spec, 1, shard, lookup_threads=3)
+    c = SharedEngramTable.create(spec, 1, shard, lookup_threads=2)
+    try:
+        for table in (a, b, c):
+            table.weights[:] = np.random.default_rng(id(table) % 1000).integers(
+                0, 256, table.weights.shape, dtype=np.uint8)
+        wants = [reference_lookup(t.weights, t.scales, ids, head_start=0,
+                                  bucket_sizes=spec.bucket_sizes(1)).view(torch.int16)
+                 for t in (a, b, c)]
+        for table, want in zip((a, b, c), wants):
+            assert torch.equal(table.lookup(ids).view(torch.int16), want)
+        assert a._kernel.workers is b._kernel.workers is not c._kernel.workers
+        assert _threads() == before + 2 + 1
+        a.close()
+        assert torch.equal(b.lookup(ids).view(torch.int16), wants[1])
+        assert _threads(settle_at=before + 3) == before + 3  # b still uses them
+        b.lookup_threads = 2  # b's kernel dropped: b now shares c's pool
+        assert torch.equal(b.lookup(ids).view(torch.int16), wants[1])
+        assert b._kernel.workers is c._kernel.workers
+        assert _threads(settle_at=before + 1) == before + 1  # nobody uses the 2-thread one
+    finally:
+        for table in (a, b, c):
+            table.close()
+    assert _threads(settle_at=before) == before
+
+
+def test_callers_of_tables_sharing_a_pool_each_get_their_own_rows():
+    """Two threads looking up two tables that share one pool, calls of
+    every size, some after a pause (workers asleep): a call that finds the
+    pool busy with the other table's runs on its caller alone; every call
+    gets exactly its own table's rows."""
+    import threading
+    import time
+
+    from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+
+    spec = EngramSpec.small(rows_per_head=500)
+    sizes = spec.bucket_sizes(1)
+    shard = shard_heads(sizes, 1, 0)
+    with SharedEngramTable.create(spec, 1, shard, lookup_threads=3) as a, \
+            SharedEngramTable.create(spec, 1, shard, lookup_threads=3) as b:
+        for seed, table in enumerate((a, b)):
+            rng = np.random.default_rng(20 + seed)
+            table.weights[:] = rng.integers(0, 256, table.weights.shape, dtype=np.uint8)
+            table.scales[:] = rng.integers(100, 140, table.scales.shape, dtype=np.uint8)
+        wrong: list[tuple[int, int]] = []
+
+        def caller(table, seed: int) -> None:
+            r = np.random.default_rng(seed)
+            for call in range(60):
+                tokens = int(r.choice([1, 40, 300, 2500, 6000]))
+                ids = np.stack([r.integers(-1, n, tokens) for n in sizes], 1)
+                want = reference_lookup(table.weights, table.scales, ids, head_start=0,
+                                        bucket_sizes=sizes)
+                if call % 4 == 0:
+                    time.sleep(0.002)  # past the workers' spin: they sleep
+                if not torch.equal(table.lookup(ids).view(torch.int16), want.view(torch.int16)):
+                    wrong.append((seed, call))
+
+        threads = [threading.Thread(target=caller, args=(t, seed))
+                   for t, seed in ((a, 1), (b, 2))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert a._kernel.workers is b._kernel.workers
+        assert wrong == []
 
 
 def test_a_forked_child_looks_up_through_a_pool_of_its_own():

@@ -395,6 +395,38 @@ def bench_serving(table_gib: float = 2.0, sweep: tuple[float, ...] = (0.5, 2.0, 
         print(f"  {gib:4.1f} GiB: " + ", ".join(cells))
 
 
+def _rotating(sets: list) -> Callable[[], np.ndarray]:
+    """What gives the next of ``sets`` at each call, round and round."""
+    turn = iter(range(1 << 62))
+    return lambda: sets[next(turn) % len(sets)]
+
+
+def bench_layer_steps(table_gib: float = 0.5, tokens_list: tuple[int, ...] = (64, 256),
+                      repeat: int = 15) -> None:
+    """A decode step's lookups of two layers (two tables placed alike, one
+    after the other, workers asleep before the step) against one layer's:
+    the second finds the workers the first woke (they share them)."""
+    rng = np.random.default_rng(1)
+    spec, first = _serving_table(table_gib, "4K", rng)
+    _, second = _serving_table(table_gib, "4K", rng)
+    try:
+        sizes = np.asarray(spec.bucket_sizes(1))
+        print(f"== a step of two layers: two {table_gib} GiB tables on 4K pages, "
+              f"{first.lookup_threads} thread(s) on CPUs {list(first.lookup_cpus)}")
+        for tokens in tokens_list:
+            n_sets = rotating_id_sets(tokens, len(sizes), spec.row_bytes)
+            ids = _rotating(list(rng.integers(0, sizes, (n_sets, tokens, len(sizes)))))
+            fns = {"one": lambda ids=ids: first.lookup(ids()),
+                   "two": lambda ids=ids: (first.lookup(ids()), second.lookup(ids()))}
+            best = best_interleaved(fns, _turns(fns, repeat, pause_s=LAYER_PAUSE_S),
+                                    LAYER_PAUSE_S)
+            print(f"  {tokens:5d} tokens: one layer {best['one'] * 1e6:8.1f} us, two "
+                  f"{best['two'] * 1e6:8.1f} us ({best['two'] / best['one']:.2f}x one)")
+    finally:
+        _close_table(first)
+        _close_table(second)
+
+
 def _serving_best(spec, table, tokens: int, rng, repeat: int,
                   only: tuple[str, ...] | None = None, pause_s: float = LAYER_PAUSE_S) -> dict:
     """Each variant's best time at one size (``only``: these variants), with
@@ -843,6 +875,7 @@ def main() -> None:
             bench_serving(0.1, (0.1,), (1, 64, 1024), repeat=3)
         else:
             bench_serving(a.table_gib)
+            bench_layer_steps()
         bench_decode_hashing()
     if a.what in ("all", "serving", "dp-sharded"):
         bench_dp_sharded(table_gib=0.1 if a.quick else 0.5,

@@ -3,7 +3,8 @@
 #include "core.h"
 #include "pool.h"
 
-/* Lookup threads that live as long as their table: pinned once to the
+/* Lookup threads that live as long as the tables using them (a process
+ * shares one pool per CPU set and thread count): pinned once to the
  * rows' node's CPUs, woken per call (a condition variable, no thread
  * creation: creating, pinning and joining a pthread cost ~50 us a call).
  * A call is a list of jobs that the caller and the workers claim one at a
@@ -11,9 +12,9 @@
  * (here a sleeping worker took 20-200 us to wake, more than a decode step's
  * lookup): what no worker has claimed, the caller runs itself; it waits
  * only for jobs a worker claimed.  One call at a time per pool; a caller
- * that finds it busy waits.  A forked child inherits the memory but not
- * the threads: every entry point checks the pid, and the child's Python
- * side makes a pool of its own. */
+ * that finds it busy runs its jobs alone.  A forked child inherits the
+ * memory but not the threads: every entry point checks the pid, and the
+ * child's Python side makes a pool of its own. */
 enum { MAX_POOL = NE_MAX_THREADS };
 
 struct ne_pool {
@@ -183,14 +184,20 @@ int ne_pool_size(const struct ne_pool *p)
 }
 
 /* Run n jobs (an array of job_size-byte structs, n < 65536: the claim
- * word's count) on
- * the calling thread and the pool's: the caller claims jobs like any
- * worker, so a call whose workers are all asleep costs it one wake-up
- * call; then it waits for the jobs workers claimed (spinning, then
- * asleep).  One call at a time: the call lock is held throughout. */
+ * word's count) on the calling thread and the pool's: the caller claims
+ * jobs like any worker, so a call whose workers are all asleep costs it
+ * one wake-up call; then it waits for the jobs workers claimed (spinning,
+ * then asleep).  One call at a time: the call lock is held throughout.  A
+ * pool busy with another call (another thread's, or another table's on the
+ * same CPUs: a process shares one pool per CPU set) leaves this one to run
+ * on its caller alone, at once, rather than behind that call. */
 static void pool_run(struct ne_pool *p, void (*fn)(void *), void *jobs, size_t job_size, int n)
 {
-    pthread_mutex_lock(&p->call);
+    if (pthread_mutex_trylock(&p->call) != 0) {
+        for (int i = 0; i < n; i++)
+            fn((char *)jobs + (size_t)i * job_size);
+        return;
+    }
     p->fn = fn;
     p->job_size = job_size;
     p->jobs = jobs;

@@ -1,7 +1,8 @@
-/* pool.h: persistent worker threads, one pool per table that looks up
- * with several threads: pinned once to the rows' node's CPUs and woken per
- * call (creating, pinning and joining pthreads cost ~50 us a call).  One
- * call at a time per pool.  A forked child inherits the memory but not the
+/* pool.h: persistent worker threads, one pool per CPU set and thread
+ * count in a process, shared by the tables that look up with several
+ * threads there: pinned once to the rows' node's CPUs and woken per call
+ * (creating, pinning and joining pthreads cost ~50 us a call).  One call
+ * at a time per pool (a caller finding it busy runs alone).  A forked child inherits the memory but not the
  * threads: every entry point checks the pid (ne_pool_size is 0 there).
  * The builder reads this header as the cffi declarations. */
 #ifndef NE_POOL_H

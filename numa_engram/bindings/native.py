@@ -321,7 +321,10 @@ _kernels: weakref.WeakSet[ShardKernel] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
+    global _shared_lock
     _this_process[0] = os.getpid()
+    _shared_lock = threading.Lock()  # (a thread the child lacks may have held it)
+    _shared.clear()  # the parent's pools have no threads here
     for kernel in list(_kernels):
         kernel.forget_binding()
 
@@ -345,6 +348,7 @@ class Workers:
             _raise("pthread_create", f"a pool of {threads} lookup threads")
         self.pid = _this_process[0]
         self.pool = ffi.gc(pool, lib.ne_pool_free)
+        self.users = 0  # kernels using them (shared_workers)
 
     @property
     def usable(self) -> bool:
@@ -356,6 +360,44 @@ class Workers:
         if pool is not None:
             ffi.gc(pool, None)  # detach the destructor: freed here, once
             lib.ne_pool_free(pool)
+
+
+# Lookup threads shared by this process's kernels that ask for as many on
+# the same CPUs (a node's tables: one per layer): a step looks up its layers
+# one after another, and the second finds the workers the first woke still
+# spinning instead of waking them again (a futex wake-up and an IPI, tens of
+# us in a VM guest; measured, 2 layers of 64 tokens: 0.88-0.90x the step's
+# time with a pool each), and a node's tables run one set of workers, not
+# one per table.  Counted: the last kernel to let go stops them.
+_shared: dict[tuple[int, tuple[int, ...]], Workers] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_workers(threads: int, cpus: Sequence[int]) -> Workers:
+    """This process's ``Workers`` of ``threads`` threads bound to ``cpus``,
+    made by the first caller, counted per caller: ``release_workers`` when
+    done."""
+    key = (threads, tuple(cpus))
+    with _shared_lock:
+        workers = _shared.get(key)
+        if workers is None or not workers.usable:
+            workers = _shared[key] = Workers(threads, cpus)
+        workers.users += 1
+        return workers
+
+
+def release_workers(workers: Workers) -> None:
+    """One caller of ``shared_workers`` is done; the last one stops the
+    threads."""
+    with _shared_lock:
+        workers.users -= 1
+        if workers.users > 0:
+            return
+        for key, held in list(_shared.items()):
+            if held is workers:
+                del _shared[key]
+    if workers.usable:
+        workers.close()
 
 
 @dataclass(frozen=True)
@@ -452,7 +494,8 @@ class ShardKernel:
         self.geometry, self.threads, self.cpus = geometry, max(1, int(threads)), tuple(cpus)
         self.col0, self.persistent, self.state = int(col0), persistent, state
         self.closed = False
-        self.workers: Workers | None = None
+        self.workers: Workers | None = None  # shared_workers' (persistent, > 1 thread)
+        self._release: weakref.finalize | None = None  # lets go of them, once
         self.bound: Any = None  # struct ne_kernel * of this process
         self._keep: tuple = ()  # what bound points into
         self._lock = threading.Lock()
@@ -501,7 +544,10 @@ class ShardKernel:
                 cpu_arg = cpus or cpu_list(self.cpus)
                 pool = ffi.NULL
                 if self.threads > 1 and self.persistent:  # the caller runs one part itself
-                    self.workers = Workers(self.threads - 1, self.cpus)
+                    self.workers = shared_workers(self.threads - 1, self.cpus)
+                    # (a kernel dropped without close(): a table's setter
+                    # lets go of it while other threads may still look up)
+                    self._release = weakref.finalize(self, release_workers, self.workers)
                     pool = self.workers.pool
                 bound = ffi.new("struct ne_kernel *", {
                     "g": self.geometry.struct, "col0": self.col0, "n_threads": self.threads,
@@ -519,15 +565,19 @@ class ShardKernel:
         call binds anew."""
         self._lock = threading.Lock()
         self.bound = None
+        if self._release is not None:  # (the parent's: nothing to let go of here)
+            self._release.detach()
+        self.workers = self._release = None
 
     def close(self) -> None:
-        """Stop the workers (a forked child's copy has none to stop); a
-        later call raises StorageError."""
+        """Let go of the workers (the last kernel using them stops them; a
+        forked child's copy has none); a later call raises StorageError."""
         with self._lock:
-            workers, self.workers, self.bound = self.workers, None, None
+            release, self._release = self._release, None
+            self.workers, self.bound = None, None
             self.closed = True
-        if workers is not None and workers.usable:
-            workers.close()
+        if release is not None:
+            release()
 
 
 _NO_BAD_IDS = (0, -1, 0)
