@@ -323,7 +323,7 @@ _kernels: weakref.WeakSet[ShardKernel] = weakref.WeakSet()
 def _after_fork_in_child() -> None:
     global _shared_lock
     _this_process[0] = os.getpid()
-    _shared_lock = threading.Lock()  # (a thread the child lacks may have held it)
+    _shared_lock = threading.RLock()  # (a thread the child lacks may have held it)
     _shared.clear()  # the parent's pools have no threads here
     for kernel in list(_kernels):
         kernel.forget_binding()
@@ -370,7 +370,9 @@ class Workers:
 # time with a pool each), and a node's tables run one set of workers, not
 # one per table.  Counted: the last kernel to let go stops them.
 _shared: dict[tuple[int, tuple[int, ...]], Workers] = {}
-_shared_lock = threading.Lock()
+# reentrant: a kernel collected by the garbage collector (an allocation
+# under the lock may run it) lets go of its workers from inside
+_shared_lock = threading.RLock()
 
 
 def shared_workers(threads: int, cpus: Sequence[int]) -> Workers:
