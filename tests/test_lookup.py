@@ -436,6 +436,28 @@ def test_table_workers_persist_and_stop_with_close_no_leak_after_100_tables():
     assert _threads(settle_at=before) == before
 
 
+def _calls_compared(table, seed: int, token_counts: tuple[int, ...], pause_every: int,
+                    wrong: list[tuple[int, int]]) -> None:
+    """60 lookups of ``table`` (one head column each of its shard's heads,
+    DEAD ids among them) of the sizes in ``token_counts``, every
+    ``pause_every``-th after 2 ms (past the workers' spin: they sleep),
+    each compared bit for bit with the reference; (seed, call) of each that
+    differs goes to ``wrong``."""
+    import time
+
+    sizes = table.spec.bucket_sizes(table.layer_id)
+    r = np.random.default_rng(seed)
+    for call in range(60):
+        tokens = int(r.choice(token_counts))
+        ids = np.stack([r.integers(-1, n, tokens) for n in sizes], 1)
+        want = reference_lookup(table.weights, table.scales, ids, head_start=0,
+                                bucket_sizes=sizes)
+        if call % pause_every == 0:
+            time.sleep(0.002)
+        if not torch.equal(table.lookup(ids).view(torch.int16), want.view(torch.int16)):
+            wrong.append((seed, call))
+
+
 def test_tables_on_the_same_cpus_share_one_pool_that_the_last_to_let_go_stops():
     """Tables whose lookups ask for as many threads on the same CPUs use one
     set of workers (a step's second layer finds them awake); each stays
@@ -481,7 +503,6 @@ def test_callers_of_tables_sharing_a_pool_each_get_their_own_rows():
     pool busy with the other table's runs on its caller alone; every call
     gets exactly its own table's rows."""
     import threading
-    import time
 
     from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 
@@ -495,21 +516,8 @@ def test_callers_of_tables_sharing_a_pool_each_get_their_own_rows():
             table.weights[:] = rng.integers(0, 256, table.weights.shape, dtype=np.uint8)
             table.scales[:] = rng.integers(100, 140, table.scales.shape, dtype=np.uint8)
         wrong: list[tuple[int, int]] = []
-
-        def caller(table, seed: int) -> None:
-            r = np.random.default_rng(seed)
-            for call in range(60):
-                tokens = int(r.choice([1, 40, 300, 2500, 6000]))
-                ids = np.stack([r.integers(-1, n, tokens) for n in sizes], 1)
-                want = reference_lookup(table.weights, table.scales, ids, head_start=0,
-                                        bucket_sizes=sizes)
-                if call % 4 == 0:
-                    time.sleep(0.002)  # past the workers' spin: they sleep
-                if not torch.equal(table.lookup(ids).view(torch.int16), want.view(torch.int16)):
-                    wrong.append((seed, call))
-
-        threads = [threading.Thread(target=caller, args=(t, seed))
-                   for t, seed in ((a, 1), (b, 2))]
+        threads = [threading.Thread(target=_calls_compared, args=(
+            t, seed, (1, 40, 300, 2500, 6000), 4, wrong)) for t, seed in ((a, 1), (b, 2))]
         for t in threads:
             t.start()
         for t in threads:
@@ -604,7 +612,6 @@ def test_jobs_claimed_by_whichever_thread_is_awake_give_the_bits_of_every_call()
     another (workers spinning), some after a pause (workers asleep, woken
     mid-call), each get exactly their own rows."""
     import threading
-    import time
 
     from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 
@@ -614,21 +621,9 @@ def test_jobs_claimed_by_whichever_thread_is_awake_give_the_bits_of_every_call()
         rng = np.random.default_rng(11)
         table.weights[:] = rng.integers(0, 256, table.weights.shape, dtype=np.uint8)
         table.scales[:] = rng.integers(100, 140, table.scales.shape, dtype=np.uint8)
-        wrong: list[int] = []
-
-        def caller(seed: int) -> None:
-            r = np.random.default_rng(seed)
-            for call in range(60):
-                tokens = int(r.choice([1, 40, 70, 300, 700, 2500]))
-                ids = np.stack([r.integers(-1, n, tokens) for n in sizes], 1)
-                want = reference_lookup(table.weights, table.scales, ids, head_start=0,
-                                        bucket_sizes=sizes)
-                if call % 3 == 0:
-                    time.sleep(0.002)  # past the workers' spin: they sleep
-                if not torch.equal(table.lookup(ids).view(torch.int16), want.view(torch.int16)):
-                    wrong.append(call)
-
-        threads = [threading.Thread(target=caller, args=(seed,)) for seed in (1, 2)]
+        wrong: list[tuple[int, int]] = []
+        threads = [threading.Thread(target=_calls_compared, args=(
+            table, seed, (1, 40, 70, 300, 700, 2500), 3, wrong)) for seed in (1, 2)]
         for t in threads:
             t.start()
         for t in threads:
