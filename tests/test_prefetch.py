@@ -810,9 +810,10 @@ def _busy(seconds: float) -> None:
 
 
 def test_histogram_buckets_are_a_bisects_whatever_the_last_bucket_was():
-    """observe() tries the last observation's bucket first (the decode
-    path inlines that); every value, a bound's own value and its
-    neighbours included, in any order, lands where bisect puts it."""
+    """observe() tries the last observation's bucket first (a layer's
+    settle() observes its lookups one after another); every value, a
+    bound's own value and its neighbours included, in any order, lands
+    where bisect puts it."""
     from bisect import bisect_left
 
     from numa_engram.histogram import LOOKUP_BUCKETS, Histogram

@@ -2,8 +2,9 @@
  * count in a process, shared by the tables that look up with several
  * threads there: pinned once to the rows' node's CPUs and woken per call
  * (creating, pinning and joining pthreads cost ~50 us a call).  One call
- * at a time per pool (a caller finding it busy runs alone).  A forked child inherits the memory but not the
- * threads: every entry point checks the pid (ne_pool_size is 0 there).
+ * at a time per pool (a caller finding it busy runs alone).  A forked
+ * child inherits the memory but not the threads: every entry point
+ * checks the pid (ne_pool_size is 0 there).
  * The builder reads this header as the cffi declarations. */
 #ifndef NE_POOL_H
 #define NE_POOL_H

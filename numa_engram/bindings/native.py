@@ -366,7 +366,7 @@ class Workers:
 # the same CPUs (a node's tables: one per layer): a step looks up its layers
 # one after another, and the second finds the workers the first woke still
 # spinning instead of waking them again (a futex wake-up and an IPI, tens of
-# us in a VM guest; measured, 2 layers of 64 tokens: 0.88-0.90x the step's
+# us in a VM guest; measured, 2 layers of 64 tokens: 0.78-0.90x the step's
 # time with a pool each), and a node's tables run one set of workers, not
 # one per table.  Counted: the last kernel to let go stops them.
 _shared: dict[tuple[int, tuple[int, ...]], Workers] = {}
