@@ -35,7 +35,7 @@ class _AliasLoader(importlib.abc.Loader):
     def __init__(self, target: str) -> None:
         self.target = target
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:  # noqa: ARG002
         module = importlib.import_module(self.target)
         self.own_spec = module.__spec__
         return module
@@ -50,7 +50,7 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder):
     def __init__(self, package: str) -> None:
         self.package = package
 
-    def find_spec(self, fullname: str, path=None, target=None):
+    def find_spec(self, fullname: str, path=None, target=None):  # noqa: ARG002 (the finder protocol)
         prefix, _, leaf = fullname.rpartition(".")
         if prefix != self.package or leaf not in MOVED:
             return None

@@ -27,7 +27,7 @@ class NumaEngramError(Exception):
         return {}
 
     @classmethod
-    def rebuild(cls, message: str, fields: dict) -> NumaEngramError:
+    def rebuild(cls, message: str, fields: dict) -> NumaEngramError:  # noqa: ARG003 (subclasses read it)
         """Another member's error here: ``fields()`` of the original and this
         member's message (naming the member); subclasses with fields
         rebuild through their own constructor."""

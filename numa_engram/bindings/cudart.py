@@ -177,7 +177,8 @@ class RegistrationLease:
         self._finalizer()
 
 
-def _unregister_quietly(reg: Registration, keepalive: object) -> None:
+def _unregister_quietly(reg: Registration, _keepalive: object) -> None:
+    # (_keepalive: held by the finalizer so the mapping outlives the registration)
     try:
         unregister(reg)
     except NumaEngramError as exc:  # at interpreter exit or from a finalizer: log, go on

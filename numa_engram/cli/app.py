@@ -179,7 +179,7 @@ class Terminated(BaseException):
         self.signum = signum
 
 
-def _raise_terminated(signum: int, frame: object) -> None:
+def _raise_terminated(signum: int, _frame: object) -> None:
     raise Terminated(signum)
 
 

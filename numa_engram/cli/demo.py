@@ -117,7 +117,7 @@ def _replica(rank: int, procs: int, port: int, model_dir: str, directory: str, p
              steps: int, conn: Any) -> None:
     # the parent stops us with SIGTERM when it is stopped: unwind, so a table
     # being created is removed on the way out
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     import torch
     import torch.distributed as dist
 

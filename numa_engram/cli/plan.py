@@ -96,7 +96,7 @@ def _report(args: argparse.Namespace, d, topo) -> tuple[dict, str]:
     spec, world, chosen = d.spec, d.world, d.chosen
     unit = unit_for(*(r.length for r in d.regions), *chosen.bytes_per_node.values())
     copies = d.plan.copies  # replicate-per-node: a copy of each region on every node
-    placed = (lambda pr: f"a copy bound to each of nodes {node_list(topo.node_ids)}") \
+    placed = (lambda _pr: f"a copy bound to each of nodes {node_list(topo.node_ids)}") \
         if copies > 1 else (lambda pr: f"{pr.memory_policy} {node_list(pr.nodes)}")
     rows = [[r.name, f"{r.length / unit[1]:.2f}", node_list(r.reader_nodes), placed(pr)]
             for r, pr in zip(d.regions, d.plan.ranges)]

@@ -15,7 +15,7 @@ from ..errors import LookupIdError, SpecError
 from ..literals import IdFormat, check_id_format
 from ..model.sharding import prefix_offsets
 from .cpu import bad_id_text
-from .outputs import scales_shape
+from .outputs import check_packed_pair, scales_shape
 
 
 class DeviceView:
@@ -96,13 +96,16 @@ class DeviceShard:
                 else out
             out_scales = torch.empty(scales_shape(shape, self.block), dtype=torch.uint8,
                                      device=self.device) if out_scales is None else out_scales
+            check_packed_pair(out, out_scales, shape, self.block, self.device)
             bits = out
         else:
             out = torch.empty(shape, dtype=torch.bfloat16, device=self.device) if out is None \
                 else out
-            if out.dtype != torch.bfloat16 or tuple(out.shape) != shape or not out.is_contiguous():
+            if out.dtype != torch.bfloat16 or tuple(out.shape) != shape or \
+                    not out.is_contiguous() or out.device != self.device:
                 raise ValueError(f"out must be a contiguous bfloat16 tensor {list(shape)} on "
-                                 f"{self.device}, got {out.dtype} {list(out.shape)}")
+                                 f"{self.device}, got {out.dtype} {list(out.shape)} on "
+                                 f"{out.device}")
             bits = out.view(torch.int16)
         gpu_kernels.lookup(self.weights, self.scales, ids, head_start=self.head_start,
                            sizes=self.sizes, offsets=self.offsets,

@@ -75,16 +75,49 @@ def scales_shape(shape: tuple[int, ...], block: int) -> tuple[int, ...]:
 def packed_out(out: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, ...],
                block: int) -> tuple[tuple[torch.Tensor, torch.Tensor],
                                     tuple[np.ndarray, np.ndarray]]:
-    """A caller's (rows, scales) uint8 CPU tensors for a packed lookup,
-    checked, and their numpy views (a table's own come from its pools)."""
+    """A caller's (rows, scales) pair for a packed lookup of ``shape``
+    [T, heads, dim], checked, and their numpy views (a table's own come
+    from its pools).  Each must be a contiguous CPU uint8 tensor of exactly
+    its shape, and the two must not overlap: the kernel writes every byte
+    of both, so anything less would be a write past the caller's buffer."""
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError("out must be a (rows, scales) pair of uint8 CPU tensors for "
+                         f"packed=True, got {type(out).__name__}")
+    check_packed_pair(out[0], out[1], tuple(shape), block)
+    return out, (out[0].numpy(), out[1].numpy())
+
+
+def check_packed_pair(rows: Any, scales: Any, shape: tuple[int, ...], block: int,
+                      device: Any = None) -> None:
+    """``rows`` and ``scales`` as a packed lookup of ``shape`` writes them:
+    contiguous uint8 tensors of exactly their shapes on ``device`` (None:
+    the CPU), not overlapping.  The kernels write every byte of both, so
+    anything smaller, strided or shared would be a write past the caller's
+    buffer (or one part over the other)."""
+    _check_packed_part("rows", rows, shape, device)
+    _check_packed_part("scales", scales, scales_shape(shape, block), device)
+    if rows.numel() and scales.numel() and _overlap(rows, scales):
+        raise ValueError("out's rows and scales overlap in memory; pass two separate buffers")
+
+
+def _check_packed_part(name: str, part: Any, shape: tuple[int, ...], device: Any) -> None:
     import torch
 
-    if not (isinstance(out, tuple) and len(out) == 2 and all(
-            torch.is_tensor(t) and t.dtype == torch.uint8 and t.device.type == "cpu"
-            for t in out)):
-        raise ValueError("out must be a (rows, scales) pair of uint8 CPU tensors for "
-                         "packed=True")
-    return out, (out[0].numpy(), out[1].numpy())
+    where = "CPU" if device is None else str(device)
+    if not (torch.is_tensor(part) and part.dtype == torch.uint8
+            and (part.is_cpu if device is None else part.device == device)
+            and tuple(part.shape) == shape and part.is_contiguous()):
+        described = type(part).__name__
+        if torch.is_tensor(part):
+            described = f"{part.dtype} {list(part.shape)} on {part.device}" + (
+                "" if part.is_contiguous() else ", not contiguous")
+        raise ValueError(f"out's {name} must be a contiguous uint8 tensor of shape "
+                         f"{list(shape)} on {where} for packed=True, got {described}")
+
+
+def _overlap(a: Any, b: Any) -> bool:
+    start_a, start_b = a.data_ptr(), b.data_ptr()
+    return start_a < start_b + b.numel() and start_b < start_a + a.numel()
 
 
 class PreparedOutput:
@@ -109,7 +142,7 @@ def prepare_out(out: Any, shape: tuple[int, ...], packed: bool = False,
     from ..bindings.native import ffi
 
     if packed:
-        pair, pair_bits = packed_out(out, shape, block)
+        pair, pair_bits = packed_out(out, tuple(shape), block)
         return PreparedOutput(pair, pair_bits, None, tuple(shape), True)
     rows, bits = bf16_out(out, shape)
     return PreparedOutput(rows, bits, ffi.from_buffer(bits), tuple(shape), False)

@@ -359,7 +359,7 @@ class PrefetchScheduler:
         try:
             if self._closed or layer in self._inflight or layer in self._ran or \
                     self._outstanding + len(self._ran) >= self.depth:
-                self._claim_slowly(job, lane)  # refused, or waits for a slot
+                self._claim_slowly(job)  # refused, or waits for a slot
             self._inflight[layer] = job
             self._outstanding += 1
             job.slot = True
@@ -375,7 +375,7 @@ class PrefetchScheduler:
         if not self._cpu:
             self._launch_cuda(job)
 
-    def _claim_slowly(self, job: _Job, lane: _Lane) -> None:
+    def _claim_slowly(self, job: _Job) -> None:
         """Under the lock, for a submit that cannot claim its layer at once:
         PrefetchError when the scheduler is closed or the layer has a lookup
         in flight; else wait for one of the ``depth`` slots (backpressure)."""

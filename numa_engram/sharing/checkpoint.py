@@ -440,7 +440,7 @@ def _pread_rows(fd: int, loc: TensorLocation, a: int, b: int, out: np.ndarray) -
         got += n
 
 
-def _slice_rows(fd: int, loc: TensorLocation, a: int, b: int, out: np.ndarray) -> None:
+def _slice_rows(_fd: int, loc: TensorLocation, a: int, b: int, out: np.ndarray) -> None:
     """safetensors' own reader (by path; the identity of the open fd is
     checked before and after the whole copy)."""
     import torch

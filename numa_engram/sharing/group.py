@@ -73,16 +73,17 @@ class SingleProcessGroup:
         dist = sys.modules.get("torch.distributed")
         return (dist.get_rank(),) if dist is not None and dist.is_initialized() else (0,)
 
-    def bounded(self, timeout_s: float) -> AbstractContextManager[None]:
+    # (the Group protocol's signatures: one process has nothing to wait for)
+    def bounded(self, timeout_s: float) -> AbstractContextManager[None]:  # noqa: ARG002
         return nullcontext()  # nothing to wait for
 
-    def broadcast(self, obj: Any, step: str) -> Any:
+    def broadcast(self, obj: Any, step: str) -> Any:  # noqa: ARG002
         return obj
 
-    def all_gather(self, obj: Any, step: str) -> list[Any]:
+    def all_gather(self, obj: Any, step: str) -> list[Any]:  # noqa: ARG002
         return [obj]
 
-    def barrier(self, step: str) -> None:
+    def barrier(self, step: str) -> None:  # noqa: ARG002
         return None
 
 

@@ -58,7 +58,7 @@ def load_part(backing: BackingFile, spec, layer_id: int, shard, checkpoint, name
             w = backing.region("weights").reshape(shard.num_rows, spec.head_dim)[a:b]
             s = backing.region("scales").reshape(shard.num_rows, spec.scales_per_row)[a:b]
 
-            def chunk_done(done: int, total: int) -> None:
+            def chunk_done(done: int, _total: int) -> None:
                 backing.write_progress(slot, done)
                 report()
             load_rows(checkpoint, spec, layer_id, shard.row_start + a, shard.row_start + b, w,

@@ -200,7 +200,7 @@ def peer_attach(path: str, req: CreateRequest, writable: bool = False) -> Backin
     layout = req.layout
     backing = BackingFile.attach(path, fingerprint=req.spec.fingerprint,
                                  file_size=layout.file_size, key=req.key, writable=writable,
-                                 layout_for=lambda page: layout)
+                                 layout_for=lambda _page: layout)
     # map the pages now (cheap, no copy) so reads do not fault one by one
     native.madvise(backing.mapping, native.MADV_POPULATE_READ)
     return backing

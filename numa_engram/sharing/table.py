@@ -491,7 +491,12 @@ class SharedEngramTable:
         ``out.shape[0]`` tokens) checked and cast once: pass the result as
         ``out=`` to every lookup of that many tokens into it (a staging
         buffer), and the per-call checks are skipped."""
-        rows = out[0] if packed and isinstance(out, tuple) else out
+        rows = out[0] if packed and isinstance(out, tuple) and out else out
+        if not hasattr(rows, "shape") or len(rows.shape) == 0:
+            raise ValueError("out must be " + ("a (rows, scales) pair of uint8 CPU tensors"
+                                               if packed else "a CPU bfloat16 tensor") +
+                             f" [tokens, {', '.join(map(str, self._row_shape))}], got "
+                             f"{type(out).__name__}")
         return prepare_out(out, (int(rows.shape[0]), *self._row_shape), packed, self.spec.block)
 
     def _raise_bad_ids(self, count: int, first: int, value: int, global_ids: bool) -> NoReturn:

@@ -1,0 +1,143 @@
+"""No lookup writes a byte outside the caller's buffer: every ``out=`` path
+(packed and BF16; ``lookup``, ``prepare_out``, ``bind_lookup``) gets a slice
+of a larger tensor whose other bytes are a guard pattern, and a buffer of
+the wrong size, shape, layout or overlap is refused before the kernel runs."""
+
+import numpy as np
+import pytest
+import torch
+
+from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+
+GUARD = 0xA5
+TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def table():
+    spec = EngramSpec.small(rows_per_head=400)
+    shard = shard_heads(spec.bucket_sizes(14), 2, 1)
+    with SharedEngramTable.create(spec, 14, shard) as t:
+        rng = np.random.default_rng(5)
+        t.weights[:] = rng.integers(0, 0x7F, t.weights.shape, dtype=np.uint8)
+        t.scales[:] = rng.integers(100, 140, t.scales.shape, dtype=np.uint8)
+        yield spec, t
+
+
+def _ids(spec, tokens=TOKENS, seed=1):
+    rng = np.random.default_rng(seed)
+    return np.ascontiguousarray(rng.integers(0, 400, (tokens, spec.n_hash_cols)), np.int64)
+
+
+def _guarded(shape, dtype=torch.uint8, pad=4096):
+    """A view of ``shape`` in the middle of a guard-filled buffer, and the buffer."""
+    n = int(np.prod(shape))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    whole = torch.full((n * itemsize + 2 * pad,), GUARD, dtype=torch.uint8)
+    view = whole[pad:pad + n * itemsize].view(dtype).view(shape)
+    return view, whole, pad, n * itemsize
+
+
+def _guards_intact(whole, pad, nbytes):
+    raw = whole.numpy()
+    return bool((raw[:pad] == GUARD).all() and (raw[pad + nbytes:] == GUARD).all())
+
+
+def _packed_shapes(spec, t, tokens=TOKENS):
+    rows = (tokens, t.shard.num_heads, spec.head_dim)
+    return rows, (*rows[:2], spec.head_dim // spec.block)
+
+
+def test_packed_slices_of_exactly_the_right_size_are_filled_and_nothing_around_them(table):
+    spec, t = table
+    ids = _ids(spec)
+    want_rows, want_scales = t.lookup(ids, packed=True)
+    want_rows, want_scales = want_rows.clone(), want_scales.clone()
+    rows_shape, scales_shape = _packed_shapes(spec, t)
+    for path in ("lookup", "prepare_out", "bind_lookup"):
+        rows, rows_whole, pad, rows_n = _guarded(rows_shape)
+        scales, scales_whole, _, scales_n = _guarded(scales_shape)
+        if path == "lookup":
+            got = t.lookup(ids, packed=True, out=(rows, scales))
+        elif path == "prepare_out":
+            got = t.lookup(ids, packed=True, out=t.prepare_out((rows, scales), packed=True))
+        else:
+            got = t.bind_lookup((rows, scales), packed=True)(ids)
+        assert torch.equal(got[0], want_rows) and torch.equal(got[1], want_scales), path
+        assert _guards_intact(rows_whole, pad, rows_n), path
+        assert _guards_intact(scales_whole, pad, scales_n), path
+
+
+def test_bf16_slices_are_filled_and_nothing_around_them(table):
+    spec, t = table
+    ids = _ids(spec)
+    want = t.lookup(ids).clone()
+    shape = (TOKENS, t.shard.num_heads, spec.head_dim)
+    for path in ("lookup", "prepare_out", "bind_lookup"):
+        out, whole, pad, n = _guarded(shape, torch.bfloat16)
+        if path == "lookup":
+            got = t.lookup(ids, out=out)
+        elif path == "prepare_out":
+            got = t.lookup(ids, out=t.prepare_out(out))
+        else:
+            got = t.bind_lookup(out)(ids)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), path
+        assert _guards_intact(whole, pad, n), path
+
+
+def _bad_pairs(spec, t):
+    """(what is wrong, a (rows, scales) pair, guard buffers to check)."""
+    rows_shape, scales_shape = _packed_shapes(spec, t)
+    rows_n, scales_n = int(np.prod(rows_shape)), int(np.prod(scales_shape))
+    cases = []
+    small_rows, rw, pad, _ = _guarded((16,))
+    small_scales, sw, _, _ = _guarded((1,))
+    cases.append(("16 bytes of rows, 1 of scales", (small_rows, small_scales), [(rw, pad, 16),
+                                                                                 (sw, pad, 1)]))
+    short, rw2, _, _ = _guarded((TOKENS - 1, *rows_shape[1:]))
+    scales, sw2, _, _ = _guarded(scales_shape)
+    cases.append(("one token short", (short, scales), [(rw2, pad, rows_n - rows_shape[1] *
+                                                        rows_shape[2]), (sw2, pad, scales_n)]))
+    flat_rows, rw3, _, _ = _guarded((rows_n,))
+    flat_scales, sw3, _, _ = _guarded((scales_n,))
+    cases.append(("a 1-D pair of the right byte count", (flat_rows, flat_scales),
+                  [(rw3, pad, rows_n), (sw3, pad, scales_n)]))
+    both = torch.full((rows_n + scales_n,), GUARD, dtype=torch.uint8)
+    cases.append(("rows and scales overlapping",
+                  (both[:rows_n].view(rows_shape), both[rows_n - scales_n:rows_n]
+                   .view(scales_shape)), []))
+    strided = torch.full((TOKENS, rows_shape[1], 2 * rows_shape[2]), GUARD, dtype=torch.uint8)
+    cases.append(("strided rows", (strided[:, :, ::2], _guarded(scales_shape)[0]), []))
+    cases.append(("int8 rows", (torch.zeros(rows_shape, dtype=torch.int8),
+                                torch.zeros(scales_shape, dtype=torch.uint8)), []))
+    cases.append(("a list, not a pair", [torch.zeros(rows_shape, dtype=torch.uint8),
+                                         torch.zeros(scales_shape, dtype=torch.uint8)], []))
+    return cases
+
+
+@pytest.mark.parametrize("path", ["lookup", "prepare_out", "bind_lookup"])
+def test_packed_buffers_of_the_wrong_size_shape_layout_or_overlap_are_refused(table, path):
+    spec, t = table
+    ids = _ids(spec)
+    for what, pair, guards in _bad_pairs(spec, t):
+        with pytest.raises(ValueError, match=r"out('s (rows|scales))? must be|overlap") as err:
+            if path == "lookup":
+                t.lookup(ids, packed=True, out=pair)
+            elif path == "prepare_out":
+                t.lookup(ids, packed=True, out=t.prepare_out(pair, packed=True))
+            else:
+                t.bind_lookup(pair, packed=True)(ids)
+        assert "out" in str(err.value), what
+        for whole, pad, n in guards:
+            assert _guards_intact(whole, pad, n), what
+    rows, scales = t.lookup(ids, packed=True)  # the table works on
+    assert rows.shape == _packed_shapes(spec, t)[0]
+
+
+def test_a_wrong_prepare_out_argument_is_a_value_error_not_an_attribute_error(table):
+    _, t = table
+    for bad in (None, 3, (), "rows"):
+        with pytest.raises(ValueError, match="out must be"):
+            t.prepare_out(bad, packed=True)
+        with pytest.raises(ValueError, match="out must be"):
+            t.prepare_out(bad)
