@@ -67,6 +67,8 @@ def _table_line(t: dict, fmt_bytes, unit_for) -> str:
                       t["bytes_per_node"].items()) or "nodes unknown"
     state = t["state"] + (f" {done / total:.0%}" if t["state"] == "loading" and total else "")
     flags = (" sealed" if t["sealed"] else "") + (" adopted" if t["adopted"] else "")
+    if t["state"] == "ready" and not t["sealed"]:
+        flags += " (NOT handed out: unsealed)"
     load = t["startup_s"].get("load")
     speed = f", loaded at {total / load / 2**30:.2f} GiB/s" if load else ""
     copy = "all nodes" if t["node"] is None else f"node {t['node']}"

@@ -5,17 +5,23 @@ descriptor to any number of engines, from any number of launches.
 Each table is a memfd (never a path in /dev/shm: nothing to size, nothing
 to evict, nothing to leak), placed as ``--placement`` says, loaded from the
 model directory's checkpoint, then sealed against writes, growth and
-shrinking (``F_SEAL_*``; where the kernel refuses, as for some hugetlb
-memfds, only read-only descriptors are handed out).  Engines receive a
-read-only descriptor (``SCM_RIGHTS``), check its header as a peer checks
-the leader's file, and map it: an attach costs a header read and a mmap,
-whatever the table's size.
+shrinking (``F_SEAL_*``).  A table the kernel will not seal (a hugetlb memfd
+before Linux 4.16) is never handed out: any client could reopen a read-only
+descriptor of it through ``/proc/self/fd`` read-write and rewrite, punch or
+shrink every engine's rows; attaches are refused as ``unsealed`` and
+``status`` says so.  Engines receive a read-only descriptor
+(``SCM_RIGHTS``), check its header as a peer checks the leader's file,
+and map it: an attach costs a header read and a mmap, whatever the
+table's size.
 
 Under systemd the service speaks the notify protocol: each loaded table's
 descriptor goes to the file descriptor store (``FDSTORE=1``, ``FDNAME=`` its
 key), ``READY=1`` once every table is loaded, and on the next start the
 stored descriptors come back in ``LISTEN_FDS`` and are adopted (header
-checked) instead of reloaded: a service restart keeps every table.
+checked) instead of reloaded: a service restart keeps every table.  Every
+stored descriptor not adopted is removed from the store as it is closed
+(``FDSTOREREMOVE=1``), so PID 1 never keeps an old model's tables; a
+notify that fails is logged, never fatal.
 """
 
 from __future__ import annotations
@@ -90,7 +96,15 @@ class HeldTable:
                 "progress": [self.done, self.total],
                 "error": self.error, "bytes_per_node": self.bytes_per_node,
                 "startup_s": {k: round(v, 6) for k, v in self.phases.items()},
-                "attaches": self.attaches}
+                "attaches": self.attaches, "handout": self.handout}
+
+    @property
+    def handout(self) -> str:
+        """How clients get this table: a sealed descriptor, or refused."""
+        if self.state != "ready":
+            return "none yet"
+        return "sealed read-only descriptor" if self.sealed else \
+            "refused: the kernel would not seal it (a client could reopen it writable)"
 
 
 class TableService:
@@ -129,23 +143,33 @@ class TableService:
         return out
 
     # ------------------------------------------------------------ load --
-    def adopt(self, stored: dict[str, int]) -> int:
-        """Take back descriptors the fd store kept (by FDNAME), each header
-        checked; the rest are closed.  How many were adopted."""
+    def adopt(self, stored: Sequence[tuple[str, int]]) -> int:
+        """Take back descriptors the fd store kept ((FDNAME, fd) pairs), each
+        header checked; every other one is closed and removed from the store
+        (a name passed twice keeps one descriptor).  How many were adopted."""
         wanted = {t.name(self.spec.fingerprint, self.page_size): t for t in self.tables}
-        adopted = 0
-        for name, fd in stored.items():
+        adopted, kept = 0, {}
+        for name, fd in stored:
             table = wanted.get(name)
-            if table is None or not self._adoptable(table, fd):
-                log.warning("stored descriptor %s (fd %d) is not one of this model's tables: "
-                            "closed", name, fd)
+            if table is None or table.adopted or not self._adoptable(table, fd):
+                why = "a second descriptor of that name" if table is not None and \
+                    table.adopted else "not one of this model's tables"
+                log.warning("stored descriptor %s (fd %d) is %s: closed and removed from the "
+                            "fd store", name, fd, why)
                 os.close(fd)
+                if name not in kept:
+                    systemd.notify(f"FDSTOREREMOVE=1\nFDNAME={name}")
                 continue
             table.fd, table.read_only_fd = fd, read_only_descriptor(fd)
             table.sealed = seal_contents(fd)  # already sealed: the seals stay, this is a no-op
             table.state, table.adopted = "ready", True
             table.done = table.total
+            kept[name] = fd
             adopted += 1
+        for name, fd in kept.items():  # a removal above may have dropped it with a twin
+            if sum(n == name for n, _ in stored) > 1:
+                systemd.notify(f"FDSTOREREMOVE=1\nFDNAME={name}")
+                systemd.notify(f"FDSTORE=1\nFDNAME={name}", [fd])
         return adopted
 
     def _adoptable(self, table: HeldTable, fd: int) -> bool:
@@ -170,12 +194,13 @@ class TableService:
                 continue
             try:
                 self._load(table)
-                name = table.name(self.spec.fingerprint, self.page_size)
-                systemd.notify(f"FDSTORE=1\nFDNAME={name}", [table.fd])
             except Exception as exc:  # one table's failure is answered, not fatal
                 log.error("Engram layer %d heads [%d, %d): load failed: %s", table.layer_id,
                           table.shard.head_start, table.shard.head_end, exc)
                 table.state, table.error = "failed", f"{type(exc).__name__}: {exc}"
+                continue
+            name = table.name(self.spec.fingerprint, self.page_size)
+            systemd.notify(f"FDSTORE=1\nFDNAME={name}", [table.fd])
         ready = sum(t.state == "ready" for t in self.tables)
         systemd.notify(f"READY=1\nSTATUS={ready} of {len(self.tables)} Engram tables ready")
         log.info("table service: %d of %d tables ready", ready, len(self.tables))
@@ -287,6 +312,11 @@ class TableService:
         table, why = self._find(req)
         if table is None:
             return why, None
+        if table.state == "ready" and not table.sealed:
+            return _refusal("unsealed", "the kernel would not seal this table against writes, "
+                            "so any client could reopen its descriptor writable; it is not "
+                            "handed out (hugetlb memfds seal from Linux 4.16: upgrade, or "
+                            "serve 4K pages)"), None
         if table.state != "ready":
             reason = "failed" if table.state == "failed" else "not_ready"
             return _refusal(reason, f"the table is {table.state}" + (

@@ -3,21 +3,27 @@
 attached (``FDSTORE=1``, ``FDNAME=``, ``READY=1``), and on start the
 descriptors systemd passes back (``LISTEN_PID``, ``LISTEN_FDS``,
 ``LISTEN_FDNAMES``; descriptors from 3 up), as sd_notify(3) and
-sd_listen_fds(3) describe them."""
+sd_listen_fds(3) describe them.  A notify that fails is logged and
+dropped: the service manager being away never takes the tables down."""
 
 from __future__ import annotations
 
 import array
+import fcntl
+import logging
 import os
 import socket
 from collections.abc import Sequence
+
+log = logging.getLogger(__name__)
 
 LISTEN_FDS_START = 3
 
 
 def notify(message: str, fds: Sequence[int] = ()) -> bool:
     """Send ``message`` (newline-separated assignments) with ``fds`` to the
-    service manager; False when not run under one (no NOTIFY_SOCKET)."""
+    service manager; False when not run under one (no NOTIFY_SOCKET) or
+    when the send failed (logged)."""
     address = os.environ.get("NOTIFY_SOCKET")
     if not address:
         return False
@@ -29,30 +35,42 @@ def notify(message: str, fds: Sequence[int] = ()) -> bool:
         if fds:
             ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
         sock.sendmsg([message.encode()], ancillary, 0, address)
+    except OSError as exc:
+        log.warning("sd_notify to %s failed (%s): %r not delivered; serving on",
+                    os.environ.get("NOTIFY_SOCKET"), exc.strerror or exc,
+                    message.replace("\n", " "))
+        return False
     finally:
         sock.close()
     return True
 
 
-def listen_fds(unset: bool = True) -> dict[str, int]:
-    """The descriptors passed to this process, by name (``fdN`` where the
-    manager gave none); {} when they are not for this process.  ``unset``
-    clears the variables so children do not take them as theirs."""
+def listen_fds(unset: bool = True) -> list[tuple[str, int]]:
+    """The descriptors passed to this process, as (name, fd) pairs in order
+    (``fdN`` where the manager gave no name; a name may come twice); []
+    when they are not for this process.  A descriptor the count names but
+    that is not open is skipped with a warning.  ``unset`` clears the
+    variables so children do not take them as theirs."""
     try:
         pid = int(os.environ.get("LISTEN_PID", ""))
         count = int(os.environ.get("LISTEN_FDS", ""))
     except ValueError:
-        return {}
+        return []
     names = os.environ.get("LISTEN_FDNAMES", "").split(":")
     if unset:
         for var in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
             os.environ.pop(var, None)
     if pid != os.getpid() or count < 1:
-        return {}
-    out = {}
+        return []
+    out = []
     for i in range(count):
         fd = LISTEN_FDS_START + i
-        os.set_inheritable(fd, False)  # ours now: not passed on to children
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.FD_CLOEXEC)  # ours now: not for children
+        except OSError:
+            log.warning("LISTEN_FDS=%d names fd %d, which is not open: skipped (the service "
+                        "manager passed fewer descriptors than it said)", count, fd)
+            continue
         name = names[i] if i < len(names) and names[i] else f"fd{fd}"
-        out[name] = fd
+        out.append((name, fd))
     return out

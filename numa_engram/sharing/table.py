@@ -45,6 +45,7 @@ from ..lookup.outputs import (
 )
 from ..model.sharding import ShardInfo, prefix_offsets
 from ..model.spec import EngramSpec
+from ..store import handoff
 from ..store.fileformat import DEFAULT_DIRECTORY, STATE_READY
 from ..store.placement import PlacementPlan, PlacementReport, verify
 from ..store.storage import BackingFile
@@ -239,8 +240,9 @@ class SharedEngramTable:
     def attach(cls, spec: EngramSpec, layer_id: int, shard: ShardInfo, *,
                path: str | None = None, fd: int | None = None, service: str | None = None,
                node: int | None = None, page_size: PageSize | int = "4K",
-               register_device: int | None = None,
-               timeout_s: float = 10.0) -> SharedEngramTable:
+               register_device: int | None = None, timeout_s: float = 10.0,
+               service_uids: Sequence[int] | None = None,
+               allow_unsealed: bool | None = None) -> SharedEngramTable:
         """Map a READY table handed over outside a group, read-only, after
         the same checks a peer makes (spec, size, layer and shard): by its
         ``path`` (before the unlink), an ``fd`` passed over a Unix socket,
@@ -249,7 +251,11 @@ class SharedEngramTable:
         this spec, layer, shard and ``page_size`` (its copy on ``node``,
         default the node this thread runs on, when it holds one per node).
         ``register_device``: pin the mapping for zero-copy reads by that GPU.
-        No per-byte work but the registration: O(1) in the table's size."""
+        No per-byte work but the registration: O(1) in the table's size.
+        A service is believed only when it runs as our uid, root or one of
+        ``service_uids``, and its descriptor only when sealed against
+        writes, growth and shrinking unless ``allow_unsealed`` (defaults:
+        ``NUMA_ENGRAM_SERVICE_UIDS``, ``NUMA_ENGRAM_ALLOW_UNSEALED``)."""
         check_shard(spec, layer_id, shard)
         if sum(x is not None for x in (path, fd, service)) != 1:
             raise ValueError("give exactly one of path=, fd= or service=")
@@ -257,9 +263,10 @@ class SharedEngramTable:
         here = current_node(Topology.detect())  # read once: the service's copy and our record
         received, owner_uid, mode = None, None, "attached"
         if service is not None:
+            trust = handoff.ServiceTrust.of(service_uids, allow_unsealed)
             received, owner_uid = _from_service(spec, layer_id, shard, service,
                                                 here if node is None else node, page_size,
-                                                timeout_s)
+                                                timeout_s, trust)
             fd, mode = received, "service"
         try:
             backing = BackingFile.attach(path, fd=fd, fingerprint=spec.fingerprint,
@@ -720,13 +727,12 @@ __all__ = ["CREATE_MODES", "ModeReport", "SharedEngramTable", "TableStats", "tab
 
 
 def _from_service(spec: EngramSpec, layer_id: int, shard: ShardInfo, service: str,
-                  node: int, page_size: PageSize | int,
-                  timeout_s: float) -> tuple[int, int]:
+                  node: int, page_size: PageSize | int, timeout_s: float,
+                  trust: handoff.ServiceTrust) -> tuple[int, int]:
     """(the descriptor the table service hands over, the service's uid)."""
     from ..host.hugepages import parse_page_size
-    from ..store import handoff
 
     request = handoff.TableRequest(spec.fingerprint, shard_key(layer_id, shard),
                                    parse_page_size(page_size), node)
-    fd, _, uid = handoff.fetch(service, request, timeout_s)
+    fd, _, uid = handoff.fetch(service, request, timeout_s, trust)
     return fd, uid

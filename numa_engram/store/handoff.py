@@ -8,15 +8,24 @@ Operations: ``attach`` (fingerprint, layer, shard key, page size and the
 client's NUMA node), ``status`` (what is held, loading or ready).  A refusal
 names its reason: ``no_such_table``, ``not_ready`` (with the load's
 progress), ``failed`` (its load failed), ``mismatch``, ``refused`` (the peer's uid may not attach),
-``bad_request``.  No torch here.
+``unsealed`` (the kernel would not seal the table, so no client may map it),
+``bad_request``.
+
+A client trusts only a service run by its own uid or root (``SO_PEERCRED``)
+and only a descriptor sealed against writes, growth and shrinking
+(``F_GET_SEALS``); the operator widens that explicitly (``ServiceTrust``:
+parameters, or ``NUMA_ENGRAM_SERVICE_UIDS`` and
+``NUMA_ENGRAM_ALLOW_UNSEALED=1``).  No torch here.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +35,71 @@ from .fileformat import ShardKey
 MAX_REQUEST = 64 << 10   # a request is a few hundred bytes; more is garbage
 MAX_ANSWER = 16 << 20    # a status of thousands of tables still fits
 LENGTH = struct.Struct("<I")
-REASONS = ("no_such_table", "not_ready", "failed", "mismatch", "refused", "bad_request")
+REASONS = ("no_such_table", "not_ready", "failed", "mismatch", "refused", "unsealed",
+           "bad_request")
 CLIENT_TIMEOUT_S = 10.0
-__all__ = ["REASONS", "ServiceRefusal", "TableRequest", "ask", "fetch", "status"]
+REQUIRED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
+UIDS_ENV, UNSEALED_ENV = "NUMA_ENGRAM_SERVICE_UIDS", "NUMA_ENGRAM_ALLOW_UNSEALED"
+__all__ = ["REASONS", "ServiceRefusal", "ServiceTrust", "TableRequest", "ask", "fetch",
+           "status"]
+
+
+@dataclass(frozen=True)
+class ServiceTrust:
+    """Whom a client believes: a service whose uid is ours, root, or one of
+    ``uids``; a descriptor sealed against write, grow and shrink, or any
+    with ``allow_unsealed`` (a service that could rewrite or shrink the rows
+    under the engine: corrupt rows, or SIGBUS)."""
+
+    uids: tuple[int, ...] = ()
+    allow_unsealed: bool = False
+
+    @classmethod
+    def of(cls, uids: Sequence[int] | None = None,
+           allow_unsealed: bool | None = None) -> ServiceTrust:
+        """The given allowances, each defaulting to its environment variable
+        (``NUMA_ENGRAM_SERVICE_UIDS``: comma-separated uids;
+        ``NUMA_ENGRAM_ALLOW_UNSEALED=1``)."""
+        if uids is None:
+            uids = _env_uids()
+        elif not all(isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in uids):
+            raise ValueError(f"service_uids must be non-negative integers, got {list(uids)!r}")
+        if allow_unsealed is None:
+            allow_unsealed = os.environ.get(UNSEALED_ENV, "") in ("1", "true", "yes")
+        return cls(tuple(uids), bool(allow_unsealed))
+
+    def check_peer(self, path: str, uid: int) -> None:
+        if uid not in (os.geteuid(), 0, *self.uids):
+            raise StorageError(
+                f"the table service at {path} runs as uid {uid}, neither ours ({os.geteuid()}) "
+                f"nor root: refusing to attach (another user's service could rewrite or shrink "
+                f"the rows under this engine); if uid {uid} is your service, allow it with "
+                f"service_uids=[{uid}] or {UIDS_ENV}={uid}")
+
+    def check_seals(self, path: str, fd: int) -> None:
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0  # a file that cannot be sealed at all
+        if seals & REQUIRED_SEALS != REQUIRED_SEALS and not self.allow_unsealed:
+            raise StorageError(
+                f"the table service at {path} handed over a table not sealed against writes, "
+                f"growth and shrinking (seals {seals:#x}): its rows could change or vanish "
+                f"under this engine; refusing it (allow_unsealed=True or {UNSEALED_ENV}=1 "
+                "accepts it where the service is trusted)")
+
+
+def _env_uids() -> tuple[int, ...]:
+    text = os.environ.get(UIDS_ENV, "").strip()
+    if not text:
+        return ()
+    try:
+        uids = tuple(int(u) for u in text.split(",") if u.strip())
+    except ValueError:
+        raise ValueError(f"{UIDS_ENV}={text!r}: give comma-separated numeric uids") from None
+    if any(u < 0 for u in uids):
+        raise ValueError(f"{UIDS_ENV}={text!r}: uids are non-negative")
+    return uids
 
 
 @dataclass(frozen=True)
@@ -129,10 +200,11 @@ def peer_uid(sock: socket.socket) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
-def ask(path: str, doc: dict, timeout_s: float = CLIENT_TIMEOUT_S
-        ) -> tuple[dict, list[int], tuple[int, int, int]]:
+def ask(path: str, doc: dict, timeout_s: float = CLIENT_TIMEOUT_S,
+        trust: ServiceTrust | None = None) -> tuple[dict, list[int], tuple[int, int, int]]:
     """Send one request to the service at ``path``; (answer, descriptors,
-    the service's (pid, uid, gid))."""
+    the service's (pid, uid, gid)).  With ``trust``, a service of a uid it
+    does not name is refused before anything is sent."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout_s)
@@ -145,6 +217,8 @@ def ask(path: str, doc: dict, timeout_s: float = CLIENT_TIMEOUT_S
             raise StorageError(f"no table service at {path} ({exc.strerror}); start one with "
                                "`numa-engram serve MODEL_DIR --socket PATH`") from None
         server = peer_uid(sock)
+        if trust is not None:
+            trust.check_peer(path, server[1])
         sock.sendall(json.dumps(doc).encode() + b"\n")
         try:
             answer, fds = _read_answer(sock)
@@ -155,12 +229,14 @@ def ask(path: str, doc: dict, timeout_s: float = CLIENT_TIMEOUT_S
         sock.close()
 
 
-def fetch(path: str, request: TableRequest,
-          timeout_s: float = CLIENT_TIMEOUT_S) -> tuple[int, dict, int]:
+def fetch(path: str, request: TableRequest, timeout_s: float = CLIENT_TIMEOUT_S,
+          trust: ServiceTrust | None = None) -> tuple[int, dict, int]:
     """The table's descriptor from the service at ``path``: (fd, the
-    service's description of it, the service's uid).  A refusal is a
-    ServiceRefusal naming the reason."""
-    answer, fds, server = ask(path, request.to_dict(), timeout_s)
+    service's description of it, the service's uid), from a service and of
+    a descriptor ``trust`` (default: ``ServiceTrust.of()``) believes.  A
+    refusal is a ServiceRefusal naming the reason."""
+    trust = trust or ServiceTrust.of()
+    answer, fds, server = ask(path, request.to_dict(), timeout_s, trust)
     if not answer.get("ok"):
         for fd in fds:
             os.close(fd)
@@ -172,6 +248,11 @@ def fetch(path: str, request: TableRequest,
         for fd in fds:
             os.close(fd)
         raise StorageError(f"the table service at {path} answered without a descriptor")
+    try:
+        trust.check_seals(path, fds[0])
+    except BaseException:
+        os.close(fds[0])
+        raise
     return fds[0], answer.get("table", {}), server[1]
 
 

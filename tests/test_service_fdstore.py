@@ -1,0 +1,149 @@
+"""The service and systemd: every stored descriptor it does not adopt is
+closed and removed from the fd store (FDSTOREREMOVE=1 + FDNAME), a name
+passed twice keeps one descriptor in the store and one in the service, a
+LISTEN_FDS larger than what was passed is survived, and a notify socket
+that is gone costs a log line, never a table."""
+
+import array
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from numa_engram import EngramSpec, SharedEngramTable, shard_heads, write_synthetic_model
+from numa_engram.runtime.modeldir import ModelDirectory
+from numa_engram.service.holder import TableService
+
+SPEC = EngramSpec.small(rows_per_head=300, n_head_per_ngram=2, head_dim=64, max_ngram_size=3)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return ModelDirectory.open(str(write_synthetic_model(tmp_path_factory.mktemp("m"), SPEC)))
+
+
+@pytest.fixture
+def manager(tmp_path, monkeypatch):
+    """A fake service manager: the NOTIFY_SOCKET datagrams, with their fds."""
+    path = str(tmp_path / "notify")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(path)
+    listener.setblocking(False)
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    yield listener
+    listener.close()
+
+
+def _drain(listener):
+    out = []
+    while True:
+        fds = array.array("i")
+        try:
+            data, anc, _, _ = listener.recvmsg(4096, socket.CMSG_SPACE(16 * fds.itemsize))
+        except BlockingIOError:
+            return out
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+        out.append((dict(line.split("=", 1) for line in data.decode().splitlines()),
+                    list(fds)))
+
+
+def _inode(fd):
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def _open_of(inode):
+    """How many of this process's descriptors are of that file."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            count += _inode(int(name)) == inode
+        except OSError:
+            pass
+    return count
+
+
+def _stored_by_a_first_service(model, tmp_path, listener):
+    first = TableService(model, str(tmp_path / "first.sock"))
+    first.load_all()
+    first.stop()
+    return [(m["FDNAME"], fds[0]) for m, fds in _drain(listener) if m.get("FDSTORE") == "1"]
+
+
+def test_rejected_and_duplicate_stored_descriptors_are_removed_from_the_store(
+        model, tmp_path, manager):
+    stored = _stored_by_a_first_service(model, tmp_path, manager)
+    assert len(stored) == len(SPEC.layer_ids)
+    (name0, fd0), (name1, fd1) = stored
+    twin = os.dup(fd0)  # the same FDNAME passed twice
+    other = SharedEngramTable.create(EngramSpec.small(rows_per_head=300, seed=7), 1,
+                                     shard_heads(EngramSpec.small(rows_per_head=300, seed=7)
+                                                 .bucket_sizes(1), 1, 0), directory=None)
+    foreign = other.dup_descriptor()  # a table of another model, under a name of ours
+    other.close()
+    passed = [(name0, fd0), (name0, twin), ("engram-old-model-l1", foreign), (name1, fd1)]
+    kept, dropped = _inode(fd0), _inode(foreign)
+    second = TableService(model, str(tmp_path / "second.sock"))
+    assert second.adopt(passed) == 2
+    assert _open_of(kept) == 2  # the adopted descriptor and its read-only reopen: no twin
+    assert _open_of(dropped) == 0
+    assert all(t.state == "ready" and t.adopted for t in second.tables)
+    said = _drain(manager)
+    removed = [m["FDNAME"] for m, _ in said if m.get("FDSTOREREMOVE") == "1"]
+    assert "engram-old-model-l1" in removed and name0 in removed
+    restored = [(m["FDNAME"], fds) for m, fds in said if m.get("FDSTORE") == "1"]
+    assert [n for n, _ in restored] == [name0] and len(restored[0][1]) == 1
+    second.load_all()  # nothing to load: READY=1 only
+    after = _drain(manager)
+    assert [m.get("READY") for m, _ in after] == ["1"] and not any(f for _, f in after)
+    second.stop()
+    for _, fds in said:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_a_notify_socket_that_is_gone_costs_a_log_line_not_the_tables(
+        model, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "gone"))
+    service = TableService(model, str(tmp_path / "run" / "engram.sock"))
+    service.start()
+    try:
+        service.load_all()
+        assert all(t.state == "ready" for t in service.tables)
+        layer = SPEC.layer_ids[0]
+        with SharedEngramTable.attach(SPEC, layer, shard_heads(SPEC.bucket_sizes(layer), 1, 0),
+                                      service=service.socket_path) as t:
+            assert t.mode == "service"
+    finally:
+        service.stop()
+    assert "sd_notify" in caplog.text and "serving on" in caplog.text
+
+
+LISTEN = r"""
+import json, logging, os
+logging.basicConfig()
+os.environ["LISTEN_PID"] = str(os.getpid())
+from numa_engram.service import systemd
+print(json.dumps(systemd.listen_fds()))
+"""
+
+
+def test_listen_fds_larger_than_what_was_passed_is_survived(tmp_path):
+    read, write = os.pipe()
+
+    def at_three():
+        os.dup2(read, 3, inheritable=True)
+    try:
+        run = subprocess.run([sys.executable, "-c", LISTEN], capture_output=True, text=True,
+                             env=dict(os.environ, LISTEN_FDS="6", LISTEN_FDNAMES="a:b:c"),
+                             preexec_fn=at_three, pass_fds=(3,), timeout=120, check=False)
+    finally:
+        os.close(read)
+        os.close(write)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == '[["a", 3]]'
+    assert "LISTEN_FDS=6 names fd 4, which is not open" in run.stderr
