@@ -193,7 +193,7 @@ def _hand_out(sock_path, fd, stop):
         except TimeoutError:
             continue
         with conn:
-            handoff.read_request(conn)
+            handoff.read_request(conn, 5.0)
             handoff.send_answer(conn, {"ok": True, "table": {}}, fd)
     listener.close()
 

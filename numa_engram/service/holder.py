@@ -31,7 +31,6 @@ import grp
 import logging
 import os
 import socket
-import socketserver
 import stat
 import threading
 import time
@@ -50,11 +49,15 @@ from ..store import handoff
 from ..store.fileformat import STATE_READY, ShardKey
 from ..store.storage import BackingFile, read_only_descriptor, seal_contents
 from . import systemd
+from .listener import Listener
 
 log = logging.getLogger(__name__)
 
-CLIENT_TIMEOUT_S = 5.0  # a client that stalls longer loses its connection, nobody else waits
+CLIENT_TIMEOUT_S = 5.0  # a whole request, from accept; a slower client loses its connection
 REPLICATE = "replicate-per-node"
+# engines of a whole node start at once: a backlog of 5 would turn the sixth
+# concurrent connect into EAGAIN
+LISTEN_BACKLOG = 512
 
 
 @dataclass
@@ -122,7 +125,7 @@ class TableService:
         self.gid = None if group is None else grp.getgrnam(group).gr_gid
         self.tables = self._plan(tp)
         self._lock = threading.Lock()
-        self._server: socketserver.ThreadingUnixStreamServer | None = None
+        self._listener: Listener | None = None
         self._stopped = threading.Event()
         self.started = time.time()
 
@@ -234,20 +237,20 @@ class TableService:
         """Listen on the socket (a stale one of a dead service is replaced);
         answers begin at once, tables not loaded yet are "not_ready"."""
         _prepare_socket_path(self.socket_path, self.gid)
-        service = self
-
-        class Handler(socketserver.BaseRequestHandler):
-            def handle(self) -> None:
-                service._answer(self.request)
-
-        server = _Server(self.socket_path, Handler, bind_and_activate=True)
-        server.daemon_threads = True
-        os.chmod(self.socket_path, 0o660 if self.gid is not None else 0o600)
-        if self.gid is not None:
-            os.chown(self.socket_path, -1, self.gid)
-        self._server = server
-        threading.Thread(target=server.serve_forever, name="engram-service",
-                         daemon=True).start()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(self.socket_path)
+            os.chmod(self.socket_path, 0o660 if self.gid is not None else 0o600)
+            if self.gid is not None:
+                os.chown(self.socket_path, -1, self.gid)
+            sock.listen(LISTEN_BACKLOG)
+        except BaseException:
+            sock.close()
+            raise
+        self._listener = Listener(sock, self._answer)
+        self._thread = threading.Thread(target=self._listener.serve_forever,
+                                        name="engram-service", daemon=True)
+        self._thread.start()
         log.info("table service on %s: %d tables of %s", self.socket_path, len(self.tables),
                  self.model.path)
 
@@ -261,9 +264,10 @@ class TableService:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+        if self._listener is not None:
+            self._listener.stop()
+            self._thread.join()
+            self._listener.sock.close()
             try:
                 os.unlink(self.socket_path)
             except FileNotFoundError:
@@ -276,7 +280,7 @@ class TableService:
 
     # --------------------------------------------------------- answers --
     def _answer(self, sock: socket.socket) -> None:
-        sock.settimeout(CLIENT_TIMEOUT_S)
+        sock.settimeout(CLIENT_TIMEOUT_S)  # an answer the client does not read is dropped too
         pid, uid, gid = handoff.peer_uid(sock)
         try:
             if not self._allowed(pid, uid, gid):
@@ -285,9 +289,15 @@ class TableService:
                 handoff.send_answer(sock, _refusal("refused", f"uid {uid} may not attach"))
                 return
             try:
-                doc = handoff.read_request(sock)
+                doc = handoff.read_request(sock, CLIENT_TIMEOUT_S)
             except (ValueError, OSError) as exc:
                 handoff.send_answer(sock, _refusal("bad_request", str(exc)[:200]))
+                return
+            sock.settimeout(CLIENT_TIMEOUT_S)
+            if doc.get("op") not in handoff.OPS:
+                handoff.send_answer(sock, _refusal(
+                    "bad_request", f"unknown op {str(doc.get('op'))[:40]!r}; the ops are "
+                    f"{', '.join(handoff.OPS)}"))
                 return
             if doc.get("op") == "status":
                 handoff.send_answer(sock, self.status())
@@ -348,12 +358,6 @@ class TableService:
                 "uptime_s": round(time.time() - self.started, 3),
                 "ready": all(t.state == "ready" for t in self.tables),
                 "tables": [t.describe() for t in self.tables]}
-
-
-class _Server(socketserver.ThreadingUnixStreamServer):
-    # engines of a whole node start at once: the default backlog of 5 would
-    # turn the sixth concurrent connect into EAGAIN
-    request_queue_size = 512
 
 
 def _refusal(reason: str, message: str, detail: dict | None = None) -> dict:

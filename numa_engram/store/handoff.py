@@ -25,6 +25,7 @@ import json
 import os
 import socket
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ from .fileformat import ShardKey
 MAX_REQUEST = 64 << 10   # a request is a few hundred bytes; more is garbage
 MAX_ANSWER = 16 << 20    # a status of thousands of tables still fits
 LENGTH = struct.Struct("<I")
+OPS = ("attach", "status")
 REASONS = ("no_such_table", "not_ready", "failed", "mismatch", "refused", "unsealed",
            "bad_request")
 CLIENT_TIMEOUT_S = 10.0
@@ -149,18 +151,30 @@ def send_answer(sock: socket.socket, doc: dict, fd: int | None = None) -> None:
         sock.sendall(frame[sent:])
 
 
-def read_request(sock: socket.socket) -> dict:
-    """One request line, bounded in size (the socket's timeout bounds its
-    time): a ValueError for garbage, too much, or a peer that went away."""
+def read_request(sock: socket.socket, timeout_s: float) -> dict:
+    """One request line, bounded in size and in time as a whole (a client
+    that trickles bytes is cut at ``timeout_s``): a ValueError for garbage,
+    too much, too slow, too deeply nested, or a peer that went away."""
     data = b""
+    deadline = time.monotonic() + timeout_s
     while not data.endswith(b"\n"):
-        chunk = sock.recv(4096)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ValueError(f"the request was not complete within {timeout_s:g} s")
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(4096)
+        except TimeoutError:
+            raise ValueError(f"the request was not complete within {timeout_s:g} s") from None
         if not chunk:
             raise ValueError("the client closed the connection before a whole request")
         data += chunk
         if len(data) > MAX_REQUEST:
             raise ValueError(f"a request longer than {MAX_REQUEST} bytes")
-    doc = json.loads(data)
+    try:
+        doc = json.loads(data)
+    except RecursionError:
+        raise ValueError("a request nested too deeply") from None
     if not isinstance(doc, dict):
         raise ValueError("a request is a JSON object")
     return doc
