@@ -24,6 +24,7 @@ from numa_engram import (
     shard_heads,
     write_synthetic_model,
 )
+from numa_engram.errors import StorageError
 from numa_engram.store import handoff
 from numa_engram.store.handoff import ServiceRefusal
 
@@ -301,6 +302,55 @@ def test_a_table_still_loading_answers_not_ready_with_progress(model_dir, tmp_pa
         out = subprocess.run([sys.executable, "-m", "numa_engram.cli.app", "status",
                               "--socket", sock], capture_output=True, text=True)
         assert out.returncode == 0 and "sealed" in out.stdout, out
+    finally:
+        _stop(proc)
+
+
+LAUNCH_SECOND_HELD = r"""
+import os, sys, time
+from numa_engram.sharing import steps
+loads = []
+def hold(name):
+    # the first table loads at once; the second waits for the release file
+    if name == "before-load":
+        loads.append(name)
+        while len(loads) > 1 and not os.path.exists(os.environ["RELEASE_LOAD"]):
+            time.sleep(0.02)
+steps.STEP_HOOK = hold
+from numa_engram.cli.app import main
+sys.exit(main(["serve", *sys.argv[1:]]))
+"""
+
+
+def test_auto_waits_for_a_service_still_loading_a_later_layer(model_dir, tmp_path,
+                                                               monkeypatch):
+    """The sidecar start-up case: the first layer ready, the second loading.
+    "auto" waits (bounded) for every layer instead of refusing on the first;
+    past its bound every rank fails naming the progress."""
+    sock, release = str(tmp_path / "s" / "engram.sock"), str(tmp_path / "release")
+    proc = _serve(model_dir, sock, env=dict(os.environ, RELEASE_LOAD=release),
+                  launcher=LAUNCH_SECOND_HELD, tp=1)
+    monkeypatch.setenv("NUMA_ENGRAM_SOCKET", sock)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            try:
+                states = [t["state"] for t in handoff.status(sock)["tables"]]
+            except Exception:
+                states = []
+            if states and states[0] == "ready":
+                break
+            time.sleep(0.05)
+        assert states[0] == "ready" and states[1] == "loading", states
+        with pytest.raises(StorageError, match="still loading this rank's tables after 0.5 s"):
+            EngramRuntime.from_pretrained(model_dir, max_tokens=8, service="auto",
+                                          timeout_s=0.5)
+        threading.Timer(1.0, lambda: open(release, "w").close()).start()
+        started = time.monotonic()
+        with EngramRuntime.from_pretrained(model_dir, max_tokens=8, service="auto") as rt:
+            assert rt.mode_report()["source"] == "service"
+        assert time.monotonic() - started >= 0.9  # it waited for the second layer
     finally:
         _stop(proc)
 

@@ -144,7 +144,8 @@ class EngramRuntime:
         tp = TPGroup.of(tp_group)
         head_part(model.spec.n_hash_cols, tp.size)  # refuses a TP size vLLM refuses
         phases = {"read": time.perf_counter() - started}
-        socket_path = _service_path(service, sharing, model, tp, page_size, world_group)
+        socket_path = _service_path(service, sharing, model, tp, page_size, world_group,
+                                    timeout_s)
         group, edp = (None, None) if socket_path else _groups(
             sharing, world_group, edp_group, tp.rank, device, directory, timeout_s)
         layers: dict[int, _Layer] = {}
@@ -426,10 +427,12 @@ def _attached_layer(model: ModelDirectory, layer: int, tp: TPGroup, socket_path:
 
 
 def _service_path(service: str | None, sharing: str, model: ModelDirectory, tp: TPGroup,
-                  page_size: PageSize | int, world_group: Any) -> str | None:
+                  page_size: PageSize | int, world_group: Any,
+                  timeout_s: float) -> str | None:
     """The socket to attach through, or None to build the tables here.
-    ``auto`` asks the service whether it holds this rank's first shard; the
-    ranks then agree (all attach, or all build: building is collective)."""
+    ``auto`` asks the service whether it holds this rank's shard of every
+    layer (waiting while it loads them); the ranks then agree (all attach,
+    or all build: building is collective)."""
     if service is None:
         return None
     if sharing == "dp_sharded":
@@ -438,33 +441,66 @@ def _service_path(service: str | None, sharing: str, model: ModelDirectory, tp: 
     if service != "auto":
         return service
     path = os.environ.get("NUMA_ENGRAM_SOCKET", DEFAULT_SERVICE_SOCKET)
-    usable = _service_holds(path, model, tp, page_size)
+    try:
+        answer: bool | str = _service_holds(path, model, tp, page_size, timeout_s)
+    except StorageError as exc:  # every rank learns it, none waits in a collective alone
+        answer = str(exc)
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        usable = all(as_group(world_group).all_gather(usable, "service"))
+    answers = as_group(world_group).all_gather(answer, "service") if dist.is_initialized() \
+        else [answer]
+    problems = [a for a in answers if isinstance(a, str)]
+    if problems:
+        raise StorageError(problems[0])
+    usable = all(answers)
     if not usable:
         log.info("Engram runtime: no usable table service at %s; building the tables", path)
     return path if usable else None
 
 
-def _service_holds(path: str, model: ModelDirectory, tp: TPGroup,
-                   page_size: PageSize | int) -> bool:
+def _service_holds(path: str, model: ModelDirectory, tp: TPGroup, page_size: PageSize | int,
+                   timeout_s: float) -> bool:
+    """Whether the service at ``path`` holds this rank's shard of every
+    layer, ready: a service still loading some (a sidecar starting beside
+    the engine) is waited for, up to ``timeout_s``, its progress logged; one
+    that lacks a shard, failed one, or is not trusted is not used."""
     from ..host.hugepages import parse_page_size
     from ..store import handoff
 
     if not os.path.exists(path):
         return False
-    try:
-        doc = handoff.status(path)
-    except StorageError:
-        return False
-    layer = model.spec.layer_ids[0]
-    mine = shard_heads(model.spec.bucket_sizes(layer), tp.size, tp.rank)
-    return doc.get("spec_fingerprint") == model.spec.fingerprint.hex() and \
-        doc.get("page_size") == parse_page_size(page_size) and any(
-            t["layer"] == layer and t["heads"] == [mine.head_start, mine.head_end]
-            and t["state"] == "ready" for t in doc.get("tables", []))
+    wanted = {(layer, (s := shard_heads(model.spec.bucket_sizes(layer), tp.size, tp.rank))
+               .head_start, s.head_end) for layer in model.spec.layer_ids}
+    deadline, said = time.monotonic() + timeout_s, 0.0
+    while True:
+        try:
+            doc = handoff.status(path, trust=handoff.ServiceTrust.of())
+        except StorageError as exc:
+            log.warning("Engram runtime: not using the table service at %s: %s", path, exc)
+            return False
+        if doc.get("spec_fingerprint") != model.spec.fingerprint.hex() or \
+                doc.get("page_size") != parse_page_size(page_size):
+            return False
+        mine = {(t["layer"], *t["heads"]): t for t in doc.get("tables", [])
+                if (t["layer"], *t["heads"]) in wanted}
+        if len(mine) < len(wanted) or any(t["state"] == "failed" for t in mine.values()):
+            return False
+        loading = [t for t in mine.values() if t["state"] != "ready"]
+        if not loading:
+            return True
+        done = sum(t["progress"][0] for t in mine.values())
+        total = sum(t["progress"][1] for t in mine.values()) or 1
+        if time.monotonic() > deadline:
+            raise StorageError(f"the table service at {path} is still loading this rank's "
+                               f"tables after {timeout_s:g} s ({done / total:.0%} of "
+                               f"{total} bytes); wait for `numa-engram status` to say ready, "
+                               "raise timeout_s, or pass service=None to build here")
+        if time.monotonic() - said >= 5.0:
+            said = time.monotonic()
+            log.info("Engram runtime: the table service at %s is loading layers %s (%.0f%% "
+                     "of this rank's bytes); waiting", path,
+                     sorted({t["layer"] for t in loading}), 100 * done / total)
+        time.sleep(0.2)
 
 
 def _add_phases(total: dict[str, float], phases: dict[str, float]) -> None:

@@ -270,9 +270,11 @@ def fetch(path: str, request: TableRequest, timeout_s: float = CLIENT_TIMEOUT_S,
     return fds[0], answer.get("table", {}), server[1]
 
 
-def status(path: str, timeout_s: float = CLIENT_TIMEOUT_S) -> dict[str, Any]:
-    """What the service holds (``numa-engram status``)."""
-    answer, fds, server = ask(path, {"op": "status"}, timeout_s)
+def status(path: str, timeout_s: float = CLIENT_TIMEOUT_S,
+           trust: ServiceTrust | None = None) -> dict[str, Any]:
+    """What the service holds (``numa-engram status``); with ``trust``, only
+    from a service it believes."""
+    answer, fds, server = ask(path, {"op": "status"}, timeout_s, trust)
     for fd in fds:
         os.close(fd)
     answer["service_pid"] = server[0]
