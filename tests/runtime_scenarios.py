@@ -77,3 +77,40 @@ def serve(rank, world, *, model_dir, tp, sharing, sequence_parallel=False, give_
             "heads": {str(k): v["tp_heads"] for k, v in report["layers"].items()},
             "sharing_group": report["layers"][spec.layer_ids[0]]["sharing_group"],
             "startup": sorted(report["startup_s"]), "steps": stats["steps"]}
+
+
+def disagree(rank, world, *, model_dir):
+    """TP ``world`` ranks that embed layers in different orders, then begin
+    steps of different token counts, then agree: what each call raised,
+    and whether the agreeing step's rows are the reference's."""
+    tp_group = dist.new_group(list(range(world)))
+    rt = EngramRuntime.from_pretrained(model_dir, tp_group=tp_group, sharing="independent",
+                                       max_tokens=16, max_requests=2, timeout_s=60)
+    spec = rt.spec
+    raised = {}
+    rt.begin_step([5, 6, 7], [0, 0, 0], [0, 1, 2])
+    order = spec.layer_ids if rank == 0 else spec.layer_ids[::-1]
+    for layer in order:
+        try:
+            rt.embed(layer)
+            raised.setdefault("order", []).append(None)
+        except Exception as exc:
+            raised.setdefault("order", []).append(f"{type(exc).__name__}: {exc}")
+    rt.release(0)
+    n = 3 + rank  # one token more on each rank
+    rt.begin_step(list(range(5, 5 + n)), [1] * n, list(range(n)))
+    try:
+        rt.embed(spec.layer_ids[0])
+        raised["count"] = None
+    except Exception as exc:
+        raised["count"] = f"{type(exc).__name__}: {exc}"
+    rt.release(1)
+    reference = SharedEngramTable.create(spec, spec.layer_ids[0], shard_heads(
+        spec.bucket_sizes(spec.layer_ids[0]), 1, 0), checkpoint=model_dir,
+        mode="independent")
+    ids = rt.begin_step([8, 9], [0, 0], [0, 1])
+    got = rt.embed(spec.layer_ids[0])
+    agreed = same_bits(got, reference.lookup(ids[:, 0], id_format="global"))
+    rt.close()
+    reference.close()
+    return {"raised": raised, "agreed": agreed}

@@ -142,6 +142,66 @@ def test_one_rank_serves_a_stream_bit_exact(model_dir, sequence_parallel):
     assert all(v["prefetch"]["lookups"] == 10 for v in stats["layers"].values())
 
 
+def test_two_threads_on_one_runtime_never_get_each_others_rows(model_dir):
+    """A step is its thread's until embedded: another thread's begin_step,
+    prepare or embed meanwhile (or any call during a call) is a
+    PrefetchError naming the rule; every rows a thread does get are its own
+    step's, bit-exact, with threads switching between any two bytecodes."""
+    import sys
+    import threading
+
+    with EngramRuntime.from_pretrained(model_dir, max_tokens=16, max_requests=4) as rt:
+        reference = _reference_tables(rt.spec, model_dir)
+        rt.begin_step([3, 4], [0, 0], [0, 1])  # directed: this thread's step is pending
+        other = []
+        worker = threading.Thread(target=lambda: other.append(_refused(
+            lambda: rt.begin_step([5], [1], [0]))))
+        worker.start()
+        worker.join()
+        assert other == ["a step begun by thread"]
+        for layer in rt.layer_ids:
+            rt.embed(layer)
+        wrong, refused, done = [], [], []
+
+        def drive(slot, tokens):
+            for n in range(150):
+                try:
+                    ids = rt.begin_step(tokens, [slot] * len(tokens), list(range(len(tokens))),
+                                        commit=False)
+                    for i, layer in enumerate(rt.layer_ids):
+                        got = rt.embed(layer).clone()
+                        want = reference[layer].lookup(ids[:, i], id_format="global")
+                        if not same_bits(got, want):
+                            wrong.append((slot, n, layer))
+                    done.append(slot)
+                except PrefetchError as exc:
+                    refused.append(str(exc))
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)
+        try:
+            threads = [threading.Thread(target=drive, args=(slot, toks))
+                       for slot, toks in ((1, [7, 8, 9]), (2, [10, 11, 12, 13]))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            sys.setswitchinterval(old)
+        for table in reference.values():
+            table.close()
+    assert wrong == []
+    assert done and refused, (len(done), len(refused))
+    assert all("one thread drives a step" in m for m in refused)
+
+
+def _refused(call):
+    try:
+        call()
+    except PrefetchError as exc:
+        return str(exc)[:22]
+    return "accepted"
+
+
 def test_prepare_takes_hash_ids_computed_elsewhere(model_dir):
     """A stack that hashes itself (vLLM's kernel: int32 global rows for all
     layers) submits them with prepare; the rows match begin_step's."""
@@ -317,6 +377,26 @@ def test_tp2_dp2_dp_sharded_exchange_completes_the_heads(model_dir, give_counts)
     for r in results:
         assert r["mode"] == "dp_sharded" and r["embedding_dp_size"] == 2
         assert r["edp_group"] == [r["rank"] % 2, r["rank"] % 2 + 2]
+
+
+@pytest.mark.multiproc
+def test_tp_ranks_that_disagree_on_order_or_token_count_all_fail_naming_each_rank(model_dir):
+    """Layers embedded in different orders, then steps of 3 and 4 tokens:
+    every rank raises the same TopologyError (no wrong rows, no SIGABRT in
+    gloo), and the next step they agree on gives the reference's rows."""
+    from . import runtime_scenarios as scenarios
+    from .dist_harness import run_world
+
+    results = run_world(2, scenarios.disagree, timeout_s=240, model_dir=model_dir)
+    for r in results:
+        assert r["ok"], r.get("traceback", r)
+        assert r["agreed"]
+        order, count = r["raised"]["order"], r["raised"]["count"]
+        assert all(e and e.startswith("TopologyError: the TP ranks disagree") for e in order)
+        assert "rank 0 embeds layer 1 with 3 tokens, rank 1 embeds layer 14 with 3" in order[0]
+        assert count.startswith("TopologyError") and \
+            "rank 0 embeds layer 1 with 3 tokens, rank 1 embeds layer 1 with 4 tokens" in count
+    assert results[0]["raised"] == results[1]["raised"]
 
 
 def test_a_raw_model_directory_is_streamed_and_reads_back(tmp_path):

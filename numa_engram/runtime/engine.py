@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -75,7 +76,13 @@ class _Layer:
 class EngramRuntime:
     """Use ``EngramRuntime.from_pretrained(model_dir, ...)``; then
     ``begin_step`` and ``embed`` every step, ``release``/``restore`` as
-    requests end and resume, ``close()`` at the end (or ``with``)."""
+    requests end and resume, ``close()`` at the end (or ``with``).
+
+    One thread drives a step: a step begun by one thread is embedded by
+    that thread, and two calls at once (from any threads) are refused with
+    a PrefetchError rather than serialised, since interleaved steps would
+    hand each thread the other's rows.  Any thread may begin the next step
+    once the last one's layers are embedded."""
 
     def __init__(self, model: ModelDirectory, layers: dict[int, _Layer], hash_state: HashState,
                  scheduler: PrefetchScheduler, gather: HeadGather, *, sharing: str, tp: TPGroup,
@@ -91,6 +98,8 @@ class EngramRuntime:
         self.service: str | None = None  # the table service's socket the tables came from
         self._counts: list[int] | None = None  # this step's EDP token counts, if given
         self._pending: set[int] = set()  # layers submitted this step, not yet embedded
+        self._busy = threading.Lock()  # held by the one call in progress
+        self._step_thread: int | None = None  # the thread whose step is pending
         self._steps = self._tokens = 0
         self._hash_s = self._gather_s = 0.0
         self._closed = False
@@ -218,7 +227,15 @@ class EngramRuntime:
         ``num_tokens_across_dp`` of the group), which spares a collective.
         Returns the hash ids ``[T, layers, n_hash_cols]`` (global rows).
         Lookups of the last step not yet embedded are dropped."""
-        self._check_open()
+        self._enter(starts_step=True)
+        try:
+            return self._begin_step(token_ids, slots, positions, token_mask, commit, counts)
+        finally:
+            self._busy.release()
+
+    def _begin_step(self, token_ids: ArrayLike, slots: ArrayLike, positions: ArrayLike,
+                    token_mask: ArrayLike | None, commit: bool | ArrayLike,
+                    counts: Sequence[int] | None) -> np.ndarray:
         n = int(np.shape(token_ids)[0]) if np.ndim(token_ids) else 0
         if n > self.max_tokens:
             raise SpecError(f"{n} tokens in one step exceed max_tokens {self.max_tokens} (the "
@@ -238,7 +255,13 @@ class EngramRuntime:
         vLLM's hashing kernel): global rows ``[T, n_hash_cols]``, or ``[T,
         layers, n_hash_cols]`` of which this layer's column is taken; int32
         or int64.  Then ``embed(layer_id)``."""
-        self._check_open()
+        self._enter(starts_step=True)
+        try:
+            self._prepare(layer_id, hash_ids, counts)
+        finally:
+            self._busy.release()
+
+    def _prepare(self, layer_id: int, hash_ids: Any, counts: Sequence[int] | None) -> None:
         index = self._index(layer_id)
         ids = _host_ids(hash_ids)
         if ids.ndim == 3:
@@ -259,12 +282,20 @@ class EngramRuntime:
         this rank's window ``[ceil(T / tp), n_hash_cols, head_dim]``; rows past
         the last token are zeros), as vLLM's ``Engram.embed`` returns them.
         The tensor is a persistent buffer: the next step overwrites it."""
-        self._check_open()
+        self._enter(starts_step=False)
+        try:
+            return self._embed(layer_id)
+        finally:
+            self._busy.release()
+
+    def _embed(self, layer_id: int) -> torch.Tensor:
         self._index(layer_id)
         if layer_id not in self._pending:
             raise PrefetchError(f"embed({layer_id}) without begin_step() or prepare({layer_id}) "
                                 "this step")
         self._pending.discard(layer_id)
+        if not self._pending:
+            self._step_thread = None  # the step is over: any thread may begin the next
         rows = self._scheduler.wait(layer_id, check_errors=self.device is not None)
         assert not isinstance(rows, tuple)  # the runtime stages BF16 rows, never packed ones
         started = time.perf_counter()
@@ -275,7 +306,11 @@ class EngramRuntime:
     # ---------------------------------------------------------- requests --
     def release(self, slot: int) -> None:
         """The request in ``slot`` finished; its slot's next token starts a new one."""
-        self.hash_state.release(slot)
+        self._enter(starts_step=False, own_step=False)
+        try:
+            self.hash_state.release(slot)
+        finally:
+            self._busy.release()
 
     def restore(self, slot: int, position: int, prefix_ids: ArrayLike,
                 prefix_mask: ArrayLike | None = None, *,
@@ -287,7 +322,12 @@ class EngramRuntime:
         hashed as the pad id, the look-back goes on past it to older ids.
         DEAD is distinct: ``prefix_mask`` False or the image token id stop
         the look-back there (see ``HashState.restore``)."""
-        self.hash_state.restore(slot, position, prefix_ids, prefix_mask, unknown_id=unknown_id)
+        self._enter(starts_step=False, own_step=False)
+        try:
+            self.hash_state.restore(slot, position, prefix_ids, prefix_mask,
+                                    unknown_id=unknown_id)
+        finally:
+            self._busy.release()
 
     # ------------------------------------------------------------ report --
     def stats(self) -> dict:
@@ -339,6 +379,27 @@ class EngramRuntime:
     def _check_open(self) -> None:
         if self._closed:
             raise PrefetchError("the Engram runtime is closed")
+
+    def _enter(self, *, starts_step: bool, own_step: bool = True) -> None:
+        """Take the runtime for one call (released by the caller): refused
+        while another call runs, or (``own_step``) while another thread's
+        step is pending; ``starts_step`` makes the step this thread's."""
+        if not self._busy.acquire(blocking=False):
+            raise PrefetchError("EngramRuntime called from two threads at once; one thread "
+                                "drives a step (begin_step ... embed): serialise the steps, "
+                                "or make a runtime per thread")
+        try:
+            self._check_open()
+            me, owner = threading.get_ident(), self._step_thread
+            if own_step and owner is not None and owner != me and self._pending:
+                raise PrefetchError(f"a step begun by thread {owner} is not embedded yet; "
+                                    "one thread drives a step (begin_step ... embed): "
+                                    "serialise the steps, or make a runtime per thread")
+            if starts_step:
+                self._step_thread = me
+        except BaseException:
+            self._busy.release()
+            raise
 
     def _index(self, layer_id: int) -> int:
         if layer_id not in self._layers:

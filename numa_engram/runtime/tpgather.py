@@ -13,6 +13,12 @@ as vLLM's row select writes them.
 The gather goes over the stack's TP group (any backend: gloo on CPU
 tensors, NCCL on CUDA ones) into buffers allocated once, so every step
 reuses the same memory.
+
+Before each gather the ranks exchange what they are about to gather (the
+layer and the token count: 16 bytes, over the CPU group) and every rank
+fails alike, naming each rank's, when they differ: ranks embedding layers
+in different orders would otherwise get each other's rows, and different
+token counts abort gloo (SIGABRT) or hang NCCL.
 """
 
 from __future__ import annotations
@@ -101,9 +107,12 @@ class HeadGather:
         self.part = head_part(n_cols, tp)
         self.local_heads = min(self.part, n_cols - group.rank * self.part)
         self._lock = threading.Lock()
+        self._said: torch.Tensor | None = None  # the agreement's buffers, made at first use
+        self._heard: list[torch.Tensor] = []
         if tp == 1:  # the staged rows are the answer: nothing to gather or copy
             return
         dev = torch.device("cpu") if device is None else torch.device(device)
+        self._device = dev
         rows = math.ceil(max_tokens / tp) if sequence_parallel else max_tokens
         self._out = {layer: torch.empty((rows, n_cols, head_dim), dtype=torch.bfloat16,
                                         device=dev) for layer in layers}
@@ -124,10 +133,32 @@ class HeadGather:
             return rows
         tokens = int(rows.shape[0])
         with self._lock:
+            self._agree(layer, tokens)
             gathered = self._all_gather(rows, tokens)
             if self.sequence_parallel:
                 return self._select_window(layer, gathered, tokens)
             return self._select_heads(layer, gathered, 0, tokens, tokens)
+
+    def _agree(self, layer: int, tokens: int) -> None:
+        """Every rank gathers the same layer with the same token count, or
+        every rank raises the same TopologyError."""
+        import torch
+        import torch.distributed as dist
+
+        if self._said is None:  # over the CPU group; a bare NCCL group takes device tensors
+            device = "cpu" if dist.get_backend(self.group.cpu) != "nccl" else self._device
+            self._said = torch.empty((2,), dtype=torch.int64, device=device)
+            self._heard = [torch.empty_like(self._said) for _ in range(self.group.size)]
+        self._said[0], self._said[1] = layer, tokens
+        dist.all_gather(self._heard, self._said, group=self.group.cpu)
+        said = [(int(h[0]), int(h[1])) for h in self._heard]
+        if any(s != said[0] for s in said):
+            raise TopologyError(
+                "the TP ranks disagree on what to gather: " + ", ".join(
+                    f"rank {r} embeds layer {lay} with {n} tokens"
+                    for r, (lay, n) in enumerate(said)) +
+                "; every TP rank must begin the same step (the replica's tokens) and embed "
+                "the layers in the same order")
 
     def _all_gather(self, rows: torch.Tensor, tokens: int) -> torch.Tensor:
         import torch.distributed as dist
