@@ -18,16 +18,22 @@ def plan_spec(args: argparse.Namespace):
 
     source = args.model or args.spec
     if args.model or (os.path.isfile(source) and _is_model_config(source)):
-        from ..runtime.modeldir import CONFIG_FILE, ModelDirectory, engram_fields
+        from ..model.spec import strict_int
+        from ..runtime.modeldir import (
+            CONFIG_FILE,
+            ModelDirectory,
+            engram_fields,
+            read_config_file,
+        )
 
         root = source if os.path.isdir(source) else os.path.dirname(os.path.abspath(source))
         if os.path.isdir(source) and os.path.exists(os.path.join(root, "tokenizer.json")):
             return ModelDirectory.open(root).spec
         path = os.path.join(source, CONFIG_FILE) if os.path.isdir(source) else source
-        with open(path) as fh:
-            doc = engram_fields(json.load(fh))
+        doc = engram_fields(read_config_file(path))
         # the sizes need no tokenizer: the compressed ids as their own map
-        size = int(doc["engram_compressed_vocab_size"])
+        size = strict_int(doc.get("engram_compressed_vocab_size"),
+                          f"{path}: engram_compressed_vocab_size")
         import numpy as np
 
         return EngramSpec.from_config(doc, (np.arange(size), size))

@@ -143,9 +143,8 @@ class EngramRuntime:
         started = time.perf_counter()
         if sharing not in SHARING_MODES:
             raise SpecError(f"sharing must be one of {SHARING_MODES}, got {sharing!r}")
-        if max_tokens < 1 or max_requests < 1:
-            raise SpecError(f"max_tokens and max_requests must be >= 1, got {max_tokens} and "
-                            f"{max_requests}")
+        _check_count("max_tokens", max_tokens, MAX_STEP_TOKENS)
+        _check_count("max_requests", max_requests, MAX_REQUESTS)
         if device is not None and sharing == "dp_sharded":
             raise TopologyError("the DP-sharded exchange runs on host tensors (gloo): use "
                                 "sharing='dp_shared' with device=, or device=None")
@@ -562,6 +561,17 @@ def _service_holds(path: str, model: ModelDirectory, tp: TPGroup, page_size: Pag
                      "of this rank's bytes); waiting", path,
                      sorted({t["layer"] for t in loading}), 100 * done / total)
         time.sleep(0.2)
+
+
+MAX_STEP_TOKENS = 1 << 20  # staging buffers of this many tokens are GiBs per layer
+MAX_REQUESTS = 1 << 20
+
+
+def _check_count(name: str, value: Any, most: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or \
+            not 1 <= value <= most:
+        raise SpecError(f"{name} must be an integer from 1 to {most}, got "
+                        f"{type(value).__name__} {value!r}")
 
 
 def _add_phases(total: dict[str, float], phases: dict[str, float]) -> None:

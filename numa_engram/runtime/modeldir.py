@@ -53,8 +53,14 @@ class ModelDirectory:
         top = read_config(root)
         doc = engram_fields(top)
         table, size = _token_map(root, doc, tokenizer)
-        spec = EngramSpec.from_config(doc, (table, size))
-        dead = tuple(sorted({strict_int(d[IMAGE_FIELD], IMAGE_FIELD)
+        config = os.path.join(root, CONFIG_FILE)
+        try:
+            spec = EngramSpec.from_config(doc, (table, size))
+        except SpecError as exc:  # named by its file (a subclass keeps its own message)
+            if type(exc) is not SpecError:
+                raise
+            raise SpecError(f"{config}: {exc}") from None
+        dead = tuple(sorted({token_id(d[IMAGE_FIELD], f"{config}: {IMAGE_FIELD}")
                              for d in (top, doc) if d.get(IMAGE_FIELD) is not None}))
         return cls(root, doc, spec, table, dead)
 
@@ -65,16 +71,35 @@ class ModelDirectory:
         return self.path
 
 
+MAX_TOKEN_ID = (1 << 31) - 1  # tokenizer ids are int32 in every engine
+
+
+def token_id(value: Any, name: str) -> int:
+    """A tokenizer id: an integer in [0, 2^31)."""
+    value = strict_int(value, name)
+    if not 0 <= value <= MAX_TOKEN_ID:
+        raise SpecError(f"{name} is {value}, not a token id (0 ..= {MAX_TOKEN_ID})")
+    return value
+
+
 def read_config(root: str) -> dict:
-    path = os.path.join(root, CONFIG_FILE)
+    """The model directory's config.json, as a JSON object."""
+    return read_config_file(os.path.join(root, CONFIG_FILE))
+
+
+def read_config_file(path: str) -> dict:
+    root = os.path.dirname(path)
     try:
         with open(path) as fh:
             doc = json.load(fh)
     except FileNotFoundError:
         raise CheckpointError(f"{root} has no {CONFIG_FILE}: a model directory holds the "
                               "model's config.json, tokenizer and checkpoint") from None
-    except ValueError as exc:
-        raise SpecError(f"{path} is not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError is a ValueError)
+        raise SpecError(f"{path} is not JSON: {str(exc)[:200]}") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc} (it must be the "
+                              "model's config.json file)") from None
     if not isinstance(doc, dict):
         raise SpecError(f"{path} holds a {type(doc).__name__}, not a JSON object")
     return doc
@@ -102,13 +127,31 @@ def _token_map(root: str, doc: dict, tokenizer: Any) -> tuple[np.ndarray, int]:
         except ImportError as exc:
             raise SpecError("reading tokenizer.json needs the 'tokenizers' package: pip "
                             "install 'numa_engram[tokenizer]', or pass tokenizer=") from exc
-        return build_token_map(Tokenizer.from_file(path))
+        try:
+            loaded = Tokenizer.from_file(path)
+        except Exception as exc:  # tokenizers raises a bare Exception for any bad file
+            raise SpecError(f"{path} is not a tokenizer the 'tokenizers' package can read: "
+                            f"{str(exc)[:200]}; pass the model's own tokenizer.json, or "
+                            "tokenizer=") from None
+        return build_token_map(loaded)
     if "engram_token_map" in doc:  # some test configs carry the map itself
-        table = np.asarray(doc["engram_token_map"], dtype=np.int64)
+        table = _listed_token_map(doc["engram_token_map"],
+                                  f"{os.path.join(root, CONFIG_FILE)}: engram_token_map")
         return table, int(table.max()) + 1 if table.size else 0
     raise SpecError(f"{root} has no {TOKENIZER_FILE} and the config no engram_token_map: the "
                     "token map comes from the model's tokenizer; pass tokenizer= (a "
                     "tokenizers or transformers tokenizer)")
+
+
+def _listed_token_map(value: Any, name: str) -> np.ndarray:
+    """A config's own token map: a list of compressed ids (each in [0, 2^31))."""
+    if not isinstance(value, list):
+        raise SpecError(f"{name} must be a list of compressed ids, got {type(value).__name__}")
+    for i, v in enumerate(value):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_TOKEN_ID:
+            raise SpecError(f"{name}[{i}] is {v!r}: each entry is a compressed id, an integer "
+                            f"in 0 ..= {MAX_TOKEN_ID}")
+    return np.asarray(value, dtype=np.int64)
 
 
 # ---------------------------------------------------------------- writer --
