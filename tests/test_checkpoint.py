@@ -240,6 +240,27 @@ def test_corrupt_files_name_the_file_the_tensor_and_both_sizes(tmp_path, damage,
         load_rows(str(path), SPEC, 1, 0, 10, *_dest())
 
 
+def test_tensors_that_overlap_are_refused_as_safetensors_refuses_them(tmp_path):
+    """Layer 14's weights pointed at layer 1's bytes (each entry sound
+    alone): refused naming both, for either layer's load."""
+    import safetensors
+
+    path = write_synthetic_checkpoint(tmp_path / "o.safetensors", SPEC)
+    w1, _ = TensorNames().of(1)
+    w14, _ = TensorNames().of(14)
+
+    def alias(header):
+        begin, end = header[w14]["data_offsets"]
+        start = header[w1]["data_offsets"][0]
+        header[w14]["data_offsets"] = [start, start + end - begin]
+    _rewrite_header(path, alias)
+    with pytest.raises(Exception):  # noqa: B017 (the reference: safetensors refuses it too)
+        safetensors.safe_open(str(path), framework="numpy")
+    for layer in (1, 14):
+        with pytest.raises(CheckpointError, match=r"tensors '.*' and '.*' overlap"):
+            load_rows(str(path), SPEC, layer, 0, 10, *_dest())
+
+
 # -------------------------------------------- one version, resolved once --
 
 def test_a_wrong_tensor_name_fails_before_anything_is_allocated(tmp_path):

@@ -251,7 +251,20 @@ def read_header(path: str) -> tuple[dict, int, FileIdentity]:
     for name, entry in header.items():
         if name != "__metadata__":
             _check_entry(path, name, entry, 8 + size, st.st_size)
+    _check_disjoint(path, header)
     return header, 8 + size, FileIdentity.of(st)
+
+
+def _check_disjoint(path: str, header: dict) -> None:
+    """No two tensors share a byte (safetensors refuses such a header): one
+    layer's rows must never be served as another's."""
+    spans = sorted((e["data_offsets"][0], e["data_offsets"][1], n) for n, e in header.items()
+                   if n != "__metadata__" and e["data_offsets"][1] > e["data_offsets"][0])
+    for (_, end, name), (begin, _, other) in zip(spans, spans[1:]):
+        if begin < end:
+            raise CheckpointError(f"{path}: tensors {name[:200]!r} and {other[:200]!r} overlap "
+                                  f"(bytes {begin} .. {end} of the data are in both): a "
+                                  "corrupt or crafted header; re-export the checkpoint")
 
 
 def _check_entry(path: str, name: str, entry: Any, base: int, file_size: int) -> None:
