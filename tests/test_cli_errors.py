@@ -1,6 +1,7 @@
 """Every wrong command line: one line on stderr naming the wrong value and
 what to do, exit status 2, never a traceback."""
 
+import os
 import subprocess
 import sys
 
@@ -42,6 +43,8 @@ CASES = [
     (["verify", "/no/such/table"], "/no/such/table"),
     (["verify", "{not_a_table}"], "not a numa_engram backing file"),
     (["verify", "--pid", "{dead_pid}"], "no process"),
+    (["verify", "{fifo}"], "not a regular file"),  # opened without blocking, then refused
+    (["mem", "--directory", "/no/such/dir"], "/no/such/dir"),
     (["mem", "{dead_pid}"], "no process"),
     (["create", "--size", "1M", "--page-size", "3M"], "'3M'"),
     (["create", "--size", "1M", "--page-size", "2M", "--directory", "{tmp}"],
@@ -53,8 +56,10 @@ CASES = [
 
 @pytest.mark.parametrize("argv, names", CASES, ids=[" ".join(c[0]) for c in CASES])
 def test_wrong_input_is_one_clear_line_and_status_2(tmp_path, argv, names):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
     values = {"tmp": str(tmp_path), "not_a_table": _a_file_that_is_not_a_table(tmp_path),
-              "dead_pid": _a_dead_pid()}
+              "dead_pid": _a_dead_pid(), "fifo": str(fifo)}
     argv = [a.format(**values) for a in argv]
     names = names.format(**values)
     out = cli(*argv)

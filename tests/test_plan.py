@@ -120,3 +120,26 @@ def test_registration_time_per_page_size_is_given_or_said_unmeasured(config):
     assert doc["register_seconds_per_process"]["4K"] == pytest.approx(shard / 1e9 * 0.1)
     assert doc["register_seconds_per_process"]["2M"] == pytest.approx(shard / 1e9 * 0.01)
     assert doc["register_seconds_per_process"]["1G"] is None  # not measured: not invented
+
+
+def test_a_small_model_at_tp2_dp4_plans_dp_shared_and_says_why_dp_sharded_is_out(tmp_path):
+    """4 hash heads cannot be cut into 8 DP-sharded slices: the dp_shared
+    plan asked for is made, the comparison column nobody asked for is
+    left out with the reason."""
+    import contextlib
+    import io
+    import json
+
+    from numa_engram import EngramSpec, write_synthetic_model
+    from numa_engram.cli.app import main
+
+    model = write_synthetic_model(tmp_path / "m", EngramSpec.small(
+        rows_per_head=100, n_head_per_ngram=2, head_dim=64, max_ngram_size=3))
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        code = main(["plan", "--json", "--model", str(model), "--tp", "2", "--dp", "4",
+                     "--mode", "dp_shared", "--simulate", "2x4"])
+    doc = json.loads(buffer.getvalue())
+    assert code == 0
+    assert any("dp_sharded is not an option here" in n for n in doc["notes"]), doc["notes"]
+    assert "dp_sharded" not in doc["mode_memory"]

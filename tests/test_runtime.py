@@ -194,6 +194,15 @@ def test_two_threads_on_one_runtime_never_get_each_others_rows(model_dir):
     assert all("one thread drives a step" in m for m in refused)
 
 
+def test_release_and_restore_after_close_say_the_runtime_is_closed(model_dir):
+    rt = EngramRuntime.from_pretrained(model_dir, max_tokens=8, max_requests=2)
+    rt.close()
+    with pytest.raises(PrefetchError, match="the Engram runtime is closed"):
+        rt.release(0)
+    with pytest.raises(PrefetchError, match="the Engram runtime is closed"):
+        rt.restore(0, 2, [3, 4])
+
+
 def _refused(call):
     try:
         call()

@@ -265,6 +265,30 @@ def test_failed_attaches_keep_no_descriptor():
         assert len(os.listdir("/proc/self/fd")) == before
 
 
+def test_attaching_a_fifo_by_path_is_refused_at_once_not_blocked_in_open(tmp_path):
+    """open(2) of a FIFO with no writer blocks for ever: the path is opened
+    non-blocking, then refused as not a regular file."""
+    import threading
+
+    spec = EngramSpec.small()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    raised = []
+
+    def attach():
+        try:
+            SharedEngramTable.attach(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0),
+                                     path=str(fifo))
+        except StorageError as exc:
+            raised.append(str(exc))
+    worker = threading.Thread(target=attach, daemon=True)
+    worker.start()
+    worker.join(10)
+    if worker.is_alive():  # unblock it, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("attach(path=FIFO) blocked in open(2)")
+    assert raised and "not a regular file" in raised[0]
+
 
 def test_placement_of_the_wrong_type_is_a_clear_error():
     spec = EngramSpec.small()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from .args import emit
@@ -15,6 +16,9 @@ def cmd_mem(args: argparse.Namespace) -> int:
     from ..host import accounting, hugepages, procfs
     from ..units import text_table, unit_for
 
+    if not os.path.isdir(args.directory):
+        raise ValueError(f"--directory {args.directory}: no such directory; pass the tmpfs "
+                         "the tables live in (default /dev/shm)")
     pids = [procfs.check_pid(p) for p in args.pids]
     if not pids:  # every process that maps a table (any launcher, unlinked or memfd)
         pids = procfs.pids_mapping(args.file_match)

@@ -108,9 +108,15 @@ def _report(args: argparse.Namespace, d, topo) -> tuple[dict, str]:
             for r, pr in zip(d.regions, d.plan.ranges)]
     # each mode's memory under this policy (replicate-per-node multiplies a
     # shared copy; private copies and DP-sharded slices are never replicated)
-    modes = {m: {h: b * (copies if m == "dp_shared" else 1)
-                 for h, b in mode_memory(spec, m, world).per_host.items()}
-             for m in ("independent", "dp_shared", "dp_sharded")}
+    # (a mode this TP x DP cannot shard is left out: the plan's notes say why)
+    modes = {}
+    for m in ("independent", "dp_shared", "dp_sharded"):
+        try:
+            modes[m] = {h: b * (copies if m == "dp_shared" else 1)
+                        for h, b in mode_memory(spec, m, world).per_host.items()}
+        except TopologyError:
+            if m == chosen.mode:
+                raise
     tables = d.page_tables()
     processes = len(d.mapped_per_process)
     remote = ("unknown (first touch)" if chosen.remote_fraction is None
@@ -174,11 +180,13 @@ def _operator_numbers(args: argparse.Namespace, d) -> dict:
         f"{name} pages {s_:.1f} s at {args.register_s_per_gb[name]} s/GB" if s_ is not None
         else f"{name} pages not measured (pass --register-s-per-gb {name}=S)"
         for name, s_ in register_s.items())
+    sharded = {"value": exchanged, "text": f"{fmt_bytes(exchanged)} per member per step at "
+               f"--batch {args.batch} tokens (EDP {edp}: rows of the other members' slices)"}
+    if any(n.startswith("dp_sharded is not an option") for n in d.notes):
+        sharded = {"value": None, "text": "none: dp_sharded is not an option at this TP x DP"}
     return {
         "load_seconds": {"value": load_s, "text": f"{load_s:.0f} s at {args.read_gbps} GB/s"},
-        "dp_sharded_exchange_bytes": {
-            "value": exchanged, "text": f"{fmt_bytes(exchanged)} per member per step at "
-            f"--batch {args.batch} tokens (EDP {edp}: rows of the other members' slices)"},
+        "dp_sharded_exchange_bytes": sharded,
         "register_seconds_per_process": {
             "value": register_s, "text": f"cudaHostRegister of a process's "
             f"{fmt_bytes(biggest)}: {register_text}"},

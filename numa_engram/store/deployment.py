@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..errors import TopologyError
 from ..host.accounting import shard_bytes
 from ..host.hugepages import SIZES, name_of, page_table_bytes
 from ..host.topology import Topology
@@ -92,10 +93,16 @@ def plan_deployment(spec: EngramSpec, world: WorldLayout, mode: str, policy: str
                     topo: Topology, page_size: int = SIZES["4K"]) -> Deployment:
     chosen, plan, regions = outcome(spec, world, mode, policy, topo)
     alternatives = [outcome(spec, world, mode, p, topo)[0] for p in ALTERNATIVES if p != policy]
+    unsharded = None
     if mode != "dp_sharded":
-        alternatives.append(outcome(spec, world, "dp_sharded", "gpu-local", topo)[0])
+        try:
+            alternatives.append(outcome(spec, world, "dp_sharded", "gpu-local", topo)[0])
+        except TopologyError as exc:  # only the comparison: the plan asked for is sound
+            unsharded = f"dp_sharded is not an option here: {exc}"
     mapped = _mapped_per_process(spec, world, mode)
     deployment = Deployment(spec, world, chosen, plan, regions, alternatives, mapped)
+    if unsharded:
+        deployment.notes.append(unsharded)
     deployment.notes.extend(_notes(spec, world, mode, policy, chosen, regions))
     _check_capacity(deployment, topo, page_size)
     return deployment

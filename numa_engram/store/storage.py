@@ -446,7 +446,10 @@ def _remove(path: str, fd: int) -> None:
 
 
 def _open_existing(path: str, writable: bool) -> int:
-    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
+    # O_NONBLOCK: a FIFO (or device) at the path must not block the open;
+    # _check_file refuses anything but a regular file right after
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC | \
+        os.O_NONBLOCK
     try:
         return os.open(path, flags)
     except OSError as exc:
