@@ -68,8 +68,34 @@ def test_page_tables_per_process_shrink_512_fold():
 
 def test_layout_aligns_every_region_to_the_huge_page():
     layout = Layout.of([("weights", 5 << 20), ("scales", 1000)], MIB2)
-    assert [r.offset for r in layout.regions] == [MIB2, 4 * MIB2]
-    assert layout.file_size == 5 * MIB2 and layout.page_size == MIB2
+    assert [r.offset for r in layout.regions] == [0, 3 * MIB2]
+    # the header in the last page's padding: no page of its own
+    assert layout.file_size == 4 * MIB2 and layout.page_size == MIB2
+    assert layout.header_offset == 4 * MIB2 - 4096
+
+
+@pytest.mark.parametrize("page", [4096, MIB2, 1 << 30], ids=["4K", "2M", "1G"])
+def test_the_header_costs_at_most_a_small_page_for_every_v41_flash_shard(page):
+    """V4.1 Flash at TP 1, 2, 4 and 8, both layers, every shard: the file is
+    its regions rounded to the page size plus at most 2 MiB (at 1 GiB pages
+    exactly the rounded regions: the header sits in the scales' padding; a
+    whole header page was 8 GiB per copy at TP 4 x 2 layers)."""
+    from numa_engram.model.sharding import shard_heads
+    from numa_engram.model.spec import EngramSpec
+    from numa_engram.sharing.request import table_layout
+
+    spec = EngramSpec.named("v4-flash")
+    for tp in (1, 2, 4, 8):
+        for layer in spec.layer_ids:
+            for rank in range(tp):
+                layout = table_layout(spec, shard_heads(spec.bucket_sizes(layer), tp, rank),
+                                      page)
+                rounded = sum(-(-r.length // page) * page for r in layout.regions)
+                assert rounded <= layout.file_size <= rounded + max(4096, min(page, MIB2))
+                if page == 1 << 30:
+                    assert layout.file_size == rounded
+                last = layout.regions[-1]
+                assert last.offset + last.length <= layout.header_offset
 
 
 def test_private_table_on_a_hugetlb_memfd_is_bit_exact(tmp_path, huge_pool):
@@ -137,7 +163,7 @@ def test_verify_reads_the_plan_from_a_hugetlb_files_header(huge_pool):
 
     huge_pool.reserve(4)
     layout = Layout.of([("w", 3 << 20)], MIB2)
-    plan = PlacementPlan((PlacementRange("w", MIB2, 3 << 20, "bind", (0,)),), "node:0")
+    plan = PlacementPlan((PlacementRange("w", 0, 3 << 20, "bind", (0,)),), "node:0")
     with BackingFile.create(layout, bytes(32), directory=huge_pool.mount, placement=plan) as f:
         child = run_python(f"""
             import sys
@@ -180,12 +206,13 @@ def test_one_gib_pages_for_shared_and_private_tables(gib_pool):
     from numa_engram.store.placement import PlacementPlan, PlacementRange
 
     gib = 1 << 30
-    layout = Layout.of([("w", 300 << 20)], gib)  # the header page and one page of rows
-    plan = PlacementPlan((PlacementRange("w", gib, 300 << 20, "bind", (0,)),), "node:0")
+    layout = Layout.of([("w", 300 << 20)], gib)  # one page: rows, then the header
+    assert layout.file_size == gib
+    plan = PlacementPlan((PlacementRange("w", 0, 300 << 20, "bind", (0,)),), "node:0")
     free = hugepages.pool_pages(gib)
     for directory in (gib_pool.mount, None):
         with BackingFile.create(layout, bytes(32), directory=directory, placement=plan) as f:
-            assert hugepages.pool_pages(gib) == free - 2
+            assert hugepages.pool_pages(gib) == free - 1
             assert procfs.smaps("self", PREFIX).page_size == gib
             f.region("w")[:] = 7
             assert f.region("w")[-1] == 7

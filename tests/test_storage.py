@@ -1,3 +1,4 @@
+import fcntl
 import os
 import struct
 
@@ -31,11 +32,15 @@ def backing():
     f.close()
 
 
-def test_layout_regions_are_page_aligned_after_a_header_page():
+def test_layout_regions_are_page_aligned_from_0_and_the_header_ends_the_file():
     page = native.PAGE_SIZE
-    assert [(r.offset, r.length) for r in LAYOUT.regions] == [(page, 3 * page + 5),
-                                                               (5 * page, 100)]
-    assert LAYOUT.file_size == 6 * page
+    assert [(r.offset, r.length) for r in LAYOUT.regions] == [(0, 3 * page + 5),
+                                                               (4 * page, 100)]
+    # the last page's padding (4096 - 100 bytes) cannot hold the header: a page of its own
+    assert LAYOUT.file_size == 6 * page and LAYOUT.header_offset == 5 * page
+    roomy = Layout.of([("w", 3 * page + 5), ("s", 2 * page)], 4 * page)  # 16 KiB "pages"
+    assert roomy.file_size == 8 * page  # the header in the padding of the last one
+    assert roomy.header_offset == 7 * page >= roomy.regions[-1].offset + 2 * page
 
 
 def test_create_writes_header_and_mode_0600(backing):
@@ -126,9 +131,38 @@ def test_wrong_magic_is_refused():
 
 
 def test_other_format_version_is_refused(backing):
-    os.pwrite(backing.fd, struct.pack("<I", 99), 8)
+    os.pwrite(backing.fd, struct.pack("<I", 99), LAYOUT.header_offset + 8)
     with pytest.raises(StorageError, match="format version 99"):
         BackingFile.attach(backing.path)
+
+
+def test_a_version_3_file_is_refused_by_attach_and_removed_by_gc_once_unheld():
+    """Versions 3 and before kept the header in a whole first page: such a
+    file is refused naming both versions; gc, deciding by its lock, removes
+    it once no process holds it and keeps it while one does."""
+    from numa_engram.store.fileformat import OldFormatError
+    from numa_engram.store.gc import gc_stale_files
+
+    path = os.path.join(SHM, f"{PREFIX}test-v3")
+    with open(path, "wb") as f:  # a v3 file: magic and version 3 at offset 0
+        f.write((MAGIC + struct.pack("<I", 3)).ljust(3 * native.PAGE_SIZE, b"\0"))
+    try:
+        with pytest.raises(OldFormatError, match="format version 3 .*its header at the start.* "
+                                                 "reads version 4"):
+            BackingFile.attach(path)
+        holder = os.open(path, os.O_RDONLY)
+        fcntl.flock(holder, fcntl.LOCK_SH)
+        try:
+            kept = [e for e in gc_stale_files(SHM) if e.path == path]
+            assert kept and not kept[0].removed and "in use" in kept[0].reason
+        finally:
+            os.close(holder)
+        gone = [e for e in gc_stale_files(SHM) if e.path == path]
+        assert gone and gone[0].removed and "older format" in gone[0].reason
+        assert not os.path.exists(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
 
 
 def test_truncated_file_is_refused(backing):
@@ -195,8 +229,9 @@ def test_fuzzed_headers_are_refused_cleanly(body, extra_pages):
     path = f"/dev/shm/{PREFIX}test-fuzz"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, data)
-        os.ftruncate(fd, size or max(len(data), native.PAGE_SIZE * (1 + extra_pages)))
+        total = size or native.PAGE_SIZE * (1 + extra_pages)
+        os.ftruncate(fd, total)
+        os.pwrite(fd, data[:4096], total - 4096)  # where the header is read
         try:
             f = BackingFile.attach(path)
         except StorageError:
@@ -228,11 +263,11 @@ def _corrupt(kind: str):
                            key=shard_key(1, shard))
     w, s = layout.regions
     regions = {"overlap": (w, LayoutRegion("scales", w.offset, s.length)),
-               "over-header": (LayoutRegion("weights", 0, w.length), s),
+               "over-header": (w, LayoutRegion("scales", s.offset, layout.file_size - s.offset)),
                "row-short": (LayoutRegion("weights", w.offset, w.length - spec.head_dim), s),
                }[kind]
     bad = replace(f.header, state=STATE_READY, layout=replace(layout, regions=regions))
-    os.pwrite(f.fd, Header.pack(bad), 0)
+    os.pwrite(f.fd, Header.pack(bad), layout.header_offset)
     return spec, shard, f
 
 
@@ -246,8 +281,9 @@ def _request(spec, shard):
 
 
 @pytest.mark.parametrize("kind, text", [
-    ("overlap", "region 'scales' starts at 4096, inside region 'weights'"),
-    ("over-header", "region 'weights' starts at 0, inside the header page"),
+    ("overlap", "region 'scales' starts at 0, inside region 'weights'"),
+    ("over-header", r"region 'scales' \[\d+, \d+\) is not inside the \d+ bytes before the "
+                    "header"),
     ("row-short", r"header: region 'weights' length is \d+, expected \d+; a corrupt header"),
 ])
 def test_a_corrupt_header_layout_is_refused_on_attach_naming_the_field(kind, text):
@@ -298,7 +334,7 @@ def test_header_with_no_regions_is_refused(tmp_path):
     head = struct.pack("<8sIIIIQ16s32sQIiIIQQQ", MAGIC, FORMAT_VERSION, 1, 1, os.geteuid(), 0,
                        b"\0" * 16, b"\0" * 32, 8192, 0, 1, 0, 1, 0, 1, 4096)
     with open(path, "wb") as f:
-        f.write(head.ljust(8192, b"\0"))
+        f.write(head.ljust(4096, b"\0").rjust(8192, b"\0"))  # the header: the last 4 KiB
     try:
         with pytest.raises(StorageError, match="0 regions"):
             BackingFile.attach(path)

@@ -1,7 +1,13 @@
-"""The backing file's format: a header page (magic, version, state, creator,
-boot, spec fingerprint, shard key, page size, the regions, each loader's
-progress slot and the placement plan), then each region aligned to the
-file's page size.  Pure data: no syscalls, no torch.
+"""The backing file's format: each region aligned to the file's page size
+from offset 0, then a 4 KiB header in the file's last 4 KiB (magic,
+version, state, creator, boot, spec fingerprint, shard key, page size, the
+regions, each loader's progress slot and the placement plan).
+
+The header lives in the last region's page padding when that padding holds
+it, else in a page of its own at the end: a table on 1 GiB pages pays
+nothing for it (a whole first page would be 1 GiB per file), one on 4 KiB
+pages pays one 4 KiB page.  A reader finds it from the file's size alone.
+Pure data: no syscalls, no torch.
 """
 
 from __future__ import annotations
@@ -17,13 +23,11 @@ from ..errors import StorageError
 PREFIX = "numa-engram-"
 DEFAULT_DIRECTORY = "/dev/shm"  # where shared table files live unless told
 MAGIC = b"NUMAENGR"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4  # 4: the header at the end (3 and before: a whole first page)
 STATE_CREATING, STATE_READY, STATE_FAILED = 0, 1, 2
 STATE_NAMES = {STATE_CREATING: "CREATING", STATE_READY: "READY", STATE_FAILED: "FAILED"}
 MAX_REGIONS = 16
-# the header fits in the first 4 KiB whatever the page size (a hugetlb file's
-# first page is 2 MiB or 1 GiB, but only these bytes are read)
-HEADER_BYTES = 4096
+HEADER_BYTES = 4096  # the file's last 4 KiB, whatever its page size
 
 # magic, version, state, creator pid, creator uid, creator start time (ticks),
 # boot id, fingerprint (32 raw bytes), file size, region count, then the
@@ -42,6 +46,23 @@ SLOT = struct.Struct("<Q")
 PLAN_OFFSET = PROGRESS_OFFSET + MAX_LOADERS * SLOT.size
 _PLAN_LEN = struct.Struct("<I")
 MAX_PLAN_BYTES = HEADER_BYTES - PLAN_OFFSET - _PLAN_LEN.size
+
+
+class OldFormatError(StorageError):
+    """A table file of another format version: refused (tables are rebuilt,
+    never migrated); gc still removes one that no process holds."""
+
+
+def older_format(first_bytes: bytes, where: str) -> OldFormatError | None:
+    """The error for a file whose header is where versions 3 and before put
+    it (at offset 0), given its first 12 bytes; None for anything else."""
+    if len(first_bytes) < 12 or first_bytes[:8] != MAGIC:
+        return None
+    version = struct.unpack_from("<I", first_bytes, 8)[0]
+    return OldFormatError(f"{where} has format version {version} (its header at the start); "
+                          f"this library reads version {FORMAT_VERSION} (the header at the "
+                          "end): recreate the table with this version (`numa-engram gc` "
+                          "removes an old one no process holds)")
 
 
 @dataclass(frozen=True)
@@ -70,9 +91,10 @@ class LayoutRegion:
 
 @dataclass(frozen=True)
 class Layout:
-    """Header page, then each region aligned to the page size, in order (a
-    hugetlb file's size and every region start must be multiples of its
-    huge page size: ftruncate and mbind refuse anything else)."""
+    """Each region aligned to the page size from 0, in order, and the header
+    in the last ``HEADER_BYTES`` of the file (a hugetlb file's size and
+    every region start must be multiples of its huge page size: ftruncate
+    and mbind refuse anything else)."""
 
     regions: tuple[LayoutRegion, ...]
     file_size: int
@@ -83,7 +105,7 @@ class Layout:
         if not sizes or len(sizes) > MAX_REGIONS:
             raise StorageError(f"a backing file holds 1 to {MAX_REGIONS} regions, got {len(sizes)}")
         page = page_size
-        offset, regions = page, []
+        offset, regions = 0, []
         for name, length in sizes:
             if length <= 0:
                 raise StorageError(f"region {name!r} has size {length}; sizes must be > 0")
@@ -91,7 +113,13 @@ class Layout:
                 raise StorageError(f"region name {name!r} is longer than 32 bytes")
             regions.append(LayoutRegion(name, offset, int(length)))
             offset += (int(length) + page - 1) // page * page
+        if offset - (regions[-1].offset + regions[-1].length) < HEADER_BYTES:
+            offset += page  # the last page's padding cannot hold the header: a page for it
         return cls(tuple(regions), offset, page)
+
+    @property
+    def header_offset(self) -> int:
+        return self.file_size - HEADER_BYTES
 
     def region(self, name: str) -> LayoutRegion:
         for r in self.regions:
@@ -139,8 +167,8 @@ class Header:
             raise StorageError(f"{where} is not a numa_engram backing file (magic {data[:8]!r})")
         version = struct.unpack_from("<I", data, 8)[0]
         if version != FORMAT_VERSION:
-            raise StorageError(f"{where} has format version {version}, this library reads "
-                               f"{FORMAT_VERSION}; recreate the table with this version")
+            raise OldFormatError(f"{where} has format version {version}, this library reads "
+                                 f"{FORMAT_VERSION}; recreate the table with this version")
         (magic, version, state, pid, uid, start, boot, fp, size, count,
          *key, page) = _HEAD.unpack_from(data)
         if magic != MAGIC:
@@ -148,7 +176,7 @@ class Header:
         if version != FORMAT_VERSION:
             raise StorageError(f"{where} has format version {version}, this library reads "
                                f"{FORMAT_VERSION}; recreate the table with this version")
-        if page < native.PAGE_SIZE or page & (page - 1) or size % page:
+        if page < native.PAGE_SIZE or page & (page - 1) or size % page or size < page:
             raise StorageError(f"{where} has a corrupt header: page size {page} with file "
                                f"size {size}")
         if not 0 < count <= MAX_REGIONS:
@@ -162,15 +190,16 @@ class Header:
                 text = name.rstrip(b"\0").decode()
             except UnicodeDecodeError:
                 raise StorageError(f"{where} has a corrupt header (region {i} name)") from None
-            if offset % page or offset + length > size:
+            if offset % page or offset + length > size - HEADER_BYTES:
                 raise StorageError(f"{where} has a corrupt header: region {text!r} "
-                                   f"[{offset}, {offset + length}) is not inside {size} bytes")
-            # regions follow the header page and each other, in order
-            floor = regions[-1].offset + regions[-1].length if regions else page
+                                   f"[{offset}, {offset + length}) is not inside the "
+                                   f"{size - HEADER_BYTES} bytes before the header")
+            # regions follow each other, in order
+            floor = regions[-1].offset + regions[-1].length if regions else 0
             if offset < floor:
-                inside = f"region {regions[-1].name!r}" if regions else "the header page"
                 raise StorageError(f"{where} has a corrupt header: region {text!r} starts at "
-                                   f"{offset}, inside {inside} (which ends at {floor})")
+                                   f"{offset}, inside region {regions[-1].name!r} (which ends "
+                                   f"at {floor})")
             regions.append(LayoutRegion(text, offset, length))
         return cls(version, state, pid, uid, start, boot, fp,
                    Layout(tuple(regions), size, page), ShardKey(*key), unpack_plan(data))

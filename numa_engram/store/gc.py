@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from ..errors import StorageError
 from ..host import procfs
-from .fileformat import DEFAULT_DIRECTORY, HEADER_BYTES, PREFIX, Header
+from .fileformat import DEFAULT_DIRECTORY, PREFIX, OldFormatError
+from .storage import read_header
 
 # how a file that may not be ours is opened for a look: never blocking on a
 # FIFO, never following a symlink, never handed to a child
@@ -80,11 +81,13 @@ def _gc_one(path: str, dry_run: bool, all_users: bool) -> GcEntry:
         if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev) or not stat.S_ISREG(now.st_mode):
             return GcEntry(path, st.st_size, 0, "skipped: replaced while being checked", False)
         try:
-            header = Header.unpack(os.pread(fd, HEADER_BYTES, 0), path)
+            header = read_header(fd, path, now.st_size)
+            pid, this_boot = header.creator_pid, header.boot_id == procfs.boot_id()
+        except OldFormatError:  # still ours (our prefix, our magic): its lock decides
+            pid, this_boot = 0, True
         except (StorageError, struct.error) as exc:
             return GcEntry(path, st.st_size, 0, f"skipped: {exc}", False)
-        pid = header.creator_pid
-        if header.boot_id == procfs.boot_id():
+        if this_boot:
             alive = holders_alive(fd)
             if alive is None:
                 return GcEntry(path, st.st_size, pid, "kept: liveness cannot be decided (the "
@@ -92,7 +95,8 @@ def _gc_one(path: str, dry_run: bool, all_users: bool) -> GcEntry:
             if alive:
                 return GcEntry(path, st.st_size, pid, "kept: in use (a process holds its "
                                "lock)", False)
-            reason = f"stale: no process holds it (creator pid {pid} is dead)"
+            reason = f"stale: no process holds it (creator pid {pid} is dead)" if pid else \
+                "stale: an older format's file no process holds"
         else:
             reason = "stale: creator from another boot"
         if not dry_run:

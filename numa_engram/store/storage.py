@@ -32,6 +32,7 @@ from .fileformat import (
     DEFAULT_DIRECTORY,
     FORMAT_VERSION,
     HEADER_BYTES,
+    MAGIC,
     MAX_LOADERS,
     PREFIX,
     PROGRESS_OFFSET,
@@ -42,6 +43,7 @@ from .fileformat import (
     Header,
     Layout,
     ShardKey,
+    older_format,
 )
 
 log = logging.getLogger(__name__)
@@ -164,12 +166,15 @@ class BackingFile:
             os.ftruncate(fd, layout.file_size)                       # 3
             mapping = _map_new(fd, layout, directory)
             header = _new_header(layout, fingerprint, key, placement)
-            # through the mapping: hugetlbfs refuses write(2) (EINVAL)
-            mapping.array(0, HEADER_BYTES)[:] = np.frombuffer(header.pack(), np.uint8)
             if not hugepages.is_huge(page):
                 native.madvise(mapping, native.MADV_NOHUGEPAGE)      # 4
             if placement is not None:
                 placement.apply(mapping, topology)                   # 5
+            # after the policies: the header may share the last region's
+            # page, which its write faults in.  Through the mapping:
+            # hugetlbfs refuses write(2) (EINVAL)
+            mapping.array(layout.header_offset, HEADER_BYTES)[:] = np.frombuffer(
+                header.pack(), np.uint8)
             created = time.perf_counter()
             if populate:                                             # 6
                 try:
@@ -221,7 +226,7 @@ class BackingFile:
 
     # ------------------------------------------------------------ state --
     def read_header(self) -> Header:
-        return Header.unpack(os.pread(self.fd, HEADER_BYTES, 0), self.path)
+        return read_header(self.fd, self.path, self.layout.file_size)
 
     def _write(self, offset: int, data: bytes) -> None:
         """Header bytes through a writable mapping (hugetlbfs refuses
@@ -232,7 +237,7 @@ class BackingFile:
             os.pwrite(self.fd, data, offset)
 
     def set_state(self, state: int) -> None:
-        self._write(STATE_OFFSET, struct.pack("<I", state))
+        self._write(self.layout.header_offset + STATE_OFFSET, struct.pack("<I", state))
 
     def mark_ready(self) -> None:
         self.set_state(STATE_READY)
@@ -258,10 +263,12 @@ class BackingFile:
         """This loader's progress counter (the others watch it advance)."""
         if not 0 <= slot < MAX_LOADERS:
             raise StorageError(f"loader slot {slot} is outside 0..{MAX_LOADERS - 1}")
-        self._write(PROGRESS_OFFSET + slot * SLOT.size, SLOT.pack(value))
+        self._write(self.layout.header_offset + PROGRESS_OFFSET + slot * SLOT.size,
+                    SLOT.pack(value))
 
     def read_progress(self) -> tuple[int, ...]:
-        data = os.pread(self.fd, MAX_LOADERS * SLOT.size, PROGRESS_OFFSET)
+        data = os.pread(self.fd, MAX_LOADERS * SLOT.size,
+                        self.layout.header_offset + PROGRESS_OFFSET)
         return tuple(v for (v,) in SLOT.iter_unpack(data))
 
     @property
@@ -445,6 +452,24 @@ def _remove(path: str, fd: int) -> None:
     os.close(fd)
 
 
+def read_header(fd: int, where: str, file_size: int) -> Header:
+    """The header in the last ``HEADER_BYTES`` of a file of ``file_size``
+    bytes; a file of an older format (its header at the start) is an
+    OldFormatError saying so."""
+    if file_size < HEADER_BYTES:
+        raise StorageError(f"{where} is too short ({file_size} bytes) to be a numa_engram "
+                           "backing file")
+    data = os.pread(fd, HEADER_BYTES, file_size - HEADER_BYTES)
+    if data[:8] != MAGIC:
+        old = older_format(os.pread(fd, 12, 0), where) \
+            if file_size >= 2 * native.PAGE_SIZE else None  # (a header page and a region)
+        if old is not None:
+            raise old
+        raise StorageError(f"{where} is not a numa_engram backing file, or is truncated (no "
+                           f"header in its last {HEADER_BYTES} bytes)")
+    return Header.unpack(data, where)
+
+
 def _open_existing(path: str, writable: bool) -> int:
     # O_NONBLOCK: a FIFO (or device) at the path must not block the open;
     # _check_file refuses anything but a regular file right after
@@ -491,7 +516,7 @@ def _check_file(fd: int, where: str, fingerprint: bytes | None,
     if st.st_uid != owner:
         raise StorageError(f"{where} is owned by uid {st.st_uid}, not by uid {owner}; only "
                            "the creator's user (or a table service it trusts) may attach")
-    header = Header.unpack(os.pread(fd, HEADER_BYTES, 0), where)
+    header = read_header(fd, where, st.st_size)
     if header.creator_uid != st.st_uid:
         raise StorageError(f"{where} header names creator uid {header.creator_uid} but the "
                            f"file belongs to uid {st.st_uid}")
