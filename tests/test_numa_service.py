@@ -44,7 +44,8 @@ def test_replicate_per_node_hands_every_node_its_own_copy(numa_nodes, tmp_path):
             with SharedEngramTable.attach(spec, 1, shard, service=sock, node=node) as table:
                 mapping = table._backing.mapping
                 native.madvise(mapping, native.MADV_POPULATE_READ)
-                rows = table._backing.layout.region("weights")  # (a header page of its own is not planned)
+                # (a header page of its own is not planned)
+                rows = table._backing.layout.region("weights")
                 pages = native.page_nodes(mapping, rows.offset, rows.length)
                 assert set(np.unique(pages).tolist()) == {node}, np.unique(pages)
                 print(f"client asking for node {node}: {len(pages)} pages, all on node {node}")
