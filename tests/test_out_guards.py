@@ -141,3 +141,34 @@ def test_a_wrong_prepare_out_argument_is_a_value_error_not_an_attribute_error(ta
             t.prepare_out(bad, packed=True)
         with pytest.raises(ValueError, match="out must be"):
             t.prepare_out(bad)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_schedulers_staging_buffers_take_a_steps_rows_and_nothing_past_them(table, packed):
+    """The runtime's buffers: a layer's staging holds ``max_tokens`` rows and
+    a step of fewer tokens writes exactly its rows; the rest keep a guard
+    pattern, step after step and size after size."""
+    from numa_engram.lookup.prefetch import PrefetchScheduler
+
+    spec, t = table
+    sched = PrefetchScheduler({14: t}, {14: (t.shard.num_heads, spec.head_dim)},
+                              max_tokens=TOKENS, packed=packed)
+    try:
+        staged = sched.staging[14]
+        parts = staged if isinstance(staged, tuple) else (staged,)
+        for part in parts:
+            part.view(torch.uint8).fill_(GUARD)
+        for n, seed in ((10, 1), (3, 2), (17, 3), (1, 4)):
+            ids = _ids(spec, n, seed)
+            sched.submit(14, ids)
+            got = sched.wait(14)
+            want = t.lookup(ids, packed=packed)
+            if packed:
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            else:
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+            for part in parts:
+                past = part[17:].contiguous().view(torch.uint8).numpy()
+                assert (past == GUARD).all(), f"a step of {n} wrote past row 17"
+    finally:
+        sched.close()
