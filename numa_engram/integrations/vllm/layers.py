@@ -1,0 +1,283 @@
+"""One vLLM Engram layer's table: which of vLLM's branches it is (a table
+service's, DP-shared, DP-sharded slice, private per rank), the table made
+or attached for it, and ``TableStorage``, the object vLLM's embedding
+calls for its views and its checkpoint load."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from ...model.sharding import ShardInfo, shard_heads
+from ...model.spec import EngramSpec
+from ...sharing.table import SharedEngramTable
+from .settings import PluginError, PluginSettings
+
+log = logging.getLogger(__name__)
+
+ATTACHED = False  # this process's tables come from a table service (the mapper drops them)
+REFUSED_LOADS = ("dummy", "sharded_state", "ipc_cache")
+_SPECS: dict[str, EngramSpec] = {}
+
+
+def build_embedding(nv: ModuleType, common: ModuleType, embedding: type, layout: Any,
+                    layer_hash_index: int) -> Any:
+    """What ``Engram._create_embedding`` returns: our subclass of vLLM's
+    embedding for the layer ``layout.layer_ids[layer_hash_index]``."""
+    config = nv.get_current_vllm_config()
+    engram = config.engram_config
+    refuse_config(config)
+    settings = PluginSettings.of(getattr(config, "additional_config", None))
+    layer = LayerTables(nv, common, config, settings, layout.layer_ids[layer_hash_index])
+    return embedding(layout.num_embeddings[layer_hash_index], layout.head_dim,
+                     tuple(size for order in layout.primes[layer_hash_index] for size in order),
+                     cpu_offload=True, dp_shared_memory=bool(engram.dp_shared_memory),
+                     use_thp=False, numa_layer=layer)
+
+
+def refuse_config(config: Any) -> None:
+    """What the plugin cannot serve, each named with what to change."""
+    engram = config.engram_config
+    if engram is None or not engram.cpu_offload:
+        raise PluginError("engram_config.cpu_offload=False keeps the Engram tables in GPU "
+                          "memory, where the numa_engram plugin has nothing to place: use "
+                          "cpu_offload=True, or unset VLLM_PLUGINS=numa_engram")
+    if engram.use_thp:
+        raise PluginError("engram_config.use_thp=True asks vLLM for best-effort THP tables; "
+                          "the numa_engram plugin places its own huge pages: drop use_thp and "
+                          "set additional_config numa_engram.page_size to 2M or 1G")
+    if _is_rocm():
+        raise PluginError("the numa_engram vLLM plugin patches the NVIDIA Engram path; on ROCm"
+                          " unset VLLM_PLUGINS=numa_engram")
+
+
+def refuse_load(config: Any, read_only: bool) -> None:
+    """A load that writes every parameter (dummy weights, a sharded state,
+    vLLM's ipc_cache by value) or a weight update, into a table this engine
+    only reads (attached from a service, or a DP-shared peer's mapping)."""
+    load_format = str(getattr(config.load_config, "load_format", "auto"))
+    if read_only and load_format in REFUSED_LOADS:
+        raise PluginError(f"load_format={load_format} writes every weight, but this engine's "
+                          "Engram tables are read-only (attached from the table service, or "
+                          "a DP-shared peer's): use load_format=auto (safetensors), or "
+                          "additional_config numa_engram.service=null and no DP sharing")
+
+
+def _is_rocm() -> bool:
+    import sys
+
+    platforms = sys.modules.get("vllm.platforms")
+    platform = getattr(platforms, "current_platform", None)
+    is_rocm = getattr(platform, "is_rocm", None)
+    return bool(is_rocm()) if callable(is_rocm) else False
+
+
+def model_spec(config: Any) -> EngramSpec:
+    """The model directory's spec (its tokenizer's map: the fingerprint a
+    table service's tables carry), read once per process."""
+    from ...runtime.modeldir import ModelDirectory
+
+    path = str(config.model_config.model)
+    if path not in _SPECS:
+        if not os.path.isdir(path):
+            raise PluginError(f"the model {path!r} is not a local directory; the numa_engram "
+                              "plugin reads its config.json and tokenizer.json (download it "
+                              "first, e.g. huggingface-cli download)")
+        _SPECS[path] = ModelDirectory.open(path).spec
+    return _SPECS[path]
+
+
+@dataclass
+class LayerTables:
+    """One Engram layer of this rank: makes (or attaches) its table when
+    vLLM's embedding allocates its weights."""
+
+    nv: ModuleType
+    common: ModuleType
+    config: Any
+    settings: PluginSettings
+    layer_id: int
+
+    def allocate(self, emb: Any) -> TableStorage:
+        global ATTACHED
+
+        spec = model_spec(self.config)
+        shard = vllm_shard(spec, self.layer_id, emb)
+        device = _device()
+        service = self._service_path()
+        if service is not None:
+            refuse_load(self.config, read_only=True)
+            table = SharedEngramTable.attach(
+                spec, self.layer_id, shard, service=service, page_size=self.settings.page_size,
+                register_device=device, service_uids=self.settings.service_uids or None,
+                allow_unsealed=self.settings.allow_unsealed or None)
+            ATTACHED = True
+            return TableStorage(self.nv, self.common, table, writer=False, group=None,
+                                filled=True)
+        if emb.dp_shared_memory:
+            edp = self.nv.get_engram_dp_group()
+            refuse_load(self.config, read_only=True)
+            table = SharedEngramTable.create(
+                spec, self.layer_id, shard, group=edp, mode="dp_shared",
+                placement=self.settings.placement, page_size=self.settings.page_size,
+                directory=self._shared_directory(), register_device=device,
+                load_threads=self.settings.load_threads)
+            return TableStorage(self.nv, self.common, table, writer=table.leader,
+                                group=edp.cpu_group, filled=False)
+        table = SharedEngramTable.create(
+            spec, self.layer_id, shard, mode="independent", directory=None,
+            placement=self.settings.placement, page_size=self.settings.page_size,
+            register_device=device, load_threads=self.settings.load_threads)
+        return TableStorage(self.nv, self.common, table, writer=True, group=None, filled=False)
+
+    def _service_path(self) -> str | None:
+        service = self.settings.service
+        if service == "auto":
+            path = os.environ.get("NUMA_ENGRAM_SOCKET", "/run/numa-engram/engram.sock")
+            return path if os.path.exists(path) else None
+        return service
+
+    def _shared_directory(self) -> str:
+        from ...store.fileformat import DEFAULT_DIRECTORY
+
+        return self.settings.directory or DEFAULT_DIRECTORY
+
+
+def vllm_shard(spec: EngramSpec, layer_id: int, emb: Any) -> ShardInfo:
+    """The rows vLLM's embedding numbered (``head_start``,
+    ``part_n_hash_cols``, ``vocab_start_idx`` .. ``vocab_end_idx``), checked
+    against our head-wise sharding of the same layer."""
+    num_shards, head_rank = emb._get_shard_info()
+    if spec.rows(layer_id) != emb.num_embeddings or spec.head_dim != emb.dim or \
+            spec.block != emb.block_size:
+        raise PluginError(f"layer {layer_id}: vLLM's table is {emb.num_embeddings} rows of "
+                          f"{emb.dim} (block {emb.block_size}), the model directory's spec "
+                          f"{spec.rows(layer_id)} of {spec.head_dim} (block {spec.block}): "
+                          "another config.json than the one vLLM loaded")
+    head_end = min(emb.head_start + emb.part_n_hash_cols, emb.n_hash_cols)
+    theirs = ShardInfo(emb.head_start, head_end, emb.vocab_start_idx, emb.vocab_end_idx,
+                       emb.vocab_end_idx - emb.vocab_start_idx)
+    ours = shard_heads(spec.bucket_sizes(layer_id), num_shards, head_rank)
+    if ours != theirs:
+        raise PluginError(f"layer {layer_id} shard {head_rank} of {num_shards}: vLLM holds "
+                          f"{theirs}, numa_engram's head-wise sharding {ours}")
+    return theirs
+
+
+def _device() -> int | None:
+    """The rank's CUDA device for registration, None without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.current_device()
+
+
+class TableStorage:
+    """vLLM's ``DPSharedEngramStorage`` contract over one of our tables:
+    ``weight`` (``float8_e4m3fn [rows, dim]``) and ``scales`` (``uint8
+    [rows, dim / block]``), contiguous CPU views of the table; ``get_views``
+    the views vLLM's kernel reads (cached; the table's CUDA views when it is
+    registered); ``load_weight`` what vLLM's loader calls per tensor."""
+
+    def __init__(self, nv: ModuleType, common: ModuleType, table: SharedEngramTable, *,
+                 writer: bool, group: Any, filled: bool) -> None:
+        import torch
+
+        self._nv, self._common = nv, common
+        self.table, self.writer, self.group, self.filled = table, writer, group, filled
+        with warnings.catch_warnings():  # a read-only mapping: vLLM never writes it here
+            warnings.simplefilter("ignore", UserWarning)
+            self.weight = torch.from_numpy(table.weights).view(torch.float8_e4m3fn)
+            self.scales = torch.from_numpy(table.scales)
+        self._views: tuple[Any, Any] | None = None
+
+    def load_weight(self, param: Any, loaded_weight: Any) -> None:
+        """vLLM's loader hands one tensor: the writer copies this rank's rows
+        (through vLLM's own head-shard loader: the scale arrives as
+        float8_e8m0fnu and must keep its bytes), then the group's members
+        meet at a barrier; a table already filled (attached) checks shapes."""
+        import torch
+
+        if self.filled:
+            rows, start = param.shape[0], param.engram_vocab_start
+            if loaded_weight.shape[0] < start + rows or \
+                    tuple(loaded_weight.shape[1:]) != tuple(param.shape[1:]):
+                raise PluginError(f"the checkpoint's tensor of {list(loaded_weight.shape)} "
+                                  f"does not hold rows {start}..{start + rows} of "
+                                  f"{list(param.shape[1:])}")
+            return
+        if self.writer:
+            self._common._engram_head_shard_weight_loader(param, loaded_weight)
+        if self.group is not None:
+            torch.distributed.barrier(group=self.group)
+
+    def get_views(self, weight: Any, scales: Any) -> tuple[Any, Any]:
+        if (weight.data_ptr(), scales.data_ptr()) != (self.weight.data_ptr(),
+                                                       self.scales.data_ptr()):
+            raise RuntimeError("the Engram parameters' storage was replaced; numa_engram's "
+                               "tables must stay under them")
+        if self._views is None:
+            self._views = self._device_views()
+        return self._views
+
+    def _device_views(self) -> tuple[Any, Any]:
+        import torch
+
+        if self.table.registration is not None:
+            shard = self.table.device_view()
+            return shard.weights.view(torch.float8_e4m3fn), shard.scales
+        # no registering device (CPU-only checks): vLLM's own helper, found now
+        accelerator_view = self._nv.get_accelerator_view_from_cpu_tensor
+        return accelerator_view(self.weight), accelerator_view(self.scales)
+
+
+def can_share(nv: ModuleType, layout: Any, block_size: int) -> bool:
+    """The EDP peers share one copy when there are any, every member can map
+    one file of the settings' directory (same host, uid and directory:
+    measured) and the directory has room; the same answer on every rank."""
+    import torch.distributed as dist
+
+    if nv.get_engram_dp_size() <= 1:
+        log.warning("numa_engram: Engram DP replicas are not co-located on one node; one "
+                    "table per rank")
+        return False
+    config = nv.get_current_vllm_config()
+    settings = PluginSettings.of(getattr(config, "additional_config", None))
+    if settings.service is not None:
+        return False  # attached from the service: one copy per host already
+    need = sum(layout.num_embeddings) * (layout.head_dim + layout.head_dim // block_size)
+    here = _share_here(settings, need)
+    edp = nv.get_engram_dp_group()
+    answers: list[Any] = [None] * edp.world_size
+    dist.all_gather_object(answers, here, group=edp.cpu_group)
+    places = {a[1] for a in answers}
+    problems = [a[2] for a in answers if a[2]]
+    if problems or len(places) > 1:
+        log.warning("numa_engram: the EDP peers cannot share one copy (%s); one table per "
+                    "rank", "; ".join(problems) or "they do not see the same directory")
+        return False
+    return True
+
+
+def _share_here(settings: PluginSettings, need: int) -> tuple[bool, tuple[Any, ...], str]:
+    """(ok, where: boot id, uid, directory identity, why not)."""
+    from ...host import procfs
+
+    directory = settings.directory or "/dev/shm"
+    try:
+        st = os.stat(directory)
+        free = os.statvfs(directory)
+    except OSError as exc:
+        return False, (), f"{directory}: {exc.strerror}"
+    place = (procfs.boot_id(), os.geteuid(), st.st_dev, st.st_ino)
+    room = free.f_bavail * free.f_frsize
+    if settings.page_size == "4K" and room < need:
+        return False, place, (f"{directory} has {room} bytes free, the tables need {need} "
+                              "(raise --shm-size, or set numa_engram.page_size 2M with a "
+                              "hugetlbfs directory)")
+    return True, place, ""

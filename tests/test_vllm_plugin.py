@@ -1,0 +1,133 @@
+"""The vLLM plugin against vLLM 0.31.0's own Engram code (tests/vllm_harness.py
+loads it from the wheel under stubs; its lookup kernel runs under Triton's
+interpreter): vLLM's embedding over our tables returns the rows vLLM's own
+storage returns, loaded by vLLM's own weight loader from the same synthetic
+V4.1 checkpoint, and the rows of our lookup(id_format="global").
+
+Run alone: ``.venv/bin/python -m pytest tests/test_vllm_plugin.py``."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from numa_engram import EngramSpec, write_synthetic_model  # noqa: E402
+from numa_engram.integrations.vllm.settings import PluginError, PluginSettings  # noqa: E402
+
+from . import vllm_harness as harness  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed (pip install 'numa_engram[test]')")
+pytest.importorskip("safetensors", reason="safetensors is not installed")
+
+SPEC = EngramSpec.small(rows_per_head=300, n_head_per_ngram=4, head_dim=64, max_ngram_size=3)
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("TRITON_INTERPRET is not 1 in this process: vLLM's kernel needs the "
+                    "interpreter on CPU tensors")
+    root, why = harness.wheel_sources()
+    if root is None:
+        pytest.skip(why)
+    nv, common = harness.vllm_modules(root)
+    from numa_engram.integrations.vllm import patch
+
+    patch(nv, common)
+    return nv, common
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(write_synthetic_model(tmp_path_factory.mktemp("v41"), SPEC))
+
+
+def global_ids(spec, layer, tokens, seed):
+    """Rows of the layer's whole table per head (V4.1's id format), some -1."""
+    rng = np.random.default_rng(seed)
+    sizes = np.asarray(spec.bucket_sizes(layer))
+    base = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    ids = base + (rng.integers(0, 1 << 40, (tokens, len(sizes))) % sizes)
+    ids[rng.random(ids.shape) < 0.1] = -1
+    return torch.from_numpy(ids.astype(np.int64))
+
+
+def _vllms_own(nv, common, layout, index, model_dir, layer):
+    """vLLM's embedding on its own storage (torch tensors), loaded by its loader."""
+    emb = nv.ParallelEngramEmbedding(layout.num_embeddings[index], layout.head_dim, tuple(
+        s for order in layout.primes[index] for s in order), cpu_offload=False)
+    harness.load_checkpoint(emb, model_dir, layer)
+    return emb
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int16)
+
+
+def test_vllms_kernel_over_a_private_table_gives_vllms_own_rows(vllm, model_dir):
+    nv, common = vllm
+    harness.State.config = harness.config(model_dir)
+    layout = harness.layout_of(common, model_dir)
+    for index, layer in enumerate(layout.layer_ids):
+        ours = nv.Engram._create_embedding(harness.thin_engram(nv, index), layout, index)
+        assert type(ours).__name__ == "NumaEngramEmbedding"
+        table = ours.numa_table
+        assert ours.weight.dtype == torch.float8_e4m3fn and ours.weight.is_contiguous()
+        assert ours.weight.data_ptr() == table.weights.ctypes.data
+        assert ours.weight_scale_inv.dtype == torch.uint8
+        assert harness.load_checkpoint(ours, model_dir, layer) == 2
+        theirs = _vllms_own(nv, common, layout, index, model_dir, layer)
+        ids = global_ids(SPEC, layer, 96, seed=layer)
+        got, want = ours(ids), theirs(ids)
+        assert got.shape == (96, SPEC.n_hash_cols, SPEC.head_dim)
+        assert torch.equal(_bits(got), _bits(want))
+        assert torch.equal(_bits(got), _bits(table.lookup(ids.numpy(), id_format="global")))
+        table.close()
+
+
+def test_settings_are_checked_naming_the_key_and_what_it_accepts():
+    cases = [({"page_size": "3M"}, "page_size is '3M'; accepted: 4K, 2M, 1G"),
+             ({"placement": "sideways"}, "placement is 'sideways'; accepted: gpu-local"),
+             ({"load_threads": 0}, "load_threads is 0; accepted: an integer"),
+             ({"metrics_port": "x"}, "metrics_port is 'x'"),
+             ({"pages": "2M"}, r"unknown key\(s\) \['pages'\]"),
+             ({"copies": "rack"}, "copies is 'rack'; accepted: node, socket")]
+    for doc, text in cases:
+        with pytest.raises(PluginError, match=text):
+            PluginSettings.of({"numa_engram": doc})
+    assert PluginSettings.of({"numa_engram": {"page_size": "2M", "placement": "node:1"}}) \
+        .page_size == "2M"
+    assert PluginSettings.of(None) == PluginSettings()
+
+
+@pytest.mark.parametrize("change, text", [
+    (dict(use_thp=True), "use_thp=True"),
+    (dict(cpu_offload=False), "cpu_offload=False"),
+    (dict(additional={"page_size": "9K"}), "page_size is '9K'"),
+])
+def test_configurations_the_plugin_cannot_serve_are_refused_at_construction(
+        vllm, model_dir, change, text):
+    nv, common = vllm
+    harness.State.config = harness.config(model_dir, **change)
+    layout = harness.layout_of(common, model_dir)
+    with pytest.raises(PluginError, match=text):
+        nv.Engram._create_embedding(harness.thin_engram(nv), layout, 0)
+
+
+def test_another_version_or_source_is_refused_at_model_construction(vllm, model_dir,
+                                                                     monkeypatch):
+    import sys
+
+    from numa_engram.integrations.vllm.patching import source_problem
+
+    nv, common = vllm
+    assert source_problem(nv, common, None) is None
+    monkeypatch.setattr(sys.modules["vllm"], "__version__", "0.32.0")
+    assert "supports vLLM 0.31.0, this is 0.32.0" in source_problem(nv, common, None)
+    monkeypatch.setattr(sys.modules["vllm"], "__version__", "0.31.0")
+    fake = type(nv)("fake")
+    fake.__file__ = __file__  # another file under the same name
+    assert "is not the 0.31.0 file" in source_problem(fake, common, None)

@@ -1,0 +1,247 @@
+"""vLLM 0.31.0's DeepSeek V4.1 Engram modules, loaded from vLLM's own wheel
+under stub modules for the ``vllm.*`` names they import, so that every line
+of vLLM's that runs is vLLM's (its lookup kernel under Triton's interpreter
+on CPU tensors).
+
+The wheel is fetched once (``pip download --no-deps vllm==0.31.0``) and the
+few files used are kept in ``$NUMA_ENGRAM_VLLM_CACHE`` (default
+``~/.cache/numa_engram/vllm-0.31.0``); a test that cannot have it is skipped
+with the reason.  The stubs stand in for what this machine lacks (a GPU: a
+device's SM count, UVA views as the CPU tensors themselves) and for vLLM's
+process-group plumbing, which they back with real torch.distributed gloo
+groups; the config is a plain namespace with the fields the modules read.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import types
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+
+VERSION = "0.31.0"
+FILES = ("vllm/models/deepseek_v41/common/engram.py",
+         "vllm/models/deepseek_v41/nvidia/engram.py",
+         "vllm/models/deepseek_v41/nvidia/vl_model.py",
+         "vllm/model_executor/models/utils.py")
+NV = "vllm.models.deepseek_v41.nvidia.engram"
+COMMON = "vllm.models.deepseek_v41.common.engram"
+
+
+def cache_dir() -> Path:
+    default = Path.home() / ".cache" / "numa_engram" / f"vllm-{VERSION}"
+    return Path(os.environ.get("NUMA_ENGRAM_VLLM_CACHE", default))
+
+
+def wheel_sources() -> tuple[Path | None, str]:
+    """(the directory holding vLLM's files, "") or (None, why not)."""
+    root = cache_dir()
+    if all((root / f).is_file() for f in FILES):
+        return root, ""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                                  f"vllm=={VERSION}", "-d", tmp], capture_output=True,
+                                 text=True, timeout=900, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return None, f"vLLM {VERSION}'s wheel cannot be had here ({exc})"
+        wheels = list(Path(tmp).glob("vllm-*.whl"))
+        if got.returncode or not wheels:
+            return None, (f"vLLM {VERSION}'s wheel cannot be had here (pip download: "
+                          f"{(got.stderr or got.stdout).strip()[-300:]})")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            for name in FILES:
+                (root / name).parent.mkdir(parents=True, exist_ok=True)
+                (root / name).write_bytes(wheel.read(name))
+    return root, ""
+
+
+class _Logger(logging.Logger):
+    def warning_once(self, msg: str, *args: object) -> None:
+        self.warning(msg, *args)
+
+    def info_once(self, msg: str, *args: object) -> None:
+        self.info(msg, *args)
+
+
+def _init_logger(name: str) -> logging.Logger:
+    logger = _Logger(name)
+    logger.parent = logging.getLogger()
+    return logger
+
+
+def set_weight_attrs(weight: object, attrs: dict | None) -> None:
+    """vLLM's rule: an attribute is set once, never overwritten."""
+    for key, value in (attrs or {}).items():
+        assert not hasattr(weight, key), f"Overwriting existing tensor attribute: {key}"
+        setattr(weight, key, value)
+
+
+class Coordinator:
+    """What vLLM's GroupCoordinator shows of one real gloo group."""
+
+    def __init__(self, ranks: list[int], pg: object) -> None:
+        import torch.distributed as dist
+
+        self.ranks, self.cpu_group, self.device_group = ranks, pg, pg
+        self.world_size = len(ranks)
+        self.rank_in_group = ranks.index(dist.get_rank()) if dist.is_initialized() else 0
+
+    def all_gather(self, tensor, dim: int = 0):
+        import torch
+        import torch.distributed as dist
+
+        if self.world_size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.cpu_group)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast_object(self, obj: object = None, src: int = 0) -> object:
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.ranks[src], group=self.cpu_group)
+        return box[0]
+
+
+class State:
+    """The stubs' world: this rank's TP and Engram-DP groups and the config."""
+
+    tp: Coordinator | None = None
+    edp: Coordinator | None = None
+    dp: Coordinator | None = None
+    config: SimpleNamespace | None = None
+    forward: SimpleNamespace = SimpleNamespace(dp_metadata=None)
+
+
+def _module(name: str, **attrs: object) -> types.ModuleType:
+    module = sys.modules.get(name) or types.ModuleType(name)
+    module.__dict__.update(attrs)
+    if "." in name:
+        parent, _, leaf = name.rpartition(".")
+        setattr(_module(parent), leaf, module)
+    if not hasattr(module, "__path__"):
+        module.__path__ = []  # a package: its children are stubs or loaded by path
+    sys.modules[name] = module
+    return module
+
+
+def install_stubs() -> None:
+    import torch
+    import triton
+    import triton.language as tl
+
+    def tp_all_gather(tensor, dim=-1):
+        return State.tp.all_gather(tensor, dim=dim) if State.tp else tensor
+
+    _module("vllm", __version__=VERSION)
+    _module("vllm.config", get_current_vllm_config=lambda: State.config, VllmConfig=object)
+    _module("vllm.distributed",
+            get_tensor_model_parallel_rank=lambda: State.tp.rank_in_group if State.tp else 0,
+            get_tensor_model_parallel_world_size=lambda: State.tp.world_size if State.tp
+            else 1,
+            tensor_model_parallel_all_gather=tp_all_gather,
+            get_dp_group=lambda: State.dp, get_engram_dp_group=lambda: State.edp,
+            get_engram_dp_size=lambda: State.edp.world_size if State.edp else 1)
+    _module("vllm.distributed.device_communicators.shm_broadcast", SHM_PATH="/dev/shm",
+            check_shm_free_space=lambda n: None)
+    _module("vllm.distributed.parallel_state", GroupCoordinator=Coordinator)
+    _module("vllm.forward_context", get_forward_context=lambda: State.forward)
+    _module("vllm.logger", init_logger=_init_logger)
+    _module("vllm.model_executor.utils", set_weight_attrs=set_weight_attrs)
+    _module("vllm.model_executor.layers.linear", ColumnParallelLinear=object)
+    _module("vllm.model_executor.layers.quantization", QuantizationConfig=object)
+    _module("vllm.triton_utils", tl=tl, triton=triton)
+    _module("vllm.compilation.breakable_cudagraph", eager_break_during_capture=lambda f: f)
+    _module("vllm.utils.platform_utils", is_uva_available=lambda: True)
+    _module("vllm.utils.torch_utils", get_accelerator_view_from_cpu_tensor=lambda t: t)
+    _module("vllm.platforms", current_platform=SimpleNamespace(is_rocm=lambda: False,
+                                                               is_cuda_alike=lambda: True))
+    for package in ("vllm.models", "vllm.models.deepseek_v41",
+                    "vllm.models.deepseek_v41.common", "vllm.models.deepseek_v41.nvidia"):
+        _module(package)
+    # no GPU here: the SM count vLLM's constructor reads, for its grid size
+    torch.cuda.get_device_properties = lambda *a, **k: SimpleNamespace(
+        multi_processor_count=4)
+    torch.accelerator.current_device_index = lambda: 0
+
+
+def load(root: Path, name: str, relative: str) -> types.ModuleType:
+    """Run one of vLLM's files as module ``name`` (once per process)."""
+    if name in sys.modules and getattr(sys.modules[name], "__file__", None):
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, root / relative)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def vllm_modules(root: Path) -> tuple[types.ModuleType, types.ModuleType]:
+    """(nvidia/engram.py, common/engram.py) of the wheel, under the stubs."""
+    install_stubs()
+    common = load(root, COMMON, "vllm/models/deepseek_v41/common/engram.py")
+    nv = load(root, NV, "vllm/models/deepseek_v41/nvidia/engram.py")
+    return nv, common
+
+
+def config(model_dir: str, *, dp_shared: bool = False, additional: dict | None = None,
+           load_format: str = "auto", use_thp: bool = False, cpu_offload: bool = True,
+           max_tokens: int = 64) -> SimpleNamespace:
+    """The fields of vLLM's config the Engram modules and the plugin read."""
+    return SimpleNamespace(
+        engram_config=SimpleNamespace(cpu_offload=cpu_offload, dp_shared_memory=dp_shared,
+                                      use_thp=use_thp, embedding_across_dp=False),
+        additional_config={"numa_engram": additional or {}},
+        model_config=SimpleNamespace(model=model_dir),
+        load_config=SimpleNamespace(load_format=load_format, download_dir=None),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=max_tokens))
+
+
+def layout_of(common: types.ModuleType, model_dir: str):
+    """vLLM's EngramLayout of the model directory's config.json."""
+    import json
+
+    doc = json.loads((Path(model_dir) / "config.json").read_text())
+    text = doc.get("text_config", doc)
+    return common.EngramLayout(SimpleNamespace(**text))
+
+
+def thin_engram(nv: types.ModuleType, layer_hash_index: int = 0) -> object:
+    """The thin ``self`` ``_create_embedding`` gets (its module not set up):
+    the fields vLLM's Engram has set by then."""
+    engram = nv.Engram.__new__(nv.Engram)
+    engram.__dict__.update(layer_hash_index=layer_hash_index, dim=64, hc_mult=1, eps=1e-6,
+                           clamp_value=1e-6, use_sequence_parallel=False,
+                           _prefetch_stream=None)
+    return engram
+
+
+def load_checkpoint(emb: object, model_dir: str, layer_id: int) -> int:
+    """vLLM's loader for one layer: each Engram tensor through the param's
+    own weight_loader (the scale as float8_e8m0fnu, as V4.1 ships it); how
+    many calls it made."""
+    import torch
+    from safetensors import safe_open
+
+    from numa_engram.sharing.checkpoint import checkpoint_files, find_names
+
+    files = checkpoint_files(model_dir)
+    w_name, s_name = find_names(files, layer_id).of(layer_id)
+    for name, param in ((w_name, emb.weight), (s_name, emb.weight_scale_inv)):
+        with safe_open(files[name], framework="pt") as f:
+            tensor = f.get_tensor(name)
+        if param is emb.weight_scale_inv and tensor.dtype == torch.uint8:
+            tensor = tensor.view(torch.float8_e8m0fnu)
+        param.weight_loader(param, tensor)
+    return 2
