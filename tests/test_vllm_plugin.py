@@ -131,3 +131,24 @@ def test_another_version_or_source_is_refused_at_model_construction(vllm, model_
     fake = type(nv)("fake")
     fake.__file__ = __file__  # another file under the same name
     assert "is not the 0.31.0 file" in source_problem(fake, common, None)
+
+
+@pytest.mark.multiproc
+def test_tp2_dp2_dp_shared_tables_give_vllms_rows_with_one_copy(vllm, model_dir):
+    """Four real ranks (gloo, 127.0.0.1) as vLLM's TP 2 x DP 2: the EDP
+    peers of a TP rank share one table (PSS summed over the replicas is
+    1.00 copies), vLLM's loader writes it once, and vLLM's forward with its
+    TP all-gather returns the whole table's rows for each replica's ids."""
+    from .dist_harness import run_world
+    from .vllm_scenarios import dp_shared
+
+    results = run_world(4, dp_shared, timeout_s=300, model_dir=model_dir,
+                        root=str(harness.cache_dir()), spec=SPEC.to_dict())
+    for r in results:
+        assert r["ok"], r.get("traceback", r)
+        assert r["shareable"] is True and r["mismatches"] == [], r
+        assert set(r["modes"]) == {"dp_shared"}
+        assert all(r["leaders"]) == (r["rank"] < 2) and any(r["leaders"]) == (r["rank"] < 2)
+    one_copy = sum(r["table_bytes"] for r in results if r["rank"] < 2)  # each TP shard once
+    copies = sum(r["pss"] for r in results) / one_copy
+    assert abs(copies - 1.0) < 0.02, copies

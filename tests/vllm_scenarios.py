@@ -1,0 +1,79 @@
+"""vLLM plugin scenarios run by tests/dist_harness.py in each spawned rank:
+vLLM's own Engram modules (tests/vllm_harness.py) over the plugin's tables,
+with real gloo groups as vLLM's TP and Engram-DP groups (TP-minor ranks)."""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+from numa_engram.bindings import native
+from numa_engram.host.procfs import smaps
+from numa_engram.integrations.vllm import patch
+
+from . import vllm_harness as harness
+
+
+def _groups(rank, world, tp):
+    """vLLM's TP group and node-local Engram-DP group of ``rank`` (every
+    rank creates every group, in one order)."""
+    dp = world // tp
+    tp_ranks = [[d * tp + t for t in range(tp)] for d in range(dp)]
+    edp_ranks = [[d * tp + t for d in range(dp)] for t in range(tp)]
+    tp_pgs = [dist.new_group(r) for r in tp_ranks]
+    edp_pgs = [dist.new_group(r) for r in edp_ranks]
+    return (harness.Coordinator(tp_ranks[rank // tp], tp_pgs[rank // tp]),
+            harness.Coordinator(edp_ranks[rank % tp], edp_pgs[rank % tp]))
+
+
+def dp_shared(rank, world, *, model_dir, root, spec, tp=2):
+    """Every layer's embedding built by vLLM's Engram through the plugin,
+    loaded by vLLM's loader (the leader writes, the group meets), looked up
+    by vLLM's forward: rows compared with a whole-table reference; each
+    rank's PSS of its tables and their size."""
+    spec = EngramSpec.from_dict(spec)
+    nv, common = harness.vllm_modules(Path(root))
+    patch(nv, common)
+    harness.State.tp, harness.State.edp = _groups(rank, world, tp)
+    harness.State.dp = harness.State.edp
+    harness.State.config = harness.config(model_dir, dp_shared=True)
+    layout = harness.layout_of(common, model_dir)
+    shareable = nv.can_share_engram_tables(layout)
+    replica = rank // tp
+    out = {"shareable": shareable, "mismatches": [], "modes": [], "leaders": [], "pss": 0,
+           "table_bytes": 0, "tp_rank": rank % tp}
+    tables = []
+    for index, layer in enumerate(layout.layer_ids):
+        emb = nv.Engram._create_embedding(harness.thin_engram(nv, index), layout, index)
+        harness.load_checkpoint(emb, model_dir, layer)
+        table = emb.numa_table
+        tables.append(table)
+        out["modes"].append(table.mode)
+        out["leaders"].append(table.leader)
+        ids = _global_ids(spec, layer, 40 + replica, seed=100 * replica + layer)
+        got = emb(ids)
+        with SharedEngramTable.create(spec, layer, shard_heads(spec.bucket_sizes(layer), 1, 0),
+                                      checkpoint=model_dir, mode="independent",
+                                      directory=None) as whole:
+            want = whole.lookup(ids.numpy(), id_format="global")
+        if not torch.equal(got.contiguous().view(torch.int16), want.view(torch.int16)):
+            out["mismatches"].append(layer)
+        native.madvise(table._backing.mapping, native.MADV_POPULATE_READ)
+        out["table_bytes"] += table._backing.layout.file_size
+    dist.barrier()
+    out["pss"] = smaps("self", "numa-engram-").pss
+    dist.barrier()  # every rank has measured before any unmaps
+    for table in tables:
+        table.close()
+    return out
+
+
+def _global_ids(spec, layer, tokens, seed):
+    rng = np.random.default_rng(seed)
+    sizes = np.asarray(spec.bucket_sizes(layer))
+    base = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    ids = base + (rng.integers(0, 1 << 40, (tokens, len(sizes))) % sizes)
+    ids[rng.random(ids.shape) < 0.1] = -1
+    return torch.from_numpy(ids.astype(np.int64))
