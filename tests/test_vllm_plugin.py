@@ -94,7 +94,8 @@ def test_settings_are_checked_naming_the_key_and_what_it_accepts():
              ({"load_threads": 0}, "load_threads is 0; accepted: an integer"),
              ({"metrics_port": "x"}, "metrics_port is 'x'"),
              ({"pages": "2M"}, r"unknown key\(s\) \['pages'\]"),
-             ({"copies": "rack"}, "copies is 'rack'; accepted: node, socket")]
+             ({"service": ""}, "service is ''; accepted: a table service's socket path"),
+             ({"service_uids": [-1]}, "service_uids must be a list of uids")]
     for doc, text in cases:
         with pytest.raises(PluginError, match=text):
             PluginSettings.of({"numa_engram": doc})
@@ -148,6 +149,8 @@ def test_tp2_dp2_dp_shared_tables_give_vllms_rows_with_one_copy(vllm, model_dir)
         assert r["ok"], r.get("traceback", r)
         assert r["shareable"] is True and r["mismatches"] == [], r
         assert set(r["modes"]) == {"dp_shared"}
+        # the deployment log's figure: the group's PSS summed, as copies
+        assert all(abs(c - 1.0) < 0.02 for c in r["reported_copies"]), r["reported_copies"]
         assert all(r["leaders"]) == (r["rank"] < 2) and any(r["leaders"]) == (r["rank"] < 2)
     one_copy = sum(r["table_bytes"] for r in results if r["rank"] < 2)  # each TP shard once
     copies = sum(r["pss"] for r in results) / one_copy

@@ -62,6 +62,7 @@ def dp_shared(rank, world, *, model_dir, root, spec, tp=2):
             out["mismatches"].append(layer)
         native.madvise(table._backing.mapping, native.MADV_POPULATE_READ)
         out["table_bytes"] += table._backing.layout.file_size
+        out.setdefault("reported_copies", []).append(emb._shared_memory.report()["pss_copies"])
     dist.barrier()
     out["pss"] = smaps("self", "numa-engram-").pss
     dist.barrier()  # every rank has measured before any unmaps

@@ -22,6 +22,11 @@ log = logging.getLogger(__name__)
 ATTACHED = False  # this process's tables come from a table service (the mapper drops them)
 REFUSED_LOADS = ("dummy", "sharded_state", "ipc_cache")
 _SPECS: dict[str, EngramSpec] = {}
+# this process's tables, for its metrics endpoint: vLLM's Prometheus
+# multiprocess mode runs no custom collector, so each worker serves its own
+# registry on metrics_port + its global rank
+TABLES: list[SharedEngramTable] = []
+_METRICS: list[Any] = []
 
 
 def build_embedding(nv: ModuleType, common: ModuleType, embedding: type, layout: Any,
@@ -103,6 +108,29 @@ class LayerTables:
     layer_id: int
 
     def allocate(self, emb: Any) -> TableStorage:
+        storage = self._tables(emb)
+        TABLES.append(storage.table)
+        self._serve_metrics()
+        if storage.filled:
+            storage.report()  # attached: nothing for vLLM's loader to do
+        return storage
+
+    def _serve_metrics(self) -> None:
+        port = self.settings.metrics_port
+        if port is None or _METRICS:
+            return
+        import torch.distributed as dist
+
+        from ...metrics import EngramCollector, serve_metrics
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        collector = EngramCollector(labels={"rank": str(rank)})
+        collector.tables = TABLES  # the same list: later layers' tables are scraped too
+        _METRICS.append(serve_metrics(collector, port + rank))
+        log.info("numa_engram: Engram table metrics of rank %d on 127.0.0.1:%d", rank,
+                 port + rank)
+
+    def _tables(self, emb: Any) -> TableStorage:
         global ATTACHED
 
         spec = model_spec(self.config)
@@ -195,6 +223,7 @@ class TableStorage:
             self.weight = torch.from_numpy(table.weights).view(torch.float8_e4m3fn)
             self.scales = torch.from_numpy(table.scales)
         self._views: tuple[Any, Any] | None = None
+        self._loads = 0
 
     def load_weight(self, param: Any, loaded_weight: Any) -> None:
         """vLLM's loader hands one tensor: the writer copies this rank's rows
@@ -215,6 +244,35 @@ class TableStorage:
             self._common._engram_head_shard_weight_loader(param, loaded_weight)
         if self.group is not None:
             torch.distributed.barrier(group=self.group)
+        self._loads += 1
+        if self._loads == 2:  # weights and scales: the table is loaded
+            self.report()
+
+    def report(self) -> dict:
+        """What a deployment log needs, logged once per table: mode, sharing
+        group, pages, placement per node (measured), startup phases, and the
+        PSS of the group's members as copies of the table."""
+        import torch.distributed as dist
+
+        from ...host.hugepages import name_of
+        from ...host.procfs import smaps
+
+        doc = dict(self.table.mode_report())
+        name = os.path.basename(self.table.path).removeprefix("memfd:")
+        pss = smaps("self", name).pss if name.startswith("numa-engram-") else None
+        if self.group is not None and pss is not None:
+            every: list[Any] = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(every, pss, group=self.group)
+            pss = sum(every)
+        doc["pss_copies"] = None if pss is None else round(pss / self.table.backing_bytes, 3)
+        placement: Any = doc["placement"] or {}
+        log.info("numa_engram: Engram layer %d heads [%d, %d): %s, group %s, %s pages, "
+                 "placement %s, %s copies by PSS, startup %s", doc["layer_id"],
+                 doc["head_start"], doc["head_end"], doc["mode"], doc["sharing_group"],
+                 name_of(self.table._backing.layout.page_size),
+                 placement.get("pages_per_node"),
+                 doc["pss_copies"], doc["startup_s"])
+        return doc
 
     def get_views(self, weight: Any, scales: Any) -> tuple[Any, Any]:
         if (weight.data_ptr(), scales.data_ptr()) != (self.weight.data_ptr(),
