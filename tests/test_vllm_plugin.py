@@ -155,3 +155,133 @@ def test_tp2_dp2_dp_shared_tables_give_vllms_rows_with_one_copy(vllm, model_dir)
     one_copy = sum(r["table_bytes"] for r in results if r["rank"] < 2)  # each TP shard once
     copies = sum(r["pss"] for r in results) / one_copy
     assert abs(copies - 1.0) < 0.02, copies
+
+
+# ------------------------------------------------- the table service --
+
+@pytest.fixture
+def service(model_dir, tmp_path):
+    from numa_engram.runtime.modeldir import ModelDirectory
+    from numa_engram.service.holder import TableService
+
+    held = TableService(ModelDirectory.open(model_dir), str(tmp_path / "engram.sock"), tp=1)
+    held.start()
+    held.load_all()
+    yield held.socket_path
+    held.stop()
+
+
+def test_with_a_table_service_each_layer_attaches_and_vllms_loader_copies_nothing(
+        vllm, model_dir, service):
+    from numa_engram.integrations.vllm import layers
+
+    nv, common = vllm
+    harness.State.config = harness.config(model_dir, additional={"service": service})
+    layout = harness.layout_of(common, model_dir)
+    for restart in range(2):  # a restarted engine attaches again
+        for index, layer in enumerate(layout.layer_ids):
+            ours = nv.Engram._create_embedding(harness.thin_engram(nv, index), layout, index)
+            table = ours.numa_table
+            assert table.mode == "service" and layers.ATTACHED
+            before = bytes(table.weights[:4].tobytes())
+            harness.load_checkpoint(ours, model_dir, layer)  # (the mapper drops these)
+            assert table.weights[:4].tobytes() == before  # checked, not copied
+            theirs = _vllms_own(nv, common, layout, index, model_dir, layer)
+            ids = global_ids(SPEC, layer, 64, seed=restart * 10 + layer)
+            assert torch.equal(_bits(ours(ids)), _bits(theirs(ids)))
+            table.close()
+    harness.State.config = harness.config(model_dir, additional={"service": service},
+                                          load_format="dummy")
+    with pytest.raises(PluginError, match="load_format=dummy writes every weight"):
+        nv.Engram._create_embedding(harness.thin_engram(nv), layout, 0)
+    layers.ATTACHED = False
+
+
+def _vl_module(root):
+    """vLLM's WeightsMapper and its V4.1 VL mapper factory, as vLLM wrote them
+    (taken from the wheel's sources; the text checkpoint's own rules, which
+    touch no Engram name, left empty)."""
+    import ast
+    import re
+    import types
+    from collections.abc import Iterable, Mapping
+    from dataclasses import dataclass, field
+    from typing import Any, Literal, TypeAlias
+
+    def source_of(path, name):
+        text = path.read_text()
+        for node in ast.parse(text).body:
+            if getattr(node, "name", None) == name:
+                lines = text.splitlines()[node.lineno - 1 - len(node.decorator_list):
+                                          node.end_lineno]
+                return "\n".join(lines)
+        raise AssertionError(f"{name} is not in {path}")
+    namespace = dict(dataclass=dataclass, field=field, Mapping=Mapping, Iterable=Iterable,
+                     re=re, torch=torch, Any=Any, Literal=Literal, TypeAlias=TypeAlias,
+                     ShardIds=Any, WeightRenaming=Any, logger=harness._init_logger("utils"))
+    exec(source_of(root / "vllm/model_executor/models/utils.py", "WeightsMapper"), namespace)
+    namespace["_make_deepseek_v4_weights_mapper"] = lambda *a: namespace["WeightsMapper"]()
+    exec(source_of(root / "vllm/models/deepseek_v41/nvidia/vl_model.py",
+                   "_make_deepseek_v4_vl_weights_mapper"), namespace)
+    module = types.ModuleType("vl_model")
+    module._make_deepseek_v4_vl_weights_mapper = namespace[
+        "_make_deepseek_v4_vl_weights_mapper"]
+    return module
+
+
+V41_NAMES = ["embed.weight", "head.weight", "norm.weight", "hc_head_fn",
+             "layers.0.attn.wq_a.weight", "layers.1.engram.embed.weight",
+             "layers.1.engram.embed.scale", "layers.1.engram.wkv.weight",
+             "layers.1.engram.q_weight", "layers.1.engram.k_weight",
+             "layers.14.engram.embed.weight", "layers.14.engram.embed.scale",
+             "layers.14.ffn.experts.3.w1.weight", "mtp.0.embed.weight"]
+
+
+def test_the_weights_mapper_drops_exactly_the_engram_tables_while_attached(vllm):
+    from numa_engram.integrations.vllm import layers
+    from numa_engram.integrations.vllm.patching import _patch_vl
+
+    vl = _vl_module(harness.cache_dir())
+    original = vl._make_deepseek_v4_vl_weights_mapper
+    _patch_vl(vl)
+    weights = [(name, None) for name in V41_NAMES]
+    unpatched = dict(original("fp4", "scale").apply(weights))
+    layers.ATTACHED = False
+    assert dict(vl._make_deepseek_v4_vl_weights_mapper("fp4", "scale").apply(weights)) == \
+        unpatched
+    layers.ATTACHED = True
+    try:
+        mapped = dict(vl._make_deepseek_v4_vl_weights_mapper("fp4", "scale").apply(weights))
+    finally:
+        layers.ATTACHED = False
+    dropped = {n for n in V41_NAMES if ".engram.embed." in n}
+    assert len(dropped) == 4
+    assert mapped == {k: v for k, v in unpatched.items()
+                      if k not in {original("fp4", "scale").map_name(n) for n in dropped}}
+    assert any("engram.wkv" in k for k in mapped)  # the layer's other weights stay
+
+
+def test_metrics_port_serves_this_workers_tables(vllm, model_dir):
+    import socket
+    import urllib.request
+
+    from numa_engram.integrations.vllm import layers
+
+    pytest.importorskip("prometheus_client", reason="prometheus_client is not installed")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    nv, common = vllm
+    harness.State.config = harness.config(model_dir, additional={"metrics_port": port})
+    layout = harness.layout_of(common, model_dir)
+    ours = nv.Engram._create_embedding(harness.thin_engram(nv), layout, 0)
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) \
+            .read().decode()
+        assert "numa_engram_table_bytes" in text and 'rank="0"' in text
+    finally:
+        ours.numa_table.close()
+        for server in layers._METRICS:
+            server.shutdown()
+        layers._METRICS.clear()
+        layers.TABLES.clear()
