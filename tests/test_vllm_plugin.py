@@ -141,9 +141,9 @@ def test_tp2_dp2_dp_shared_tables_give_vllms_rows_with_one_copy(vllm, model_dir)
     1.00 copies), vLLM's loader writes it once, and vLLM's forward with its
     TP all-gather returns the whole table's rows for each replica's ids."""
     from .dist_harness import run_world
-    from .vllm_scenarios import dp_shared
+    from .vllm_scenarios import serve
 
-    results = run_world(4, dp_shared, timeout_s=300, model_dir=model_dir,
+    results = run_world(4, serve, timeout_s=300, model_dir=model_dir, mode="dp_shared",
                         root=str(harness.cache_dir()), spec=SPEC.to_dict())
     for r in results:
         assert r["ok"], r.get("traceback", r)
@@ -285,3 +285,23 @@ def test_metrics_port_serves_this_workers_tables(vllm, model_dir):
             server.shutdown()
         layers._METRICS.clear()
         layers.TABLES.clear()
+
+
+@pytest.mark.multiproc
+def test_tp2_dp2_dp_sharded_slices_are_numbered_tp_major_as_vllm_numbers_them(
+        vllm, model_dir):
+    """vLLM's embedding_across_dp branch: each rank holds its TP-major head
+    slice (TP rank x EDP size + EDP rank of 4) in a private table; vLLM's
+    hash gather, row exchange and TP all-gather complete every head."""
+    from .dist_harness import run_world
+    from .vllm_scenarios import serve
+
+    results = run_world(4, serve, timeout_s=300, model_dir=model_dir, mode="dp_sharded",
+                        root=str(harness.cache_dir()), spec=SPEC.to_dict())
+    part = -(-SPEC.n_hash_cols // 4)
+    for r in results:
+        assert r["ok"], r.get("traceback", r)
+        assert r["mismatches"] == [] and set(r["modes"]) == {"independent"}, r
+        slot = r["tp_rank"] * 2 + r["rank"] // 2  # vLLM's engram_head_shard_rank
+        assert all(h == [slot * part, min((slot + 1) * part, SPEC.n_hash_cols)]
+                   for h in r["heads"]), r["heads"]

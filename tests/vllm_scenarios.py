@@ -28,22 +28,28 @@ def _groups(rank, world, tp):
             harness.Coordinator(edp_ranks[rank % tp], edp_pgs[rank % tp]))
 
 
-def dp_shared(rank, world, *, model_dir, root, spec, tp=2):
-    """Every layer's embedding built by vLLM's Engram through the plugin,
-    loaded by vLLM's loader (the leader writes, the group meets), looked up
-    by vLLM's forward: rows compared with a whole-table reference; each
-    rank's PSS of its tables and their size."""
+def serve(rank, world, *, model_dir, root, spec, mode, tp=2):
+    """Every layer's embedding built by vLLM's Engram through the plugin
+    (``mode``: vLLM's DP-shared branch, or its DP-sharded one,
+    ``embedding_across_dp``), loaded by vLLM's loader (a writer copies, the
+    group meets), looked up by vLLM's forward with its collectives: rows
+    compared with a whole-table reference; each rank's PSS of its tables
+    and their size."""
     spec = EngramSpec.from_dict(spec)
     nv, common = harness.vllm_modules(Path(root))
     patch(nv, common)
     harness.State.tp, harness.State.edp = _groups(rank, world, tp)
     harness.State.dp = harness.State.edp
-    harness.State.config = harness.config(model_dir, dp_shared=True)
+    harness.State.config = harness.config(model_dir, dp_shared=mode == "dp_shared")
     layout = harness.layout_of(common, model_dir)
-    shareable = nv.can_share_engram_tables(layout)
+    shareable = nv.can_share_engram_tables(layout) if mode == "dp_shared" else None
     replica = rank // tp
+    # vLLM's per-replica token counts of the step (DP metadata)
+    counts = torch.tensor([40 + d for d in range(world // tp)])
+    harness.State.forward = harness.SimpleNamespace(
+        dp_metadata=harness.SimpleNamespace(num_tokens_across_dp_cpu=counts))
     out = {"shareable": shareable, "mismatches": [], "modes": [], "leaders": [], "pss": 0,
-           "table_bytes": 0, "tp_rank": rank % tp}
+           "table_bytes": 0, "tp_rank": rank % tp, "heads": []}
     tables = []
     for index, layer in enumerate(layout.layer_ids):
         emb = nv.Engram._create_embedding(harness.thin_engram(nv, index), layout, index)
@@ -52,6 +58,7 @@ def dp_shared(rank, world, *, model_dir, root, spec, tp=2):
         tables.append(table)
         out["modes"].append(table.mode)
         out["leaders"].append(table.leader)
+        out["heads"].append([table.shard.head_start, table.shard.head_end])
         ids = _global_ids(spec, layer, 40 + replica, seed=100 * replica + layer)
         got = emb(ids)
         with SharedEngramTable.create(spec, layer, shard_heads(spec.bucket_sizes(layer), 1, 0),
@@ -62,7 +69,9 @@ def dp_shared(rank, world, *, model_dir, root, spec, tp=2):
             out["mismatches"].append(layer)
         native.madvise(table._backing.mapping, native.MADV_POPULATE_READ)
         out["table_bytes"] += table._backing.layout.file_size
-        out.setdefault("reported_copies", []).append(emb._shared_memory.report()["pss_copies"])
+        if mode == "dp_shared":
+            out.setdefault("reported_copies", []).append(
+                emb._shared_memory.report()["pss_copies"])
     dist.barrier()
     out["pss"] = smaps("self", "numa-engram-").pss
     dist.barrier()  # every rank has measured before any unmaps
