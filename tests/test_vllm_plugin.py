@@ -95,7 +95,8 @@ def test_settings_are_checked_naming_the_key_and_what_it_accepts():
              ({"metrics_port": "x"}, "metrics_port is 'x'"),
              ({"pages": "2M"}, r"unknown key\(s\) \['pages'\]"),
              ({"service": ""}, "service is ''; accepted: a table service's socket path"),
-             ({"service_uids": [-1]}, "service_uids must be a list of uids")]
+             ({"service_uids": [-1]}, "service_uids must be a list of uids"),
+             ({"copies": "rack"}, "copies is 'rack'; accepted: node, socket")]
     for doc, text in cases:
         with pytest.raises(PluginError, match=text):
             PluginSettings.of({"numa_engram": doc})
@@ -305,3 +306,21 @@ def test_tp2_dp2_dp_sharded_slices_are_numbered_tp_major_as_vllm_numbers_them(
         slot = r["tp_rank"] * 2 + r["rank"] // 2  # vLLM's engram_head_shard_rank
         assert all(h == [slot * part, min((slot + 1) * part, SPEC.n_hash_cols)]
                    for h in r["heads"]), r["heads"]
+
+
+def test_sharing_groups_take_a_coordinators_cpu_group_and_never_an_nccl_default(
+        monkeypatch):
+    """vLLM's world group is NCCL: sharing_groups never falls back to the
+    default group there (it says what to pass), and runs a GroupCoordinator
+    over its cpu_group (the TP 2 x DP 2 test forms groups through one)."""
+    import torch.distributed as dist
+
+    from numa_engram.errors import TopologyError
+    from numa_engram.sharing.group import _cpu_group_of
+
+    coordinator = harness.SimpleNamespace(rank_in_group=0, world_size=1, cpu_group="gloo-pg")
+    assert _cpu_group_of(coordinator) == "gloo-pg"
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(TopologyError, match="default process group is NCCL.*world_group="):
+        _cpu_group_of(None)

@@ -256,6 +256,21 @@ class RollCall:
         return f"member(s) at world rank(s) {missing} did not arrive"
 
 
+def _cpu_group_of(group: Any) -> Any:
+    """The process group to run sharing_groups over: a vLLM GroupCoordinator's
+    CPU group; never the default group when that is NCCL (vLLM's world
+    group is), which cannot carry the identities."""
+    import torch.distributed as dist
+
+    if all(hasattr(group, a) for a in ("rank_in_group", "world_size", "cpu_group")):
+        return group.cpu_group
+    if group is None and dist.is_initialized() and dist.get_backend() == "nccl":
+        raise TopologyError("the default process group is NCCL, which cannot gather the "
+                            "ranks' identities: pass world_group= a gloo group (vLLM: "
+                            "get_world_group(), whose cpu_group is used)")
+    return group
+
+
 def as_group(group: Any, timeout_s: float = 300.0) -> Group:
     """Adapt what a serving stack has to a Group: our groups and any object
     with the Group surface as they are; an object with vLLM's
@@ -360,6 +375,7 @@ def sharing_groups(world_group: Any = None, *, tp_rank: int | None = None,
     world_layout = world_group if isinstance(world_group, WorldLayout) else None
     if world_layout is not None:
         world_group = None
+    world_group = _cpu_group_of(world_group)
     me = dist.get_rank()
     if world_layout is not None and tp_rank is None:
         tp_rank = world_layout.coords(me)[0]

@@ -27,6 +27,7 @@ _SPECS: dict[str, EngramSpec] = {}
 # registry on metrics_port + its global rank
 TABLES: list[SharedEngramTable] = []
 _METRICS: list[Any] = []
+_GROUPS: dict[Any, Any] = {}  # this process's sharing groups, by EDP group and copies
 
 
 def build_embedding(nv: ModuleType, common: ModuleType, embedding: type, layout: Any,
@@ -150,7 +151,8 @@ class LayerTables:
             edp = self.nv.get_engram_dp_group()
             refuse_load(self.config, read_only=True)
             table = SharedEngramTable.create(
-                spec, self.layer_id, shard, group=edp, mode="dp_shared",
+                spec, self.layer_id, shard, group=self._sharing_group(edp, device),
+                mode="dp_shared",
                 placement=self.settings.placement, page_size=self.settings.page_size,
                 directory=self._shared_directory(), register_device=device,
                 load_threads=self.settings.load_threads)
@@ -161,6 +163,20 @@ class LayerTables:
             placement=self.settings.placement, page_size=self.settings.page_size,
             register_device=device, load_threads=self.settings.load_threads)
         return TableStorage(self.nv, self.common, table, writer=True, group=None, filled=False)
+
+    def _sharing_group(self, edp: Any, device: int | None) -> Any:
+        """Who shares this layer's copy: the members of vLLM's EDP group that
+        can map one file (measured: host, uid, directory), split by their
+        GPU's socket with copies="socket"; formed once per process."""
+        from ...sharing.group import sharing_groups
+
+        key = (tuple(edp.ranks) if hasattr(edp, "ranks") else id(edp), self.settings.copies)
+        if key not in _GROUPS:
+            tp_rank = self.nv.get_tensor_model_parallel_rank()
+            _GROUPS[key] = sharing_groups(edp, tp_rank=tp_rank, device=device,
+                                          per_socket=self.settings.copies == "socket",
+                                          directory=self._shared_directory())
+        return _GROUPS[key]
 
     def _service_path(self) -> str | None:
         service = self.settings.service

@@ -12,8 +12,9 @@ from ...errors import NumaEngramError
 from ...literals import PageSize
 
 PAGE_SIZES = ("4K", "2M", "1G")
+COPIES = ("node", "socket")
 PLACEMENTS = ("gpu-local", "interleave", "node:N")
-KEYS = ("page_size", "placement", "service", "load_threads", "metrics_port",
+KEYS = ("page_size", "placement", "copies", "service", "load_threads", "metrics_port",
         "directory", "service_uids", "allow_unsealed")
 
 
@@ -25,6 +26,7 @@ class PluginError(NumaEngramError, RuntimeError):
 class PluginSettings:
     page_size: PageSize = "4K"
     placement: str = "gpu-local"
+    copies: str = "node"            # DP-shared: one copy per node, or one per GPU socket
     service: str | None = None      # a table service's socket, "auto", or None
     load_threads: int | None = None
     metrics_port: int | None = None
@@ -49,6 +51,7 @@ class PluginSettings:
 
     def check(self) -> None:
         _one_of("page_size", self.page_size, PAGE_SIZES)
+        _one_of("copies", self.copies, COPIES)
         if not (self.placement in PLACEMENTS[:2] or (
                 isinstance(self.placement, str) and re.fullmatch(r"node:\d+", self.placement))):
             raise PluginError(f"additional_config numa_engram.placement is {self.placement!r};"
