@@ -683,8 +683,39 @@ def _streamed_model(root: str, gib: float):
     return spec
 
 
-def _restart_times(gib: float) -> tuple[int, float, float]:
-    """(table bytes, best cold start, best attach) for a ~gib GiB table."""
+def _vllm_plugin_times(model: str, sock: str) -> tuple[float, float] | None:
+    """vLLM's own Engram (the wheel's, under the test stubs) through the
+    plugin: seconds from ``_allocate_weights`` to ready rows (the views
+    vLLM's kernel reads) attached from the service at ``sock``, and for a
+    cold private table loaded by vLLM's loader; None without vLLM's sources."""
+    from tests import vllm_harness as harness
+
+    root, why = harness.wheel_sources()
+    if root is None:
+        print(f"  (the vLLM plugin's path not measured: {why})")
+        return None
+    from numa_engram.integrations.vllm import patch
+
+    nv, common = harness.vllm_modules(root)
+    patch(nv, common)
+    layout = harness.layout_of(common, model)
+
+    def ready(config, load: bool) -> None:
+        harness.State.config = config
+        emb = nv.Engram._create_embedding(harness.thin_engram(nv), layout, 0)
+        if load:
+            harness.load_checkpoint(emb, model, layout.layer_ids[0])
+        emb._storage()  # the views vLLM's kernel reads
+        emb.numa_table.close()
+    attached = harness.config(model, additional={"service": sock})
+    t_attach = best_of(lambda: ready(attached, False), 5)
+    t_cold = best_of(lambda: ready(harness.config(model), True), 2)
+    return t_attach, t_cold
+
+
+def _restart_times(gib: float) -> tuple[int, float, float, tuple[float, float] | None]:
+    """(table bytes, best cold start, best attach, the vLLM plugin's (attach,
+    cold) or None) for a ~gib GiB table."""
     import subprocess
     import sys
 
@@ -711,10 +742,11 @@ def _restart_times(gib: float) -> tuple[int, float, float]:
                 time.sleep(0.1)
             t_attach = best_of(
                 lambda: SharedEngramTable.attach(spec, 1, shard, service=sock).close(), 5)
+            plugin = _vllm_plugin_times(model, sock)
         finally:
             proc.terminate()
             proc.wait()
-    return spec.rows(1) * spec.row_bytes, t_cold, t_attach
+    return spec.rows(1) * spec.row_bytes, t_cold, t_attach, plugin
 
 
 def bench_restart(sizes: tuple[float, ...] = (1.0, 8.0)) -> None:
@@ -723,11 +755,17 @@ def bench_restart(sizes: tuple[float, ...] = (1.0, 8.0)) -> None:
     print("== restart: cold create + load vs attach to the table service")
     attach_s = {}
     for gib in sizes:
-        size, t_cold, t_attach = _restart_times(gib)
+        size, t_cold, t_attach, plugin = _restart_times(gib)
         attach_s[gib] = t_attach
         print(f"  {size / 2**30:5.2f} GiB: cold {t_cold:7.3f} s ({size / t_cold / 2**30:.2f} "
               f"GiB/s), restart (attach) {t_attach * 1e3:7.3f} ms -> {t_cold / t_attach:,.0f}x "
               "faster (goal >= 50x at the large size)")
+        if plugin is not None:
+            p_attach, p_cold = plugin
+            print(f"  {size / 2**30:5.2f} GiB through vLLM's Engram + the plugin: "
+                  f"_allocate_weights to ready rows {p_attach * 1e3:7.3f} ms attached, "
+                  f"{p_cold:7.3f} s cold (create + vLLM's loader) -> "
+                  f"{p_cold / p_attach:,.0f}x")
     small, large = min(attach_s), max(attach_s)
     print(f"  attach time grows {attach_s[large] / attach_s[small]:.2f}x from {small} to {large} "
           "GiB (goal < 2x)")
