@@ -169,10 +169,10 @@ def install_stubs() -> None:
     for package in ("vllm.models", "vllm.models.deepseek_v41",
                     "vllm.models.deepseek_v41.common", "vllm.models.deepseek_v41.nvidia"):
         _module(package)
-    # no GPU here: the SM count vLLM's constructor reads, for its grid size
-    torch.cuda.get_device_properties = lambda *a, **k: SimpleNamespace(
-        multi_processor_count=4)
-    torch.accelerator.current_device_index = lambda: 0
+    if not torch.cuda.is_available():  # the SM count vLLM's constructor reads (grid size)
+        torch.cuda.get_device_properties = lambda *a, **k: SimpleNamespace(
+            multi_processor_count=4)
+        torch.accelerator.current_device_index = lambda: 0
 
 
 def load(root: Path, name: str, relative: str) -> types.ModuleType:

@@ -68,6 +68,9 @@ def main() -> int:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--table-gib", type=float, default=16.0)
     p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--vllm-cache", default=None,
+                   help="vLLM 0.31.0's files as tests/vllm_harness.py caches them (carry it "
+                        "to a machine without network); default its cache directory")
     a = p.parse_args()
     doc: dict = {"ok": False}
 
@@ -182,7 +185,10 @@ def main() -> int:
     doc["exact"] = exact
     doc["runtime"] = runtime_check()
     print(f"EngramRuntime device=0 vs the CPU runtime: {doc['runtime']}")
-    doc["ok"] = all(exact.values()) and replays_exact and doc["runtime"]["exact"]
+    doc["vllm_plugin"] = plugin_check(a.vllm_cache)
+    print(f"vLLM plugin on the device: {doc['vllm_plugin']}")
+    doc["ok"] = all(exact.values()) and replays_exact and doc["runtime"]["exact"] and \
+        doc["vllm_plugin"].get("exact", True)
     write()
     return 0 if doc["ok"] else 1
 
@@ -229,6 +235,82 @@ def runtime_check(steps: int = 8) -> dict:
                         exact &= all(same(g, w) for g, w in zip(rows, want))
     return {"exact": bool(exact), "cpu_step_ms": seconds["cpu"] / steps * 1e3,
             "gpu_step_ms": seconds["gpu"] / steps * 1e3}
+
+
+def plugin_check(cache: str | None) -> dict:
+    """The vLLM plugin's device checks, with vLLM 0.31.0's own Engram
+    modules (the wheel's, under the test stubs; its lookup kernel compiled
+    for this GPU): per page size, a private table (memfd) and one attached
+    read-only from a table service (its registration read-only), the
+    parameters pinned (``is_pinned()``), vLLM's kernel over our views
+    bit-exact with our CPU lookup, and attach + register seconds per GiB."""
+    import tempfile
+
+    import torch
+
+    os.environ["TRITON_INTERPRET"] = "0"  # vLLM's kernel compiled, not interpreted
+    if cache:
+        os.environ["NUMA_ENGRAM_VLLM_CACHE"] = cache
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from numa_engram import EngramSpec, write_synthetic_model
+    from numa_engram.host.hugepages import pool_pages
+    from numa_engram.integrations.vllm import patch
+    from numa_engram.runtime.modeldir import ModelDirectory
+    from numa_engram.service.holder import TableService
+    from tests import vllm_harness as harness
+
+    root, why = harness.wheel_sources()
+    if root is None:
+        return {"skipped": why}
+    nv, common = harness.vllm_modules(root)
+    patch(nv, common)
+    spec = EngramSpec.small(rows_per_head=200_000, n_head_per_ngram=8, head_dim=256,
+                            max_ngram_size=4)
+    out: dict = {"exact": True}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(write_synthetic_model(os.path.join(tmp, "m"), spec))
+        layout = harness.layout_of(common, model)
+        layer = layout.layer_ids[0]
+        rng = np.random.default_rng(9)
+        sizes = np.asarray(spec.bucket_sizes(layer))
+        base = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        ids = base + rng.integers(0, 1 << 40, (4096, len(sizes))) % sizes
+        for page in ("4K", "2M"):
+            if page == "2M" and pool_pages(2 << 20) * (2 << 20) < 2 * spec.table_bytes():
+                out[page] = {"skipped": "no free 2M huge pages for the tables"}
+                continue
+            one: dict = {}
+            harness.State.config = harness.config(model, additional={"page_size": page})
+            emb = nv.Engram._create_embedding(harness.thin_engram(nv), layout, 0)
+            harness.load_checkpoint(emb, model, layer)
+            one["pinned"] = bool(emb.weight.is_pinned() and emb.weight_scale_inv.is_pinned())
+            got = emb(torch.from_numpy(ids).cuda()).cpu()
+            want = emb.numa_table.lookup(ids, id_format="global")
+            one["exact_private"] = same(got, want)
+            emb.numa_table.close()
+            service = TableService(ModelDirectory.open(model), os.path.join(tmp, "s.sock"),
+                                   page_size=page)
+            service.start()
+            service.load_all()
+            try:
+                harness.State.config = harness.config(
+                    model, additional={"page_size": page, "service": service.socket_path})
+                t0 = time.perf_counter()
+                emb = nv.Engram._create_embedding(harness.thin_engram(nv), layout, 0)
+                emb._storage()
+                seconds = time.perf_counter() - t0
+                table = emb.numa_table
+                one["attach_register_s_per_gib"] = seconds / (table.backing_bytes / 2**30)
+                # registered as the mapping is: read-only (cudaHostRegisterReadOnly)
+                one["registered_read_only"] = table.registration is not None and \
+                    not table._backing.mapping.writable
+                one["exact_attached"] = same(emb(torch.from_numpy(ids).cuda()).cpu(), want)
+                table.close()
+            finally:
+                service.stop()
+            out[page] = one
+            out["exact"] &= one["exact_private"] and one["exact_attached"] and one["pinned"]
+    return out
 
 
 if __name__ == "__main__":
