@@ -110,3 +110,23 @@ def test_the_readmes_python_runs_as_written(tmp_path):
         assert code == 0, f"rank {rank} failed:\n{out[-3000:]}"
         assert "README-PROGRAM-DONE torch.Size([12, 12, 256])" in out, out[-2000:]
         assert "'mode': 'dp_shared'" in out, out[-2000:]
+
+
+def test_the_with_vllm_section_runs_as_far_as_it_can_without_vllm():
+    """README's "With vLLM": its --additional-config is accepted by the
+    plugin's settings, every key its table names is one the plugin takes,
+    the plugin it names is the package's entry point, and the command is
+    the documented one."""
+    import json
+
+    from numa_engram.integrations.vllm.settings import KEYS, PluginSettings
+
+    text = README.read_text()
+    section = text[text.index("## With vLLM"):text.index("## Serving with EngramRuntime")]
+    assert "VLLM_PLUGINS=numa_engram vllm serve" in section
+    config = json.loads(re.search(r"--additional-config '(\{.*?\})'", section).group(1))
+    settings = PluginSettings.of(config)
+    assert settings.page_size == "2M" and settings.placement == "gpu-local"
+    table = section[section.index("The keys of"):]
+    named = set(re.findall(r"^\| `(\w+)`(?:, `(\w+)`)? \|", table, flags=re.M))
+    assert {k for pair in named for k in pair if k} == set(KEYS)
