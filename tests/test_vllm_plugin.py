@@ -385,3 +385,18 @@ def test_the_package_declares_the_vllm_entry_point():
     doc = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
     assert doc["project"]["entry-points"]["vllm.general_plugins"] == {
         "numa_engram": "numa_engram.integrations.vllm:register"}
+
+
+@pytest.mark.multiproc
+def test_one_member_failing_fails_every_member_of_its_group_naming_it(vllm, model_dir):
+    from .dist_harness import run_world
+    from .vllm_scenarios import one_member_fails
+
+    results = run_world(4, one_member_fails, timeout_s=300, model_dir=model_dir,
+                        root=str(harness.cache_dir()))
+    by_rank = {r["rank"]: r for r in results}
+    assert all(r["ok"] for r in results), results
+    assert by_rank[0]["raised"] is None and by_rank[2]["raised"] is None  # the other group
+    # TP rank 1's group: both members fail alike, naming rank 3 and what it asked
+    assert by_rank[1]["raised"] == by_rank[3]["raised"]
+    assert "rank 3 asked for 2M pages" in by_rank[3]["raised"]

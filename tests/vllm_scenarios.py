@@ -80,6 +80,25 @@ def serve(rank, world, *, model_dir, root, spec, mode, tp=2):
     return out
 
 
+def one_member_fails(rank, world, *, model_dir, root, tp=2):
+    """DP-shared tables where the last rank asks for other pages than its
+    group: what each rank's construction raised."""
+    nv, common = harness.vllm_modules(Path(root))
+    patch(nv, common)
+    harness.State.tp, harness.State.edp = _groups(rank, world, tp)
+    harness.State.dp = harness.State.edp
+    page = "2M" if rank == world - 1 else "4K"
+    harness.State.config = harness.config(model_dir, dp_shared=True,
+                                          additional={"page_size": page})
+    layout = harness.layout_of(common, model_dir)
+    try:
+        emb = nv.Engram._create_embedding(harness.thin_engram(nv), layout, 0)
+    except Exception as exc:
+        return {"raised": f"{type(exc).__name__}: {exc}"}
+    emb.numa_table.close()
+    return {"raised": None}
+
+
 def _global_ids(spec, layer, tokens, seed):
     rng = np.random.default_rng(seed)
     sizes = np.asarray(spec.bucket_sizes(layer))
