@@ -67,9 +67,13 @@ def _bits(t):
     return t.contiguous().view(torch.int16)
 
 
-def test_vllms_kernel_over_a_private_table_gives_vllms_own_rows(vllm, model_dir):
+@pytest.mark.parametrize("page", ["4K", "2M"])
+def test_vllms_kernel_over_a_private_table_gives_vllms_own_rows(vllm, model_dir, page,
+                                                                request):
     nv, common = vllm
-    harness.State.config = harness.config(model_dir)
+    if page == "2M":
+        request.getfixturevalue("huge_pool")  # reserved here, or a skip saying why not
+    harness.State.config = harness.config(model_dir, additional={"page_size": page})
     layout = harness.layout_of(common, model_dir)
     for index, layer in enumerate(layout.layer_ids):
         ours = nv.Engram._create_embedding(harness.thin_engram(nv, index), layout, index)
@@ -78,6 +82,7 @@ def test_vllms_kernel_over_a_private_table_gives_vllms_own_rows(vllm, model_dir)
         assert ours.weight.dtype == torch.float8_e4m3fn and ours.weight.is_contiguous()
         assert ours.weight.data_ptr() == table.weights.ctypes.data
         assert ours.weight_scale_inv.dtype == torch.uint8
+        assert table._backing.layout.page_size == (2 << 20 if page == "2M" else 4096)
         assert harness.load_checkpoint(ours, model_dir, layer) == 2
         theirs = _vllms_own(nv, common, layout, index, model_dir, layer)
         ids = global_ids(SPEC, layer, 96, seed=layer)
@@ -136,7 +141,9 @@ def test_another_version_or_source_is_refused_at_model_construction(vllm, model_
 
 
 @pytest.mark.multiproc
-def test_tp2_dp2_dp_shared_tables_give_vllms_rows_with_one_copy(vllm, model_dir):
+@pytest.mark.parametrize("page", ["4K", "2M"])
+def test_tp2_dp2_dp_shared_tables_give_vllms_rows_with_one_copy(vllm, model_dir, page,
+                                                                request):
     """Four real ranks (gloo, 127.0.0.1) as vLLM's TP 2 x DP 2: the EDP
     peers of a TP rank share one table (PSS summed over the replicas is
     1.00 copies), vLLM's loader writes it once, and vLLM's forward with its
@@ -144,18 +151,26 @@ def test_tp2_dp2_dp_shared_tables_give_vllms_rows_with_one_copy(vllm, model_dir)
     from .dist_harness import run_world
     from .vllm_scenarios import serve
 
+    additional = {}
+    if page == "2M":  # a hugetlbfs mount every replica maps the copy from
+        additional = {"page_size": "2M", "directory": request.getfixturevalue("huge_pool").mount}
     results = run_world(4, serve, timeout_s=300, model_dir=model_dir, mode="dp_shared",
-                        root=str(harness.cache_dir()), spec=SPEC.to_dict())
+                        root=str(harness.cache_dir()), spec=SPEC.to_dict(),
+                        additional=additional)
     for r in results:
         assert r["ok"], r.get("traceback", r)
         assert r["shareable"] is True and r["mismatches"] == [], r
         assert set(r["modes"]) == {"dp_shared"}
         # the deployment log's figure: the group's PSS summed, as copies
-        assert all(abs(c - 1.0) < 0.02 for c in r["reported_copies"]), r["reported_copies"]
+        assert all(c is None if page == "2M" else abs(c - 1.0) < 0.02
+                   for c in r["reported_copies"]), r["reported_copies"]
         assert all(r["leaders"]) == (r["rank"] < 2) and any(r["leaders"]) == (r["rank"] < 2)
     one_copy = sum(r["table_bytes"] for r in results if r["rank"] < 2)  # each TP shard once
-    copies = sum(r["pss"] for r in results) / one_copy
-    assert abs(copies - 1.0) < 0.02, copies
+    if page == "2M":  # hugetlb pages are in no PSS: the pool gave exactly one copy
+        assert {r["huge_pages_taken"] for r in results} == {one_copy // (2 << 20)}, results
+    else:
+        copies = sum(r["pss"] for r in results) / one_copy
+        assert abs(copies - 1.0) < 0.02, copies
 
 
 # ------------------------------------------------- the table service --

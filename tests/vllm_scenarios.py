@@ -28,7 +28,7 @@ def _groups(rank, world, tp):
             harness.Coordinator(edp_ranks[rank % tp], edp_pgs[rank % tp]))
 
 
-def serve(rank, world, *, model_dir, root, spec, mode, tp=2):
+def serve(rank, world, *, model_dir, root, spec, mode, tp=2, additional=None):
     """Every layer's embedding built by vLLM's Engram through the plugin
     (``mode``: vLLM's DP-shared branch, or its DP-sharded one,
     ``embedding_across_dp``), loaded by vLLM's loader (a writer copies, the
@@ -40,7 +40,8 @@ def serve(rank, world, *, model_dir, root, spec, mode, tp=2):
     patch(nv, common)
     harness.State.tp, harness.State.edp = _groups(rank, world, tp)
     harness.State.dp = harness.State.edp
-    harness.State.config = harness.config(model_dir, dp_shared=mode == "dp_shared")
+    harness.State.config = harness.config(model_dir, dp_shared=mode == "dp_shared",
+                                          additional=additional)
     layout = harness.layout_of(common, model_dir)
     shareable = nv.can_share_engram_tables(layout) if mode == "dp_shared" else None
     replica = rank // tp
@@ -51,6 +52,8 @@ def serve(rank, world, *, model_dir, root, spec, mode, tp=2):
     out = {"shareable": shareable, "mismatches": [], "modes": [], "leaders": [], "pss": 0,
            "table_bytes": 0, "tp_rank": rank % tp, "heads": []}
     tables = []
+    dist.barrier()
+    free_before = _free_huge_pages()
     for index, layer in enumerate(layout.layer_ids):
         emb = nv.Engram._create_embedding(harness.thin_engram(nv, index), layout, index)
         harness.load_checkpoint(emb, model_dir, layer)
@@ -73,6 +76,7 @@ def serve(rank, world, *, model_dir, root, spec, mode, tp=2):
             out.setdefault("reported_copies", []).append(
                 emb._shared_memory.report()["pss_copies"])
     dist.barrier()
+    out["huge_pages_taken"] = free_before - _free_huge_pages()
     out["pss"] = smaps("self", "numa-engram-").pss
     dist.barrier()  # every rank has measured before any unmaps
     for table in tables:
@@ -97,6 +101,11 @@ def one_member_fails(rank, world, *, model_dir, root, tp=2):
         return {"raised": f"{type(exc).__name__}: {exc}"}
     emb.numa_table.close()
     return {"raised": None}
+
+
+def _free_huge_pages():
+    with open("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages") as f:
+        return int(f.read())
 
 
 def _global_ids(spec, layer, tokens, seed):

@@ -275,7 +275,10 @@ class TableStorage:
 
         doc = dict(self.table.mode_report())
         name = os.path.basename(self.table.path).removeprefix("memfd:")
-        pss = smaps("self", name).pss if name.startswith("numa-engram-") else None
+        # (PSS counts no hugetlb page: a huge-page table's copies show in its pool)
+        huge = self.table._backing.layout.page_size > 4096
+        pss = smaps("self", name).pss if name.startswith("numa-engram-") and not huge \
+            else None
         if self.group is not None and pss is not None:
             every: list[Any] = [None] * dist.get_world_size(self.group)
             dist.all_gather_object(every, pss, group=self.group)
