@@ -124,6 +124,27 @@ def test_configurations_the_plugin_cannot_serve_are_refused_at_construction(
         nv.Engram._create_embedding(harness.thin_engram(nv), layout, 0)
 
 
+def test_rocm_is_refused_and_replaced_storage_is_an_error(vllm, model_dir, monkeypatch):
+    import sys
+
+    nv, common = vllm
+    layout = harness.layout_of(common, model_dir)
+    harness.State.config = harness.config(model_dir)
+    monkeypatch.setattr(sys.modules["vllm.platforms"].current_platform, "is_rocm", lambda: True)
+    with pytest.raises(PluginError, match="on ROCm unset VLLM_PLUGINS=numa_engram"):
+        nv.Engram._create_embedding(harness.thin_engram(nv), layout, 0)
+    monkeypatch.undo()
+    ours = nv.Engram._create_embedding(harness.thin_engram(nv), layout, 0)
+    try:
+        other = torch.empty_like(ours.weight)
+        with pytest.raises(RuntimeError, match="storage was replaced"):
+            ours._shared_memory.get_views(other, ours.weight_scale_inv)
+        views = ours._storage()
+        assert views is ours._storage()  # cached
+    finally:
+        ours.numa_table.close()
+
+
 def test_another_version_or_source_is_refused_at_model_construction(vllm, model_dir,
                                                                      monkeypatch):
     import sys
@@ -202,6 +223,8 @@ def test_with_a_table_service_each_layer_attaches_and_vllms_loader_copies_nothin
             before = bytes(table.weights[:4].tobytes())
             harness.load_checkpoint(ours, model_dir, layer)  # (the mapper drops these)
             assert table.weights[:4].tobytes() == before  # checked, not copied
+            with pytest.raises(PluginError, match="a weight update would write"):
+                harness.load_checkpoint(ours, model_dir, layer)  # e.g. an RL weight sync
             theirs = _vllms_own(nv, common, layout, index, model_dir, layer)
             ids = global_ids(SPEC, layer, 64, seed=restart * 10 + layer)
             assert torch.equal(_bits(ours(ids)), _bits(theirs(ids)))

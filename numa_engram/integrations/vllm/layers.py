@@ -249,6 +249,11 @@ class TableStorage:
         import torch
 
         if self.filled:
+            if self._loads >= 2:  # past the checkpoint's two tensors: an update
+                raise PluginError("a weight update would write into an Engram table attached "
+                                  "read-only from the table service; restart the service with "
+                                  "the new checkpoint, or run without numa_engram.service")
+            self._loads += 1
             rows, start = param.shape[0], param.engram_vocab_start
             if loaded_weight.shape[0] < start + rows or \
                     tuple(loaded_weight.shape[1:]) != tuple(param.shape[1:]):
