@@ -70,6 +70,10 @@ def serve(rank, world, *, model_dir, root, spec, mode, tp=2, additional=None):
             want = whole.lookup(ids.numpy(), id_format="global")
         if not torch.equal(got.contiguous().view(torch.int16), want.view(torch.int16)):
             out["mismatches"].append(layer)
+        theirs = _vllms_own(nv, layout, index, model_dir, layer, mode)(ids)
+        if not torch.equal(got.contiguous().view(torch.int16),
+                           theirs.contiguous().view(torch.int16)):
+            out["mismatches"].append(f"{layer} vs vLLM's own storage")
         native.madvise(table._backing.mapping, native.MADV_POPULATE_READ)
         out["table_bytes"] += table._backing.layout.file_size
         if mode == "dp_shared":
@@ -101,6 +105,24 @@ def one_member_fails(rank, world, *, model_dir, root, tp=2):
         return {"raised": f"{type(exc).__name__}: {exc}"}
     emb.numa_table.close()
     return {"raised": None}
+
+
+def _vllms_own(nv, layout, index, model_dir, layer, mode):
+    """vLLM's embedding on its own storage (torch tensors, cpu_offload=False),
+    loaded by its loader: DP-sharded as vLLM shards it, or for the DP-shared
+    case the TP-sharded table it shares (its own DP-shared storage needs
+    CUDA registration, which this machine lacks)."""
+    saved = harness.State.edp
+    if mode == "dp_shared":
+        harness.State.edp = None  # one replica's TP shards, as each DP peer reads them
+    try:
+        emb = nv.ParallelEngramEmbedding(
+            layout.num_embeddings[index], layout.head_dim,
+            tuple(s for order in layout.primes[index] for s in order), cpu_offload=False)
+        harness.load_checkpoint(emb, model_dir, layer)
+    finally:
+        harness.State.edp = saved
+    return emb
 
 
 def _free_huge_pages():

@@ -43,10 +43,10 @@ class _PatchingLoader(importlib.abc.Loader):
 
 def patch_loaded() -> None:
     """Patch whichever of vLLM's modules are loaded (idempotent)."""
-    from .patching import patch
-
     nv, common = sys.modules.get(NV), sys.modules.get(COMMON)
     if nv is not None and common is not None:
+        from .patching import patch
+
         patch(nv, common, sys.modules.get(VL))
 
 
