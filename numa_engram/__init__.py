@@ -18,7 +18,6 @@ import logging
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from . import _moved
 from ._version import __version__
 from .errors import (
     CapacityError,
@@ -75,8 +74,6 @@ if TYPE_CHECKING:  # what _LAZY gives, as the real names for type checkers
     from .sharing.exchange import DPShardedLookup, ShardedHeads
     from .sharing.group import as_group, sharing_groups
     from .sharing.table import SharedEngramTable
-
-_moved.install(__name__)
 
 # the library only logs; the application decides where logs go
 logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -1,4 +1,4 @@
-from numa_engram.host.accounting import dequantized_bytes, mode_memory, query_payload, shard_bytes
+from numa_engram.host.accounting import mode_memory, shard_bytes
 from numa_engram.model.sharding import WorldLayout, shard_heads
 from numa_engram.model.spec import EngramSpec
 
@@ -28,11 +28,7 @@ def test_two_nodes_each_hold_one_shared_copy():
     layout = WorldLayout(tp=2, dp=8, gpus_per_host=8)
     shared = mode_memory(V4, "dp_shared", layout)
     assert shared.per_host == {0: V4.table_bytes(), 1: V4.table_bytes()}
-    assert shared.per_node == shared.per_host  # the old name still answers
 
 
-def test_shard_bytes_and_payload():
+def test_shard_bytes():
     assert shard_bytes(V4, 1, 1, 0) == V4.rows(1) * 264
-    assert query_payload(V4, 1) == 24 * 264  # one token reads 24 rows x 264 B per layer
-    assert query_payload(V4, 1000, heads=12) == 1000 * 12 * 264
-    assert dequantized_bytes(V4, 1000, heads=12) == 1000 * 12 * 256 * 2  # BF16 rows out

@@ -9,7 +9,6 @@ import torch
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 from numa_engram.bindings import cudart as cuda
 from numa_engram.errors import LookupIdError
-from numa_engram.lookup.cpu import staged_lookup
 from numa_engram.model.hashing import ngram_hashes
 from numa_engram.sharing.checkpoint import write_synthetic_checkpoint
 
@@ -67,17 +66,6 @@ def test_graph_capture_replays_new_ids(table):
         graph.replay()
         torch.cuda.synchronize()
         np.testing.assert_array_equal(_bits(out), _bits(t.lookup(ids)))
-
-
-def test_staged_lookup_is_bit_exact(table):
-    spec, t = table
-    ids = ngram_hashes(spec, np.random.default_rng(1).integers(0, 1000, 1000), 1)
-    pinned = torch.empty((1000, 4, 128), dtype=torch.bfloat16).pin_memory()
-    out = torch.empty((1000, 4, 128), dtype=torch.bfloat16, device="cuda")
-    got = staged_lookup(t.weights, t.scales, ids, head_start=4,
-                        bucket_sizes=spec.bucket_sizes(1)[4:8], pinned=pinned, out=out)
-    torch.cuda.synchronize()
-    np.testing.assert_array_equal(_bits(got), _bits(t.lookup(ids)))
 
 
 def test_cuda_prefetch_backend(table):

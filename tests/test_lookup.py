@@ -261,9 +261,6 @@ def test_packed_fp8_output_dequantises_to_the_lookup():
             table.lookup_threads = threads
             again = table.lookup(ids, packed=True)
             assert torch.equal(again[0], first)
-        with pytest.warns(DeprecationWarning, match="packed"):  # the old spelling still works
-            old = table.lookup(ids, dequantize=False)
-        assert torch.equal(old[0], first)
 
 
 def _packed_reference(w, s, ids, sizes):

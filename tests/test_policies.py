@@ -42,7 +42,7 @@ def test_nodes_the_host_lacks_are_refused():
         plan_placement("bind:0,7", REGIONS, TOPO)
 
 
-def test_a_plan_round_trips_and_reads_the_pre_0_3_key():
+def test_a_plan_round_trips_and_refuses_a_doc_without_memory_policy():
     from numa_engram.store.placement import PlacementPlan, PlacementRange
 
     plan = PlacementPlan((PlacementRange("w", 4096, 8192, "bind", (1,)),), "node:1")
@@ -50,5 +50,6 @@ def test_a_plan_round_trips_and_reads_the_pre_0_3_key():
     assert doc["ranges"][0]["memory_policy"] == "bind" and "mode" not in doc["ranges"][0]
     assert PlacementPlan.from_dict(doc) == plan
     old = {**doc, "ranges": [{"name": "w", "offset": 4096, "length": 8192, "mode": "bind",
-                              "nodes": [1]}]}  # as a 0.2 table header stores it
-    assert PlacementPlan.from_dict(old) == plan
+                              "nodes": [1]}]}  # the key's name in 0.2
+    with pytest.raises(PlacementError, match="not a placement plan: KeyError\\('memory_policy'"):
+        PlacementPlan.from_dict(old)

@@ -85,12 +85,11 @@ def test_edp_groups_follow_gcd_and_node_alignment():
     assert len(WorldLayout(tp=1, dp=4, gpus_per_host=4).edp_groups()) == 1
 
 
-def test_gpus_per_node_and_node_of_stay_aliases_of_the_host_names():
-    old = WorldLayout(tp=2, dp=8, gpus_per_node=8)
-    assert old == WorldLayout(2, 8, 8) and old.gpus_per_node == old.gpus_per_host == 8
-    assert old.node_of(9) == old.host_of(9) == 1
-    with pytest.raises(TopologyError, match="disagree"):
-        WorldLayout(2, 8, gpus_per_host=8, gpus_per_node=4)
+def test_a_world_layout_names_hosts_and_refuses_empty_sizes():
+    layout = WorldLayout(tp=2, dp=8, gpus_per_host=8)
+    assert layout == WorldLayout(2, 8, 8) and layout.host_of(9) == 1
+    with pytest.raises(TopologyError, match="must be >= 1"):
+        WorldLayout(2, 8, 0)
 
 
 def test_groups_split_per_socket_for_replicate_per_node():

@@ -366,9 +366,13 @@ def test_a_create_request_gives_each_name_one_meaning():
     assert _request(page_size="2M").page_size == 2 << 20
 
 
-def test_load_threads_1_alone_keeps_its_old_meaning_with_a_warning():
-    with pytest.warns(DeprecationWarning, match="shared_load=False"):
-        assert _request(load_threads=1).shared_load is False
+def test_load_threads_only_counts_threads_and_shared_load_decides_sharing():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _request(load_threads=1).shared_load is True
+        assert _request(load_threads=1, shared_load=False).shared_load is False
 
 
 @pytest.mark.parametrize("kwargs, text", [

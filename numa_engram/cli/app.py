@@ -105,9 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(4K: vLLM's on an H200); a size not given is reported as not measured")
     sp.add_argument("--tp", type=positive_int, default=2, help="tensor parallel")
     sp.add_argument("--dp", type=positive_int, default=4, help="data parallel")
-    sp.add_argument("--gpus-per-host", "--gpus-per-node", dest="gpus_per_host",
-                    type=non_negative_int, default=0,
-                    help="GPUs per host (0: from the topology); --gpus-per-node is an alias")
+    sp.add_argument("--gpus-per-host", dest="gpus_per_host", type=non_negative_int, default=0,
+                    help="GPUs per host (0: from the topology)")
     sp.add_argument("--mode", default="dp_shared", choices=["independent", "dp_shared",
                                                             "dp_sharded"],
                     help="who holds rows")

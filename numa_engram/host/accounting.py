@@ -9,21 +9,12 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..bindings import native
 from ..errors import CapacityError
 from . import procfs, sysfs
-
-
-def sum_memory(pids: Iterable[int]) -> procfs.ProcessMemory:
-    """Totals over pids: summed RSS counts a shared table once per process,
-    summed PSS counts it once."""
-    rows = [procfs.smaps_rollup(p) for p in pids]
-    return procfs.ProcessMemory(-1, sum(r.rss for r in rows), sum(r.pss for r in rows),
-                         sum(r.pss_shmem for r in rows), sum(r.shared for r in rows))
 
 
 def node_shmem() -> dict[int, int]:
@@ -152,11 +143,6 @@ class ModeMemory:
     per_host: dict[int, int]   # physical bytes on each host (shared copies counted once)
 
     @property
-    def per_node(self) -> dict[int, int]:
-        """Alias of per_host (from before "node" meant only a NUMA node)."""
-        return self.per_host
-
-    @property
     def total(self) -> int:
         return sum(self.per_host.values())
 
@@ -186,12 +172,3 @@ def mode_memory(spec, mode: str, world) -> ModeMemory:
     return ModeMemory(mode, per_rank, dict(sorted(per_host.items())))
 
 
-def query_payload(spec, tokens: int, heads: int | None = None) -> int:
-    """Bytes of FP8 rows (weights + scales) one layer's lookup reads for
-    ``tokens`` tokens over ``heads`` heads (all heads by default)."""
-    return tokens * (spec.n_hash_cols if heads is None else heads) * spec.row_bytes
-
-
-def dequantized_bytes(spec, tokens: int, heads: int | None = None) -> int:
-    """Bytes of the BF16 rows a lookup produces."""
-    return tokens * (spec.n_hash_cols if heads is None else heads) * spec.head_dim * 2

@@ -3,8 +3,8 @@
 ``lookup_rows`` runs the fused native kernel (one pass: gather, decode,
 scale, round, write into a torch tensor; threads pinned to the shard's node;
 GIL released).  ``reference_lookup`` is the plain torch path it must equal
-bit for bit; ``staged_lookup`` feeds a GPU through pinned memory, and
-``DeviceShard`` (cuda.py) reads registered tables zero-copy.  Every id is
+bit for bit (``DeviceShard`` in ``lookup/gpu.py`` reads registered tables
+zero-copy on a GPU).  Every id is
 checked before any row is read: DEAD_ID (-1) gives a zero row, anything
 else outside its head's bucket range is refused.
 """
@@ -206,7 +206,7 @@ def reference_lookup(weights: np.ndarray, scales: np.ndarray, hash_ids: Any, *,
     return out
 
 
-# ------------------------------------------------------------------ CUDA --
+# ------------------------------------------------------------ id formats --
 
 def id_base(spec: EngramSpec, layer_id: int, head_start: int, head_end: int,
             id_format: IdFormat) -> np.ndarray | None:
@@ -215,16 +215,3 @@ def id_base(spec: EngramSpec, layer_id: int, head_start: int, head_end: int,
     if check_id_format(id_format) == "bucket":
         return None
     return np.ascontiguousarray(spec.head_offsets(layer_id)[head_start:head_end])
-
-
-def staged_lookup(weights: np.ndarray, scales: np.ndarray, hash_ids: Any, *, head_start: int,
-                  bucket_sizes: Sequence[int], pinned: torch.Tensor, out: torch.Tensor,
-                  threads: int = 1, cpus: Sequence[int] = (), block: int = 32) -> torch.Tensor:
-    """For hosts where UVA reads are slow: the native CPU lookup into a
-    pinned staging tensor, then an async host-to-device copy on the current
-    stream into ``out``."""
-    n = int(np.asarray(hash_ids).shape[0])
-    lookup_rows(weights, scales, hash_ids, head_start=head_start, bucket_sizes=bucket_sizes,
-                out=pinned[:n], threads=threads, cpus=cpus, block=block)
-    out[:n].copy_(pinned[:n], non_blocking=True)
-    return out[:n]

@@ -113,35 +113,19 @@ def locate_rows(bucket_sizes: Sequence[int], num_shards: int,
 
 # ------------------------------------------------------- modes and groups --
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class WorldLayout:
     """TP x DP ranks, TP-minor (global rank = dp_rank * tp + tp_rank), on
     hosts of ``gpus_per_host`` GPUs ("node" elsewhere in this library means a
-    NUMA node; ``gpus_per_node``/``node_of`` are kept as aliases)."""
+    NUMA node)."""
 
     tp: int
     dp: int
     gpus_per_host: int
 
-    def __init__(self, tp: int, dp: int, gpus_per_host: int | None = None, *,
-                 gpus_per_node: int | None = None) -> None:
-        if gpus_per_host is not None and gpus_per_node is not None \
-                and gpus_per_host != gpus_per_node:
-            raise TopologyError(f"gpus_per_host={gpus_per_host} and its alias gpus_per_node="
-                                f"{gpus_per_node} disagree; pass one")
-        per_host = gpus_per_host if gpus_per_host is not None else gpus_per_node
-        if per_host is None:
-            raise TopologyError("WorldLayout needs gpus_per_host (GPUs per machine)")
-        object.__setattr__(self, "tp", tp)
-        object.__setattr__(self, "dp", dp)
-        object.__setattr__(self, "gpus_per_host", per_host)
+    def __post_init__(self) -> None:
         if self.tp < 1 or self.dp < 1 or self.gpus_per_host < 1:
             raise TopologyError(f"tp, dp and gpus_per_host must be >= 1: {self}")
-
-    @property
-    def gpus_per_node(self) -> int:
-        """Alias of gpus_per_host."""
-        return self.gpus_per_host
 
     @property
     def world_size(self) -> int:
@@ -158,8 +142,6 @@ class WorldLayout:
     def host_of(self, rank: int) -> int:
         """Index of the host (machine) ``rank`` runs on."""
         return rank // self.gpus_per_host
-
-    node_of = host_of  # alias, from before "node" meant only a NUMA node
 
     def edp_size(self) -> int:
         """Size of a node-local sharing group: gcd(dp, replicas per node) when

@@ -7,8 +7,7 @@ shapes and offsets, every header entry checked against its file) into a
 ``CheckpointPlan``; the rows themselves are read with ``preadv`` at the
 tensor's byte offset into the destination, chunk by chunk, through one
 descriptor per file, so nothing else of the file is read, no intermediate
-copy is made, and a file replaced meanwhile is noticed.  ``method="slice"`` uses the
-package's own slicing instead (same bytes, one more copy).
+copy is made, and a file replaced meanwhile is noticed.
 """
 
 from __future__ import annotations
@@ -358,7 +357,7 @@ def resolve(paths, spec: EngramSpec, layer_id: int,
 def load_rows(paths, spec: EngramSpec, layer_id: int, row_start: int, row_end: int,
               weights_out: np.ndarray, scales_out: np.ndarray, *,
               names: TensorNames | None = None, chunk_bytes: int = 64 << 20,
-              method: str = "pread", progress: Progress | None = None, threads: int = 1,
+              progress: Progress | None = None, threads: int = 1,
               cpus: Sequence[int] = ()) -> None:
     """Copy rows [row_start, row_end) of the layer's weights and scales into
     ``weights_out`` ([n, head_dim] uint8) and ``scales_out`` ([n, head_dim/block]).
@@ -371,8 +370,7 @@ def load_rows(paths, spec: EngramSpec, layer_id: int, row_start: int, row_end: i
 
     ``threads`` copy chunks in parallel (pread releases the GIL), each
     pinned to ``cpus`` when given (the CPUs of the node the rows live on, so
-    the writes stay local).  ``method="slice"`` (safetensors' own reader,
-    one thread) is the reference path."""
+    the writes stay local)."""
     rows = spec.rows(layer_id)
     n = row_end - row_start
     if not 0 <= row_start <= row_end <= rows:
@@ -381,23 +379,20 @@ def load_rows(paths, spec: EngramSpec, layer_id: int, row_start: int, row_end: i
     if weights_out.shape != (n, spec.head_dim) or scales_out.shape != (n, spec.scales_per_row):
         raise CheckpointError(f"destination shapes {weights_out.shape}, {scales_out.shape} do not "
                               f"hold {n} rows of {spec.head_dim} + {spec.scales_per_row} bytes")
-    if method not in ("pread", "slice"):
-        raise ValueError(f"method must be 'pread' or 'slice', got {method!r}")
     plan = resolve(paths, spec, layer_id, names)
     if plan.layer_id != layer_id:
         raise CheckpointError(f"the checkpoint plan is for layer {plan.layer_id}, not {layer_id}")
     with _OpenFiles(plan) as fds:
-        copy = _pread_rows if method == "pread" else _slice_rows
         chunks = [(loc, a, min(n, a + max(1, chunk_bytes // out.shape[1])), out)
                   for loc, out in ((plan.weights, weights_out), (plan.scales, scales_out))
                   for a in range(0, n, max(1, chunk_bytes // out.shape[1]))]
 
         def one(chunk) -> int:
             loc, a, b, out = chunk
-            copy(fds[loc.path], loc, row_start + a, row_start + b, out[a:b])
+            _pread_rows(fds[loc.path], loc, row_start + a, row_start + b, out[a:b])
             return (b - a) * out.shape[1]
 
-        for_each_chunk(chunks, one, threads=1 if method == "slice" else threads,
+        for_each_chunk(chunks, one, threads=threads,
                        total=n * spec.row_bytes, progress=progress, pin_cpus=cpus,
                        name="numa-engram-load")
         fds.check_unchanged("while the table loaded")
@@ -452,19 +447,6 @@ def _pread_rows(fd: int, loc: TensorLocation, a: int, b: int, out: np.ndarray) -
                                   "truncated checkpoint")
         got += n
 
-
-def _slice_rows(_fd: int, loc: TensorLocation, a: int, b: int, out: np.ndarray) -> None:
-    """safetensors' own reader (by path; the identity of the open fd is
-    checked before and after the whole copy)."""
-    import torch
-    from safetensors import safe_open
-
-    with safe_open(loc.path, framework="pt") as f:
-        t = f.get_slice(loc.name)[a:b]
-    out[...] = t.view(torch.uint8).numpy()
-
-
-# ---------------------------------------------------------------- writer --
 
 def synthetic_layer(spec: EngramSpec, layer_id: int, seed: int = 0,
                     raw: bool = False) -> tuple[np.ndarray, np.ndarray]:

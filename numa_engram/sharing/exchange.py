@@ -15,7 +15,6 @@ rank's heads (shard index ``tp_rank * edp + edp_rank``).  A lookup:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -103,19 +102,14 @@ class DPShardedLookup:
     ``group`` is the node-local EDP group in EDP-rank order: any Group whose
     ``process_group`` is set (what ``sharing_groups`` returns, or an adapted
     serving-stack group), or a torch ProcessGroup itself (gloo or NCCL;
-    None: the world).  ``process_group=`` is its old, deprecated name."""
+    None: the world)."""
 
     def __init__(self, table: SharedEngramTable, heads: ShardedHeads, edp_rank: int,
-                 group: Any = None, *, max_tokens: int | None = None,
-                 process_group: Any = None) -> None:
+                 group: Any = None, *, max_tokens: int | None = None) -> None:
         import torch.distributed as dist
 
         from .group import Group
 
-        if process_group is not None:
-            warnings.warn("DPShardedLookup(process_group=...) is now group=...",
-                          DeprecationWarning, stacklevel=2)
-            group = process_group if group is None else group
         process_group = group
 
         if not isinstance(heads, ShardedHeads):

@@ -11,7 +11,6 @@ at once rather than leaving the others waiting.
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -63,19 +62,10 @@ def _positive_seconds(value: Any, name: str = "timeout_s") -> float:
     return float(value)
 
 
-def _shared_load(shared: bool | None, load_threads: int | None) -> bool:
-    """Whether the load is split over the members (one name, one meaning:
-    ``load_threads`` only counts threads).  ``load_threads=1`` alone keeps
-    its old meaning, the leader's plain load, with a warning."""
-    if shared is not None:
-        return bool(shared)
-    if load_threads == 1:
-        warnings.warn("load_threads=1 no longer switches shared loading off on its own: pass "
-                      "shared_load=False for the leader's single-thread load (or "
-                      "shared_load=True for one thread per loader)", DeprecationWarning,
-                      stacklevel=4)
-        return False
-    return True
+def _shared_load(shared: bool | None) -> bool:
+    """Whether the load is split over the members (the default; one name,
+    one meaning: ``load_threads`` only counts threads)."""
+    return True if shared is None else bool(shared)
 
 
 def _load_threads(value: Any) -> int:
@@ -129,7 +119,7 @@ class CreateRequest:
                    names, register_device, _positive_seconds(timeout_s),
                    topology or Topology.detect(), progress,
                    None if lookup_threads is None else max(1, int(lookup_threads)),
-                   _load_threads(load_threads), _shared_load(shared_load, load_threads),
+                   _load_threads(load_threads), _shared_load(shared_load),
                    _positive_seconds(timeout_s if stall_timeout_s is None else stall_timeout_s,
                                      "stall_timeout_s"))
 

@@ -14,7 +14,6 @@ import logging
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypedDict, overload
@@ -310,15 +309,13 @@ class SharedEngramTable:
     # ------------------------------------------------------------ lookup --
     @overload
     def lookup(self, hash_ids: Any, out: Any = None, *, id_format: IdFormat = "bucket",
-               packed: Literal[False] = False,
-               dequantize: bool | None = None) -> torch.Tensor: ...
+               packed: Literal[False] = False) -> torch.Tensor: ...
     @overload
     def lookup(self, hash_ids: Any, out: Any = None, *, id_format: IdFormat = "bucket",
-               packed: Literal[True], dequantize: bool | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]: ...
+               packed: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def lookup(self, hash_ids: Any, out: Any = None, *, id_format: IdFormat = "bucket",
-               packed: bool = False, dequantize: bool | None = None) -> Rows:
+               packed: bool = False) -> Rows:
         """BF16 ``[T, heads_in_shard, head_dim]`` rows for ``hash_ids
         [T, n_hash_cols]`` (int64 or int32; rows may be strided, e.g.
         ``out[:, i]`` of ``HashState.hash``); DEAD_ID (-1) gives zero rows.
@@ -328,10 +325,9 @@ class SharedEngramTable:
         rows as stored, ``(weights uint8 [T, heads, head_dim], scales uint8
         [T, heads, head_dim/block])`` (half the output bytes; for a GPU
         that dequantises after the copy; ``out`` a pair of such tensors), as
-        ``lookup_cuda(packed=True)`` gives them (``dequantize=False`` is its
-        old, deprecated spelling).  ``out`` may also be what
+        ``lookup_cuda(packed=True)`` gives them.  ``out`` may also be what
         ``prepare_out(buffer)`` gave, for a buffer used call after call."""
-        if out is None and not packed and dequantize is None and id_format == "bucket":
+        if out is None and not packed and id_format == "bucket":
             # the default, a decode step's call: its Python is most of its
             # cost (a few us at one token), so the fewest steps: a decode
             # step's ids into the pooled output by the bound kernel, called
@@ -350,10 +346,6 @@ class SharedEngramTable:
                     self._kernel_failed(kernel, bad, tokens, False)
                 return result
         check_id_format(id_format)
-        if dequantize is not None:
-            warnings.warn("lookup(dequantize=...) is now lookup(packed=...), its opposite",
-                          DeprecationWarning, stacklevel=2)
-            packed = not dequantize
         ids, address, stride, tokens = self._kernel_ids(hash_ids)
         shape = (tokens, *self._row_shape)
         rows_out: Any  # (the BF16 tensor, or the packed pair)

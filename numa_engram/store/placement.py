@@ -114,10 +114,8 @@ class PlacementPlan:
     def from_dict(cls, doc: dict) -> PlacementPlan:
         """The plan ``to_dict`` wrote (e.g. the one stored in a table's header)."""
         try:
-            # "mode": the key's name before 0.3 (a table file made by 0.2)
             ranges = tuple(PlacementRange(r["name"], int(r["offset"]), int(r["length"]),
-                                          str(r["memory_policy"] if "memory_policy" in r
-                                              else r["mode"]),
+                                          str(r["memory_policy"]),
                                           tuple(int(n) for n in r["nodes"]))
                            for r in doc["ranges"])
             return cls(ranges, str(doc.get("policy", "custom")), int(doc.get("copies", 1)))
