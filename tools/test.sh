@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 "$PY" -m ruff check numa_engram tests tools cffi_build
 "$PY" -m mypy  # the package ([tool.mypy] in pyproject.toml); public modules fully typed
-"$PY" -m pytest -q -rs "$@"
+"$(dirname "$PY")/lint-imports"  # the layer order ([tool.importlinter] in pyproject.toml)
+"$PY" -m pytest -q -rs --durations=15 "$@"
 PYTHON="$PY" tools/check_package.sh
 nodes=$(ls -d /sys/devices/system/node/node[0-9]* 2>/dev/null | wc -l)
 if [ "${NUMA_ENGRAM_SKIP_VM:-0}" = 1 ]; then
