@@ -175,7 +175,7 @@ def test_mem_and_verify_read_like_numastat():
     with BackingFile.create(Layout.of([("w", 48 << 20)]), bytes(32)) as f:
         child = subprocess.Popen(
             [sys.executable, "-c", "import sys\nfrom numa_engram.store.storage import BackingFile\n"
-             "from numa_engram import native\n"
+             "from numa_engram.bindings import native\n"
              f"b = BackingFile.attach({f.path!r})\n"
              "native.madvise(b.mapping, native.MADV_POPULATE_READ)\n"
              "print('ready', flush=True)\nsys.stdin.readline()\n"],
