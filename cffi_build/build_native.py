@@ -25,7 +25,7 @@ VERSION = re.search(r'__version__ = "([^"]+)"',
 # "cffi-constants" comment block (their values come from the system
 # headers at build time, not from numbers typed here).  Preprocessor lines
 # (include guards, includes) are not cffi syntax and are dropped.
-HEADERS = ("memory.h", "pool.h", "lookup.h", "hashing.h")
+HEADERS = ("memory.h", "pool.h", "lookup.h", "hashing.h", "ple.h")
 CONSTANTS = re.compile(r"cffi-constants[^\n]*\n(.*?)\*/", re.S)
 
 

@@ -9,6 +9,7 @@
  *   src/pool.c     persistent worker threads
  *   src/lookup.c   gathering rows for hash ids (BF16 or packed)
  *   src/hashing.c  DeepSeek's n-gram hashes, batch and serving windows
+ *   src/ple.c      Qwen4-Exp's PLE ids and per-tensor-scale rows
  *
  * Every wrapper returns -1 (or NULL) and leaves errno set on failure; the
  * Python side (numa_engram/bindings/native.py) is the only caller and turns
@@ -20,3 +21,4 @@
 #include "src/pool.c"
 #include "src/lookup.c"
 #include "src/hashing.c"
+#include "src/ple.c"

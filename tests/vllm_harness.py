@@ -31,7 +31,12 @@ VERSION = "0.31.0"
 FILES = ("vllm/models/deepseek_v41/common/engram.py",
          "vllm/models/deepseek_v41/nvidia/engram.py",
          "vllm/models/deepseek_v41/nvidia/vl_model.py",
-         "vllm/model_executor/models/utils.py")
+         "vllm/model_executor/models/utils.py",
+         "vllm/models/qwen4_exp/common/ple.py",
+         "vllm/models/qwen4_exp/common/ngram_embedding.py",
+         "vllm/models/qwen4_exp/nvidia/ngram_embedding.py",
+         "vllm/models/qwen4_exp/nvidia/ops/ple.py",
+         "vllm/model_executor/layers/vocab_parallel_embedding.py")
 NV = "vllm.models.deepseek_v41.nvidia.engram"
 COMMON = "vllm.models.deepseek_v41.common.engram"
 
@@ -164,8 +169,9 @@ def install_stubs() -> None:
     _module("vllm.compilation.breakable_cudagraph", eager_break_during_capture=lambda f: f)
     _module("vllm.utils.platform_utils", is_uva_available=lambda: True)
     _module("vllm.utils.torch_utils", get_accelerator_view_from_cpu_tensor=lambda t: t)
-    _module("vllm.platforms", current_platform=SimpleNamespace(is_rocm=lambda: False,
-                                                               is_cuda_alike=lambda: True))
+    _module("vllm.platforms", current_platform=SimpleNamespace(
+        is_rocm=lambda: False, is_cuda_alike=lambda: True, is_arch_support_pdl=lambda: False,
+        simple_compile_backend="eager"))
     for package in ("vllm.models", "vllm.models.deepseek_v41",
                     "vllm.models.deepseek_v41.common", "vllm.models.deepseek_v41.nvidia"):
         _module(package)
@@ -245,3 +251,72 @@ def load_checkpoint(emb: object, model_dir: str, layer_id: int) -> int:
             tensor = tensor.view(torch.float8_e8m0fnu)
         param.weight_loader(param, tensor)
     return 2
+
+
+class _Layer:
+    """Stands in for vLLM's PluggableLayer: ``register`` leaves a class as it is."""
+
+    @classmethod
+    def register(cls, _name: str):
+        return lambda klass: klass
+
+
+def _open(name: str) -> types.ModuleType:
+    """A stub module whose every missing name is a fresh empty class (names
+    vLLM's files import but the code run here never calls)."""
+    module = _module(name)
+
+    def missing(attr: str) -> type:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        value = type(attr, (), {})
+        setattr(module, attr, value)
+        return value
+
+    module.__getattr__ = missing  # type: ignore[method-assign]
+    return module
+
+
+def _divide(numerator: int, denominator: int) -> int:
+    assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
+    return numerator // denominator
+
+
+def ple_modules(root: Path) -> SimpleNamespace:
+    """vLLM 0.31.0's Qwen4-Exp PLE code under the stubs: ``nv``
+    (nvidia/ngram_embedding.py), ``common`` (common/ngram_embedding.py),
+    ``ple`` (common/ple.py),
+    ``ops`` (nvidia/ops/ple.py, its Triton kernels under the interpreter),
+    ``vocab`` (vocab_parallel_embedding.py)."""
+    install_stubs()
+    distributed = sys.modules["vllm.distributed"]
+    distributed.__dict__.update(
+        divide=_divide, GroupCoordinator=Coordinator, get_etp_group=lambda: State.tp,
+        get_tp_group=lambda: State.tp, tensor_model_parallel_all_reduce=lambda t: t)
+    for name in ("vllm.envs", "vllm._custom_ops", "vllm.model_executor.determinism.batch_invariant",
+                 "vllm.model_executor.layers.quantization.base_config",
+                 "vllm.model_executor.layers.quantization.fp8",
+                 "vllm.model_executor.layers.quantization.modelopt",
+                 "vllm.model_executor.layers.quantization.utils.fp8_utils",
+                 "vllm.model_executor.layers.quantization.utils.quant_utils",
+                 "vllm.model_executor.layers.utils", "vllm.model_executor.parameter",
+                 "vllm.model_executor.models.utils", "vllm.transformers_utils.configs.qwen4_exp",
+                 "vllm.v1.attention.backends.utils"):
+        _open(name)
+    _module("vllm.model_executor.custom_op", PluggableLayer=_Layer)
+    _module("vllm.forward_context", DPMetadata=object)
+    _module("vllm.utils.torch_utils", direct_register_custom_op=lambda *a, **k: None)
+    _module("vllm.v1.attention.backends.utils", NULL_BLOCK_ID=0)
+    for package in ("vllm.models.qwen4_exp", "vllm.models.qwen4_exp.common",
+                    "vllm.models.qwen4_exp.nvidia", "vllm.models.qwen4_exp.nvidia.ops"):
+        _module(package)
+    vocab = load(root, "vllm.model_executor.layers.vocab_parallel_embedding",
+                 "vllm/model_executor/layers/vocab_parallel_embedding.py")
+    ple = load(root, "vllm.models.qwen4_exp.common.ple", "vllm/models/qwen4_exp/common/ple.py")
+    common = load(root, "vllm.models.qwen4_exp.common.ngram_embedding",
+                  "vllm/models/qwen4_exp/common/ngram_embedding.py")
+    ops = load(root, "vllm.models.qwen4_exp.nvidia.ops.ple",
+               "vllm/models/qwen4_exp/nvidia/ops/ple.py")
+    nv = load(root, "vllm.models.qwen4_exp.nvidia.ngram_embedding",
+              "vllm/models/qwen4_exp/nvidia/ngram_embedding.py")
+    return SimpleNamespace(nv=nv, common=common, ops=ops, vocab=vocab, ple=ple)

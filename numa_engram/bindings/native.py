@@ -773,3 +773,35 @@ def hash_window_batch(win: np.ndarray, pad_id: int, multipliers: np.ndarray,
             ffi.NULL if offsets is None else _ptr(offsets, "int64_t *"), multipliers.shape[0],
             n_head, _ptr(out, "int64_t *"), threads) != 0:
         _raise("pthread_create", f"hashing with {threads} threads")
+
+
+def ple_ids(ids: np.ndarray, query_start: np.ndarray, context: np.ndarray, eos: int,
+            multipliers: np.ndarray, sizes: np.ndarray, offsets: np.ndarray,
+            heads_per_ngram: int) -> np.ndarray:
+    """int64 ``[T, n_layers, n_heads]`` PLE rows (model/plehashing.py has
+    the rule) of int64 ``ids [T]`` in requests ``query_start [R + 1]``
+    with ``context [R, n1]``; multipliers ``[n_layers, n1 + 1]``, sizes and
+    offsets ``[n_layers, n_heads]``.  The caller checks every shape."""
+    n_layers, n_heads = sizes.shape
+    out = np.empty((ids.shape[0], n_layers, n_heads), dtype=np.int64)
+    if out.size and lib.ne_ple_ids(
+            _ptr(ids, "int64_t *"), ids.shape[0], _ptr(query_start, "int64_t *"),
+            query_start.shape[0] - 1, _ptr(context, "int64_t *"), context.shape[1], eos,
+            _ptr(multipliers, "int64_t *"), _ptr(sizes, "int64_t *"),
+            _ptr(offsets, "int64_t *"), n_layers, n_heads, heads_per_ngram,
+            _ptr(out, "int64_t *")) != 0:
+        _raise("ne_ple_ids", "arguments the caller should have refused")
+    return out
+
+
+def ple_rows(table: np.ndarray, row_start: int, ids: np.ndarray, lut: np.ndarray | None,
+             out: np.ndarray) -> None:
+    """``out[i]`` = row ``ids[i]`` of a uint8 ``table [rows, row_bytes]``
+    holding rows ``row_start ..``, through ``lut`` (uint16 [256]: FP8 byte
+    -> BF16 bits) or as raw bytes; zeros for ids outside it.  The caller
+    checks ``out``'s size and that ``table`` and ``ids`` are C-contiguous."""
+    if ids.shape[0] and lib.ne_ple_rows(
+            _ptr(table, "uint8_t *"), table.shape[0], table.shape[1], row_start,
+            _ptr(ids, "int64_t *"), ids.shape[0],
+            ffi.NULL if lut is None else _ptr(lut, "uint16_t *"), ffi.from_buffer(out)) != 0:
+        _raise("ne_ple_rows", "a row of no bytes")
