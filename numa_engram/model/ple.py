@@ -25,7 +25,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..errors import SpecError
+from ..errors import SpecError, TopologyError
+from .sharding import ShardInfo
 from .spec import _check_range, _int_tuple, is_prime, strict_int
 
 PLEDtype = Literal["float8_e4m3fn", "bfloat16"]
@@ -164,14 +165,36 @@ class PLESpec:
         return np.array([2 * (splitmix64(base + SPLITMIX_GAMMA * (i + 1)) % half_bound) + 1
                          for i in range(self.ngram_size)], dtype=np.int64)
 
+    def row_regions(self) -> tuple[tuple[str, int], ...]:
+        """The rows (the ``TableFamily`` view)."""
+        return (("weights", self.row_bytes),)
+
+    def fixed_regions(self) -> tuple[tuple[str, int], ...]:
+        """FP8: the table's fp32 scale (4 bytes); BF16: none."""
+        return (("scale", 4),) if self.dtype == "float8_e4m3fn" else ()
+
+    def shard(self, layer_id: int, rank: int, world: int) -> ShardInfo:
+        """ETP rank ``rank``'s rows as a ShardInfo (every head: a PLE shard
+        is a row range)."""
+        start, end = self.shard_rows(layer_id, rank, world)
+        return ShardInfo(0, self.n_heads, start, end, end - start)
+
+    def check_shard(self, layer_id: int, shard: ShardInfo) -> None:
+        rows = self.rows(layer_id)
+        if (shard.head_start, shard.head_end) != (0, self.n_heads) or not (
+                0 <= shard.row_start < shard.row_end <= rows
+                and shard.num_rows == shard.row_end - shard.row_start):
+            raise TopologyError(f"{shard} is not a row range of PLE layer {layer_id} (0..{rows} "
+                                "rows, every head); build it with PLESpec.shard()")
+
     def shard_rows(self, layer_id: int, rank: int, world: int) -> tuple[int, int]:
         """Rows ``[start, end)`` that ETP rank ``rank`` of ``world`` owns, as
         vLLM's ``VocabParallelEmbedding`` splits the padded table."""
         rows = self.rows(layer_id)
         if world < 1 or not 0 <= rank < world:
-            raise SpecError(f"rank {rank} is not in an ETP group of {world}")
+            raise TopologyError(f"rank {rank} is not in an ETP group of {world}")
         if rows % world:
-            raise SpecError(f"layer {layer_id}'s {rows} rows do not split evenly over {world} "
+            raise TopologyError(f"layer {layer_id}'s {rows} rows do not split evenly over {world} "
                             "ETP ranks (vLLM refuses it too)")
         per = rows // world
         return rank * per, (rank + 1) * per

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SpecError, SpecMismatchError
-from .sharding import prefix_offsets
+from ..errors import SpecError, SpecMismatchError, TopologyError
+from .sharding import ShardInfo, prefix_offsets
 
 LAYER_SEED_PRIME = 10007
 FINGERPRINT_VERSION = 1
@@ -203,6 +203,25 @@ class EngramSpec:
                     search = prime
             out[layer] = tuple(heads)
         return out
+
+    def row_regions(self) -> tuple[tuple[str, int], ...]:
+        """FP8 rows, then their ue8m0 scales (the ``TableFamily`` view)."""
+        return (("weights", self.head_dim), ("scales", self.scales_per_row))
+
+    def fixed_regions(self) -> tuple[tuple[str, int], ...]:
+        return ()
+
+    def check_shard(self, layer_id: int, shard: ShardInfo) -> None:
+        """TopologyError unless ``shard`` is whole heads of the layer with
+        their rows (``shard_heads``)."""
+        sizes = self.bucket_sizes(layer_id)
+        if not 0 <= shard.head_start < shard.head_end <= len(sizes):
+            raise TopologyError(f"shard heads [{shard.head_start}, {shard.head_end}) are not "
+                                f"heads of layer {layer_id} (0..{len(sizes)})")
+        if (shard.row_start, shard.row_end) != (sum(sizes[:shard.head_start]),
+                                                sum(sizes[:shard.head_end])):
+            raise TopologyError(f"shard rows [{shard.row_start}, {shard.row_end}) are not the "
+                                "rows of its heads; build it with shard_heads()")
 
     def _check_layer(self, layer_id: int) -> None:
         if layer_id not in self.layer_ids:

@@ -24,6 +24,8 @@ from typing import Any
 
 from ..bindings import native
 from ..host.topology import Topology
+from ..model.ple import PLESpec
+from ..model.spec import EngramSpec
 from ..store.placement import PlacementPlan, PlacementRange, PlacementReport, verify
 from ..store.storage import BackingFile
 from .checkpoint import CheckpointPlan, Progress
@@ -31,10 +33,12 @@ from .checkpoint import resolve as resolve_checkpoint
 from .group import Group, SingleProcessGroup
 from .loading import bytes_done, load_part, load_parts, loaders_of, wait_for_parts
 from .membership import MemberInfo, decide, member_info, plan_for
+from .plecheckpoint import PLECheckpointPlan, resolve_ple
 from .request import CreateRequest
 from .steps import attempt, every, lead, raise_failures, raise_unless, step_hook, unless_failed
 
 log = logging.getLogger(__name__)
+AnyPlan = CheckpointPlan | PLECheckpointPlan
 
 # The last step is a short all-gather that every member reaches at once
 # (after the load): bounded by this, so a member lost there costs little.
@@ -109,7 +113,7 @@ def join(grp: Group, req: CreateRequest) -> tuple[MemberInfo, list[MemberInfo]]:
 
 
 def decide_mode(grp: Group, req: CreateRequest, members: list[MemberInfo],
-                directory: str | None) -> tuple[CheckpointPlan | None, str, str]:
+                directory: str | None) -> tuple[AnyPlan | None, str, str]:
     """The leader resolves the whole checkpoint (files, tensors, offsets, the
     spec) before anything is decided or allocated: a wrong tensor fails in a
     second, not after a populate; every loader reads that plan.  Then the
@@ -120,7 +124,7 @@ def decide_mode(grp: Group, req: CreateRequest, members: list[MemberInfo],
 
 
 def share(grp: Group, req: CreateRequest, members: list[MemberInfo], directory: str | None,
-          checkpoint: CheckpointPlan | None) -> Built:
+          checkpoint: AnyPlan | None) -> Built:
     """The steps from create to ready, for a group that shares one file."""
     leader = grp.rank == 0
     held = _Held()
@@ -217,7 +221,7 @@ def register(backing: BackingFile, device: int) -> Any:
     return cudart.RegistrationLease(reg, backing.mapping.keepalive())
 
 
-def load(backing: BackingFile, req: CreateRequest, checkpoint: CheckpointPlan | None,
+def load(backing: BackingFile, req: CreateRequest, checkpoint: AnyPlan | None,
          progress: Progress | None, parts: list[tuple[int, int]], member: int,
          cpus: tuple[int, ...]) -> None:
     """This member's part of the load (bumping its progress slot as it
@@ -244,9 +248,13 @@ def load(backing: BackingFile, req: CreateRequest, checkpoint: CheckpointPlan | 
         backing.mark_ready()
 
 
-def resolve(req: CreateRequest) -> CheckpointPlan | None:
+def resolve(req: CreateRequest) -> AnyPlan | None:
     if req.checkpoint is None:
         return None
+    if isinstance(req.spec, PLESpec):
+        return resolve_ple(req.checkpoint, req.spec, req.layer_id)
+    if not isinstance(req.spec, EngramSpec):
+        raise TypeError(f"no checkpoint reader for {type(req.spec).__name__} tables")
     return resolve_checkpoint(req.checkpoint, req.spec, req.layer_id, req.names)
 
 
@@ -281,6 +289,6 @@ def _log_progress(layer_id: int) -> Progress:
     def report(done: int, total: int) -> None:
         if done == total or done - last[0] >= 1 << 30:
             last[0] = done
-            log.info("Engram layer %d: loaded %.2f of %.2f GiB", layer_id, done / 2**30,
+            log.info("layer %d: loaded %.2f of %.2f GiB", layer_id, done / 2**30,
                      total / 2**30)
     return report

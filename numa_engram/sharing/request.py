@@ -15,12 +15,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..bindings import native
-from ..errors import SpecError, TopologyError
+from ..errors import SpecError
 from ..host import hugepages
 from ..host.topology import Topology
 from ..literals import CREATE_MODES, CreateMode, PageSize
+from ..model.family import TableFamily
 from ..model.sharding import ShardInfo
-from ..model.spec import EngramSpec, strict_int
+from ..model.spec import strict_int
 from ..store.fileformat import Layout, ShardKey
 from ..store.placement import PlacementPlan
 from .checkpoint import Progress, TensorNames
@@ -31,25 +32,20 @@ DEFAULT_POLICY = "gpu-local"
 MAX_DEFAULT_LOAD_THREADS = 8
 
 
-def table_layout(spec: EngramSpec, shard: ShardInfo, page_size: int = native.PAGE_SIZE) -> Layout:
-    """The table file's regions for one shard: FP8 rows, then their scales."""
-    return Layout.of([("weights", shard.num_rows * spec.head_dim),
-                      ("scales", shard.num_rows * spec.scales_per_row)], page_size)
+def table_layout(spec: TableFamily, shard: ShardInfo,
+                 page_size: int = native.PAGE_SIZE) -> Layout:
+    """The table file's regions for one shard: each row region of the
+    family (Engram: FP8 rows, then their scales), then its fixed bytes."""
+    return Layout.of([(name, shard.num_rows * width) for name, width in spec.row_regions()]
+                     + list(spec.fixed_regions()), page_size)
 
 
 def shard_key(layer_id: int, shard: ShardInfo) -> ShardKey:
     return ShardKey(layer_id, shard.head_start, shard.head_end, shard.row_start, shard.row_end)
 
 
-def check_shard(spec: EngramSpec, layer_id: int, shard: ShardInfo) -> None:
-    sizes = spec.bucket_sizes(layer_id)
-    if not 0 <= shard.head_start < shard.head_end <= len(sizes):
-        raise TopologyError(f"shard heads [{shard.head_start}, {shard.head_end}) are not heads "
-                            f"of layer {layer_id} (0..{len(sizes)})")
-    if (shard.row_start, shard.row_end) != (sum(sizes[:shard.head_start]),
-                                            sum(sizes[:shard.head_end])):
-        raise TopologyError(f"shard rows [{shard.row_start}, {shard.row_end}) are not the rows "
-                            "of its heads; build it with shard_heads()")
+def check_shard(spec: TableFamily, layer_id: int, shard: ShardInfo) -> None:
+    spec.check_shard(layer_id, shard)
 
 
 def default_load_threads() -> int:
@@ -85,7 +81,7 @@ class CreateRequest:
     its final form (the page size in bytes, the load threads counted, the
     topology detected)."""
 
-    spec: EngramSpec
+    spec: TableFamily  # EngramSpec or PLESpec
     layer_id: int
     shard: ShardInfo
     mode: CreateMode
@@ -104,7 +100,7 @@ class CreateRequest:
     stall_timeout_s: float  # how long a load may make no progress before it fails
 
     @classmethod
-    def of(cls, spec: EngramSpec, layer_id: int, shard: ShardInfo, *, mode: str,
+    def of(cls, spec: TableFamily, layer_id: int, shard: ShardInfo, *, mode: str,
            placement: str | PlacementPlan | None, directory: str | None,
            page_size: PageSize | int, checkpoint: Any, names: TensorNames | None,
            register_device: int | None, timeout_s: float, topology: Topology | None,

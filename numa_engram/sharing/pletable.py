@@ -1,0 +1,142 @@
+"""One ETP shard of one layer's Qwen4-Exp PLE table, made by the same
+sharing protocol as an Engram table: one copy per sharing group (the DP
+replicas holding the same row range), NUMA-placed, on 4K, 2M or 1G pages,
+loaded from vLLM's split-parts checkpoint cooperatively, sealed once
+loaded.
+
+A rank looks up the rows it holds (zeros for rows another ETP rank holds);
+``reduce_rows`` sums the ranks' raw row bytes as vLLM all-reduces FP8
+(int8), so every rank ends with the whole table's rows, then turns FP8 into
+BF16 through the per-tensor scale.  torch only inside the calls that hand
+out tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import StorageError
+from ..host.topology import Topology
+from ..literals import CreateMode, PageSize
+from ..lookup.ple import PLERows
+from ..model.ple import PLESpec
+from ..model.sharding import ShardInfo
+from ..store.fileformat import DEFAULT_DIRECTORY
+from ..store.placement import PlacementPlan
+from ..store.storage import BackingFile
+from . import protocol
+from .checkpoint import Progress
+from .group import SingleProcessGroup, as_group
+from .membership import MemberInfo
+from .request import CreateRequest
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+class SharedPLETable:
+    """Rows ``shard.row_start .. shard.row_end`` of a PLE layer's table."""
+
+    def __init__(self, spec: PLESpec, layer_id: int, shard: ShardInfo, backing: BackingFile, *,
+                 mode: str, members: list[MemberInfo], leader: bool) -> None:
+        self.spec, self.layer_id, self.shard = spec, layer_id, shard
+        self.mode, self.members, self.leader = mode, members, leader
+        self.backing = backing
+        self.backing_bytes = backing.layout.file_size
+        self.weights = backing.region("weights").reshape(shard.num_rows, spec.row_bytes)
+        self.scale = float(backing.region("scale")[:4].view(np.float32)[0]) \
+            if spec.dtype == "float8_e4m3fn" else None
+        self.rows = PLERows(self.weights, dtype=spec.dtype, row_start=shard.row_start,
+                            total_rows=spec.rows(layer_id), scale=self.scale)
+
+    @classmethod
+    def create(cls, spec: PLESpec, layer_id: int, *, etp_rank: int = 0, etp_size: int = 1,
+               group: Any = None, mode: CreateMode = "auto",
+               placement: str | PlacementPlan | None = None,
+               directory: str | None = DEFAULT_DIRECTORY, page_size: PageSize | int = "4K",
+               checkpoint: Any = None,
+               timeout_s: float = 300.0, load_threads: int | None = None,
+               topology: Topology | None = None,
+               progress: Progress | None = None) -> SharedPLETable:
+        """Collective over ``group`` (the members holding the same ETP
+        shard; its rank 0 leads; None: a private table), with the same
+        modes, placements, page sizes and failure rules as
+        ``SharedEngramTable.create``.  ``checkpoint``: vLLM's split-parts
+        safetensors (a file, files or directory)."""
+        shard = spec.shard(layer_id, etp_rank, etp_size)
+        req = CreateRequest.of(spec, layer_id, shard, mode=mode, placement=placement,
+                               directory=directory, page_size=page_size, checkpoint=checkpoint,
+                               names=None, register_device=None,
+                               timeout_s=timeout_s, topology=topology, progress=progress,
+                               lookup_threads=None, load_threads=load_threads)
+        grp = SingleProcessGroup() if group is None else as_group(group)
+        with grp.bounded(req.timeout_s):
+            built = protocol.create(grp, req)
+        table = cls(spec, layer_id, shard, built.backing, mode=built.mode,
+                    members=built.members, leader=built.leader)
+        log.info("PLE table: layer %d rows [%d, %d) %s, %d member(s)", layer_id,
+                 shard.row_start, shard.row_end, built.mode, len(built.members))
+        return table
+
+    def lookup(self, ids: Any) -> torch.Tensor:
+        """BF16 ``[*ids.shape, head_dim]``: this shard's rows of layer-table
+        row ids, zeros where another shard holds the row."""
+        import torch
+
+        self._check_open()
+        return torch.from_numpy(self.rows.rows_bf16(ids)).view(torch.bfloat16)
+
+    def lookup_packed(self, ids: Any) -> np.ndarray:
+        """The stored bytes ``[*ids.shape, row_bytes]`` (zeros likewise)."""
+        self._check_open()
+        return self.rows.rows_packed(ids)
+
+    def _check_open(self) -> None:
+        if self.backing is None:
+            raise StorageError(f"PLE table layer {self.layer_id} is closed; create or attach "
+                               "it again")
+
+    def close(self) -> None:
+        """Unmap (idempotent); later lookups fail."""
+        if self.backing is None:
+            return
+        empty = np.empty((0, self.spec.row_bytes), dtype=np.uint8)
+        self.weights = empty
+        self.rows = PLERows(empty, dtype=self.spec.dtype, row_start=0, total_rows=0,
+                            scale=self.scale)
+        backing, self.backing = self.backing, None  # type: ignore[assignment]
+        backing.close()
+
+    def __enter__(self) -> SharedPLETable:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def reduce_rows(table: SharedPLETable, ids: Any, process_group: Any = None) -> torch.Tensor:
+    """BF16 ``[*ids.shape, head_dim]`` rows of the whole layer table on every
+    ETP rank: each rank's stored bytes summed over ``process_group`` (its
+    ETP group; None: the default group) as integers, exactly one rank
+    holding each row, then the FP8 bytes scaled.  Collective: every ETP
+    rank calls it with the same ids."""
+    import torch
+    import torch.distributed as dist
+
+    packed = torch.from_numpy(table.lookup_packed(ids))
+    wide = packed.view(torch.int8) if table.spec.dtype == "float8_e4m3fn" \
+        else packed.view(torch.int16)
+    dist.all_reduce(wide, op=dist.ReduceOp.SUM, group=process_group)
+    whole = packed.numpy()
+    if table.spec.dtype == "bfloat16":
+        return torch.from_numpy(whole.view(np.uint16)).view(torch.bfloat16)
+    flat = whole.reshape(-1, table.spec.row_bytes)
+    summed = PLERows(np.ascontiguousarray(flat), dtype="float8_e4m3fn", row_start=0,
+                     total_rows=len(flat), scale=table.scale)
+    out = summed.rows_bf16(np.arange(len(flat))).reshape(*whole.shape[:-1], -1)
+    return torch.from_numpy(out).view(torch.bfloat16)

@@ -1,0 +1,146 @@
+"""PLE tables held as Engram tables are: made by the sharing protocol from
+vLLM's split-parts checkpoint, one copy per sharing group, on 4K or 2M
+pages; rows compared with the safetensors library's read of the checkpoint
+and vLLM's dequantisation rule, atol 0."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from numa_engram.errors import CheckpointError, LookupIdError, StorageError, TopologyError
+from numa_engram.model.ple import PLESpec
+from numa_engram.sharing.plecheckpoint import synthetic_scale, write_ple_checkpoint
+from numa_engram.sharing.pletable import SharedPLETable
+
+from . import ple_scenarios
+from .dist_harness import run_world
+
+torch = pytest.importorskip("torch")
+
+SPEC = PLESpec(layer_ids=[2, 5], ple_embed_dim=160, vocab_size=5000, eos_token_id=7,
+               ngram_vocab_size_base=3000, split_ngram_parts=7)
+LAYER = ple_scenarios.LAYER
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ple") / "model.safetensors"
+    return str(write_ple_checkpoint(path, SPEC, seed=11))
+
+
+def test_a_private_table_holds_the_checkpoints_rows_and_scale(ckpt):
+    weight, scale = ple_scenarios.whole_table(ckpt, SPEC, LAYER)
+    assert scale == synthetic_scale(SPEC, LAYER)
+    rows = SPEC.rows(LAYER)
+    ids = np.random.default_rng(0).integers(0, rows, size=(40, SPEC.n_heads))
+    with SharedPLETable.create(SPEC, LAYER, checkpoint=ckpt, mode="independent") as table:
+        assert table.scale == scale and table.mode == "independent"
+        assert np.array_equal(table.weights, weight.view(torch.uint8).numpy())
+        got = table.lookup(ids).view(torch.int16).numpy().view(np.uint16)
+        want = ple_scenarios.vllm_rows(weight, scale, ids)
+        assert np.array_equal(np.where(got == 0x7FC0, 0x7FC0, got), want)
+        with pytest.raises(LookupIdError, match=f"{rows}"):
+            table.lookup([rows])
+    with pytest.raises(StorageError, match="closed"):
+        table.lookup([0])
+
+
+def test_a_row_range_shard_reads_its_rows_and_zeros_for_the_others(ckpt):
+    weight, _ = ple_scenarios.whole_table(ckpt, SPEC, LAYER)
+    start, end = SPEC.shard_rows(LAYER, 1, 2)
+    with SharedPLETable.create(SPEC, LAYER, etp_rank=1, etp_size=2, checkpoint=ckpt,
+                               mode="independent") as table:
+        assert (table.shard.row_start, table.shard.row_end) == (start, end)
+        assert np.array_equal(table.weights, weight[start:end].view(torch.uint8).numpy())
+        packed = table.lookup_packed([0, start, end - 1, start - 1])
+        assert not packed[0].any() and not packed[3].any()
+        assert np.array_equal(packed[1:3], weight[[start, end - 1]].view(torch.uint8).numpy())
+
+
+def test_bf16_tables_load_and_look_up(tmp_path):
+    spec = PLESpec(**{**SPEC.to_dict(), "dtype": "bfloat16"})
+    path = str(write_ple_checkpoint(tmp_path / "bf16.safetensors", spec, seed=2))
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    prefix = f"model.layers.{LAYER - 1}.ple.ple_embedding.ngram_embedding."
+    whole = torch.cat([tensors[f"{prefix}shard_{i}.weight"]
+                       for i in range(spec.split_ngram_parts)])
+    ids = np.arange(0, spec.rows(LAYER), 97)
+    with SharedPLETable.create(spec, LAYER, checkpoint=path, mode="independent") as table:
+        assert table.scale is None
+        assert torch.equal(table.lookup(ids).view(torch.int16),
+                           whole[torch.from_numpy(ids)].view(torch.int16))
+
+
+def _rewrite_header(src: str, dst, change) -> str:
+    data = Path(src).read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    change(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    # the data block moves with the header: offsets stay relative to it
+    dst.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n:])
+    return str(dst)
+
+
+def test_a_bad_checkpoint_is_refused_naming_the_tensor(ckpt, tmp_path):
+    prefix = f"model.layers.{LAYER - 1}.ple.ple_embedding.ngram_embedding."
+    missing = _rewrite_header(ckpt, tmp_path / "a.safetensors",
+                              lambda h: h.pop(f"{prefix}shard_3.weight"))
+    with pytest.raises(CheckpointError, match="part 3 of 7"):
+        SharedPLETable.create(SPEC, LAYER, checkpoint=missing, mode="independent")
+    no_scale = _rewrite_header(ckpt, tmp_path / "b.safetensors",
+                               lambda h: h.pop(f"{prefix}weight_scale"))
+    with pytest.raises(CheckpointError, match="no weight_scale"):
+        SharedPLETable.create(SPEC, LAYER, checkpoint=no_scale, mode="independent")
+
+    def bf16(h: dict) -> None:
+        h[f"{prefix}shard_0.weight"]["dtype"] = "I8"
+    wrong = _rewrite_header(ckpt, tmp_path / "c.safetensors", bf16)
+    with pytest.raises(CheckpointError, match="shard_0.weight.*I8"):
+        SharedPLETable.create(SPEC, LAYER, checkpoint=wrong, mode="independent")
+    with pytest.raises(TopologyError, match="rank 2 is not in an ETP group of 2"):
+        SharedPLETable.create(SPEC, LAYER, etp_rank=2, etp_size=2, mode="independent")
+
+
+def test_on_2m_huge_pages(ckpt, huge_pool):
+    weight, _ = ple_scenarios.whole_table(ckpt, SPEC, LAYER)
+    with SharedPLETable.create(SPEC, LAYER, checkpoint=ckpt, mode="independent",
+                               directory=huge_pool.mount, page_size="2M") as table:
+        assert table.backing.mapping.page_size == 2 << 20
+        assert np.array_equal(table.weights, weight.view(torch.uint8).numpy())
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("page", ["4K", "2M"])
+def test_tp2_dp2_one_copy_per_tp_shard_rows_equal_a_single_process_reference(ckpt, page,
+                                                                              request):
+    """Four ranks as vLLM's TP 2 x DP 2 (ETP = TP): the two replicas of each
+    TP rank share one copy of its row range (PSS summed over them is one
+    copy), and each replica's rows, all-reduced over its TP pair, equal the
+    whole table's rows under vLLM's rule."""
+    directory = "/dev/shm"
+    if page == "2M":
+        directory = request.getfixturevalue("huge_pool").mount
+    results = run_world(4, ple_scenarios.tp2_dp2_shared, timeout_s=240, checkpoint=ckpt,
+                        spec=SPEC.to_dict(), directory=directory, page_size=page)
+    for r in results:
+        assert r["ok"], r.get("traceback", r)
+        assert r["exact"] and r["values"] == 64 * SPEC.n_heads * SPEC.head_dim
+        assert r["mode"] == "dp_shared"
+    for tp_rank in (0, 1):
+        members = [results[tp_rank], results[2 + tp_rank]]
+        assert all(m["group"] == [tp_rank, 2 + tp_rank] for m in members)
+        assert members[0]["rows"] == list(SPEC.shard_rows(LAYER, tp_rank, 2))
+        if page == "4K":
+            pss, one = sum(m["pss"] for m in members), members[0]["backing_bytes"]
+            assert abs(pss - one) <= 0.05 * one, (tp_rank, pss, one)
+    if page == "2M":  # hugetlb pages are in no PSS: the pool gave one copy per TP shard
+        one_each = results[0]["backing_bytes"] + results[1]["backing_bytes"]
+        assert {r["huge_pages_taken"] for r in results} == {one_each // (2 << 20)}, results
