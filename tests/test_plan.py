@@ -143,3 +143,32 @@ def test_a_small_model_at_tp2_dp4_plans_dp_shared_and_says_why_dp_sharded_is_out
     assert code == 0
     assert any("dp_sharded is not an option here" in n for n in doc["notes"]), doc["notes"]
     assert "dp_sharded" not in doc["mode_memory"]
+
+
+def test_a_qwen4_exp_model_plans_one_copy_per_tp_shard_beside_vllms_per_rank_cost(tmp_path):
+    """A Qwen3.8-Flash-Next-class directory (one PLE layer of 320,001,536
+    rows of 160 FP8 bytes, defaults otherwise) on 2 sockets, TP 2 x DP 8:
+    dp_shared holds one copy of each TP shard on the host; vLLM's per-rank
+    pinned tables are 16 shards; the notes say both."""
+    from numa_engram.model.ple import PLESpec
+
+    text = {"hidden_size": 2560, "num_hidden_layers": 4, "ple_layer_ids": [2],
+            "ple_embed_dim": 2560, "vocab_size": 151_936, "eos_token_id": 151_645,
+            "ple_embedding_dtype": "float8_e4m3fn"}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen4_exp",
+                                                      "text_config": text}))
+    spec = PLESpec.from_config(tmp_path / "config.json")
+    assert (spec.rows(2), spec.head_dim) == (320_001_536, 160)
+    one_copy = spec.table_bytes() + 2 * 4  # two TP shards, each with its scale
+    doc = plan("--model", str(tmp_path), "--simulate", "2x8", "--tp", "2", "--dp", "8",
+               "--mode", "dp_shared")
+    assert doc["host_bytes"] == one_copy and abs(doc["copies"] - 1.0) < 1e-6
+    assert sum(doc["bytes_per_node"].values()) == one_copy
+    per_rank = spec.shard_bytes(2, 2, 0)
+    assert doc["mode_memory"]["independent"] == {"0": 16 * per_rank}
+    assert any("vLLM 0.31.0 holds PLE tables per rank" in n and "381.47 GiB per host" in n
+               for n in doc["notes"]), doc["notes"]
+    sharded = plan("--model", str(tmp_path), "--simulate", "2x8", "--tp", "2", "--dp", "8",
+                   "--mode", "dp_sharded")
+    assert sharded["remote_fraction"] == 0.0 and sharded["host_bytes"] == spec.table_bytes() \
+        + 16 * 4

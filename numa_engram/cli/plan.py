@@ -17,6 +17,11 @@ def plan_spec(args: argparse.Namespace):
     from ..model.spec import EngramSpec
 
     source = args.model or args.spec
+    ple = _ple_config(source)
+    if ple is not None:
+        from ..model.ple import PLESpec
+
+        return PLESpec.from_config(ple)
     if args.model or (os.path.isfile(source) and _is_model_config(source)):
         from ..model.spec import strict_int
         from ..runtime.modeldir import (
@@ -38,6 +43,22 @@ def plan_spec(args: argparse.Namespace):
 
         return EngramSpec.from_config(doc, (np.arange(size), size))
     return EngramSpec.named(source)
+
+
+def _ple_config(source: str) -> dict | None:
+    """A Qwen4-Exp config.json (the file, or in the directory) with PLE
+    layers, else None."""
+    path = os.path.join(source, "config.json") if os.path.isdir(source) else source
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    text = doc.get("text_config")
+    return doc if "ple_layer_ids" in doc or isinstance(text, dict) and "ple_layer_ids" in text \
+        else None
 
 
 def _is_model_config(path: str) -> bool:
@@ -171,6 +192,10 @@ def _operator_numbers(args: argparse.Namespace, d) -> dict:
     edp = world.edp_size()
     own = -(-spec.n_hash_cols // (world.tp * edp))  # heads of one slice
     exchanged = (edp - 1) * args.batch * own * spec.head_dim * 2 * len(spec.layer_ids)
+    if not hasattr(spec, "bucket_sizes") or hasattr(spec, "ple_embed_dim"):
+        # PLE row ranges over TP x EDP: each member's ids gathered, every
+        # token's rows all-reduced (FP8 or BF16 bytes) across the EDP members
+        exchanged = edp * args.batch * spec.n_hash_cols * spec.row_bytes * len(spec.layer_ids)
     biggest = max(d.mapped_per_process.values())
     from ..host.hugepages import SIZES
 

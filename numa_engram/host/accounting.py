@@ -147,11 +147,9 @@ class ModeMemory:
         return sum(self.per_host.values())
 
 
-def shard_bytes(spec, layer_id: int, num_shards: int, rank: int, row_wise: bool = False) -> int:
-    from ..model.sharding import shard_heads, shard_rows
-
-    shard = shard_rows if row_wise else shard_heads
-    return shard(spec.bucket_sizes(layer_id), num_shards, rank).num_rows * spec.row_bytes
+def shard_bytes(spec, layer_id: int, num_shards: int, rank: int) -> int:
+    """The family's own split: Engram by heads, PLE by row ranges."""
+    return int(spec.shard_bytes(layer_id, num_shards, rank))
 
 
 def mode_memory(spec, mode: str, world) -> ModeMemory:

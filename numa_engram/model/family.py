@@ -5,6 +5,7 @@ storage facts only.  ``EngramSpec`` and ``PLESpec`` are the two."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from .sharding import ShardInfo
@@ -13,6 +14,19 @@ from .sharding import ShardInfo
 class TableFamily(Protocol):
     @property
     def fingerprint(self) -> bytes: ...
+
+    @property
+    def layer_ids(self) -> Sequence[int]: ...
+
+    @property
+    def n_hash_cols(self) -> int:
+        """Ids per token and layer (one per hash head)."""
+        ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    def table_bytes(self, layer_id: int | None = None) -> int: ...
 
     @property
     def row_bytes(self) -> int: ...
@@ -27,6 +41,11 @@ class TableFamily(Protocol):
     def fixed_regions(self) -> tuple[tuple[str, int], ...]:
         """(region name, bytes) that do not scale with rows (a per-tensor
         scale), after the row regions."""
+        ...
+
+    def shard_bytes(self, layer_id: int, num_shards: int, index: int) -> int:
+        """Bytes of one of ``num_shards`` shards (heads or row ranges, as the
+        family shards) of the layer's table."""
         ...
 
     def check_shard(self, layer_id: int, shard: ShardInfo) -> None:

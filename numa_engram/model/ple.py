@@ -123,6 +123,11 @@ class PLESpec:
         return self.ple_embed_dim // self.n_heads
 
     @property
+    def n_hash_cols(self) -> int:
+        """Ids per token and layer: one per head."""
+        return self.n_heads
+
+    @property
     def row_bytes(self) -> int:
         return self.head_dim * (1 if self.dtype == "float8_e4m3fn" else 2)
 
@@ -178,6 +183,11 @@ class PLESpec:
         is a row range)."""
         start, end = self.shard_rows(layer_id, rank, world)
         return ShardInfo(0, self.n_heads, start, end, end - start)
+
+    def shard_bytes(self, layer_id: int, num_shards: int, index: int) -> int:
+        """Bytes of ETP row range ``index`` of ``num_shards``, its scale with it."""
+        start, end = self.shard_rows(layer_id, index, num_shards)
+        return (end - start) * self.row_bytes + sum(n for _, n in self.fixed_regions())
 
     def check_shard(self, layer_id: int, shard: ShardInfo) -> None:
         rows = self.rows(layer_id)

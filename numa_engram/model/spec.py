@@ -223,6 +223,13 @@ class EngramSpec:
             raise TopologyError(f"shard rows [{shard.row_start}, {shard.row_end}) are not the "
                                 "rows of its heads; build it with shard_heads()")
 
+    def shard_bytes(self, layer_id: int, num_shards: int, index: int) -> int:
+        """Bytes of shard ``index`` of ``num_shards`` head-wise shards."""
+        from .sharding import shard_heads
+
+        return shard_heads(self.bucket_sizes(layer_id), num_shards, index).num_rows * \
+            self.row_bytes
+
     def _check_layer(self, layer_id: int) -> None:
         if layer_id not in self.layer_ids:
             raise SpecError(f"layer {layer_id} has no Engram table; layers are {self.layer_ids}")

@@ -25,7 +25,7 @@ from ..lookup.ple import PLERows
 from ..model.ple import PLESpec
 from ..model.sharding import ShardInfo
 from ..store.fileformat import DEFAULT_DIRECTORY
-from ..store.placement import PlacementPlan
+from ..store.placement import PlacementPlan, PlacementReport, verify
 from ..store.storage import BackingFile
 from . import protocol
 from .checkpoint import Progress
@@ -43,9 +43,10 @@ class SharedPLETable:
     """Rows ``shard.row_start .. shard.row_end`` of a PLE layer's table."""
 
     def __init__(self, spec: PLESpec, layer_id: int, shard: ShardInfo, backing: BackingFile, *,
-                 mode: str, members: list[MemberInfo], leader: bool) -> None:
+                 mode: str, members: list[MemberInfo], leader: bool,
+                 plan: PlacementPlan | None = None) -> None:
         self.spec, self.layer_id, self.shard = spec, layer_id, shard
-        self.mode, self.members, self.leader = mode, members, leader
+        self.mode, self.members, self.leader, self.plan = mode, members, leader, plan
         self.backing = backing
         self.backing_bytes = backing.layout.file_size
         self.weights = backing.region("weights").reshape(shard.num_rows, spec.row_bytes)
@@ -78,10 +79,16 @@ class SharedPLETable:
         with grp.bounded(req.timeout_s):
             built = protocol.create(grp, req)
         table = cls(spec, layer_id, shard, built.backing, mode=built.mode,
-                    members=built.members, leader=built.leader)
+                    members=built.members, leader=built.leader, plan=built.plan)
         log.info("PLE table: layer %d rows [%d, %d) %s, %d member(s)", layer_id,
                  shard.row_start, shard.row_end, built.mode, len(built.members))
         return table
+
+    def placement_report(self) -> PlacementReport | None:
+        """Where the table's pages are now against its plan, page by page
+        (None without a plan)."""
+        self._check_open()
+        return None if self.plan is None else verify(self.backing.mapping, self.plan)
 
     def lookup(self, ids: Any) -> torch.Tensor:
         """BF16 ``[*ids.shape, head_dim]``: this shard's rows of layer-table

@@ -13,8 +13,9 @@ from ..errors import TopologyError
 from ..host.accounting import shard_bytes
 from ..host.hugepages import SIZES, name_of, page_table_bytes
 from ..host.topology import Topology
+from ..model.family import TableFamily
+from ..model.ple import PLESpec
 from ..model.sharding import WorldLayout, assign, valid_head_shard_counts
-from ..model.spec import EngramSpec
 from ..units import fmt_bytes, node_list
 from .placement import (
     Region,
@@ -51,7 +52,7 @@ class Deployment:
     """The plan of one host: the chosen outcome, its regions, the
     alternatives, page tables, capacity and notes."""
 
-    spec: EngramSpec
+    spec: TableFamily
     world: WorldLayout
     chosen: PolicyOutcome
     plan: object
@@ -76,7 +77,7 @@ class Deployment:
                 for name, size in SIZES.items()}
 
 
-def outcome(spec: EngramSpec, world: WorldLayout, mode: str, policy: str,
+def outcome(spec: TableFamily, world: WorldLayout, mode: str, policy: str,
             topo: Topology) -> tuple[PolicyOutcome, object, list[Region]]:
     regions = host_regions(spec, world, mode, topo)
     plan = plan_placement(policy, regions, topo)
@@ -89,7 +90,7 @@ def outcome(spec: EngramSpec, world: WorldLayout, mode: str, policy: str,
             plan, regions)
 
 
-def plan_deployment(spec: EngramSpec, world: WorldLayout, mode: str, policy: str,
+def plan_deployment(spec: TableFamily, world: WorldLayout, mode: str, policy: str,
                     topo: Topology, page_size: int = SIZES["4K"]) -> Deployment:
     chosen, plan, regions = outcome(spec, world, mode, policy, topo)
     alternatives = [outcome(spec, world, mode, p, topo)[0] for p in ALTERNATIVES if p != policy]
@@ -108,7 +109,7 @@ def plan_deployment(spec: EngramSpec, world: WorldLayout, mode: str, policy: str
     return deployment
 
 
-def _mapped_per_process(spec: EngramSpec, world: WorldLayout, mode: str) -> dict[int, int]:
+def _mapped_per_process(spec: TableFamily, world: WorldLayout, mode: str) -> dict[int, int]:
     """Bytes each rank of the first host maps: its TP shard (or DP-sharded
     slice) of every layer, whoever holds the copy."""
     out = {}
@@ -119,14 +120,9 @@ def _mapped_per_process(spec: EngramSpec, world: WorldLayout, mode: str) -> dict
     return out
 
 
-def _notes(spec: EngramSpec, world: WorldLayout, mode: str, policy: str,
+def _notes(spec: TableFamily, world: WorldLayout, mode: str, policy: str,
            chosen: PolicyOutcome, regions: list[Region]) -> list[str]:
-    notes = []
-    valid = valid_head_shard_counts(spec.n_hash_cols, max(world.tp, 64))
-    part = -(-spec.n_hash_cols // world.tp)
-    heads = [min(part, spec.n_hash_cols - r * part) for r in range(world.tp)]
-    notes.append(f"TP {world.tp}: heads per rank {heads} (create accepts it; head-wise TP sizes "
-                 f"for {spec.n_hash_cols} heads: {node_list(valid)})")
+    notes = _sharding_notes(spec, world)
     if mode == "dp_shared" and world.edp_size() == 1 and world.dp > 1:
         why = (f"TP {world.tp} does not divide the {world.gpus_per_host} GPUs of a host"
                if world.gpus_per_host % world.tp else
@@ -144,6 +140,22 @@ def _notes(spec: EngramSpec, world: WorldLayout, mode: str, policy: str,
         notes.append("policy none: pages land where they are first touched (by the loader), "
                      "so bytes per node and remote reads are unknown until verify measures them")
     return notes
+
+
+def _sharding_notes(spec: TableFamily, world: WorldLayout) -> list[str]:
+    if isinstance(spec, PLESpec):
+        layer = spec.layer_ids[0]
+        per_rank = spec.shard_bytes(layer, world.tp, 0) * len(spec.layer_ids)
+        vllm = per_rank * min(world.world_size, world.gpus_per_host)
+        return [f"TP {world.tp}: PLE row ranges of {spec.rows(layer) // world.tp:,} rows per "
+                f"rank and layer ({spec.head_dim}-wide {spec.dtype} rows)",
+                f"vLLM 0.31.0 holds PLE tables per rank (pinned, no sharing): "
+                f"{fmt_bytes(per_rank)} per rank, {fmt_bytes(vllm)} per host"]
+    valid = valid_head_shard_counts(spec.n_hash_cols, max(world.tp, 64))
+    part = -(-spec.n_hash_cols // world.tp)
+    heads = [min(part, spec.n_hash_cols - r * part) for r in range(world.tp)]
+    return [f"TP {world.tp}: heads per rank {heads} (create accepts it; head-wise TP sizes "
+            f"for {spec.n_hash_cols} heads: {node_list(valid)})"]
 
 
 def recommendation(d: Deployment) -> str:

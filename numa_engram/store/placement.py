@@ -19,8 +19,8 @@ import numpy as np
 from ..bindings import native
 from ..errors import PlacementError, TopologyError
 from ..host.topology import Topology
+from ..model.family import TableFamily
 from ..model.sharding import WorldLayout
-from ..model.spec import EngramSpec
 from ..units import fmt_bytes, node_list, parse_cpulist, text_table, unit_for
 
 MPOL_MODES = {"bind": native.MPOL_BIND, "preferred": native.MPOL_PREFERRED,
@@ -323,7 +323,7 @@ def plan_of_mapping(mapping: native.Mapping,
     return PlacementPlan(tuple(out), "from-file")
 
 
-def host_regions(spec: EngramSpec, world: WorldLayout, mode: str,
+def host_regions(spec: TableFamily, world: WorldLayout, mode: str,
                  topology: Topology) -> list[Region]:
     """The regions one host's tables occupy under ``mode`` (one per layer
     and distinct shard copy), each with the NUMA nodes of the GPUs that
