@@ -144,3 +144,85 @@ def test_tp2_dp2_one_copy_per_tp_shard_rows_equal_a_single_process_reference(ckp
     if page == "2M":  # hugetlb pages are in no PSS: the pool gave one copy per TP shard
         one_each = results[0]["backing_bytes"] + results[1]["backing_bytes"]
         assert {r["huge_pages_taken"] for r in results} == {one_each // (2 << 20)}, results
+
+
+@pytest.fixture
+def ple_model(tmp_path):
+    """A Qwen4-Exp model directory: config.json and the split-parts checkpoint."""
+    text = {"ple_layer_ids": list(SPEC.layer_ids), "ple_embed_dim": SPEC.ple_embed_dim,
+            "vocab_size": SPEC.vocab_size, "eos_token_id": SPEC.eos_token_id,
+            "ngram_vocab_size_base": SPEC.ngram_vocab_size_base,
+            "ple_embedding_dtype": SPEC.dtype, "hidden_size": 160, "num_hidden_layers": 6}
+    model = tmp_path / "qwen4-exp"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "qwen4_exp", "split_ngram_parts": SPEC.split_ngram_parts,
+        "text_config": text}))
+    write_ple_checkpoint(model / "model.safetensors", SPEC, seed=5)
+    return model
+
+
+def test_the_service_serves_a_ple_model_and_an_engine_attaches(ple_model, tmp_path):
+    """``TableService`` over a Qwen4-Exp directory (TP 2): every table loaded
+    and sealed; an engine's attach maps its row range read-only, rows equal
+    the checkpoint's; a second service start adopts the stored descriptors
+    by their names, which differ per row range."""
+    from numa_engram.runtime.plemodeldir import PLEModelDirectory
+    from numa_engram.service.holder import TableService
+
+    model = PLEModelDirectory.open(ple_model)
+    assert model.spec == SPEC
+    sock = str(tmp_path / "run" / "engram.sock")
+    service = TableService(model, sock, tp=2)
+    names = {t.name(SPEC.fingerprint, service.page_size) for t in service.tables}
+    assert len(names) == len(service.tables) == 2 * len(SPEC.layer_ids)
+    service.start()
+    try:
+        service.load_all()
+        status = service.status()
+        assert status["ready"] and all(t["sealed"] for t in status["tables"]), status
+        weight, scale = ple_scenarios.whole_table(str(ple_model / "model.safetensors"), SPEC,
+                                                  LAYER)
+        for rank in (0, 1):
+            start, end = SPEC.shard_rows(LAYER, rank, 2)
+            with SharedPLETable.attach(SPEC, LAYER, service=sock, etp_rank=rank,
+                                       etp_size=2) as table:
+                assert table.mode == "service" and table.scale == scale
+                assert not table.backing.mapping.writable
+                assert np.array_equal(table.weights,
+                                      weight[start:end].view(torch.uint8).numpy())
+    finally:
+        service.stop()
+
+
+def test_serve_and_plan_read_a_ple_model_directory(ple_model, tmp_path):
+    """The command line: ``plan --model`` reads the PLE config; ``serve``
+    loads every table of it and ``status`` says they are ready."""
+    import signal
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "numa_engram", "plan", "--model",
+                          str(ple_model), "--simulate", "2x2", "--tp", "2", "--dp", "2",
+                          "--mode", "dp_shared"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "PLE row ranges" in out.stdout and "vLLM 0.31.0 holds PLE tables per rank" in \
+        out.stdout
+    sock = str(tmp_path / "run" / "ple.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "numa_engram", "serve", str(ple_model),
+                             "--socket", sock, "--tp", "2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert "4 tables" in proc.stdout.readline()
+        status = None
+        for _ in range(300):
+            status = subprocess.run([sys.executable, "-m", "numa_engram", "status", "--socket",
+                                     sock, "--json"], capture_output=True, text=True, timeout=60)
+            if status.returncode == 0:
+                break
+        assert status is not None and status.returncode == 0, status
+        doc = json.loads(status.stdout)
+        assert len(doc["tables"]) == 4 and all(t["sealed"] for t in doc["tables"])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)

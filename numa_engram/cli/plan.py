@@ -54,11 +54,9 @@ def _ple_config(source: str) -> dict | None:
             doc = json.load(fh)
     except (OSError, ValueError):
         return None
-    if not isinstance(doc, dict):
-        return None
-    text = doc.get("text_config")
-    return doc if "ple_layer_ids" in doc or isinstance(text, dict) and "ple_layer_ids" in text \
-        else None
+    from ..runtime.plemodeldir import is_ple_config
+
+    return doc if is_ple_config(doc) else None
 
 
 def _is_model_config(path: str) -> bool:

@@ -15,10 +15,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     adopt what systemd's fd store kept), seal, hand out descriptors on
     --socket until stopped."""
     from ..runtime.modeldir import ModelDirectory
+    from ..runtime.plemodeldir import PLEModelDirectory
     from ..service import systemd
     from ..service.holder import TableService
 
-    model = ModelDirectory.open(args.model_dir)
+    model: ModelDirectory | PLEModelDirectory
+    if _has_ple_config(args.model_dir):
+        model = PLEModelDirectory.open(args.model_dir)
+    else:
+        model = ModelDirectory.open(args.model_dir)
     service = TableService(model, args.socket, tp=args.tp, placement=args.placement,
                            page_size=args.page_size, group=args.group,
                            load_threads=args.load_threads)
@@ -76,3 +81,17 @@ def _table_line(t: dict, fmt_bytes, unit_for) -> str:
     return (f"layer {t['layer']} heads [{t['heads'][0]}, {t['heads'][1]}) copy {copy}: "
             f"{state}{flags}, {fmt_bytes(t['bytes'], unit)} ({where}), {t['attaches']} "
             f"attaches{speed}{error}")
+
+
+def _has_ple_config(model_dir: str) -> bool:
+    """Whether the directory's config.json describes Qwen4-Exp PLE layers."""
+    import json
+    import os
+
+    from ..runtime.plemodeldir import is_ple_config
+
+    try:
+        with open(os.path.join(model_dir, "config.json")) as fh:
+            return is_ple_config(json.load(fh))
+    except (OSError, ValueError):
+        return False  # ModelDirectory.open names what is wrong

@@ -41,8 +41,12 @@ from typing import Any
 from ..errors import NumaEngramError, StorageError
 from ..host import hugepages, procfs
 from ..host.topology import Topology
+from ..model.ple import PLESpec
 from ..model.sharding import ShardInfo, shard_heads
+from ..model.spec import EngramSpec
 from ..runtime.modeldir import ModelDirectory
+from ..runtime.plemodeldir import PLEModelDirectory
+from ..sharing.pletable import SharedPLETable
 from ..sharing.request import shard_key, table_layout
 from ..sharing.table import SharedEngramTable
 from ..store import handoff
@@ -68,6 +72,7 @@ class HeldTable:
     shard: ShardInfo
     node: int | None           # the node of this copy (replicate-per-node), else None
     policy: str
+    tp_rank: int = 0
     state: str = "planned"     # planned | loading | ready | failed
     fd: int = -1               # the sealed memfd (what the fd store keeps)
     read_only_fd: int = -1     # what clients get
@@ -80,6 +85,7 @@ class HeldTable:
     bytes_per_node: dict[int, int] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)
     attaches: int = 0
+    row_range: bool = False    # a PLE table's shard (rows of every head), not Engram's heads
 
     @property
     def key(self) -> ShardKey:
@@ -88,6 +94,9 @@ class HeldTable:
     def name(self, fingerprint: bytes, page_size: int) -> str:
         """Its FDNAME: printable, no ':' (systemd's rule), at most 255 bytes."""
         node = "all" if self.node is None else str(self.node)
+        if self.row_range:  # a PLE shard: a row range of every head
+            return (f"ple-{fingerprint.hex()[:16]}-l{self.layer_id}-r{self.shard.row_start}-"
+                    f"{self.shard.row_end}-p{page_size}-n{node}")
         return (f"engram-{fingerprint.hex()[:16]}-l{self.layer_id}-h{self.shard.head_start}-"
                 f"{self.shard.head_end}-p{page_size}-n{node}")
 
@@ -113,16 +122,19 @@ class HeldTable:
 class TableService:
     """Holds ``model``'s tables for TP ``tp`` and serves them on ``socket_path``."""
 
-    def __init__(self, model: ModelDirectory, socket_path: str, *, tp: int = 1,
+    def __init__(self, model: ModelDirectory | PLEModelDirectory, socket_path: str, *,
+                 tp: int = 1,
                  placement: str = "interleave", page_size: Any = "4K",
                  group: str | None = None, load_threads: int | None = None,
                  topology: Topology | None = None) -> None:
-        self.model, self.spec = model, model.spec
+        self.model = model
+        self.spec: EngramSpec | PLESpec = model.spec
         self.socket_path = os.path.abspath(socket_path)
         self.page_size = hugepages.parse_page_size(page_size)
         self.placement, self.load_threads = placement, load_threads
         self.topology = topology or Topology.detect()
         self.gid = None if group is None else grp.getgrnam(group).gr_gid
+        self.tp = tp
         self.tables = self._plan(tp)
         self._lock = threading.Lock()
         self._listener: Listener | None = None
@@ -135,13 +147,16 @@ class TableService:
         if self.placement == REPLICATE:
             nodes = [n.id for n in self.topology.nodes if n.mem_total > 0] or [None]
         out = []
+        ple = isinstance(self.spec, PLESpec)
         for layer in self.spec.layer_ids:
             for rank in range(tp):
-                shard = shard_heads(self.spec.bucket_sizes(layer), tp, rank)
+                shard = self.spec.shard(layer, rank, tp) if isinstance(self.spec, PLESpec) \
+                    else shard_heads(self.spec.bucket_sizes(layer), tp, rank)
                 for node in nodes:
                     policy = self.placement if node is None else f"node:{node}"
                     out.append(HeldTable(
-                        layer, shard, node, policy, total=shard.num_rows * self.spec.row_bytes,
+                        layer, shard, node, policy, rank,
+                        total=shard.num_rows * self.spec.row_bytes, row_range=ple,
                         file_bytes=table_layout(self.spec, shard, self.page_size).file_size))
         return out
 
@@ -213,11 +228,20 @@ class TableService:
 
         def progress(done: int, total: int) -> None:
             table.done, table.total = done, total
-        created = SharedEngramTable.create(
-            self.spec, table.layer_id, table.shard, directory=None, mode="independent",
-            placement=table.policy, checkpoint=self.model.checkpoint,
-            page_size=self.page_size, load_threads=self.load_threads, progress=progress,
-            topology=self.topology)
+        created: SharedEngramTable | SharedPLETable
+        if isinstance(self.spec, PLESpec):
+            created = SharedPLETable.create(
+                self.spec, table.layer_id, etp_rank=table.tp_rank,
+                etp_size=self.tp,
+                directory=None, mode="independent", placement=table.policy,
+                checkpoint=self.model.checkpoint, page_size=self.page_size,
+                load_threads=self.load_threads, progress=progress, topology=self.topology)
+        else:
+            created = SharedEngramTable.create(
+                self.spec, table.layer_id, table.shard, directory=None, mode="independent",
+                placement=table.policy, checkpoint=self.model.checkpoint,
+                page_size=self.page_size, load_threads=self.load_threads, progress=progress,
+                topology=self.topology)
         try:
             report = created.placement_report()
             table.bytes_per_node = {} if report is None else report.bytes_per_node()

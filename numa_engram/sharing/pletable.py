@@ -14,24 +14,28 @@ out tensors.
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import StorageError
-from ..host.topology import Topology
+from ..host.hugepages import parse_page_size
+from ..host.topology import Topology, current_node
 from ..literals import CreateMode, PageSize
 from ..lookup.ple import PLERows
 from ..model.ple import PLESpec
 from ..model.sharding import ShardInfo
-from ..store.fileformat import DEFAULT_DIRECTORY
+from ..store import handoff
+from ..store.fileformat import DEFAULT_DIRECTORY, STATE_READY
 from ..store.placement import PlacementPlan, PlacementReport, verify
 from ..store.storage import BackingFile
 from . import protocol
 from .checkpoint import Progress
 from .group import SingleProcessGroup, as_group
 from .membership import MemberInfo
-from .request import CreateRequest
+from .request import CreateRequest, shard_key, table_layout
 
 if TYPE_CHECKING:
     import torch
@@ -44,8 +48,10 @@ class SharedPLETable:
 
     def __init__(self, spec: PLESpec, layer_id: int, shard: ShardInfo, backing: BackingFile, *,
                  mode: str, members: list[MemberInfo], leader: bool,
-                 plan: PlacementPlan | None = None) -> None:
+                 plan: PlacementPlan | None = None,
+                 startup_phases: dict[str, float] | None = None) -> None:
         self.spec, self.layer_id, self.shard = spec, layer_id, shard
+        self.startup_phases = dict(startup_phases or {})
         self.mode, self.members, self.leader, self.plan = mode, members, leader, plan
         self.backing = backing
         self.backing_bytes = backing.layout.file_size
@@ -79,10 +85,45 @@ class SharedPLETable:
         with grp.bounded(req.timeout_s):
             built = protocol.create(grp, req)
         table = cls(spec, layer_id, shard, built.backing, mode=built.mode,
-                    members=built.members, leader=built.leader, plan=built.plan)
+                    members=built.members, leader=built.leader, plan=built.plan,
+                    startup_phases=built.phases)
         log.info("PLE table: layer %d rows [%d, %d) %s, %d member(s)", layer_id,
                  shard.row_start, shard.row_end, built.mode, len(built.members))
         return table
+
+    @classmethod
+    def attach(cls, spec: PLESpec, layer_id: int, *, service: str, etp_rank: int = 0,
+               etp_size: int = 1, node: int | None = None, page_size: PageSize | int = "4K",
+               timeout_s: float = 10.0, service_uids: Sequence[int] | None = None,
+               allow_unsealed: bool | None = None) -> SharedPLETable:
+        """Map the READY table of this ETP shard that the table service on
+        ``service`` holds (its copy on ``node``, default this thread's),
+        read-only, after the checks a peer makes; the service is believed
+        under the same rules as for Engram tables (``SharedEngramTable.attach``)."""
+        shard = spec.shard(layer_id, etp_rank, etp_size)
+        here = current_node(Topology.detect()) if node is None else node
+        request = handoff.TableRequest(spec.fingerprint, shard_key(layer_id, shard),
+                                       parse_page_size(page_size), here)
+        trust = handoff.ServiceTrust.of(service_uids, allow_unsealed)
+        fd, _, uid = handoff.fetch(service, request, timeout_s, trust)
+        try:
+            backing = BackingFile.attach(fd=fd, fingerprint=spec.fingerprint,
+                                         key=shard_key(layer_id, shard), owner_uid=uid,
+                                         layout_for=lambda page: table_layout(spec, shard, page))
+        finally:
+            os.close(fd)  # the backing holds its own duplicate
+        if backing.state != STATE_READY:
+            backing.close()
+            raise StorageError(f"the service's PLE table layer {layer_id} is not READY")
+        me = MemberInfo(0, os.getpid(), os.geteuid(), here, None, spec.fingerprint,
+                        shard_key(layer_id, shard), "attach")
+        return cls(spec, layer_id, shard, backing, mode="service", members=[me], leader=False)
+
+    def dup_descriptor(self) -> int:
+        """A new descriptor of the table's file (the caller closes it): what
+        the table service keeps and hands over."""
+        self._check_open()
+        return os.dup(self.backing.fd)
 
     def placement_report(self) -> PlacementReport | None:
         """Where the table's pages are now against its plan, page by page

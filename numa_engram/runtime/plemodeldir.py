@@ -1,0 +1,49 @@
+"""A Qwen4-Exp model directory as the table service reads it: its
+``config.json`` (the PLE fields, read as vLLM reads them) and its
+safetensors checkpoint (vLLM's split parts).  No tokenizer: PLE hashes raw
+token ids."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from ..errors import CheckpointError, SpecError
+from ..model.ple import PLESpec
+
+CONFIG_FILE = "config.json"
+
+
+def is_ple_config(doc: object) -> bool:
+    """Whether a config document has Qwen4-Exp PLE layers."""
+    if not isinstance(doc, dict):
+        return False
+    text = doc.get("text_config")
+    return "ple_layer_ids" in doc or isinstance(text, dict) and "ple_layer_ids" in text
+
+
+@dataclass(frozen=True)
+class PLEModelDirectory:
+    path: str
+    spec: PLESpec
+
+    @property
+    def checkpoint(self) -> str:
+        """The safetensors files: the directory itself."""
+        return self.path
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> PLEModelDirectory:
+        root = os.path.abspath(os.fspath(path))
+        config = os.path.join(root, CONFIG_FILE)
+        try:
+            with open(config) as fh:
+                doc = json.load(fh)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{config}: cannot read it ({exc}); pass the directory "
+                                  "holding the model's config.json") from None
+        try:
+            return cls(root, PLESpec.from_config(doc))
+        except SpecError as exc:
+            raise SpecError(f"{config}: {exc}") from None
