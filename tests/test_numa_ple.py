@@ -27,7 +27,7 @@ def test_a_ple_table_lands_on_the_node_its_reader_runs_on(numa_nodes, tmp_path):
                 report = table.placement_report()
                 assert report is not None and report.fraction_on_plan == 1.0, report
                 pages = report.to_dict()["pages_per_node"]
-                assert set(pages) == {str(node)}, pages
+                assert set(pages) == {node}, pages
                 assert np.count_nonzero(table.weights) > 0
                 print(f"PLE layer 3 read from node {node}: pages per node {pages}")
     finally:
