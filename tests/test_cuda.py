@@ -79,3 +79,28 @@ def test_cuda_prefetch_backend(table):
         got = s.wait(1)
         torch.cuda.synchronize()
     np.testing.assert_array_equal(_bits(got), _bits(t.lookup(ids.cpu().numpy())))
+
+
+def test_ple_rows_on_the_gpu_are_zero_copy_and_equal_the_cpu_lookup(tmp_path):
+    from numa_engram.model.ple import PLESpec
+    from numa_engram.sharing.plecheckpoint import write_ple_checkpoint
+    from numa_engram.sharing.pletable import SharedPLETable
+
+    spec = PLESpec(layer_ids=[2], ple_embed_dim=160, vocab_size=5000, eos_token_id=7,
+                   ngram_vocab_size_base=30000, split_ngram_parts=7)
+    ckpt = str(write_ple_checkpoint(tmp_path / "p.safetensors", spec, seed=3))
+    with SharedPLETable.create(spec, 2, etp_rank=1, etp_size=2, checkpoint=ckpt,
+                               mode="independent", register_device=0) as table:
+        rows = table.device_rows()
+        assert rows.raw.data_ptr() == table.weights.ctypes.data
+        ids = np.random.default_rng(0).integers(0, spec.rows(2), (4096, spec.n_heads))
+        dev_ids = torch.from_numpy(ids).cuda()
+        got = table.lookup_cuda(dev_ids)
+        np.testing.assert_array_equal(_bits(got), _bits(table.lookup(ids)))
+        packed = table.lookup_cuda(dev_ids, packed=True)
+        np.testing.assert_array_equal(packed.cpu().numpy(), table.lookup_packed(ids))
+        bad = dev_ids.clone()
+        bad[7, 3] = spec.rows(2)
+        table.lookup_cuda(bad)
+        with pytest.raises(LookupIdError, match=f"first {spec.rows(2)} "):
+            rows.check_errors()

@@ -138,3 +138,85 @@ def test_device_shard_host_side_on_cpu_tensors(shard):
         view.check_errors()
     assert "head 6's buckets [0, " in str(caught.value)  # the CPU path's message
     view.check_errors()  # cleared
+
+
+# PLE (Qwen4-Exp) row gather: the same kernel file, run on CPU tensors.
+
+def _nan_canonical(bits):
+    """BF16 bits with every NaN as 0x7FC0 (torch's products carry other
+    NaN payloads; the value is the same)."""
+    u = bits.view(np.uint16)
+    nan = ((u & 0x7F80) == 0x7F80) & ((u & 0x7F) != 0)
+    return np.where(nan, np.uint16(0x7FC0), u).view(np.int16)
+
+
+def _ple_rows(table, dtype, *, row_start=0, total_rows=None, scale=None):
+    from numa_engram.lookup.gpu import PLEDeviceRows
+
+    total = table.shape[0] + row_start if total_rows is None else total_rows
+    return PLEDeviceRows(torch.from_numpy(table), dtype=dtype, row_start=row_start,
+                         total_rows=total, scale=scale)
+
+
+@pytest.mark.parametrize("scale", [0.0125, 3.0e38, 1e-40, float("nan"), float("inf"), 0.0])
+def test_ple_fp8_rows_equal_the_cpu_path_and_vllms_rule_for_every_byte(scale):
+    from numa_engram.lookup.ple import PLERows
+
+    table = np.tile(np.arange(256, dtype=np.uint8), (4, 1))[:, :160].copy()  # 160: not 2^k
+    table[2] = np.arange(96, 256, dtype=np.uint8)
+    ids = torch.tensor([[0, 1], [2, 3], [2, 0]])
+    dev = _ple_rows(table, "float8_e4m3fn", scale=scale)
+    got = dev.lookup(ids)
+    cpu = PLERows(table, dtype="float8_e4m3fn", row_start=0, total_rows=4, scale=scale)
+    np.testing.assert_array_equal(_bits(got), cpu.rows_bf16(ids.numpy()).view(np.int16))
+    np.testing.assert_array_equal(_bits(got), _nan_canonical(_bits(dev.lookup_torch(ids))))
+    dev.check_errors()
+
+
+@pytest.mark.parametrize("max_sms", [1, 3, 64])
+def test_ple_shard_rows_zeros_for_other_shards_and_a_record_for_bad_ids(max_sms):
+    from numa_engram.lookup.ple import reference_rows
+
+    rng = np.random.default_rng(max_sms)
+    table = rng.integers(0, 256, (300, 48), dtype=np.uint8)
+    table[table == 0x7F] = 0  # NaN bytes aside: compared by value below too
+    dev = _ple_rows(table, "float8_e4m3fn", row_start=1000, total_rows=2000, scale=0.5)
+    ids = torch.from_numpy(rng.integers(900, 1400, (37, 3)).astype(np.int32))
+    got = dev.lookup(ids, max_sms=max_sms)
+    want = reference_rows(table, ids.numpy(), row_start=1000, scale=0.5)
+    np.testing.assert_array_equal(_bits(got), want.view(np.int16))
+    assert not _bits(got)[(ids.numpy() < 1000) | (ids.numpy() >= 1300)].any()
+    packed = dev.lookup(ids, packed=True, max_sms=max_sms)
+    np.testing.assert_array_equal(packed.numpy(), _bits(dev.lookup_torch(ids, packed=True))
+                                  .view(np.uint8).reshape(packed.shape))
+    bad = ids.clone()
+    bad[5, 1], bad[30, 0] = 2000, -3
+    got = dev.lookup(bad, max_sms=max_sms)  # no raise, no sync: recorded
+    assert not _bits(got)[5, 1].any() and not _bits(got)[30, 0].any()
+    with pytest.raises(LookupIdError, match=r"2 PLE row id\(s\) .* first 2000 \(position 16\)"):
+        dev.check_errors()
+    dev.check_errors()  # cleared
+    with pytest.raises(LookupIdError, match="PLE row id 2000 \\(position 16\\)"):
+        dev.lookup_torch(bad)
+
+
+def test_ple_bf16_rows_and_the_checks_on_ids_and_out():
+    rng = np.random.default_rng(7)
+    table = rng.integers(0, 256, (50, 2 * 24), dtype=np.uint8)
+    dev = _ple_rows(table, "bfloat16", row_start=10, total_rows=100)
+    ids = torch.arange(0, 100, 3)
+    got = dev.lookup(ids)
+    assert got.shape == (34, 24) and got.dtype == torch.bfloat16
+    np.testing.assert_array_equal(_bits(got), _bits(dev.lookup_torch(ids)))
+    local = ids.numpy() - 10
+    inside = (local >= 0) & (local < 50)
+    np.testing.assert_array_equal(_bits(got)[inside], table.view(np.int16)[local[inside]])
+    out = torch.empty((34, 24), dtype=torch.bfloat16)
+    assert dev.lookup(ids, out) is out
+    with pytest.raises(ValueError, match=r"contiguous torch.bfloat16 tensor \[34, 24\]"):
+        dev.lookup(ids, torch.empty((34, 23), dtype=torch.bfloat16))
+    with pytest.raises(LookupIdError, match="on the host"):
+        dev.lookup(ids.numpy())
+    with pytest.raises(LookupIdError, match="int64 or int32, got torch.float32"):
+        dev.lookup(ids.float())
+    assert dev.lookup(torch.empty((0, 2), dtype=torch.int64)).shape == (0, 2, 24)

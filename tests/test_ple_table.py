@@ -45,6 +45,8 @@ def test_a_private_table_holds_the_checkpoints_rows_and_scale(ckpt):
         assert np.array_equal(np.where(got == 0x7FC0, 0x7FC0, got), want)
         with pytest.raises(LookupIdError, match=f"{rows}"):
             table.lookup([rows])
+        with pytest.raises(StorageError, match="register_device=<cuda device index>"):
+            table.lookup_cuda(torch.zeros(3, dtype=torch.int64))
     with pytest.raises(StorageError, match="closed"):
         table.lookup([0])
 

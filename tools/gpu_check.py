@@ -11,7 +11,8 @@ baseline measured in the same run:
       slowdown and the exposed wait;
   (e) CUDA graph capture of a lookup and replays with new ids each time;
 every result bit-exact against the CPU kernel; cudaHostRegister seconds per
-GiB.  Writes everything as JSON to --out.
+GiB; a Qwen4-Exp PLE shard's GPU row gather beside a copy of as many
+bytes.  Writes everything as JSON to --out.
 
     python tools/gpu_check.py --out gpu_check.json [--table-gib 16] [--tokens 8192]
 """
@@ -185,9 +186,12 @@ def main() -> int:
     doc["exact"] = exact
     doc["runtime"] = runtime_check()
     print(f"EngramRuntime device=0 vs the CPU runtime: {doc['runtime']}")
+    doc["ple"] = ple_check()
+    print(f"PLE rows on the device: {doc['ple']}")
     doc["vllm_plugin"] = plugin_check(a.vllm_cache)
     print(f"vLLM plugin on the device: {doc['vllm_plugin']}")
     doc["ok"] = all(exact.values()) and replays_exact and doc["runtime"]["exact"] and \
+        doc["ple"]["exact"] and doc["ple"]["bad_id_recorded"] and \
         doc["vllm_plugin"].get("exact", True)
     write()
     return 0 if doc["ok"] else 1
@@ -235,6 +239,56 @@ def runtime_check(steps: int = 8) -> dict:
                         exact &= all(same(g, w) for g, w in zip(rows, want))
     return {"exact": bool(exact), "cpu_step_ms": seconds["cpu"] / steps * 1e3,
             "gpu_step_ms": seconds["gpu"] / steps * 1e3}
+
+
+def ple_check(gib: float = 2.0, tokens: int = 8192) -> dict:
+    """A registered Qwen4-Exp PLE shard (FP8, 160-byte rows, ETP rank 1 of
+    2): the Triton row gather against the CPU lookup, bit for bit, BF16 and
+    packed, its rate beside a host-to-device copy of as many bytes, and the
+    device error record for an id past the layer."""
+    import torch
+
+    from numa_engram.errors import LookupIdError
+    from numa_engram.model.ple import PLESpec
+    from numa_engram.sharing.pletable import SharedPLETable
+
+    base = int(gib * 2**30) // 160 // 16
+    spec = PLESpec(layer_ids=[1], ple_embed_dim=2560, vocab_size=151_936, eos_token_id=2,
+                   ngram_vocab_size_base=base)
+    table = SharedPLETable.create(spec, 1, mode="independent", register_device=0)
+    with table:
+        table.weights[:] = np.random.default_rng(3).integers(0, 256, table.weights.shape,
+                                                             dtype=np.uint8)
+        rng = np.random.default_rng(4)
+        id_sets = [rng.integers(0, spec.rows(1), (tokens, spec.n_heads)) for _ in range(8)]
+        dev_sets = [torch.from_numpy(x).cuda() for x in id_sets]
+        exact = same(table.lookup_cuda(dev_sets[0]), table.lookup(id_sets[0])) and \
+            np.array_equal(table.lookup_cuda(dev_sets[1], packed=True).cpu().numpy(),
+                           table.lookup_packed(id_sets[1]))
+        nbytes = id_sets[0].size * spec.row_bytes
+        host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        out = torch.empty((tokens, spec.n_heads, spec.head_dim), dtype=torch.bfloat16,
+                          device="cuda")
+        turn = [0]
+
+        def next_ids():
+            turn[0] += 1
+            return dev_sets[turn[0] % len(dev_sets)]
+        t_copy = timed(lambda: dst.copy_(host, non_blocking=True))
+        t_rows = timed(lambda: table.lookup_cuda(next_ids(), out=out))
+        bad = dev_sets[0].clone()
+        bad[5, 2] = spec.rows(1)
+        table.lookup_cuda(bad)
+        try:
+            table.device_rows().check_errors()
+            recorded = False
+        except LookupIdError:
+            recorded = True
+    return {"exact": bool(exact), "bad_id_recorded": recorded,
+            "table_gib": table.backing_bytes / 2**30, "rows": id_sets[0].size,
+            "rows_gbs": nbytes / t_rows / 1e9, "copy_gbs": nbytes / t_copy / 1e9,
+            "of_the_copy": t_copy / t_rows}
 
 
 def plugin_check(cache: str | None) -> dict:

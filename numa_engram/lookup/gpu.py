@@ -13,6 +13,7 @@ import numpy as np
 from ..bindings.cudart import RegistrationLease, device_pointer
 from ..errors import LookupIdError, SpecError
 from ..literals import IdFormat, check_id_format
+from ..model.ple import PLEDtype
 from ..model.sharding import prefix_offsets
 from .cpu import bad_id_text
 from .outputs import check_packed_pair, scales_shape
@@ -31,6 +32,19 @@ class DeviceView:
         self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": "|u1",
                                          "data": (self.pointer, True), "version": 3,
                                          "strides": None}
+
+
+def device_tensor(array: np.ndarray, device: int, lease: RegistrationLease | None = None):
+    """uint8 CUDA tensor over the registered host bytes of ``array`` (zero
+    copy); raises if torch copied instead of viewing."""
+    import torch
+
+    view = DeviceView(array.ctypes.data, array.shape, device, lease)
+    tensor = torch.as_tensor(view, device=torch.device(f"cuda:{device}"))
+    if tensor.data_ptr() != view.pointer:
+        raise RuntimeError("torch copied the host table instead of viewing it; the device "
+                           f"must be the registering one (cuda:{device})")
+    return tensor
 
 
 class DeviceShard:
@@ -64,14 +78,7 @@ class DeviceShard:
         self.errors = new_error_record(self.device)  # static: graph replays update it
 
     def _view(self, array: np.ndarray, device: int):
-        import torch
-
-        view = DeviceView(array.ctypes.data, array.shape, device, self.lease)
-        tensor = torch.as_tensor(view, device=self.device)
-        if tensor.data_ptr() != view.pointer:
-            raise RuntimeError("torch copied the host table instead of viewing it; the device "
-                               f"must be the registering one (cuda:{device})")
-        return tensor
+        return device_tensor(array, device, self.lease)
 
     def lookup(self, hash_ids, out=None, *, id_format: IdFormat = "bucket", packed: bool = False,
                out_scales=None, max_sms: int | None = None, background: bool = False):
@@ -179,3 +186,109 @@ class DeviceShard:
         s = self.scales.index_select(0, rows)
         vals = dequantize_rows(w, s, self.block).view(cols.shape[0], heads, -1)
         return vals.masked_fill_(dead.unsqueeze(-1), 0)
+
+
+class PLEDeviceRows:
+    """A PLE shard's rows on the GPU: the gather (and FP8 x per-tensor scale
+    to BF16 through the same 256-entry table as the CPU path) by one Triton
+    kernel on ``raw``, the shard's uint8 ``[rows, row_bytes]`` on a device
+    (``on_host`` views registered host memory, zero copy).  Bad ids give
+    zero rows and a device error record (``check_errors``), no host sync."""
+
+    def __init__(self, raw, *, dtype: PLEDtype, row_start: int, total_rows: int,
+                 scale: float | None, lease: RegistrationLease | None = None) -> None:
+        import torch
+
+        from .ple import bf16_lut
+        from .triton_kernels import new_error_record
+
+        if dtype == "float8_e4m3fn" and scale is None:
+            raise ValueError("an FP8 PLE table needs its per-tensor scale (weight_scale)")
+        self.raw, self.dtype, self.lease, self.device = raw, dtype, lease, raw.device
+        self.row_start, self.total_rows, self.scale = row_start, total_rows, scale
+        self.table = raw if dtype == "float8_e4m3fn" else raw.view(torch.int16)
+        self.head_dim = self.table.shape[1]
+        self.lut = None if scale is None else \
+            torch.from_numpy(bf16_lut(scale).view(np.int16)).to(self.device)
+        self.errors = new_error_record(self.device)  # static: graph replays update it
+
+    @classmethod
+    def on_host(cls, table: np.ndarray, device: int, *, dtype: PLEDtype, row_start: int,
+                total_rows: int, scale: float | None,
+                lease: RegistrationLease | None = None) -> PLEDeviceRows:
+        """Over a registered host shard (``table``: its uint8 rows)."""
+        return cls(device_tensor(table, device, lease), dtype=dtype, row_start=row_start,
+                   total_rows=total_rows, scale=scale, lease=lease)
+
+    def lookup(self, ids, out=None, *, packed: bool = False, max_sms: int | None = None,
+               background: bool = False):
+        """BF16 ``[*ids.shape, head_dim]`` for layer row ids on this device
+        (int64 or int32), zeros where another shard holds the row;
+        ``packed=True``: the stored bytes, uint8 ``[*ids.shape, row_bytes]``."""
+        import torch
+
+        from . import triton_kernels as gpu_kernels
+
+        flat = self._device_ids(ids).reshape(-1).contiguous()
+        shape = (*ids.shape, self.raw.shape[1] if packed else self.head_dim)
+        dtype = torch.uint8 if packed else torch.bfloat16
+        if out is None:
+            out = torch.empty(shape, dtype=dtype, device=self.device)
+        elif out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous() or \
+                out.device != self.device:
+            raise ValueError(f"out must be a contiguous {dtype} tensor {list(shape)} on "
+                             f"{self.device}, got {out.dtype} {list(out.shape)} on {out.device}")
+        table, lut = (self.raw, None) if packed else (self.table, self.lut)
+        target = out if packed else out.view(torch.int16)
+        gpu_kernels.ple_rows(table, flat, row_start=self.row_start, total_rows=self.total_rows,
+                             out=target.view(-1, table.shape[1]), err=self.errors, lut=lut,
+                             max_sms=max_sms, background=background)
+        return out
+
+    def check_errors(self) -> None:
+        """Read (one sync) and clear the error record; raise LookupIdError
+        naming the first bad id since the last check."""
+        from .triton_kernels import NO_ERROR
+
+        count, pos, value = (int(x) for x in self.errors.tolist())
+        if not count:
+            return
+        self.errors.copy_(self.errors.new_tensor([0, NO_ERROR, 0]))
+        raise LookupIdError(f"{count} PLE row id(s) outside the layer's {self.total_rows} "
+                            f"rows, the first {value} (position {pos}) since the last check; "
+                            "their rows were written as zeros")
+
+    def lookup_torch(self, ids, *, packed: bool = False):
+        """The plain torch reference (vLLM's rule: ``rows.to(bf16) *
+        scale.to(bf16)``; a host sync for bad ids)."""
+        import torch
+
+        flat = self._device_ids(ids).reshape(-1).long()
+        bad = (flat < 0) | (flat >= self.total_rows)
+        if bool(bad.any()):
+            where = int(bad.nonzero()[0])
+            raise LookupIdError(f"PLE row id {int(flat[where])} (position {where}) is outside "
+                                f"the layer's {self.total_rows} rows")
+        local = flat - self.row_start
+        inside = (local >= 0) & (local < self.raw.shape[0])
+        rows = self.raw.index_select(0, torch.where(inside, local, 0))
+        if not packed:
+            if self.dtype == "float8_e4m3fn":
+                scale = torch.tensor(self.scale, dtype=torch.float32).to(torch.bfloat16)
+                rows = rows.view(torch.float8_e4m3fn).to(torch.bfloat16) * scale.to(self.device)
+            else:
+                rows = rows.view(torch.bfloat16)
+        rows = torch.where(inside[:, None], rows, torch.zeros((), dtype=rows.dtype,
+                                                               device=self.device))
+        return rows.view(*ids.shape, -1)
+
+    def _device_ids(self, ids):
+        import torch
+
+        if not torch.is_tensor(ids) or ids.device != self.device:
+            where = ids.device if torch.is_tensor(ids) else "the host"
+            raise LookupIdError(f"PLE row ids are on {where}; the GPU lookup needs them on "
+                                f"{self.device}")
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise LookupIdError(f"PLE row ids must be int64 or int32, got {ids.dtype}")
+        return ids

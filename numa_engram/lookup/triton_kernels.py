@@ -14,6 +14,10 @@ The grid is persistent: ``min(tiles, max_sms)`` programs walk the tiles
 ``packed=True`` writes the gathered FP8 rows and scales as stored instead
 (dequantise later with ``dequantize_rows``).
 
+``ple_rows`` is the same for a Qwen4-Exp PLE shard: 1-D layer row ids,
+rows another shard holds as zeros, FP8 bytes to BF16 through the table's
+256-entry lookup table (byte x per-tensor scale), or the stored bytes.
+
 Everything here is graph-capturable: no host sync, buffers given by the
 caller.  Under ``TRITON_INTERPRET=1`` the same kernel runs on CPU tensors
 (set it before this module is first imported).
@@ -146,3 +150,61 @@ def lookup(weights, scales, ids, *, head_start: int, sizes, offsets, base, out, 
                          offsets, base, out, out_scales if packed else out, err, n_tiles,
                          HEADS=heads, DIM=dim, BLOCK=block, ROWS=ROWS_PER_TILE, PACKED=packed)
     _record_bad_id[(1,)](ids, ids.stride(0), head_start, err, HEADS=heads)
+
+
+@triton.jit
+def _ple_rows_kernel(ids_ptr, n_ids, row_start, n_rows, total_rows, table_ptr, lut_ptr,
+                     out_ptr, err_ptr, n_tiles, COLS: tl.constexpr, COLS_P2: tl.constexpr,
+                     ROWS: tl.constexpr, LUT: tl.constexpr):
+    cols = tl.arange(0, COLS_P2)
+    in_row = cols < COLS
+    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):  # persistent grid
+        pos = tile * ROWS + tl.arange(0, ROWS)
+        valid = pos < n_ids
+        raw = tl.load(ids_ptr + pos, mask=valid, other=0).to(tl.int64)
+        bad = valid & ((raw < 0) | (raw >= total_rows))
+        n_bad = tl.sum(bad.to(tl.int64), axis=0)
+        if n_bad > 0:
+            tl.atomic_add(err_ptr, n_bad)
+            tl.atomic_min(err_ptr + 1, tl.min(tl.where(bad, pos.to(tl.int64), NO_ERROR), axis=0))
+        local = raw - row_start
+        mine = valid & ~bad & (local >= 0) & (local < n_rows)
+        held = mine[:, None] & in_row[None, :]
+        row = tl.where(mine, local, 0)
+        w = tl.load(table_ptr + row[:, None] * COLS + cols[None, :], mask=held, other=0)
+        if LUT:
+            # a row another shard holds is zeros, not lut[0] (NaN for a NaN scale)
+            w = tl.where(held, tl.load(lut_ptr + w.to(tl.int32), mask=held, other=0), 0)
+        tl.store(out_ptr + pos.to(tl.int64)[:, None] * COLS + cols[None, :], w,
+                 mask=valid[:, None] & in_row[None, :])
+
+
+@triton.jit
+def _record_bad_row(ids_ptr, err_ptr):
+    pos = tl.load(err_ptr + 1)
+    if pos != NO_ERROR:
+        tl.store(err_ptr + 2, tl.load(ids_ptr + pos).to(tl.int64))
+
+
+def ple_rows(table, ids, *, row_start: int, total_rows: int, out, err, lut=None,
+             max_sms: int | None = None, background: bool = False) -> None:
+    """Launch the PLE row gather on one shard (rows ``row_start ..`` of a
+    layer of ``total_rows``).  ``table``: ``[rows, cols]`` (uint8 FP8 bytes,
+    or int16 BF16 bits); ``ids`` contiguous 1-D int64/int32 layer row ids on
+    the same device; ``out`` ``[len(ids), cols]``: int16 BF16 bits through
+    ``lut`` (int16 ``[256]``, FP8 byte -> BF16 of byte x scale), else the
+    table's dtype; rows another shard holds are zeros; ids outside the
+    layer are zeros plus the error record (count, first position, value)."""
+    n_ids = ids.shape[0]
+    if n_ids == 0:
+        return
+    if ids.dim() != 1 or not ids.is_contiguous():
+        raise ValueError("PLE row ids: the kernel takes a contiguous 1-D tensor")
+    cols = table.shape[1]
+    n_tiles = triton.cdiv(n_ids, ROWS_PER_TILE)
+    grid = (grid_size(n_tiles, max_sms, background, ids.device),)
+    _ple_rows_kernel[grid](ids, n_ids, row_start, table.shape[0], total_rows, table,
+                           table if lut is None else lut, out, err, n_tiles, COLS=cols,
+                           COLS_P2=triton.next_power_of_2(cols), ROWS=ROWS_PER_TILE,
+                           LUT=lut is not None)
+    _record_bad_row[(1,)](ids, err)

@@ -40,6 +40,8 @@ from .request import CreateRequest, shard_key, table_layout
 if TYPE_CHECKING:
     import torch
 
+    from ..lookup.gpu import PLEDeviceRows
+
 log = logging.getLogger(__name__)
 
 
@@ -49,8 +51,11 @@ class SharedPLETable:
     def __init__(self, spec: PLESpec, layer_id: int, shard: ShardInfo, backing: BackingFile, *,
                  mode: str, members: list[MemberInfo], leader: bool,
                  plan: PlacementPlan | None = None,
-                 startup_phases: dict[str, float] | None = None) -> None:
+                 startup_phases: dict[str, float] | None = None,
+                 registration: Any = None) -> None:
         self.spec, self.layer_id, self.shard = spec, layer_id, shard
+        self.registration = registration  # a cudart.RegistrationLease, or None
+        self._device_rows: PLEDeviceRows | None = None
         self.startup_phases = dict(startup_phases or {})
         self.mode, self.members, self.leader, self.plan = mode, members, leader, plan
         self.backing = backing
@@ -69,16 +74,19 @@ class SharedPLETable:
                checkpoint: Any = None,
                timeout_s: float = 300.0, load_threads: int | None = None,
                topology: Topology | None = None,
-               progress: Progress | None = None) -> SharedPLETable:
+               progress: Progress | None = None,
+               register_device: int | None = None) -> SharedPLETable:
         """Collective over ``group`` (the members holding the same ETP
         shard; its rank 0 leads; None: a private table), with the same
         modes, placements, page sizes and failure rules as
         ``SharedEngramTable.create``.  ``checkpoint``: vLLM's split-parts
-        safetensors (a file, files or directory)."""
+        safetensors (a file, files or directory).  ``register_device``:
+        pin the mapping for zero-copy reads by that CUDA device
+        (``lookup_cuda``)."""
         shard = spec.shard(layer_id, etp_rank, etp_size)
         req = CreateRequest.of(spec, layer_id, shard, mode=mode, placement=placement,
                                directory=directory, page_size=page_size, checkpoint=checkpoint,
-                               names=None, register_device=None,
+                               names=None, register_device=register_device,
                                timeout_s=timeout_s, topology=topology, progress=progress,
                                lookup_threads=None, load_threads=load_threads)
         grp = SingleProcessGroup() if group is None else as_group(group)
@@ -86,7 +94,7 @@ class SharedPLETable:
             built = protocol.create(grp, req)
         table = cls(spec, layer_id, shard, built.backing, mode=built.mode,
                     members=built.members, leader=built.leader, plan=built.plan,
-                    startup_phases=built.phases)
+                    startup_phases=built.phases, registration=built.registration)
         log.info("PLE table: layer %d rows [%d, %d) %s, %d member(s)", layer_id,
                  shard.row_start, shard.row_end, built.mode, len(built.members))
         return table
@@ -95,7 +103,8 @@ class SharedPLETable:
     def attach(cls, spec: PLESpec, layer_id: int, *, service: str, etp_rank: int = 0,
                etp_size: int = 1, node: int | None = None, page_size: PageSize | int = "4K",
                timeout_s: float = 10.0, service_uids: Sequence[int] | None = None,
-               allow_unsealed: bool | None = None) -> SharedPLETable:
+               allow_unsealed: bool | None = None,
+               register_device: int | None = None) -> SharedPLETable:
         """Map the READY table of this ETP shard that the table service on
         ``service`` holds (its copy on ``node``, default this thread's),
         read-only, after the checks a peer makes; the service is believed
@@ -112,12 +121,21 @@ class SharedPLETable:
                                          layout_for=lambda page: table_layout(spec, shard, page))
         finally:
             os.close(fd)  # the backing holds its own duplicate
-        if backing.state != STATE_READY:
-            backing.close()
-            raise StorageError(f"the service's PLE table layer {layer_id} is not READY")
-        me = MemberInfo(0, os.getpid(), os.geteuid(), here, None, spec.fingerprint,
-                        shard_key(layer_id, shard), "attach")
-        return cls(spec, layer_id, shard, backing, mode="service", members=[me], leader=False)
+        registration = None
+        try:
+            if backing.state != STATE_READY:
+                raise StorageError(f"the service's PLE table layer {layer_id} is not READY")
+            if register_device is not None:
+                registration = protocol.register(backing, register_device)
+            me = MemberInfo(0, os.getpid(), os.geteuid(), here, None, spec.fingerprint,
+                            shard_key(layer_id, shard), "attach")
+            return cls(spec, layer_id, shard, backing, mode="service", members=[me],
+                       leader=False, registration=registration)
+        except BaseException:
+            if registration is not None:
+                registration.release()
+            backing.close()  # a failed attach keeps no descriptor
+            raise
 
     def dup_descriptor(self) -> int:
         """A new descriptor of the table's file (the caller closes it): what
@@ -139,6 +157,29 @@ class SharedPLETable:
         self._check_open()
         return torch.from_numpy(self.rows.rows_bf16(ids)).view(torch.bfloat16)
 
+    def device_rows(self) -> PLEDeviceRows:
+        """The GPU lookup on this shard's registered rows (needs
+        ``register_device=``)."""
+        from ..lookup.gpu import PLEDeviceRows
+
+        self._check_open()
+        if self.registration is None:
+            raise StorageError("the PLE table is not registered with CUDA; create or attach "
+                               "it with register_device=<cuda device index>")
+        if self._device_rows is None:
+            self._device_rows = PLEDeviceRows.on_host(
+                self.weights, self.registration.device, dtype=self.spec.dtype,
+                row_start=self.shard.row_start, total_rows=self.spec.rows(self.layer_id),
+                scale=self.scale, lease=self.registration)
+        return self._device_rows
+
+    def lookup_cuda(self, ids: Any, out: Any = None, *, packed: bool = False,
+                    max_sms: int | None = None, background: bool = False) -> torch.Tensor:
+        """``lookup`` on the registering GPU, ids on that GPU: one Triton
+        kernel, no host sync (bad ids: ``device_rows().check_errors()``)."""
+        return self.device_rows().lookup(ids, out, packed=packed, max_sms=max_sms,
+                                         background=background)
+
     def lookup_packed(self, ids: Any) -> np.ndarray:
         """The stored bytes ``[*ids.shape, row_bytes]`` (zeros likewise)."""
         self._check_open()
@@ -157,6 +198,8 @@ class SharedPLETable:
         self.weights = empty
         self.rows = PLERows(empty, dtype=self.spec.dtype, row_start=0, total_rows=0,
                             scale=self.scale)
+        # device views still alive keep the registration (and the memory)
+        self._device_rows, self.registration = None, None
         backing, self.backing = self.backing, None  # type: ignore[assignment]
         backing.close()
 
