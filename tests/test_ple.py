@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from numa_engram.errors import LookupIdError, SpecError
-from numa_engram.lookup.ple import PLERows, reference_rows
+from numa_engram.lookup.ple import PLERows, bf16_lut, bf16_value, reference_rows
 from numa_engram.model.ple import PLESpec
 from numa_engram.model.plehashing import PLEHistory, ple_ids, ple_ids_numpy
 
@@ -217,6 +217,26 @@ def test_fp8_rows_with_a_per_tensor_scale_equal_vllms_dequantize(vllm, scale):
     got = rows.rows_bf16(ids)
     np.testing.assert_array_equal(np.where(got == 0x7FC0, 0x7FC0, got), canonical(want))
     np.testing.assert_array_equal(got, reference_rows(table, ids, row_start=0, scale=scale))
+
+
+def test_the_c_kernels_product_equals_the_byte_table_for_4000_scales():
+    """The vectorised C product against ``bf16_lut`` (each byte's BF16 of
+    byte x scale, numpy's fp32 product rounded to nearest even): every byte,
+    every BF16 exponent's scales (subnormal, huge), zeros, infinities, NaN,
+    negative scales; a row width that leaves a vector tail."""
+    rng = np.random.default_rng(4)
+    patterns = np.concatenate([rng.integers(0, 1 << 16, 4000), [0, 0x8000, 0x7F80, 0xFF80,
+                                                                0x7FC0, 0x0001, 0x7F7F]])
+    scales = bf16_value(patterns.astype(np.uint16))
+    table = np.zeros((256, 259), dtype=np.uint8)
+    table[:, :256] = np.arange(256, dtype=np.uint8)[None, :]
+    table[:, 256:] = np.arange(3, dtype=np.uint8)[None, :] + 0x7E
+    ids = np.arange(256)
+    for scale in scales:
+        got = PLERows(table, dtype="float8_e4m3fn", row_start=0, total_rows=256,
+                      scale=float(scale)).rows_bf16(ids)
+        lut = bf16_lut(float(scale))
+        np.testing.assert_array_equal(got, lut[table], err_msg=f"scale {scale!r}")
 
 
 def test_bf16_rows_equal_vllms_lookup(vllm):

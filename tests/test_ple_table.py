@@ -45,6 +45,13 @@ def test_a_private_table_holds_the_checkpoints_rows_and_scale(ckpt):
         assert np.array_equal(np.where(got == 0x7FC0, 0x7FC0, got), want)
         with pytest.raises(LookupIdError, match=f"{rows}"):
             table.lookup([rows])
+        out = torch.empty((40, SPEC.n_heads, SPEC.head_dim), dtype=torch.bfloat16)
+        assert table.lookup(ids, out) is out
+        assert torch.equal(out.view(torch.int16), table.lookup(ids).view(torch.int16))
+        with pytest.raises(ValueError, match=r"uint16\) \[40, 16, 10\], got uint16 \[40, 16, 9\]"):
+            table.lookup(ids, out[..., :9].contiguous())
+        with pytest.raises(ValueError, match="CPU bfloat16 tensor, got torch.float32"):
+            table.lookup(ids, out.float())
         with pytest.raises(StorageError, match="register_device=<cuda device index>"):
             table.lookup_cuda(torch.zeros(3, dtype=torch.int64))
     with pytest.raises(StorageError, match="closed"):

@@ -2,7 +2,8 @@
 """numa_engram benchmarks.  Every number is printed beside a baseline
 measured in the same run, as a ratio (the machine is noisy).
 
-    python tools/bench.py [lookup|default-out|serving|hashing|serving-hashing|load|prefetch|all]
+    python tools/bench.py [lookup|default-out|serving|hashing|serving-hashing|load|prefetch|
+                           restart|ple|all]
                           [--table-gib 2] [--quick]
 """
 
@@ -393,6 +394,83 @@ def bench_serving(table_gib: float = 2.0, sweep: tuple[float, ...] = (0.5, 2.0, 
                          f"({best['lookup(ids)'] / best['numpy take']:.2f}x)")
         _close_table(table)
         print(f"  {gib:4.1f} GiB: " + ", ".join(cells))
+
+
+def _ple_table(table_gib: float, page: str, rng):
+    """A Qwen4-Exp-shaped PLE layer (16 heads of 160 FP8 bytes, one fp32
+    scale) of about ``table_gib``, on node 0, random bytes in every row."""
+    from numa_engram.model.ple import PLESpec
+    from numa_engram.sharing.pletable import SharedPLETable
+
+    base = max(1000, int(table_gib * 2**30) // 160 // 16)
+    spec = PLESpec(layer_ids=[1], ple_embed_dim=2560, vocab_size=151_936, eos_token_id=2,
+                   ngram_vocab_size_base=base)
+    table = SharedPLETable.create(spec, 1, mode="independent", placement="node:0",
+                                  page_size=page)
+    _fill_random(table.weights, rng)  # no checkpoint: the table stays writable
+    return spec, table
+
+
+def _ple_variants(spec, table, tokens: int, rng) -> dict:
+    """Each PLE lookup of ``tokens`` tokens x 16 heads, on rotating id sets,
+    and numpy take of the same FP8 rows into a preallocated output."""
+    import torch
+
+    from numa_engram.model.plehashing import ple_ids
+
+    sets = [rng.integers(0, spec.rows(1), (tokens, spec.n_heads))
+            for _ in range(rotating_id_sets(tokens, spec.n_heads, spec.row_bytes))]
+    flats = [ids.reshape(-1) for ids in sets]
+    gathered = np.empty((tokens * spec.n_heads, spec.row_bytes), np.uint8)
+    out = torch.empty((tokens, spec.n_heads, spec.head_dim), dtype=torch.bfloat16)
+    streams = [rng.integers(0, spec.vocab_size, tokens) for _ in range(len(sets))]
+    turn = [0]
+
+    def nxt() -> int:
+        turn[0] += 1
+        return turn[0] % len(sets)
+    return {
+        "lookup(ids) bf16": lambda: table.lookup(sets[nxt()]),
+        "lookup(ids, out=)": lambda: table.lookup(sets[nxt()], out),
+        "packed": lambda: table.lookup_packed(sets[nxt()]),
+        "numpy take": lambda: table.weights.take(flats[nxt()], axis=0, out=gathered,
+                                                 mode="clip"),
+        "ids + lookup(out=)": lambda: table.lookup(ple_ids(spec, [1], streams[nxt()])[:, 0],
+                                                   out),
+    }
+
+
+def bench_ple(table_gib: float = 2.0, tokens_list: tuple[int, ...] = SERVING_TOKENS,
+              repeat: int = 15) -> None:
+    """Qwen4-Exp PLE lookups at serving sizes: each variant's best of
+    ``repeat`` interleaved turns (``LAYER_PAUSE_S`` of work before each), as
+    a ratio to numpy take of the same FP8 rows, on 4 KiB and (where a pool
+    can be reserved) 2 MiB pages; "ids + lookup" hashes the tokens too."""
+    from numa_engram.errors import CapacityError
+    from numa_engram.host import hugepages
+
+    rng = np.random.default_rng(0)
+    pages = ["4K"]
+    try:
+        hugepages.check_pool(int(table_gib * 2**30) + (16 << 20), 2 << 20)
+        pages.append("2M")
+    except CapacityError as exc:
+        print(f"  (2M pages skipped: {str(exc).splitlines()[0][:160]})")
+    for page in pages:
+        spec, table = _ple_table(table_gib, page, rng)
+        print(f"== PLE lookups: {table.backing_bytes / 2**30:.2f} GiB layer on {page} pages, "
+              f"{spec.n_heads} heads of {spec.row_bytes} FP8 bytes; time in us, ratio to "
+              "numpy take")
+        for tokens in tokens_list:
+            fns = _ple_variants(spec, table, tokens, rng)
+            best = best_interleaved(fns, _turns(fns, repeat, pause_s=LAYER_PAUSE_S),
+                                    LAYER_PAUSE_S)
+            if tokens == tokens_list[0]:
+                print("  tokens  " + "  ".join(f"{n:>20}" for n in best))
+            take = best["numpy take"]
+            print(f"  {tokens:6d}  " + "  ".join(
+                f"{t * 1e6:10.1f} ({t / take:5.2f}x)" for t in best.values()))
+        _close_table(table)
 
 
 def _rotating(sets: list) -> Callable[[], np.ndarray]:
@@ -906,7 +984,7 @@ def main() -> None:
     p.add_argument("what", nargs="?", default="all",
                    choices=["all", "lookup", "default-out", "serving", "hashing",
                             "serving-hashing", "decode-hashing", "dp-sharded", "load",
-                            "prefetch", "restart"])
+                            "prefetch", "restart", "ple"])
     p.add_argument("--table-gib", type=float, default=2.0)
     p.add_argument("--load-gib", type=float, default=1.0)
     p.add_argument("--tokens", type=int, default=4096)
@@ -926,6 +1004,11 @@ def main() -> None:
             bench_serving(a.table_gib)
             bench_layer_steps()
         bench_decode_hashing()
+    if a.what in ("all", "ple"):
+        if a.quick:
+            bench_ple(0.1, (1, 64, 1024), repeat=3)
+        else:
+            bench_ple(a.table_gib)
     if a.what in ("all", "serving", "dp-sharded"):
         bench_dp_sharded(table_gib=0.1 if a.quick else 0.5,
                          slots=(1, 64) if a.quick else DP_SLOTS)

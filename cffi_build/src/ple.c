@@ -62,36 +62,70 @@ int ne_ple_ids(const int64_t *ids, int64_t n_tokens, const int64_t *query_start,
     return 0;
 }
 
-/* out[i] = lut[table[ids[i] - row_start]] for the rows this shard holds
- * (row_start <= id < row_start + n_rows), zeros for any other id (another
- * shard's row: the ranks' sum is the whole table's row).  lut NULL: the
- * raw bytes (FP8 packed, or BF16 rows of row_bytes bytes). */
+/* BF16 bits of bf16(e4m3(b)) * scale (scale: a BF16 value), as torch
+ * computes it: the fp32 product is exact (4 x 8 significant bits, no
+ * exponent below 2^-142), rounded once to nearest even; NaN is 0x7FC0.
+ * Branch-free, so GCC vectorises a row's loop. */
+static inline uint16_t ple_bf16(uint32_t b, float scale)
+{
+    uint32_t e = (b >> 3) & 15, m = b & 7;
+    uint32_t normal_bits = ((e + 120) << 23) | (m << 20), sub_bits, bits;
+    float sub = (float)m * 0x1p-9f, magnitude, product;
+    memcpy(&sub_bits, &sub, 4);
+    uint32_t is_normal = -(uint32_t)(e != 0);  /* masks, not branches: it vectorises */
+    bits = (normal_bits & is_normal) | (sub_bits & ~is_normal);
+    memcpy(&magnitude, &bits, 4);
+    product = magnitude * scale;
+    memcpy(&bits, &product, 4);
+    bits ^= (b & 0x80) << 24;
+    uint32_t rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16;
+    uint32_t nan = -(uint32_t)(((bits & 0x7FFFFFFF) > 0x7F800000) | ((b & 0x7F) == 0x7F));
+    return (uint16_t)((rounded & ~nan) | (0x7FC0 & nan));
+}
+
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+static void ple_row_bf16(const uint8_t *restrict src, int64_t n, float scale,
+                         uint16_t *restrict dst)
+{
+    for (int64_t j = 0; j < n; j++)
+        dst[j] = ple_bf16(src[j], scale);
+}
+
+/* out[i] = the row ids[i] - row_start of this shard (row_start <= id <
+ * row_start + n_rows), zeros for any other id (another shard's row: the
+ * ranks' sum is the whole table's row).  scaled: FP8 bytes to BF16 bits
+ * times scale (ple_bf16); else the raw bytes (FP8 packed, or BF16 rows).
+ * *first_bad: the position of the first id outside the layer's total_rows
+ * (its row zeros too), or -1. */
 int ne_ple_rows(const uint8_t *table, int64_t n_rows, int64_t row_bytes, int64_t row_start,
-                const int64_t *ids, int64_t n_ids, const uint16_t *lut, void *out)
+                int64_t total_rows, const int64_t *ids, int64_t n_ids, int scaled,
+                float scale, void *out, int64_t *first_bad)
 {
     if (row_bytes < 1) {
         errno = EINVAL;
         return -1;
     }
+    *first_bad = -1;
+    size_t out_bytes = (size_t)row_bytes * (scaled ? 2 : 1);
     for (int64_t i = 0; i < n_ids; i++) {
-        int64_t local = ids[i] - row_start;
-        int inside = local >= 0 && local < n_rows;
-        const uint8_t *src = table + (inside ? local : 0) * row_bytes;
-        if (lut) {
-            uint16_t *dst = (uint16_t *)out + i * row_bytes;
-            if (!inside) {
-                memset(dst, 0, (size_t)row_bytes * 2);
-                continue;
-            }
-            for (int64_t j = 0; j < row_bytes; j++)
-                dst[j] = lut[src[j]];
-        } else {
-            uint8_t *dst = (uint8_t *)out + i * row_bytes;
-            if (inside)
-                memcpy(dst, src, (size_t)row_bytes);
-            else
-                memset(dst, 0, (size_t)row_bytes);
+        if (i + 4 < n_ids) {  /* rows are random: ask for the next ones early */
+            int64_t ahead = ids[i + 4] - row_start;
+            if (ahead >= 0 && ahead < n_rows)
+                for (int64_t off = 0; off < row_bytes; off += 64)
+                    __builtin_prefetch(table + ahead * row_bytes + off, 0, 0);
         }
+        /* read once: a caller thread changing ids cannot move a read outside */
+        int64_t id = __atomic_load_n(&ids[i], __ATOMIC_RELAXED);
+        int64_t local = id - row_start;
+        uint8_t *dst = (uint8_t *)out + i * out_bytes;
+        if ((id < 0 || id >= total_rows) && *first_bad < 0)
+            *first_bad = i;
+        if (local < 0 || local >= n_rows)
+            memset(dst, 0, out_bytes);
+        else if (scaled)
+            ple_row_bf16(table + local * row_bytes, row_bytes, scale, (uint16_t *)dst);
+        else
+            memcpy(dst, table + local * row_bytes, (size_t)row_bytes);
     }
     return 0;
 }

@@ -794,14 +794,19 @@ def ple_ids(ids: np.ndarray, query_start: np.ndarray, context: np.ndarray, eos: 
     return out
 
 
-def ple_rows(table: np.ndarray, row_start: int, ids: np.ndarray, lut: np.ndarray | None,
-             out: np.ndarray) -> None:
+def ple_rows(table: np.ndarray, row_start: int, total_rows: int, ids: np.ndarray,
+             scale: float | None, out: np.ndarray) -> int:
     """``out[i]`` = row ``ids[i]`` of a uint8 ``table [rows, row_bytes]``
-    holding rows ``row_start ..``, through ``lut`` (uint16 [256]: FP8 byte
-    -> BF16 bits) or as raw bytes; zeros for ids outside it.  The caller
-    checks ``out``'s size and that ``table`` and ``ids`` are C-contiguous."""
+    holding rows ``row_start ..`` of a layer of ``total_rows``: FP8 bytes
+    as BF16 bits of byte x ``scale`` (a BF16 value: vLLM's
+    ``rows.to(bf16) * scale.to(bf16)``), or the raw bytes (``scale`` None);
+    zeros for ids outside it.  Returns the position of the first id outside
+    the layer (its row zeros too), or -1.  The caller checks ``out``'s size
+    and that ``table`` and ``ids`` are C-contiguous."""
+    first_bad = ffi.new("int64_t *")
     if ids.shape[0] and lib.ne_ple_rows(
-            _ptr(table, "uint8_t *"), table.shape[0], table.shape[1], row_start,
-            _ptr(ids, "int64_t *"), ids.shape[0],
-            ffi.NULL if lut is None else _ptr(lut, "uint16_t *"), ffi.from_buffer(out)) != 0:
+            _ptr(table, "uint8_t *"), table.shape[0], table.shape[1], row_start, total_rows,
+            _ptr(ids, "int64_t *"), ids.shape[0], scale is not None,
+            0.0 if scale is None else scale, ffi.from_buffer(out), first_bad) != 0:
         _raise("ne_ple_rows", "a row of no bytes")
+    return int(first_bad[0]) if ids.shape[0] else -1

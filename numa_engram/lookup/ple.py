@@ -4,8 +4,9 @@ the whole table, or BF16.
 vLLM 0.31.0 turns looked-up FP8 rows into activations as
 ``rows.to(bf16) * scale.to(bf16)``: the product of two BF16 values is exact
 in fp32 and rounded once to BF16, so each of the 256 FP8 bytes has one
-result.  The lookup is a gather through that 256-entry table (``bf16_lut``),
-bit-exact by construction; ``reference_rows`` is the same in plain numpy.
+result (``bf16_lut``, the GPU kernel's table).  The C kernel computes the
+same product branch-free (vectorised); ``reference_rows`` is the rule in
+plain numpy.
 A shard holds rows ``row_start .. row_start + rows`` of the layer (vLLM's
 row-range split): other ids give zero rows, so the shards' results summed
 (FP8 as raw bytes, as vLLM all-reduces them) are the whole table's rows.
@@ -83,32 +84,38 @@ class PLERows:
         self.table, self.dtype, self.scale = table, dtype, scale
         self.row_start, self.total_rows = row_start, total_rows
         self.head_dim = table.shape[1] if dtype == "float8_e4m3fn" else table.shape[1] // 2
-        self._lut = bf16_lut(scale) if scale is not None else None
+        self.scale_bf16 = None if scale is None else \
+            float(bf16_value(bf16_bits(np.array([scale], dtype=np.float32)))[0])
 
-    def _checked(self, ids: Any) -> np.ndarray:
+    def rows_bf16(self, ids: Any, out: np.ndarray | None = None) -> np.ndarray:
+        """uint16 BF16 bits ``[*ids.shape, head_dim]`` (into ``out``, that
+        shape, C-contiguous uint16: a server's buffer, no page faults)."""
         flat = _ids(ids)
-        bad = np.flatnonzero((flat < 0) | (flat >= self.total_rows))
-        if len(bad):
-            where = bad[0]
-            raise LookupIdError(f"PLE row id {int(flat.reshape(-1)[where])} (position "
-                                f"{int(where)}) is outside the layer's {self.total_rows} rows")
-        return flat
-
-    def rows_bf16(self, ids: Any) -> np.ndarray:
-        """uint16 BF16 bits ``[*ids.shape, head_dim]``."""
-        flat = self._checked(ids)
-        out = np.empty((*flat.shape, self.head_dim), dtype=np.uint16)
-        lut = self._lut if self.dtype == "float8_e4m3fn" else None
-        native.ple_rows(self.table, self.row_start, flat.reshape(-1), lut, out)
+        shape = (*flat.shape, self.head_dim)
+        if out is None:
+            out = np.empty(shape, dtype=np.uint16)
+        elif out.dtype != np.uint16 or out.shape != shape or not out.flags.c_contiguous or \
+                not out.flags.writeable:
+            raise ValueError(f"out must be writable C-contiguous BF16 bits (uint16) {list(shape)}, "
+                             f"got {out.dtype} {list(out.shape)}")
+        scale = self.scale_bf16 if self.dtype == "float8_e4m3fn" else None
+        self._raise_bad(flat, native.ple_rows(self.table, self.row_start, self.total_rows,
+                                              flat.reshape(-1), scale, out))
         return out
 
     def rows_packed(self, ids: Any) -> np.ndarray:
         """The stored bytes ``[*ids.shape, row_bytes]`` (FP8 rows to scale
         later, or BF16 bits as uint8)."""
-        flat = self._checked(ids)
+        flat = _ids(ids)
         out = np.empty((*flat.shape, self.table.shape[1]), dtype=np.uint8)
-        native.ple_rows(self.table, self.row_start, flat.reshape(-1), None, out)
+        self._raise_bad(flat, native.ple_rows(self.table, self.row_start, self.total_rows,
+                                              flat.reshape(-1), None, out))
         return out
+
+    def _raise_bad(self, flat: np.ndarray, where: int) -> None:
+        if where >= 0:
+            raise LookupIdError(f"PLE row id {int(flat.reshape(-1)[where])} (position "
+                                f"{where}) is outside the layer's {self.total_rows} rows")
 
 
 def reference_rows(table: np.ndarray, ids: np.ndarray, *, row_start: int,

@@ -149,13 +149,20 @@ class SharedPLETable:
         self._check_open()
         return None if self.plan is None else verify(self.backing.mapping, self.plan)
 
-    def lookup(self, ids: Any) -> torch.Tensor:
+    def lookup(self, ids: Any, out: torch.Tensor | None = None) -> torch.Tensor:
         """BF16 ``[*ids.shape, head_dim]``: this shard's rows of layer-table
-        row ids, zeros where another shard holds the row."""
+        row ids, zeros where another shard holds the row (into ``out``, a
+        contiguous CPU bfloat16 tensor of that shape, when given)."""
         import torch
 
         self._check_open()
-        return torch.from_numpy(self.rows.rows_bf16(ids)).view(torch.bfloat16)
+        if out is None:
+            return torch.from_numpy(self.rows.rows_bf16(ids)).view(torch.bfloat16)
+        if out.dtype != torch.bfloat16 or out.device.type != "cpu":
+            raise ValueError(f"out must be a CPU bfloat16 tensor, got {out.dtype} on "
+                             f"{out.device}")
+        self.rows.rows_bf16(ids, out.view(torch.int16).numpy().view(np.uint16))
+        return out
 
     def device_rows(self) -> PLEDeviceRows:
         """The GPU lookup on this shard's registered rows (needs
