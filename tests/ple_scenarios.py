@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -10,6 +13,7 @@ import torch.distributed as dist
 from numa_engram.host.procfs import smaps
 from numa_engram.model.ple import PLESpec
 from numa_engram.sharing.group import sharing_groups
+from numa_engram.sharing.plecheckpoint import write_ple_checkpoint
 from numa_engram.sharing.pletable import SharedPLETable, reduce_rows
 
 LAYER = 5
@@ -69,3 +73,85 @@ def tp2_dp2_shared(rank: int, world: int, *, checkpoint: str, spec: dict, direct
 def free_huge_pages() -> int:
     with open("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages") as f:
         return int(f.read())
+
+
+def write_ple_model(model: Path, spec: PLESpec, seed: int = 5) -> Path:
+    """A Qwen4-Exp model directory: config.json (the PLE fields under
+    text_config, as vLLM reads them) and the split-parts checkpoint."""
+    text = {"ple_layer_ids": list(spec.layer_ids), "ple_embed_dim": spec.ple_embed_dim,
+            "vocab_size": spec.vocab_size, "eos_token_id": spec.eos_token_id,
+            "ngram_size": spec.ngram_size, "heads_per_ngram": spec.heads_per_ngram,
+            "ngram_vocab_size_base": spec.ngram_vocab_size_base, "seed": spec.seed,
+            "make_ngram_vocab_size_divisible_by": spec.make_ngram_vocab_size_divisible_by,
+            "ple_embedding_dtype": spec.dtype, "hidden_size": 160, "num_hidden_layers": 6}
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "qwen4_exp", "split_ngram_parts": spec.split_ngram_parts,
+        "text_config": text}))
+    write_ple_checkpoint(model / "model.safetensors", spec, seed=seed)
+    return model
+
+
+def vllm_plugin_dp_shared(rank: int, world: int, *, model_dir: str, root: str, spec: dict,
+                          additional: dict) -> dict:
+    """vLLM's Qwen4ExpNGramEmbedding under the plugin in ranks r = dp * 2 +
+    tp, vLLM's TP (= ETP) and DP groups real gloo groups, dp_shared asked:
+    each PLE layer's table made through the plugin and filled by vLLM's
+    loader (the group's leader writes); its bytes against vLLM's own
+    storage loaded by vLLM's loader; rows all-reduced over the TP pair
+    against the whole table under vLLM's rule; PSS of the tables."""
+    from . import vllm_harness as harness
+
+    spec_ = PLESpec.from_dict(spec)
+    v = harness.ple_modules(Path(root))
+    from numa_engram.integrations.vllm import patch_ple
+
+    patch_ple(v.common, v.ple)
+    tp_rank, dp_rank = rank % 2, rank // 2
+    tp_ranks = [[2 * d, 2 * d + 1] for d in range(world // 2)]
+    dp_ranks = [[t + 2 * d for d in range(world // 2)] for t in range(2)]
+    tp_pgs = [dist.new_group(r) for r in tp_ranks]
+    dp_pgs = [dist.new_group(r) for r in dp_ranks]
+    tp = harness.Coordinator(tp_ranks[dp_rank], tp_pgs[dp_rank])
+    harness.State.tp, harness.State.dp = tp, harness.Coordinator(dp_ranks[tp_rank],
+                                                                 dp_pgs[tp_rank])
+    checkpoint = str(Path(model_dir) / "model.safetensors")
+    out: dict = {"modes": [], "leaders": [], "mismatches": [], "rows": [], "table_bytes": 0}
+    tables = []
+    dist.barrier()
+    free_before = free_huge_pages()
+    for layer in spec_.layer_ids:
+        harness.State.config = harness.config(model_dir, dp_shared=True, additional=additional)
+        ours = harness.ple_layer(v.nv, spec, layer, dp_rank=dp_rank)
+        harness.load_ple_checkpoint(ours, checkpoint, layer)
+        emb = ours.ngram_embedding
+        table = emb._numa_ple.table
+        tables.append(table)
+        out["modes"].append(table.mode)
+        out["leaders"].append(table.leader)
+        out["rows"].append([table.shard.row_start, table.shard.row_end])
+        harness.State.config = harness.config(model_dir, cpu_offload=False)
+        module = harness.ple_layer(v.nv, spec, layer, dp_rank=dp_rank)  # vLLM's own storage
+        harness.load_ple_checkpoint(module, checkpoint, layer)
+        theirs = module.ngram_embedding
+        if emb.weight.data_ptr() != table.weights.ctypes.data or not torch.equal(
+                emb.weight.view(torch.uint8), theirs.weight.view(torch.uint8)):
+            out["mismatches"].append(f"layer {layer}: storage")
+        if float(emb.weight_scale) != table.scale:
+            out["mismatches"].append(f"layer {layer}: scale {table.scale}")
+        ids = np.random.default_rng(10 * layer + dp_rank).integers(
+            0, spec_.rows(layer), size=(32, spec_.n_heads))
+        got = reduce_rows(table, ids, tp.cpu_group).view(torch.int16).numpy().view(np.uint16)
+        weight, scale = whole_table(checkpoint, spec_, layer)
+        if not np.array_equal(np.where(got == 0x7FC0, 0x7FC0, got),
+                              vllm_rows(weight, scale, ids)):
+            out["mismatches"].append(f"layer {layer}: rows")
+        out["table_bytes"] += table.backing_bytes
+    dist.barrier()
+    out["pss"] = smaps("self", "numa-engram-").pss
+    out["huge_pages_taken"] = free_before - free_huge_pages()
+    dist.barrier()  # every rank has measured before any unmaps
+    for table in tables:
+        table.close()
+    return out
+

@@ -158,17 +158,7 @@ def test_tp2_dp2_one_copy_per_tp_shard_rows_equal_a_single_process_reference(ckp
 @pytest.fixture
 def ple_model(tmp_path):
     """A Qwen4-Exp model directory: config.json and the split-parts checkpoint."""
-    text = {"ple_layer_ids": list(SPEC.layer_ids), "ple_embed_dim": SPEC.ple_embed_dim,
-            "vocab_size": SPEC.vocab_size, "eos_token_id": SPEC.eos_token_id,
-            "ngram_vocab_size_base": SPEC.ngram_vocab_size_base,
-            "ple_embedding_dtype": SPEC.dtype, "hidden_size": 160, "num_hidden_layers": 6}
-    model = tmp_path / "qwen4-exp"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "model_type": "qwen4_exp", "split_ngram_parts": SPEC.split_ngram_parts,
-        "text_config": text}))
-    write_ple_checkpoint(model / "model.safetensors", SPEC, seed=5)
-    return model
+    return ple_scenarios.write_ple_model(tmp_path / "qwen4-exp", SPEC)
 
 
 def test_the_service_serves_a_ple_model_and_an_engine_attaches(ple_model, tmp_path):

@@ -253,14 +253,6 @@ def load_checkpoint(emb: object, model_dir: str, layer_id: int) -> int:
     return 2
 
 
-class _Layer:
-    """Stands in for vLLM's PluggableLayer: ``register`` leaves a class as it is."""
-
-    @classmethod
-    def register(cls, _name: str):
-        return lambda klass: klass
-
-
 def _open(name: str) -> types.ModuleType:
     """A stub module whose every missing name is a fresh empty class (names
     vLLM's files import but the code run here never calls)."""
@@ -277,17 +269,122 @@ def _open(name: str) -> types.ModuleType:
     return module
 
 
+def _pluggable_layer() -> type:
+    """vLLM's PluggableLayer as the PLE code uses it: an nn.Module whose
+    ``register`` leaves a class as it is."""
+    import torch
+
+    class PluggableLayer(torch.nn.Module):
+        @classmethod
+        def register(cls, _name: str):
+            return lambda klass: klass
+
+    return PluggableLayer
+
+
+def _parameters() -> dict[str, type]:
+    """vLLM's parameter classes as the PLE code uses them (vllm/model_executor/
+    parameter.py): a Parameter that keeps its loader and dims."""
+    import torch
+
+    class BasevLLMParameter(torch.nn.Parameter):
+        def __new__(cls, data, **kwargs):
+            return super().__new__(cls, data=data, requires_grad=False)
+
+        def __init__(self, data, weight_loader=None, input_dim=None, output_dim=None):
+            self._weight_loader = weight_loader
+            if input_dim is not None:
+                self.input_dim = input_dim
+            if output_dim is not None:
+                self.output_dim = output_dim
+
+        @property
+        def weight_loader(self):
+            return self._weight_loader
+
+    class ModelWeightParameter(BasevLLMParameter):
+        pass
+
+    class PerTensorScaleParameter(BasevLLMParameter):
+        pass
+
+    return {"BasevLLMParameter": BasevLLMParameter, "ModelWeightParameter": ModelWeightParameter,
+            "PerTensorScaleParameter": PerTensorScaleParameter}
+
+
+def _create_fp8_scale_parameter(parameter_type, output_partition_sizes, input_size_per_partition,
+                                block_size, weight_loader, scale_dtype=None):
+    """vLLM's per-tensor branch: one scale per partition, the sentinel
+    (float32's min) until the checkpoint's is loaded."""
+    import torch
+
+    del input_size_per_partition, block_size
+    scale = parameter_type(data=torch.empty(len(output_partition_sizes), dtype=scale_dtype),
+                           weight_loader=weight_loader)
+    scale[:] = torch.finfo(torch.float32).min
+    return scale
+
+
+def _cpu_streams() -> None:
+    """Without a GPU, the pinned PLE table's constructor still makes its
+    prefetch stream: a stand-in that does nothing (its lookup is not run here)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        torch.cuda.Stream = lambda *a, **k: SimpleNamespace(device=k.get("device"))
+
+
+def qwen4_config(spec_doc: dict) -> SimpleNamespace:
+    """The Qwen4ExpTextConfig fields vLLM's PLE module reads."""
+    return SimpleNamespace(
+        ngram_size=spec_doc["ngram_size"], heads_per_ngram=spec_doc["heads_per_ngram"],
+        eos_token_id=spec_doc["eos_token_id"], vocab_size=spec_doc["vocab_size"],
+        split_ngram_parts=spec_doc["split_ngram_parts"], seed=spec_doc["seed"],
+        ngram_vocab_size_base=spec_doc["ngram_vocab_size_base"],
+        make_ngram_vocab_size_divisible_by=spec_doc["make_ngram_vocab_size_divisible_by"],
+        ple_embedding_dtype=spec_doc["dtype"])
+
+
+def ple_layer(nv: types.ModuleType, spec_doc: dict, layer_id: int, *, max_tokens: int = 64,
+              dp_rank: int = 0) -> object:
+    """vLLM's Qwen4ExpNGramEmbedding of a PLE layer (1-based id), as the
+    model builds it (prefix ``model.layers.{id - 1}.ple.ple_embedding``)."""
+    dense = sorted(spec_doc["layer_ids"]).index(layer_id)
+    return nv.Qwen4ExpNGramEmbedding(
+        qwen4_config(spec_doc), spec_doc["ple_embed_dim"], dense, max_tokens,
+        data_parallel_rank=dp_rank, prefix=f"model.layers.{layer_id - 1}.ple.ple_embedding")
+
+
+def load_ple_checkpoint(module: object, checkpoint: str, layer_id: int) -> int:
+    """vLLM's loading of one PLE layer: its split parts through the module's
+    load_weights, its scale through the parameter's weight_loader (as
+    AutoWeightsLoader calls it); how many tensors it handed."""
+    from safetensors import safe_open
+
+    prefix = f"model.layers.{layer_id - 1}.ple.ple_embedding."
+    handed = 0
+    with safe_open(checkpoint, framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            if not name.startswith(prefix):
+                continue
+            local, tensor = name[len(prefix):], f.get_tensor(name)
+            if local == "ngram_embedding.weight_scale":
+                param = module.ngram_embedding.weight_scale
+                param.weight_loader(param, tensor)
+            else:
+                module.load_weights([(local, tensor)])
+            handed += 1
+    return handed
+
+
 def _divide(numerator: int, denominator: int) -> int:
     assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
     return numerator // denominator
 
 
-def ple_modules(root: Path) -> SimpleNamespace:
-    """vLLM 0.31.0's Qwen4-Exp PLE code under the stubs: ``nv``
-    (nvidia/ngram_embedding.py), ``common`` (common/ngram_embedding.py),
-    ``ple`` (common/ple.py),
-    ``ops`` (nvidia/ops/ple.py, its Triton kernels under the interpreter),
-    ``vocab`` (vocab_parallel_embedding.py)."""
+def ple_stubs(root: Path) -> types.ModuleType:
+    """The stubs vLLM's qwen4_exp files import, and vLLM's own
+    vocab_parallel_embedding.py (returned) that they build on."""
     install_stubs()
     distributed = sys.modules["vllm.distributed"]
     distributed.__dict__.update(
@@ -303,15 +400,33 @@ def ple_modules(root: Path) -> SimpleNamespace:
                  "vllm.model_executor.models.utils", "vllm.transformers_utils.configs.qwen4_exp",
                  "vllm.v1.attention.backends.utils"):
         _open(name)
-    _module("vllm.model_executor.custom_op", PluggableLayer=_Layer)
+    _module("vllm.model_executor.custom_op", PluggableLayer=_pluggable_layer())
+    _module("vllm.model_executor.layers.quantization.base_config",
+            method_has_implemented_embedding=lambda cls: hasattr(cls, "embedding"))
+    _module("vllm.model_executor.parameter", **_parameters())
+    _module("vllm.model_executor.layers.quantization.utils.fp8_utils",
+            create_fp8_scale_parameter=_create_fp8_scale_parameter)
+    platform = sys.modules["vllm.platforms"].current_platform
+    platform.is_cuda = lambda: False
+    _cpu_streams()
     _module("vllm.forward_context", DPMetadata=object)
     _module("vllm.utils.torch_utils", direct_register_custom_op=lambda *a, **k: None)
     _module("vllm.v1.attention.backends.utils", NULL_BLOCK_ID=0)
+    vocab = load(root, "vllm.model_executor.layers.vocab_parallel_embedding",
+                 "vllm/model_executor/layers/vocab_parallel_embedding.py")
+    return vocab
+
+
+def ple_modules(root: Path) -> SimpleNamespace:
+    """vLLM 0.31.0's Qwen4-Exp PLE code under the stubs: ``nv``
+    (nvidia/ngram_embedding.py), ``common`` (common/ngram_embedding.py),
+    ``ple`` (common/ple.py),
+    ``ops`` (nvidia/ops/ple.py, its Triton kernels under the interpreter),
+    ``vocab`` (vocab_parallel_embedding.py)."""
+    vocab = ple_stubs(root)
     for package in ("vllm.models.qwen4_exp", "vllm.models.qwen4_exp.common",
                     "vllm.models.qwen4_exp.nvidia", "vllm.models.qwen4_exp.nvidia.ops"):
         _module(package)
-    vocab = load(root, "vllm.model_executor.layers.vocab_parallel_embedding",
-                 "vllm/model_executor/layers/vocab_parallel_embedding.py")
     ple = load(root, "vllm.models.qwen4_exp.common.ple", "vllm/models/qwen4_exp/common/ple.py")
     common = load(root, "vllm.models.qwen4_exp.common.ngram_embedding",
                   "vllm/models/qwen4_exp/common/ngram_embedding.py")

@@ -137,6 +137,23 @@ class SharedPLETable:
             backing.close()  # a failed attach keeps no descriptor
             raise
 
+    def store_scale(self, scale: float, *, write: bool = True) -> None:
+        """The per-tensor scale a loader that fills the rows itself (vLLM's,
+        under the plugin) read: written into the table (``write``: its
+        writer), and used by this mapping's lookups."""
+        self._check_open()
+        if self.spec.dtype != "float8_e4m3fn":
+            raise StorageError(f"a {self.spec.dtype} PLE table has no scale")
+        region = self.backing.region("scale")
+        if write and not region.flags.writeable:
+            raise StorageError("this PLE table is mapped read-only here; its writer stores "
+                               "the scale")
+        if write:
+            region[:4] = np.frombuffer(np.float32(scale).tobytes(), dtype=np.uint8)
+        self.scale = float(np.float32(scale))
+        self.rows = PLERows(self.weights, dtype=self.spec.dtype, row_start=self.shard.row_start,
+                            total_rows=self.spec.rows(self.layer_id), scale=self.scale)
+
     def dup_descriptor(self) -> int:
         """A new descriptor of the table's file (the caller closes it): what
         the table service keeps and hands over."""

@@ -1,7 +1,7 @@
 """numa_engram as a vLLM 0.31.0 general plugin: vLLM keeps its own hashing,
 lookup kernel and prefetch; the plugin replaces only where DeepSeek V4.1's
-Engram bytes live (our tables: NUMA-placed, huge pages, one copy per node
-or socket, warm restarts from the table service).
+Engram bytes and Qwen4-Exp's PLE bytes live (our tables: NUMA-placed, huge
+pages, one copy per node or socket, warm restarts from the table service).
 
 vLLM calls ``register()`` (the ``vllm.general_plugins`` entry point) in
 every process; it only installs an import hook, so the patch is in place
@@ -23,6 +23,14 @@ def register() -> None:
     install()
 
 
+def patch_ple(common: ModuleType, ple: ModuleType | None = None) -> None:
+    """Patch vLLM's Qwen4-Exp ``common/ngram_embedding.py`` (``common``),
+    with its ``common/ple.py`` (``ple``): PLE tables in ours."""
+    from .ple import patch_ple as patch_module
+
+    patch_module(common, ple)
+
+
 def patch(nv: ModuleType, common: ModuleType, vl: ModuleType | None = None) -> None:
     """Patch vLLM's ``nvidia/engram.py`` (``nv``), with its
     ``common/engram.py`` (``common``) and ``nvidia/vl_model.py`` (``vl``)."""
@@ -31,4 +39,4 @@ def patch(nv: ModuleType, common: ModuleType, vl: ModuleType | None = None) -> N
     patch_modules(nv, common, vl)
 
 
-__all__ = ["patch", "register"]
+__all__ = ["patch", "patch_ple", "register"]

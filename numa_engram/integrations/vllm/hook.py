@@ -1,7 +1,8 @@
 """The import hook ``register()`` installs: when vLLM imports its NVIDIA
 Engram module, the module is patched right after it runs, before
 ``nvidia/model.py`` binds ``can_share_engram_tables`` by name; its VL model
-module likewise, for the weights mapper."""
+module likewise, for the weights mapper; and Qwen4-Exp's common n-gram
+embedding module, before any model constructs a PLE table."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ from typing import Any
 NV = "vllm.models.deepseek_v41.nvidia.engram"
 COMMON = "vllm.models.deepseek_v41.common.engram"
 VL = "vllm.models.deepseek_v41.nvidia.vl_model"
+PLE_COMMON = "vllm.models.qwen4_exp.common.ngram_embedding"
+PLE_HELPERS = "vllm.models.qwen4_exp.common.ple"
 
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any = None,
                   target: Any = None  # noqa: ARG002 (the finder protocol)
                   ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in (NV, VL):
+        if fullname not in (NV, VL, PLE_COMMON):
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
@@ -48,6 +51,11 @@ def patch_loaded() -> None:
         from .patching import patch
 
         patch(nv, common, sys.modules.get(VL))
+    ple_common = sys.modules.get(PLE_COMMON)
+    if ple_common is not None:
+        from .ple import patch_ple
+
+        patch_ple(ple_common, sys.modules.get(PLE_HELPERS))
 
 
 def install() -> None:

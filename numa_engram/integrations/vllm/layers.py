@@ -179,16 +179,22 @@ class LayerTables:
         return _GROUPS[key]
 
     def _service_path(self) -> str | None:
-        service = self.settings.service
-        if service == "auto":
-            path = os.environ.get("NUMA_ENGRAM_SOCKET", "/run/numa-engram/engram.sock")
-            return path if os.path.exists(path) else None
-        return service
+        return service_path(self.settings)
 
     def _shared_directory(self) -> str:
         from ...store.fileformat import DEFAULT_DIRECTORY
 
         return self.settings.directory or DEFAULT_DIRECTORY
+
+
+def service_path(settings: PluginSettings) -> str | None:
+    """The table service's socket the settings name ("auto": the default
+    one, where it exists), or None."""
+    service = settings.service
+    if service == "auto":
+        path = os.environ.get("NUMA_ENGRAM_SOCKET", "/run/numa-engram/engram.sock")
+        return path if os.path.exists(path) else None
+    return service
 
 
 def vllm_shard(spec: EngramSpec, layer_id: int, emb: Any) -> ShardInfo:

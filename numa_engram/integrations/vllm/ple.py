@@ -1,0 +1,292 @@
+"""The plugin's Qwen4-Exp part: vLLM 0.31.0's pinned-host PLE tables
+(``Qwen4ExpPLEPinnedHostEmbedding``) live in ours instead.
+
+vLLM keeps each PLE layer's ETP row range per rank in pinned memory; the
+patch makes ``allocate_embedding_weight`` return a view of one of our
+tables (NUMA-placed, huge pages, one copy per DP group sharing an ETP
+shard, or attached from the table service), registered with the rank's
+GPU so vLLM's own UVA view, lookup kernel, prefetch and all-reduce read it
+unchanged.  ``weight_loader`` lets vLLM's loader write the rows only where
+this rank writes the table (a private table, a DP group's leader), meets
+the group at a barrier once every checkpoint part that covers its rows is
+in, and only checks shapes (and the scale) when the table came from the
+service.  The same refusals and settings as the Engram part.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from ...model.ple import PLESpec
+from ...sharing.pletable import SharedPLETable
+from .layers import refuse_config, refuse_load
+from .settings import PluginError, PluginSettings
+
+log = logging.getLogger(__name__)
+
+CHECKED_SOURCES = {
+    "common/ngram_embedding.py":
+        "1392f51ccf0b610542bf05c3021271bf6754221d9616ff92831b94f79fc3a892",
+    "common/ple.py": "585fabb01a14f8071251e52891843cdc1340f75b4d7173abf4748e2ba8746b76",
+}
+PLE_PATCHED = "_numa_engram_ple_patched"
+# vLLM's prefix of a PLE table: the 0-based decoder layer, one less than
+# the 1-based ple_layer_ids entry
+LAYER_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_SPECS: dict[str, PLESpec] = {}
+_GROUPS: dict[Any, Any] = {}
+TABLES: list[SharedPLETable] = []  # this process's PLE tables
+
+
+def patch_ple(common: Any, ple: Any = None) -> None:
+    """Patch vLLM's ``common/ngram_embedding.py`` (``common``; ``ple``: its
+    ``common/ple.py``) in place; idempotent.  A version or source we have
+    not checked is recorded and refused when a table is allocated."""
+    pinned = common.Qwen4ExpPLEPinnedHostEmbedding
+    if getattr(pinned, PLE_PATCHED, False):
+        return
+    problem = source_problem(common, ple)
+    allocate, load = pinned.allocate_embedding_weight, pinned.weight_loader
+
+    def allocate_embedding_weight(self: Any, num_embeddings: int, embedding_dim: int,
+                                  dtype: Any) -> Any:
+        if problem:
+            raise PluginError(problem)
+        storage = PLEStorage.allocate(common, self, num_embeddings, embedding_dim, dtype)
+        self._numa_ple = storage
+        return storage.weight
+
+    def weight_loader(self: Any, param: Any, loaded_weight: Any,
+                      checkpoint_start: int | None = None) -> None:
+        storage = getattr(self, "_numa_ple", None)
+        if storage is None:
+            load(self, param, loaded_weight, checkpoint_start)
+        elif param is self.weight:
+            storage.load_rows(lambda: load(self, param, loaded_weight, checkpoint_start),
+                              loaded_weight, checkpoint_start)
+        else:  # the per-tensor scale: vLLM's own parameter
+            load(self, param, loaded_weight, checkpoint_start)
+            storage.load_scale(param)
+
+    allocate_embedding_weight.__wrapped__ = allocate  # type: ignore[attr-defined]
+    weight_loader.__wrapped__ = load  # type: ignore[attr-defined]
+    pinned.allocate_embedding_weight = allocate_embedding_weight
+    pinned.weight_loader = weight_loader
+    setattr(pinned, PLE_PATCHED, True)
+    log.info("numa_engram: vLLM's Qwen4-Exp PLE storage patched%s",
+             f" (refused when a table is allocated: {problem})" if problem else "")
+
+
+def source_problem(common: Any, ple: Any) -> str | None:
+    """Why these modules are not the ones the patch was checked against, or None."""
+    from .patching import VLLM_VERSION
+
+    version = getattr(sys.modules.get("vllm"), "__version__", None)
+    if version != VLLM_VERSION:
+        return (f"the numa_engram vLLM plugin supports vLLM {VLLM_VERSION}, this is "
+                f"{version}: install vllm=={VLLM_VERSION}, or unset VLLM_PLUGINS=numa_engram")
+    for name, module in (("common/ngram_embedding.py", common), ("common/ple.py", ple)):
+        if module is None:
+            continue
+        digest = hashlib.sha256(Path(module.__file__ or "").read_bytes()).hexdigest()
+        if digest != CHECKED_SOURCES[name]:
+            return (f"vLLM's qwen4_exp/{name} ({module.__file__}) is not the 0.31.0 file the "
+                    f"numa_engram plugin was checked against (sha256 {digest[:16]}...): "
+                    f"reinstall vllm=={VLLM_VERSION} unpatched, or unset "
+                    "VLLM_PLUGINS=numa_engram")
+    return None
+
+
+def layer_of(prefix: str) -> int:
+    """The 1-based PLE layer id of vLLM's module prefix."""
+    found = LAYER_PREFIX.search(prefix)
+    if found is None:
+        raise PluginError(f"vLLM's PLE table {prefix!r} names no decoder layer (layers.N.)")
+    return int(found.group(1)) + 1
+
+
+def model_spec(config: Any) -> PLESpec:
+    """The model directory's PLE spec, read once per process."""
+    from ...runtime.plemodeldir import PLEModelDirectory
+
+    path = str(config.model_config.model)
+    if path not in _SPECS:
+        if not os.path.isdir(path):
+            raise PluginError(f"the model {path!r} is not a local directory; the numa_engram "
+                              "plugin reads its config.json (download it first, e.g. "
+                              "huggingface-cli download)")
+        _SPECS[path] = PLEModelDirectory.open(path).spec
+    return _SPECS[path]
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return {"float8_e4m3fn": torch.float8_e4m3fn, "bfloat16": torch.bfloat16}[name]
+
+
+def check_layer(spec: PLESpec, layer_id: int, emb: Any, rows: int, dim: int,
+                dtype: Any) -> None:
+    """vLLM's table for the layer is the one the model directory describes:
+    same rows, width, dtype and ETP row range."""
+    if layer_id not in spec.layer_ids:
+        raise PluginError(f"vLLM builds a PLE table for layer {layer_id} ({emb.prefix}); the "
+                          f"model directory's ple_layer_ids are {list(spec.layer_ids)}")
+    start, end = spec.shard_rows(layer_id, emb.tp_rank, emb.tp_size)
+    theirs = (emb.num_embeddings_padded, rows, dim, dtype,
+              emb.shard_indices.org_vocab_start_index, emb.shard_indices.org_vocab_end_index)
+    ours = (spec.rows(layer_id), end - start, spec.head_dim, _torch_dtype(spec.dtype),
+            start, end)
+    if theirs != ours:
+        raise PluginError(f"PLE layer {layer_id} ETP rank {emb.tp_rank} of {emb.tp_size}: vLLM "
+                          f"allocates (layer rows, shard rows, width, dtype, start, end) "
+                          f"{theirs}, the model directory's spec gives {ours}: another "
+                          "config.json than the one vLLM loaded")
+
+
+class PLEStorage:
+    """One rank's PLE layer table under vLLM's ``weight`` parameter: the
+    table, whether this rank writes it, the group that meets once it is
+    loaded, and how many checkpoint parts cover its rows."""
+
+    def __init__(self, table: SharedPLETable, dtype: Any, *, writer: bool, group: Any,
+                 filled: bool) -> None:
+        import torch
+
+        self.table, self.writer, self.group, self.filled = table, writer, group, filled
+        with warnings.catch_warnings():  # a read-only mapping: vLLM never writes it here
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(table.weights)
+        self.weight = raw.view(dtype)
+        spec, layer = table.spec, table.layer_id
+        start, end = table.shard.row_start, table.shard.row_end
+        self.parts_expected = sum(
+            1 for p in range(spec.split_ngram_parts)
+            if max(start, spec.part_rows(layer, p)[0]) < min(end, spec.part_rows(layer, p)[1]))
+        self.parts_loaded = 0
+
+    @classmethod
+    def allocate(cls, common: Any, emb: Any, rows: int, dim: int, dtype: Any) -> PLEStorage:
+        """Make or attach the table of ``emb``'s layer and ETP shard
+        (``common``: vLLM's module, for its DP group)."""
+        from vllm.config import get_current_vllm_config  # type: ignore[import-not-found]
+
+        from .layers import _device, service_path
+
+        config = get_current_vllm_config()
+        refuse_config(config)
+        settings = PluginSettings.of(getattr(config, "additional_config", None))
+        spec = model_spec(config)
+        layer = layer_of(emb.prefix)
+        check_layer(spec, layer, emb, rows, dim, dtype)
+        device, service = _device(), service_path(settings)
+        shard_args = dict(etp_rank=emb.tp_rank, etp_size=emb.tp_size,
+                          page_size=settings.page_size)
+        if service is not None:
+            refuse_load(config, read_only=True)
+            table = SharedPLETable.attach(spec, layer, service=service, register_device=device,
+                                          service_uids=settings.service_uids or None,
+                                          allow_unsealed=settings.allow_unsealed or None,
+                                          **shard_args)
+            storage = cls(table, dtype, writer=False, group=None, filled=True)
+        elif _shares(config, emb, common.get_dp_group(), common.get_tp_group()):
+            refuse_load(config, read_only=True)
+            dp = common.get_dp_group()
+            group = _sharing_group(dp, emb, settings, device)
+            table = SharedPLETable.create(spec, layer, group=group, mode="dp_shared",
+                                          placement=settings.placement,
+                                          directory=settings.directory or _default_dir(),
+                                          register_device=device,
+                                          load_threads=settings.load_threads, **shard_args)
+            storage = cls(table, dtype, writer=table.leader, group=dp.cpu_group, filled=False)
+        else:
+            table = SharedPLETable.create(spec, layer, mode="independent", directory=None,
+                                          placement=settings.placement, register_device=device,
+                                          load_threads=settings.load_threads, **shard_args)
+            storage = cls(table, dtype, writer=True, group=None, filled=False)
+        TABLES.append(table)
+        log.info("numa_engram: PLE layer %d rows [%d, %d) of ETP rank %d/%d: %s", layer,
+                 table.shard.row_start, table.shard.row_end, emb.tp_rank, emb.tp_size,
+                 table.mode)
+        return storage
+
+    def load_rows(self, write: Any, loaded_weight: Any, checkpoint_start: int | None) -> None:
+        """One checkpoint part from vLLM's loader: written by ``write``
+        (vLLM's own copy by overlap) where this rank writes the table; the
+        group's barrier after the last part that covers its rows."""
+        if checkpoint_start is None:
+            raise PluginError("vLLM's loader handed the whole PLE table at once; the numa_engram "
+                              "plugin takes the split-parts checkpoint (shard_{i}.weight)")
+        start, end = self.table.shard.row_start, self.table.shard.row_end
+        covers = max(start, checkpoint_start) < min(end, checkpoint_start + loaded_weight.shape[0])
+        if self.filled:
+            if self.parts_loaded >= self.parts_expected and covers:
+                raise PluginError("a weight update would write into a PLE table attached "
+                                  "read-only from the table service; restart the service with "
+                                  "the new checkpoint, or run without numa_engram.service")
+            self._check_width(loaded_weight)
+        elif self.writer:
+            write()
+        if not covers:
+            return
+        self.parts_loaded += 1
+        if self.parts_loaded == self.parts_expected and self.group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+    def load_scale(self, param: Any) -> None:
+        """vLLM loaded the per-tensor scale into its parameter: the writer
+        keeps it in the table too; a table from the service must hold the
+        same (else it is another checkpoint's)."""
+        if self.table.scale is None:
+            return
+        got = float(param.reshape(-1)[0])
+        if not self.filled:
+            self.table.store_scale(got, write=self.writer)
+            return
+        if got != self.table.scale and not (got != got and self.table.scale != self.table.scale):
+            raise PluginError(f"PLE layer {self.table.layer_id}: the checkpoint's weight_scale "
+                              f"{got!r} is not the served table's {self.table.scale!r}; the table "
+                              "service holds another checkpoint (restart it on this model)")
+
+    def _check_width(self, loaded_weight: Any) -> None:
+        if tuple(loaded_weight.shape[1:]) != tuple(self.weight.shape[1:]):
+            raise PluginError(f"the checkpoint's PLE part {list(loaded_weight.shape)} does not "
+                              f"have the served table's row width {list(self.weight.shape[1:])}")
+
+
+def _shares(config: Any, emb: Any, dp: Any, tp: Any) -> bool:
+    """DP-shared when vLLM is asked to share tables, there are DP peers,
+    and each holds the same ETP shard (ETP is TP: it does not span DP; the
+    constructor sets etp_data_parallel_size only after allocating)."""
+    engram = config.engram_config
+    if not getattr(engram, "dp_shared_memory", False) or emb.tp_size != tp.world_size:
+        return False
+    return dp is not None and dp.world_size > 1
+
+
+def _sharing_group(dp: Any, emb: Any, settings: PluginSettings, device: int | None) -> Any:
+    """The DP peers of this ETP rank that can map one file (as the Engram
+    part forms them), split per socket with copies="socket"; once per process."""
+    from ...sharing.group import sharing_groups
+
+    key = (tuple(dp.ranks) if hasattr(dp, "ranks") else id(dp), settings.copies)
+    if key not in _GROUPS:
+        _GROUPS[key] = sharing_groups(dp, tp_rank=emb.tp_rank, device=device,
+                                      per_socket=settings.copies == "socket",
+                                      directory=settings.directory or _default_dir())
+    return _GROUPS[key]
+
+
+def _default_dir() -> str:
+    from ...store.fileformat import DEFAULT_DIRECTORY
+
+    return DEFAULT_DIRECTORY

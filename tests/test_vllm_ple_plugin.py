@@ -1,0 +1,253 @@
+"""The vLLM plugin's Qwen4-Exp part against vLLM 0.31.0's own qwen4_exp code
+(tests/vllm_harness.py loads it from the wheel under stubs): vLLM's
+Qwen4ExpNGramEmbedding, built and loaded by vLLM's code with the plugin's
+patch, holds its PLE table in ours, byte for byte what vLLM's own storage
+holds after vLLM's loader; a table service's tables are attached and
+only checked; what the plugin cannot serve is refused naming what to do."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from numa_engram.integrations.vllm.settings import PluginError  # noqa: E402
+from numa_engram.model.ple import PLESpec  # noqa: E402
+
+from . import ple_scenarios  # noqa: E402
+from . import vllm_harness as harness  # noqa: E402
+
+pytest.importorskip("safetensors", reason="safetensors is not installed")
+
+SPEC = PLESpec(layer_ids=[2, 5], ple_embed_dim=160, vocab_size=5000, eos_token_id=7,
+               ngram_vocab_size_base=3000, split_ngram_parts=7)
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    root, why = harness.wheel_sources()
+    if root is None:
+        pytest.skip(why)
+    v = harness.ple_modules(root)
+    from numa_engram.integrations.vllm import patch_ple
+
+    patch_ple(v.common, v.ple)
+    harness.State.tp = harness.Coordinator([0], None)  # one rank: ETP 1
+    return v
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(ple_scenarios.write_ple_model(tmp_path_factory.mktemp("qwen4") / "m", SPEC))
+
+
+def checkpoint(model_dir):
+    return os.path.join(model_dir, "model.safetensors")
+
+
+def vllms_own(v, model_dir, layer):
+    """vLLM's module on its own storage (cpu_offload=False), loaded by its loader."""
+    harness.State.config = harness.config(model_dir, cpu_offload=False)
+    module = harness.ple_layer(v.nv, SPEC.to_dict(), layer)
+    assert type(module.ngram_embedding).__name__ == "Qwen4ExpPLEDeviceEmbedding"
+    harness.load_ple_checkpoint(module, checkpoint(model_dir), layer)
+    return module
+
+
+def ours(v, model_dir, layer, **config):
+    harness.State.config = harness.config(model_dir, **config)
+    module = harness.ple_layer(v.nv, SPEC.to_dict(), layer)
+    assert type(module.ngram_embedding).__name__ == "Qwen4ExpPLEPinnedHostEmbedding"
+    return module
+
+
+def vllm_rows(v, emb, ids):
+    """vLLM's own row path on ``emb``'s storage: VocabParallelEmbedding's
+    forward (its method's F.embedding) then the method's dequantize."""
+    looked = v.vocab.VocabParallelEmbedding.forward(emb, ids)
+    return emb.dequantize(looked, torch.bfloat16)
+
+
+def bits(t):
+    return t.contiguous().view(torch.int16)
+
+
+@pytest.mark.parametrize("page", ["4K", "2M"])
+def test_vllms_pinned_embedding_holds_its_rows_in_our_table(vllm, model_dir, page, request):
+    """The weight vLLM's module registers is our table's memory; vLLM's
+    loader fills it; its bytes, scale and vLLM's own row path over it equal
+    vLLM's own storage's; our lookup gives the same rows."""
+    additional = {"page_size": page}
+    if page == "2M":
+        request.getfixturevalue("huge_pool")
+    for layer in SPEC.layer_ids:
+        theirs = vllms_own(vllm, model_dir, layer).ngram_embedding
+        module = ours(vllm, model_dir, layer, additional=additional)
+        emb = module.ngram_embedding
+        table = emb._numa_ple.table
+        assert emb.weight.data_ptr() == table.weights.ctypes.data and table.mode == "independent"
+        assert table.backing.layout.page_size == (2 << 20 if page == "2M" else 4096)
+        handed = harness.load_ple_checkpoint(module, checkpoint(model_dir), layer)
+        assert handed == SPEC.split_ngram_parts + 1
+        assert torch.equal(emb.weight.view(torch.uint8), theirs.weight.view(torch.uint8))
+        assert float(emb.weight_scale) == float(theirs.weight_scale) == table.scale
+        ids = torch.from_numpy(np.random.default_rng(layer).integers(
+            0, SPEC.rows(layer), (48, SPEC.n_heads)))
+        got = vllm_rows(vllm, emb, ids)
+        assert torch.equal(bits(got), bits(vllm_rows(vllm, theirs, ids)))
+        mine = table.lookup(ids.numpy()).view(torch.int16).numpy().view(np.uint16)
+        want = bits(got).numpy().view(np.uint16).copy()
+        want[torch.isnan(got.float()).numpy()] = 0x7FC0
+        assert np.array_equal(mine, want)
+        table.close()
+
+
+@pytest.fixture
+def service(model_dir, tmp_path):
+    from numa_engram.runtime.plemodeldir import PLEModelDirectory
+    from numa_engram.service.holder import TableService
+
+    held = TableService(PLEModelDirectory.open(model_dir), str(tmp_path / "engram.sock"), tp=1)
+    held.start()
+    held.load_all()
+    yield held.socket_path
+    held.stop()
+
+
+def test_with_a_table_service_vllms_loader_only_checks_and_an_update_is_refused(
+        vllm, model_dir, service):
+    layer = SPEC.layer_ids[0]
+    theirs = vllms_own(vllm, model_dir, layer).ngram_embedding
+    for _restart in range(2):  # a restarted engine attaches again
+        module = ours(vllm, model_dir, layer, additional={"service": service})
+        emb = module.ngram_embedding
+        table = emb._numa_ple.table
+        assert table.mode == "service" and not table.weights.flags.writeable
+        assert torch.equal(emb.weight.view(torch.uint8), theirs.weight.view(torch.uint8))
+        harness.load_ple_checkpoint(module, checkpoint(model_dir), layer)  # checked, not copied
+        with pytest.raises(PluginError, match="a weight update would write into a PLE table"):
+            harness.load_ple_checkpoint(module, checkpoint(model_dir), layer)
+        table.close()
+    module = ours(vllm, model_dir, layer, additional={"service": service})
+    scale = module.ngram_embedding.weight_scale
+    with pytest.raises(PluginError, match="weight_scale 2.0 is not the served table's"):
+        scale.weight_loader(scale, torch.tensor(2.0))
+    module.ngram_embedding._numa_ple.table.close()
+    harness.State.config = harness.config(model_dir, additional={"service": service},
+                                          load_format="dummy")
+    with pytest.raises(PluginError, match="load_format=dummy writes every weight"):
+        harness.ple_layer(vllm.nv, SPEC.to_dict(), layer)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"use_thp": True}, "use_thp=True"),
+    ({"additional": {"page_size": "3M"}}, "numa_engram.page_size is '3M'"),
+])
+def test_configurations_the_plugin_cannot_serve_are_refused(vllm, model_dir, change, match):
+    harness.State.config = harness.config(model_dir, **change)
+    with pytest.raises(PluginError, match=match):
+        harness.ple_layer(vllm.nv, SPEC.to_dict(), SPEC.layer_ids[0])
+
+
+def test_another_model_directory_or_rocm_is_refused_naming_it(vllm, model_dir, tmp_path,
+                                                              monkeypatch):
+    from numa_engram.integrations.vllm import layers
+
+    other = PLESpec(layer_ids=[2, 5], ple_embed_dim=160, vocab_size=5000, eos_token_id=7,
+                    ngram_vocab_size_base=2000, split_ngram_parts=7)
+    other_dir = str(ple_scenarios.write_ple_model(tmp_path / "other", other))
+    harness.State.config = harness.config(other_dir)
+    with pytest.raises(PluginError, match="another config.json than the one vLLM loaded"):
+        harness.ple_layer(vllm.nv, SPEC.to_dict(), SPEC.layer_ids[0])
+    harness.State.config = harness.config(model_dir)
+    with pytest.raises(PluginError, match="layer 3 .*ple_layer_ids are \\[2, 5\\]"):
+        doc = dict(SPEC.to_dict(), layer_ids=[2, 3, 5])
+        harness.ple_layer(vllm.nv, doc, 3)
+    monkeypatch.setattr(layers, "_is_rocm", lambda: True)
+    with pytest.raises(PluginError, match="on ROCm unset VLLM_PLUGINS=numa_engram"):
+        harness.ple_layer(vllm.nv, SPEC.to_dict(), SPEC.layer_ids[0])
+
+
+def test_another_version_or_source_is_refused_when_a_table_is_allocated(vllm, monkeypatch):
+    import sys
+    import types
+
+    from numa_engram.integrations.vllm.ple import source_problem
+
+    assert source_problem(vllm.common, vllm.ple) is None
+    fake = types.ModuleType("fake")
+    fake.__file__ = __file__  # another file under the same name
+    assert "qwen4_exp/common/ple.py" in source_problem(vllm.common, fake)
+    monkeypatch.setattr(sys.modules["vllm"], "__version__", "0.32.0")
+    assert "supports vLLM 0.31.0, this is 0.32.0" in source_problem(vllm.common, vllm.ple)
+
+
+@pytest.mark.multiproc
+def test_tp2_dp2_dp_shared_one_copy_per_tp_shard_holds_vllms_bytes(vllm, model_dir):
+    """Four real ranks as vLLM's TP 2 x DP 2 with dp_shared: the DP replicas
+    of a TP rank share one table per layer (PSS summed over them is one
+    copy), vLLM's loader writes it once, its bytes equal vLLM's own storage
+    and the TP pair's all-reduced rows equal the whole table's."""
+    from .dist_harness import run_world
+
+    results = run_world(4, ple_scenarios.vllm_plugin_dp_shared, timeout_s=300,
+                        model_dir=model_dir, root=str(harness.cache_dir()),
+                        spec=SPEC.to_dict(), additional={})
+    for r in results:
+        assert r["ok"], r.get("traceback", r)
+        assert r["mismatches"] == [] and set(r["modes"]) == {"dp_shared"}, r
+        assert all(r["leaders"]) == (r["rank"] < 2) and any(r["leaders"]) == (r["rank"] < 2)
+    for tp_rank in (0, 1):
+        members = [results[tp_rank], results[2 + tp_rank]]
+        assert members[0]["rows"] == members[1]["rows"] == [
+            list(SPEC.shard_rows(layer, tp_rank, 2)) for layer in SPEC.layer_ids]
+        pss, one = sum(m["pss"] for m in members), members[0]["table_bytes"]
+        assert abs(pss - one) <= 0.05 * one, (tp_rank, pss, one)
+
+
+REGISTER = r"""
+import sys
+from pathlib import Path
+repo, tree = sys.argv[1], Path(sys.argv[2])
+sys.path.insert(0, repo)
+from tests import vllm_harness as harness
+harness.ple_stubs(Path(sys.argv[3]))
+sys.modules["vllm"].__path__ = [str(tree / "vllm")]
+sys.modules["vllm.models"].__path__ = [str(tree / "vllm" / "models")]
+from numa_engram.integrations.vllm import register
+register()
+register()  # idempotent
+import vllm.models.qwen4_exp.common.ngram_embedding as common
+from numa_engram.integrations.vllm.ple import source_problem
+pinned = common.Qwen4ExpPLEPinnedHostEmbedding
+assert pinned._numa_engram_ple_patched
+assert pinned.allocate_embedding_weight.__module__.startswith("numa_engram")
+assert source_problem(common, sys.modules["vllm.models.qwen4_exp.common.ple"]) is None
+print("patched")
+"""
+
+
+def test_register_patches_the_qwen4_exp_module_as_vllm_imports_it(vllm, tmp_path):
+    """The entry point's path: register() in a fresh interpreter, then vLLM's
+    qwen4_exp package imported from a tree laid out as vLLM's wheel lays it
+    out: the module is patched as it is imported, and it is the checked file."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tree = tmp_path / "tree"
+    package = tree / "vllm" / "models" / "qwen4_exp"
+    (package / "common").mkdir(parents=True)
+    for name in ("ple.py", "ngram_embedding.py"):
+        shutil.copy(harness.cache_dir() / "vllm/models/qwen4_exp/common" / name,
+                    package / "common" / name)
+    for init in (package / "__init__.py", package / "common" / "__init__.py"):
+        init.write_text("")
+    repo = str(Path(__file__).resolve().parent.parent)
+    run = subprocess.run([sys.executable, "-c", REGISTER, repo, str(tree),
+                          str(harness.cache_dir())], capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert run.returncode == 0 and run.stdout.strip() == "patched", run.stderr[-3000:]
