@@ -225,3 +225,72 @@ def test_serve_and_plan_read_a_ple_model_directory(ple_model, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=60)
+
+
+def test_verify_and_mem_read_a_processes_ple_tables(ckpt):
+    """The operator's tools on a process holding PLE tables (two ETP row
+    ranges, placed on node 0): verify reports each table's weights and
+    scale regions on plan, mem counts the tables' pages by node."""
+    import os
+    import subprocess
+    import sys
+
+    from .test_cli import cli
+
+    code = ("import sys, time\nfrom numa_engram.model.ple import PLESpec\n"
+            "from numa_engram.sharing.pletable import SharedPLETable\n"
+            f"spec = PLESpec.from_dict({SPEC.to_dict()!r})\n"
+            f"t = [SharedPLETable.create(spec, {LAYER}, etp_rank=r, etp_size=2, "
+            f"checkpoint={ckpt!r}, mode='independent', placement='node:0') for r in (0, 1)]\n"
+            "print('ready', flush=True)\ntime.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        docs = json.loads(cli("verify", "--pid", str(holder.pid), "--json").stdout)
+        assert len(docs) == 2 and all(d["state"] == "READY" and d["report"]["ok"] for d in docs)
+        for doc in docs:
+            ranges = {r["name"]: r for r in doc["report"]["ranges"]}
+            assert set(ranges) == {"weights", "scale"} and ranges["scale"]["length"] == 4
+            assert ranges["weights"]["length"] == SPEC.shard_bytes(LAYER, 2, 0) - 4
+            assert all(r["planned_nodes"] == [0] and r["fraction_on_plan"] == 1.0
+                       for r in ranges.values())
+        mem = json.loads(cli("mem", str(holder.pid), "--json").stdout)
+        (proc,) = mem["processes"]
+        table_bytes = sum(SPEC.shard_bytes(LAYER, 2, r) for r in (0, 1))
+        assert proc["pid"] == holder.pid and proc["table_rss"] >= table_bytes
+        assert proc["bytes_per_node"] == {"0": proc["table_rss"]}
+    finally:
+        os.kill(holder.pid, 9)
+        holder.wait()
+
+
+def test_a_ple_tables_lookups_and_placement_are_scraped_as_an_engram_tables(ckpt):
+    """The Prometheus collector over a PLE table: lookups, rows, bytes and
+    refused ids counted, the last placement report's figures, ready."""
+    prometheus_client = pytest.importorskip("prometheus_client",
+                                            reason="the 'prometheus' extra is not installed")
+    from numa_engram.metrics import EngramCollector
+
+    with SharedPLETable.create(SPEC, LAYER, etp_rank=1, etp_size=2, checkpoint=ckpt,
+                               mode="independent", placement="node:0") as table:
+        ids = np.zeros((10, SPEC.n_heads), np.int64)
+        table.lookup(ids)
+        table.lookup_packed(ids[:3])
+        with pytest.raises(LookupIdError):
+            table.lookup([SPEC.rows(LAYER)])
+        assert table.placement_report().fraction_on_plan == 1.0
+        stats = table.stats()
+        assert (stats.lookups, stats.rows, stats.bad_id_lookups) == (2, 13 * 16, 1)
+        assert stats.bytes_read == 13 * 16 * SPEC.row_bytes and stats.lookup_seconds > 0
+        assert stats.physical_bytes == table.backing_bytes
+        registry = prometheus_client.CollectorRegistry()
+        registry.register(EngramCollector(tables=[table]))
+        text = prometheus_client.generate_latest(registry).decode()
+        key = f'heads="0-15",layer="{LAYER}",mode="independent"'
+        for line in (f"numa_engram_lookups_total{{{key}}} 2.0",
+                     f"numa_engram_bad_id_lookups_total{{{key}}} 1.0",
+                     f"numa_engram_placement_on_plan_ratio{{{key}}} 1.0",
+                     f"numa_engram_table_ready{{{key}}} 1.0"):
+            assert line in text, text
+    text = prometheus_client.generate_latest(registry).decode()
+    assert f"numa_engram_table_ready{{{key}}} 0.0" in text

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import StorageError
+from ..errors import LookupIdError, StorageError
 from ..host.hugepages import parse_page_size
 from ..host.topology import Topology, current_node
 from ..literals import CreateMode, PageSize
@@ -36,6 +38,7 @@ from .checkpoint import Progress
 from .group import SingleProcessGroup, as_group
 from .membership import MemberInfo
 from .request import CreateRequest, shard_key, table_layout
+from .table import TableStats
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +59,9 @@ class SharedPLETable:
         self.spec, self.layer_id, self.shard = spec, layer_id, shard
         self.registration = registration  # a cudart.RegistrationLease, or None
         self._device_rows: PLEDeviceRows | None = None
+        self._report: PlacementReport | None = None
+        self._counts = [0, 0, 0.0, 0, 0]  # lookups, rows, seconds, bad-id lookups, failed
+        self._count_lock = threading.Lock()
         self.startup_phases = dict(startup_phases or {})
         self.mode, self.members, self.leader, self.plan = mode, members, leader, plan
         self.backing = backing
@@ -160,11 +166,53 @@ class SharedPLETable:
         self._check_open()
         return os.dup(self.backing.fd)
 
-    def placement_report(self) -> PlacementReport | None:
+    def placement_report(self, refresh: bool = True) -> PlacementReport | None:
         """Where the table's pages are now against its plan, page by page
-        (None without a plan)."""
+        (None without a plan); ``refresh=False``: the last report."""
         self._check_open()
-        return None if self.plan is None else verify(self.backing.mapping, self.plan)
+        if refresh and self.plan is not None:
+            self._report = verify(self.backing.mapping, self.plan)
+        return self._report
+
+    @property
+    def _closed(self) -> bool:
+        return self.backing is None
+
+    def stats(self) -> TableStats:
+        """Counters since creation and the last placement report's figures
+        (the metrics endpoint's; heads: every head, a PLE shard being a
+        row range)."""
+        with self._count_lock:
+            lookups, rows, seconds, bad, failed = self._counts
+        report = self._report
+        physical = self.backing_bytes if self.mode == "independent" or \
+            self.mode == "dp_shared" and self.leader else 0
+        return TableStats(self.layer_id, 0, self.spec.n_heads, self.mode, self.backing_bytes,
+                          int(lookups), int(rows), int(rows) * self.spec.row_bytes,
+                          float(seconds), None if report is None else report.fraction_on_plan,
+                          report.bytes_per_node() if report is not None else {}, physical,
+                          int(bad), int(failed))
+
+    def _counted(self, look: Any, ids: Any) -> Any:
+        started = time.perf_counter()
+        slot = None
+        try:
+            out = look(ids)
+        except LookupIdError:
+            slot = 3
+            raise
+        except Exception:
+            slot = 4
+            raise
+        finally:
+            with self._count_lock:
+                if slot is None:
+                    self._counts[0] += 1
+                    self._counts[1] += int(np.size(ids))
+                    self._counts[2] += time.perf_counter() - started
+                else:
+                    self._counts[slot] += 1
+        return out
 
     def lookup(self, ids: Any, out: torch.Tensor | None = None) -> torch.Tensor:
         """BF16 ``[*ids.shape, head_dim]``: this shard's rows of layer-table
@@ -174,11 +222,13 @@ class SharedPLETable:
 
         self._check_open()
         if out is None:
-            return torch.from_numpy(self.rows.rows_bf16(ids)).view(torch.bfloat16)
+            bits = self._counted(self.rows.rows_bf16, ids)
+            return torch.from_numpy(bits).view(torch.bfloat16)
         if out.dtype != torch.bfloat16 or out.device.type != "cpu":
             raise ValueError(f"out must be a CPU bfloat16 tensor, got {out.dtype} on "
                              f"{out.device}")
-        self.rows.rows_bf16(ids, out.view(torch.int16).numpy().view(np.uint16))
+        target = out.view(torch.int16).numpy().view(np.uint16)
+        self._counted(lambda i: self.rows.rows_bf16(i, target), ids)
         return out
 
     def device_rows(self) -> PLEDeviceRows:
@@ -207,7 +257,7 @@ class SharedPLETable:
     def lookup_packed(self, ids: Any) -> np.ndarray:
         """The stored bytes ``[*ids.shape, row_bytes]`` (zeros likewise)."""
         self._check_open()
-        return self.rows.rows_packed(ids)
+        return self._counted(self.rows.rows_packed, ids)
 
     def _check_open(self) -> None:
         if self.backing is None:

@@ -22,10 +22,10 @@ log = logging.getLogger(__name__)
 ATTACHED = False  # this process's tables come from a table service (the mapper drops them)
 REFUSED_LOADS = ("dummy", "sharded_state", "ipc_cache")
 _SPECS: dict[str, EngramSpec] = {}
-# this process's tables, for its metrics endpoint: vLLM's Prometheus
-# multiprocess mode runs no custom collector, so each worker serves its own
-# registry on metrics_port + its global rank
-TABLES: list[SharedEngramTable] = []
+# this process's tables (Engram and PLE), for its metrics endpoint: vLLM's
+# Prometheus multiprocess mode runs no custom collector, so each worker
+# serves its own registry on metrics_port + its global rank
+TABLES: list[Any] = []
 _METRICS: list[Any] = []
 _GROUPS: dict[Any, Any] = {}  # this process's sharing groups, by EDP group and copies
 
@@ -111,25 +111,10 @@ class LayerTables:
     def allocate(self, emb: Any) -> TableStorage:
         storage = self._tables(emb)
         TABLES.append(storage.table)
-        self._serve_metrics()
+        serve_metrics(self.settings)
         if storage.filled:
             storage.report()  # attached: nothing for vLLM's loader to do
         return storage
-
-    def _serve_metrics(self) -> None:
-        port = self.settings.metrics_port
-        if port is None or _METRICS:
-            return
-        import torch.distributed as dist
-
-        from ...metrics import EngramCollector, serve_metrics
-
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        collector = EngramCollector(labels={"rank": str(rank)})
-        collector.tables = TABLES  # the same list: later layers' tables are scraped too
-        _METRICS.append(serve_metrics(collector, port + rank))
-        log.info("numa_engram: Engram table metrics of rank %d on 127.0.0.1:%d", rank,
-                 port + rank)
 
     def _tables(self, emb: Any) -> TableStorage:
         global ATTACHED
@@ -185,6 +170,24 @@ class LayerTables:
         from ...store.fileformat import DEFAULT_DIRECTORY
 
         return self.settings.directory or DEFAULT_DIRECTORY
+
+
+def serve_metrics(settings: PluginSettings) -> None:
+    """This worker's metrics endpoint on ``metrics_port`` + its rank, once:
+    every table in TABLES, those made later too."""
+    port = settings.metrics_port
+    if port is None or _METRICS:
+        return
+    import torch.distributed as dist
+
+    from ...metrics import EngramCollector
+    from ...metrics import serve_metrics as serve
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    collector = EngramCollector(labels={"rank": str(rank)})
+    collector.tables = TABLES  # the same list: later layers' tables are scraped too
+    _METRICS.append(serve(collector, port + rank))
+    log.info("numa_engram: Engram table metrics of rank %d on 127.0.0.1:%d", rank, port + rank)
 
 
 def service_path(settings: PluginSettings) -> str | None:

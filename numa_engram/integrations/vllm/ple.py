@@ -26,7 +26,7 @@ from typing import Any
 
 from ...model.ple import PLESpec
 from ...sharing.pletable import SharedPLETable
-from .layers import refuse_config, refuse_load
+from .layers import TABLES, refuse_config, refuse_load, serve_metrics
 from .settings import PluginError, PluginSettings
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,6 @@ PLE_PATCHED = "_numa_engram_ple_patched"
 LAYER_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _SPECS: dict[str, PLESpec] = {}
 _GROUPS: dict[Any, Any] = {}
-TABLES: list[SharedPLETable] = []  # this process's PLE tables
 
 
 def patch_ple(common: Any, ple: Any = None) -> None:
@@ -212,6 +211,7 @@ class PLEStorage:
                                           load_threads=settings.load_threads, **shard_args)
             storage = cls(table, dtype, writer=True, group=None, filled=False)
         TABLES.append(table)
+        serve_metrics(settings)
         log.info("numa_engram: PLE layer %d rows [%d, %d) of ETP rank %d/%d: %s", layer,
                  table.shard.row_start, table.shard.row_end, emb.tp_rank, emb.tp_size,
                  table.mode)
