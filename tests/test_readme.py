@@ -63,14 +63,14 @@ def test_the_readme_has_the_python_blocks_this_test_runs():
     assert "SharedEngramTable.create" in blocks[1] and "HashState" in blocks[2]
 
 
-def _run_world(tmp_path, program: str) -> list[tuple[int, str]]:
-    """``program`` in WORLD processes launched as torchrun would (env://)."""
+def _run_world(tmp_path, program: str, world: int = WORLD) -> list[tuple[int, str]]:
+    """``program`` in ``world`` processes launched as torchrun would (env://)."""
     script = tmp_path / "readme_program.py"
     script.write_text(program)
     port = free_port()
     procs = []
-    for rank in range(WORLD):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -130,3 +130,39 @@ def test_the_with_vllm_section_runs_as_far_as_it_can_without_vllm():
     table = section[section.index("The keys of"):]
     named = set(re.findall(r"^\| `(\w+)`(?:, `(\w+)`)? \|", table, flags=re.M))
     assert {k for pair in named for k in pair if k} == set(KEYS)
+
+
+PLE_STAND_INS = '''
+import numpy as np
+import torch.distributed as dist
+from numa_engram.sharing.group import sharing_groups
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+tp_rank = rank % 2  # TP 2 x DP 2, TP-minor as vLLM numbers ranks
+tp_group = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+sharing_group = sharing_groups(tp_rank=tp_rank)  # the DP replicas of this TP rank
+token_ids = np.array([5, 17, 7, 42, 7, 9, 11, 3, 3, 8, 1000, 2])
+'''
+
+
+@pytest.mark.multiproc
+def test_the_readmes_qwen4_exp_example_runs_as_written(tmp_path):
+    """The PLE example in 4 processes (TP 2 x DP 2) over a Qwen4-Exp
+    directory of the name it uses: the DP replicas of a TP rank share its
+    table, every TP rank ends with the whole table's rows."""
+    from numa_engram.model.ple import PLESpec
+
+    from .ple_scenarios import write_ple_model
+
+    (program,) = re.findall(r"^```python ple\n(.*?)^```", README.read_text(), flags=re.M | re.S)
+    spec = PLESpec(layer_ids=[2, 5], ple_embed_dim=160, vocab_size=5000, eos_token_id=7,
+                   ngram_vocab_size_base=3000, split_ngram_parts=7)
+    write_ple_model(tmp_path / "Qwen3.8-Flash-Next", spec)
+    outputs = _run_world(tmp_path, PLE_STAND_INS + program + "\nprint('README-PLE-DONE', "
+                         "list(rows.shape), table.mode)\n"
+                         # ranks leave together: gloo aborts a process that exits
+                         # while a peer still talks to it
+                         "table.close()\ndist.barrier()\ndist.destroy_process_group()\n")
+    for rank, (code, out) in enumerate(outputs):
+        assert code == 0, f"rank {rank} failed:\n{out[-3000:]}"
+        assert "README-PLE-DONE [12, 16, 10] dp_shared" in out, out[-2000:]
