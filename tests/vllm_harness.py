@@ -325,13 +325,12 @@ def _create_fp8_scale_parameter(parameter_type, output_partition_sizes, input_si
     return scale
 
 
-def _cpu_streams() -> None:
-    """Without a GPU, the pinned PLE table's constructor still makes its
-    prefetch stream: a stand-in that does nothing (its lookup is not run here)."""
-    import torch
+class _CPUStream:
+    """What the pinned PLE table's constructor makes for its prefetch when
+    there is no GPU (its lookup is not run here)."""
 
-    if not torch.cuda.is_available():
-        torch.cuda.Stream = lambda *a, **k: SimpleNamespace(device=k.get("device"))
+    def __init__(self, *args: object, device: object = None, **kwargs: object) -> None:
+        self.device = device
 
 
 def qwen4_config(spec_doc: dict) -> SimpleNamespace:
@@ -349,10 +348,18 @@ def ple_layer(nv: types.ModuleType, spec_doc: dict, layer_id: int, *, max_tokens
               dp_rank: int = 0) -> object:
     """vLLM's Qwen4ExpNGramEmbedding of a PLE layer (1-based id), as the
     model builds it (prefix ``model.layers.{id - 1}.ple.ple_embedding``)."""
+    import torch
+
     dense = sorted(spec_doc["layer_ids"]).index(layer_id)
-    return nv.Qwen4ExpNGramEmbedding(
-        qwen4_config(spec_doc), spec_doc["ple_embed_dim"], dense, max_tokens,
-        data_parallel_rank=dp_rank, prefix=f"model.layers.{layer_id - 1}.ple.ple_embedding")
+    stream = torch.cuda.Stream
+    if not torch.cuda.is_available():  # only while vLLM's constructor runs
+        torch.cuda.Stream = _CPUStream
+    try:
+        return nv.Qwen4ExpNGramEmbedding(
+            qwen4_config(spec_doc), spec_doc["ple_embed_dim"], dense, max_tokens,
+            data_parallel_rank=dp_rank, prefix=f"model.layers.{layer_id - 1}.ple.ple_embedding")
+    finally:
+        torch.cuda.Stream = stream
 
 
 def load_ple_checkpoint(module: object, checkpoint: str, layer_id: int) -> int:
@@ -408,7 +415,6 @@ def ple_stubs(root: Path) -> types.ModuleType:
             create_fp8_scale_parameter=_create_fp8_scale_parameter)
     platform = sys.modules["vllm.platforms"].current_platform
     platform.is_cuda = lambda: False
-    _cpu_streams()
     _module("vllm.forward_context", DPMetadata=object)
     _module("vllm.utils.torch_utils", direct_register_custom_op=lambda *a, **k: None)
     _module("vllm.v1.attention.backends.utils", NULL_BLOCK_ID=0)
