@@ -294,3 +294,46 @@ def test_a_ple_tables_lookups_and_placement_are_scraped_as_an_engram_tables(ckpt
             assert line in text, text
     text = prometheus_client.generate_latest(registry).decode()
     assert f"numa_engram_table_ready{{{key}}} 0.0" in text
+
+
+def test_large_lookups_split_over_the_nodes_threads_bit_exact_and_the_first_bad_id_named(ckpt):
+    """A table of 3 lookup threads runs a large call on 2 workers and the
+    caller (shared with the node's other tables): rows equal the one-thread
+    call and vLLM's rule; a bad id in any part is named by its first
+    position; the last table to close stops the workers."""
+    from numa_engram.bindings import native
+
+    from .test_lookup import _threads
+
+    before = _threads()
+    weight, scale = ple_scenarios.whole_table(ckpt, SPEC, LAYER)
+    ids = np.random.default_rng(3).integers(0, SPEC.rows(LAYER), size=(700, SPEC.n_heads))
+    with SharedPLETable.create(SPEC, LAYER, checkpoint=ckpt, mode="independent",
+                               lookup_threads=3) as table, \
+            SharedPLETable.create(SPEC, 2, checkpoint=ckpt, mode="independent",
+                                  lookup_threads=3) as other:
+        assert table._workers is other._workers
+        assert _threads(settle_at=before + 2) == before + 2  # the loaders gone: 2 workers
+        got = table.lookup(ids).view(torch.int16).numpy().view(np.uint16)
+        alone = PLERowsAlone(table).rows_bf16(ids)
+        assert np.array_equal(got, alone)
+        assert np.array_equal(np.where(got == 0x7FC0, 0x7FC0, got),
+                              ple_scenarios.vllm_rows(weight, scale, ids))
+        assert np.array_equal(table.lookup_packed(ids), PLERowsAlone(table).rows_packed(ids))
+        for where in (11_000, 20, 11_199):  # the last part, the first, the call's last id
+            bad = ids.copy()
+            bad.reshape(-1)[where] = -1
+            bad.reshape(-1)[11_100] = SPEC.rows(LAYER)
+            first = min(where, 11_100)
+            with pytest.raises(LookupIdError, match=rf"\(position {first}\)"):
+                table.lookup(bad)
+        assert native.lib.NE_SPLIT_ROWS * 3 <= ids.size  # the call did split
+    assert _threads(settle_at=before) == before
+
+
+def PLERowsAlone(table):  # noqa: N802 (reads as the class it makes)
+    """The table's rows looked up by the caller alone."""
+    from numa_engram.lookup.ple import PLERows
+
+    return PLERows(table.weights, dtype=SPEC.dtype, row_start=table.shard.row_start,
+                   total_rows=SPEC.rows(table.layer_id), scale=table.scale)

@@ -91,41 +91,84 @@ static void ple_row_bf16(const uint8_t *restrict src, int64_t n, float scale,
         dst[j] = ple_bf16(src[j], scale);
 }
 
-/* out[i] = the row ids[i] - row_start of this shard (row_start <= id <
- * row_start + n_rows), zeros for any other id (another shard's row: the
- * ranks' sum is the whole table's row).  scaled: FP8 bytes to BF16 bits
- * times scale (ple_bf16); else the raw bytes (FP8 packed, or BF16 rows).
- * *first_bad: the position of the first id outside the layer's total_rows
- * (its row zeros too), or -1. */
-int ne_ple_rows(const uint8_t *table, int64_t n_rows, int64_t row_bytes, int64_t row_start,
-                int64_t total_rows, const int64_t *ids, int64_t n_ids, int scaled,
-                float scale, void *out, int64_t *first_bad)
+/* One thread's part of a row lookup: ids[begin..end). */
+struct ple_job {
+    const uint8_t *table;
+    int64_t n_rows, row_bytes, row_start, total_rows;
+    const int64_t *ids;
+    int64_t begin, end;
+    int scaled;
+    float scale;
+    uint8_t *out;
+    int64_t first_bad;
+};
+
+static void ple_rows_run(struct ple_job *j)
 {
-    if (row_bytes < 1) {
-        errno = EINVAL;
-        return -1;
-    }
-    *first_bad = -1;
-    size_t out_bytes = (size_t)row_bytes * (scaled ? 2 : 1);
-    for (int64_t i = 0; i < n_ids; i++) {
-        if (i + 4 < n_ids) {  /* rows are random: ask for the next ones early */
-            int64_t ahead = ids[i + 4] - row_start;
-            if (ahead >= 0 && ahead < n_rows)
-                for (int64_t off = 0; off < row_bytes; off += 64)
-                    __builtin_prefetch(table + ahead * row_bytes + off, 0, 0);
+    const size_t out_bytes = (size_t)j->row_bytes * (j->scaled ? 2 : 1);
+    j->first_bad = -1;
+    for (int64_t i = j->begin; i < j->end; i++) {
+        if (i + 4 < j->end) {  /* rows are random: ask for the next ones early */
+            int64_t ahead = j->ids[i + 4] - j->row_start;
+            if (ahead >= 0 && ahead < j->n_rows)
+                for (int64_t off = 0; off < j->row_bytes; off += 64)
+                    __builtin_prefetch(j->table + ahead * j->row_bytes + off, 0, 0);
         }
         /* read once: a caller thread changing ids cannot move a read outside */
-        int64_t id = __atomic_load_n(&ids[i], __ATOMIC_RELAXED);
-        int64_t local = id - row_start;
-        uint8_t *dst = (uint8_t *)out + i * out_bytes;
-        if ((id < 0 || id >= total_rows) && *first_bad < 0)
-            *first_bad = i;
-        if (local < 0 || local >= n_rows)
+        int64_t id = __atomic_load_n(&j->ids[i], __ATOMIC_RELAXED);
+        int64_t local = id - j->row_start;
+        uint8_t *dst = j->out + i * out_bytes;
+        if ((id < 0 || id >= j->total_rows) && j->first_bad < 0)
+            j->first_bad = i;
+        if (local < 0 || local >= j->n_rows)
             memset(dst, 0, out_bytes);
-        else if (scaled)
-            ple_row_bf16(table + local * row_bytes, row_bytes, scale, (uint16_t *)dst);
+        else if (j->scaled)
+            ple_row_bf16(j->table + local * j->row_bytes, j->row_bytes, j->scale,
+                         (uint16_t *)dst);
         else
-            memcpy(dst, table + local * row_bytes, (size_t)row_bytes);
+            memcpy(dst, j->table + local * j->row_bytes, (size_t)j->row_bytes);
     }
-    return 0;
+}
+
+static void ple_job_of(void *job)
+{
+    ple_rows_run(job);
+}
+
+/* out[i] = the row ids[i] - row_start of shard s (row_start <= id <
+ * row_start + n_rows), zeros for any other id (another shard's row: the
+ * ranks' sum is the whole table's row).  scaled: FP8 bytes to BF16 bits
+ * times s->scale (ple_bf16); else the raw bytes (FP8 packed, or BF16
+ * rows).  With a pool of this process, a call of at least 2 x split_rows
+ * ids is split into parts its threads and the caller claim.  Returns the
+ * position of the first id outside the layer's total_rows (its row zeros
+ * too), -1 when there is none, or -2 with errno for a bad shard. */
+int64_t ne_ple_lookup(const struct ne_ple_shard *s, const int64_t *ids, int64_t n_ids,
+                      int scaled, void *out)
+{
+    if (s->row_bytes < 1 || s->n_rows < 0) {
+        errno = EINVAL;
+        return -2;
+    }
+    struct ple_job jobs[NE_MAX_THREADS];
+    const struct ple_job proto = {s->table, s->n_rows, s->row_bytes, s->row_start,
+                                  s->total_rows, ids, 0, n_ids, scaled, s->scale, out, -1};
+    int n_jobs = ne_pool_size(s->pool) + 1;
+    if (n_jobs > n_ids / split_rows)
+        n_jobs = (int)(n_ids / split_rows);
+    n_jobs = clamp_threads(n_jobs, n_ids);
+    if (n_jobs == 1) {  /* the decode-sized call: no copies of the job */
+        jobs[0] = proto;
+        ple_rows_run(&jobs[0]);
+        return jobs[0].first_bad;
+    }
+    for (int i = 0; i < n_jobs; i++) {
+        jobs[i] = proto;
+        split_range(n_ids, n_jobs, i, &jobs[i].begin, &jobs[i].end);
+    }
+    pool_run(s->pool, ple_job_of, jobs, sizeof(jobs[0]), n_jobs);
+    for (int i = 0; i < n_jobs; i++)  /* jobs are in id order */
+        if (jobs[i].first_bad >= 0)
+            return jobs[i].first_bad;
+    return -1;
 }

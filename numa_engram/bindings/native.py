@@ -794,19 +794,32 @@ def ple_ids(ids: np.ndarray, query_start: np.ndarray, context: np.ndarray, eos: 
     return out
 
 
-def ple_rows(table: np.ndarray, row_start: int, total_rows: int, ids: np.ndarray,
-             scale: float | None, out: np.ndarray) -> int:
-    """``out[i]`` = row ``ids[i]`` of a uint8 ``table [rows, row_bytes]``
-    holding rows ``row_start ..`` of a layer of ``total_rows``: FP8 bytes
-    as BF16 bits of byte x ``scale`` (a BF16 value: vLLM's
-    ``rows.to(bf16) * scale.to(bf16)``), or the raw bytes (``scale`` None);
-    zeros for ids outside it.  Returns the position of the first id outside
-    the layer (its row zeros too), or -1.  The caller checks ``out``'s size
-    and that ``table`` and ``ids`` are C-contiguous."""
-    first_bad = ffi.new("int64_t *")
-    if ids.shape[0] and lib.ne_ple_rows(
-            _ptr(table, "uint8_t *"), table.shape[0], table.shape[1], row_start, total_rows,
-            _ptr(ids, "int64_t *"), ids.shape[0], scale is not None,
-            0.0 if scale is None else scale, ffi.from_buffer(out), first_bad) != 0:
-        _raise("ne_ple_rows", "a row of no bytes")
-    return int(first_bad[0]) if ids.shape[0] else -1
+class PLEShard:
+    """One PLE shard's fixed lookup arguments cast once (``struct
+    ne_ple_shard``): a uint8 ``table [rows, row_bytes]`` holding rows
+    ``row_start ..`` of a layer of ``total_rows``, the per-tensor ``scale``
+    (a BF16 value: vLLM's ``rows.to(bf16) * scale.to(bf16)``; None: BF16
+    rows), ``workers`` a large call is split over (with the caller).  Keeps
+    the table and workers alive while it is."""
+
+    def __init__(self, table: np.ndarray, row_start: int, total_rows: int,
+                 scale: float | None, workers: Workers | None = None) -> None:
+        self.table, self.workers = table, workers
+        self.struct = ffi.new("struct ne_ple_shard *", {
+            "table": _ptr(table, "uint8_t *") if table.size else ffi.NULL,
+            "n_rows": table.shape[0], "row_bytes": table.shape[1], "row_start": row_start,
+            "total_rows": total_rows, "scale": 0.0 if scale is None else scale,
+            "pool": workers.pool if workers is not None and workers.usable else ffi.NULL})
+
+    def rows(self, ids: np.ndarray, out: np.ndarray, scaled: bool) -> int:
+        """``out[i]`` = row ``ids[i]`` (C-contiguous int64): BF16 bits of
+        byte x scale (``scaled``) or the stored bytes; zeros for ids outside
+        the shard.  Returns the position of the first id outside the layer
+        (its row zeros too), or -1.  The caller checks ``out``'s size."""
+        if not ids.shape[0]:
+            return -1
+        found = lib.ne_ple_lookup(self.struct, ffi.from_buffer("int64_t[]", ids), ids.shape[0],
+                                  scaled, ffi.from_buffer(out))
+        if found < -1:
+            _raise("ne_ple_lookup", "a row of no bytes")
+        return found

@@ -56,7 +56,12 @@ def bf16_lut(scale: float) -> np.ndarray:
         return bf16_bits(fp8_e4m3_values() * s)
 
 
+_INT64 = np.dtype(np.int64)
+
+
 def _ids(ids: Any) -> np.ndarray:
+    if type(ids) is np.ndarray and ids.dtype == _INT64 and ids.flags.c_contiguous:
+        return ids  # the serving case, checked in three attribute reads
     arr = np.asarray(ids)
     if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
         raise LookupIdError(f"PLE row ids must be integers, got {arr.dtype}")
@@ -67,10 +72,11 @@ class PLERows:
     """Lookups in one shard of one layer's PLE table: ``table`` is uint8
     ``[rows, row_bytes]`` (C-contiguous; a mapping's view), the layer's rows
     ``row_start ..``, ``total_rows`` the layer's (ids at or beyond it, or
-    negative, are refused)."""
+    negative, are refused); ``workers``: threads a large call is split
+    over (the caller runs a part too)."""
 
     def __init__(self, table: np.ndarray, *, dtype: PLEDtype, row_start: int, total_rows: int,
-                 scale: float | None = None) -> None:
+                 scale: float | None = None, workers: native.Workers | None = None) -> None:
         if table.dtype != np.uint8 or table.ndim != 2 or not table.flags.c_contiguous:
             raise ValueError(f"a PLE shard is C-contiguous uint8 [rows, row_bytes], got "
                              f"{table.dtype} {table.shape}")
@@ -81,11 +87,13 @@ class PLERows:
         if not 0 <= row_start <= row_start + table.shape[0] <= total_rows:
             raise ValueError(f"rows {row_start}..{row_start + table.shape[0]} are not inside "
                              f"the layer's {total_rows}")
-        self.table, self.dtype, self.scale = table, dtype, scale
+        self.table, self.dtype, self.scale, self.workers = table, dtype, scale, workers
         self.row_start, self.total_rows = row_start, total_rows
         self.head_dim = table.shape[1] if dtype == "float8_e4m3fn" else table.shape[1] // 2
         self.scale_bf16 = None if scale is None else \
             float(bf16_value(bf16_bits(np.array([scale], dtype=np.float32)))[0])
+        self._shard = native.PLEShard(table, row_start, total_rows, self.scale_bf16, workers)
+        self._scaled = dtype == "float8_e4m3fn"
 
     def rows_bf16(self, ids: Any, out: np.ndarray | None = None) -> np.ndarray:
         """uint16 BF16 bits ``[*ids.shape, head_dim]`` (into ``out``, that
@@ -98,9 +106,7 @@ class PLERows:
                 not out.flags.writeable:
             raise ValueError(f"out must be writable C-contiguous BF16 bits (uint16) {list(shape)}, "
                              f"got {out.dtype} {list(out.shape)}")
-        scale = self.scale_bf16 if self.dtype == "float8_e4m3fn" else None
-        self._raise_bad(flat, native.ple_rows(self.table, self.row_start, self.total_rows,
-                                              flat.reshape(-1), scale, out))
+        self._raise_bad(flat, self._shard.rows(flat.reshape(-1), out, self._scaled))
         return out
 
     def rows_packed(self, ids: Any) -> np.ndarray:
@@ -108,8 +114,7 @@ class PLERows:
         later, or BF16 bits as uint8)."""
         flat = _ids(ids)
         out = np.empty((*flat.shape, self.table.shape[1]), dtype=np.uint8)
-        self._raise_bad(flat, native.ple_rows(self.table, self.row_start, self.total_rows,
-                                              flat.reshape(-1), None, out))
+        self._raise_bad(flat, self._shard.rows(flat.reshape(-1), out, False))
         return out
 
     def _raise_bad(self, flat: np.ndarray, where: int) -> None:

@@ -17,15 +17,18 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..bindings import native
 from ..errors import LookupIdError, StorageError
 from ..host.hugepages import parse_page_size
 from ..host.topology import Topology, current_node
 from ..literals import CreateMode, PageSize
+from ..lookup.cpu import default_lookup_threads
 from ..lookup.ple import PLERows
 from ..model.ple import PLESpec
 from ..model.sharding import ShardInfo
@@ -55,8 +58,17 @@ class SharedPLETable:
                  mode: str, members: list[MemberInfo], leader: bool,
                  plan: PlacementPlan | None = None,
                  startup_phases: dict[str, float] | None = None,
-                 registration: Any = None) -> None:
+                 registration: Any = None, lookup_threads: int | None = None,
+                 lookup_cpus: Sequence[int] = ()) -> None:
         self.spec, self.layer_id, self.shard = spec, layer_id, shard
+        self.lookup_cpus = tuple(lookup_cpus)
+        self.lookup_threads = default_lookup_threads(self.lookup_cpus) \
+            if lookup_threads is None else max(1, int(lookup_threads))
+        # the node's lookup threads, shared with its other tables (native.shared_workers)
+        self._workers = native.shared_workers(self.lookup_threads - 1, self.lookup_cpus) \
+            if self.lookup_threads > 1 else None
+        self._release = None if self._workers is None else \
+            weakref.finalize(self, native.release_workers, self._workers)
         self.registration = registration  # a cudart.RegistrationLease, or None
         self._device_rows: PLEDeviceRows | None = None
         self._report: PlacementReport | None = None
@@ -69,8 +81,7 @@ class SharedPLETable:
         self.weights = backing.region("weights").reshape(shard.num_rows, spec.row_bytes)
         self.scale = float(backing.region("scale")[:4].view(np.float32)[0]) \
             if spec.dtype == "float8_e4m3fn" else None
-        self.rows = PLERows(self.weights, dtype=spec.dtype, row_start=shard.row_start,
-                            total_rows=spec.rows(layer_id), scale=self.scale)
+        self.rows = self._rows()
 
     @classmethod
     def create(cls, spec: PLESpec, layer_id: int, *, etp_rank: int = 0, etp_size: int = 1,
@@ -81,14 +92,17 @@ class SharedPLETable:
                timeout_s: float = 300.0, load_threads: int | None = None,
                topology: Topology | None = None,
                progress: Progress | None = None,
-               register_device: int | None = None) -> SharedPLETable:
+               register_device: int | None = None,
+               lookup_threads: int | None = None) -> SharedPLETable:
         """Collective over ``group`` (the members holding the same ETP
         shard; its rank 0 leads; None: a private table), with the same
         modes, placements, page sizes and failure rules as
         ``SharedEngramTable.create``.  ``checkpoint``: vLLM's split-parts
         safetensors (a file, files or directory).  ``register_device``:
         pin the mapping for zero-copy reads by that CUDA device
-        (``lookup_cuda``)."""
+        (``lookup_cuda``).  ``lookup_threads``: at most this many threads
+        per CPU lookup (None: one per CPU of the table's node, at most 4;
+        a call splits only where each thread gets enough rows)."""
         shard = spec.shard(layer_id, etp_rank, etp_size)
         req = CreateRequest.of(spec, layer_id, shard, mode=mode, placement=placement,
                                directory=directory, page_size=page_size, checkpoint=checkpoint,
@@ -100,7 +114,8 @@ class SharedPLETable:
             built = protocol.create(grp, req)
         table = cls(spec, layer_id, shard, built.backing, mode=built.mode,
                     members=built.members, leader=built.leader, plan=built.plan,
-                    startup_phases=built.phases, registration=built.registration)
+                    startup_phases=built.phases, registration=built.registration,
+                    lookup_threads=lookup_threads, lookup_cpus=built.lookup_cpus)
         log.info("PLE table: layer %d rows [%d, %d) %s, %d member(s)", layer_id,
                  shard.row_start, shard.row_end, built.mode, len(built.members))
         return table
@@ -110,7 +125,8 @@ class SharedPLETable:
                etp_size: int = 1, node: int | None = None, page_size: PageSize | int = "4K",
                timeout_s: float = 10.0, service_uids: Sequence[int] | None = None,
                allow_unsealed: bool | None = None,
-               register_device: int | None = None) -> SharedPLETable:
+               register_device: int | None = None,
+               lookup_threads: int | None = None) -> SharedPLETable:
         """Map the READY table of this ETP shard that the table service on
         ``service`` holds (its copy on ``node``, default this thread's),
         read-only, after the checks a peer makes; the service is believed
@@ -136,7 +152,8 @@ class SharedPLETable:
             me = MemberInfo(0, os.getpid(), os.geteuid(), here, None, spec.fingerprint,
                             shard_key(layer_id, shard), "attach")
             return cls(spec, layer_id, shard, backing, mode="service", members=[me],
-                       leader=False, registration=registration)
+                       leader=False, registration=registration,
+                       lookup_threads=lookup_threads)
         except BaseException:
             if registration is not None:
                 registration.release()
@@ -157,8 +174,12 @@ class SharedPLETable:
         if write:
             region[:4] = np.frombuffer(np.float32(scale).tobytes(), dtype=np.uint8)
         self.scale = float(np.float32(scale))
-        self.rows = PLERows(self.weights, dtype=self.spec.dtype, row_start=self.shard.row_start,
-                            total_rows=self.spec.rows(self.layer_id), scale=self.scale)
+        self.rows = self._rows()
+
+    def _rows(self) -> PLERows:
+        return PLERows(self.weights, dtype=self.spec.dtype, row_start=self.shard.row_start,
+                       total_rows=self.spec.rows(self.layer_id), scale=self.scale,
+                       workers=self._workers)
 
     def dup_descriptor(self) -> int:
         """A new descriptor of the table's file (the caller closes it): what
@@ -272,6 +293,9 @@ class SharedPLETable:
         self.weights = empty
         self.rows = PLERows(empty, dtype=self.spec.dtype, row_start=0, total_rows=0,
                             scale=self.scale)
+        if self._release is not None:
+            self._release()  # the last table on these CPUs stops the threads
+        self._workers = None
         # device views still alive keep the registration (and the memory)
         self._device_rows, self.registration = None, None
         backing, self.backing = self.backing, None  # type: ignore[assignment]
