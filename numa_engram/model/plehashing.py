@@ -18,6 +18,7 @@ numpy; ``PLEHistory`` keeps each request slot's context across steps.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,18 +31,30 @@ from .ple import PLESpec
 
 
 def _layer_arrays(spec: PLESpec, layer_ids: Sequence[int]) -> tuple[np.ndarray, ...]:
+    return _layer_arrays_of(spec, tuple(int(layer) for layer in layer_ids))
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_arrays_of(spec: PLESpec, layer_ids: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """Multipliers, bucket sizes and head offsets of the layers (read-only:
+    kept per spec and layers, a decode step's call reads them as they are)."""
     mult = np.stack([spec.multipliers(layer) for layer in layer_ids])
     sizes = np.array([spec.bucket_sizes(layer) for layer in layer_ids], dtype=np.int64)
     offsets = np.stack([spec.head_offsets(layer) for layer in layer_ids])
+    for array in (mult, sizes, offsets):
+        array.flags.writeable = False
     return mult, sizes, offsets
 
 
 def _batch(spec: PLESpec, input_ids: ArrayLike, query_start: ArrayLike | None,
            context: ArrayLike | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     ids = np.ascontiguousarray(integer_array(input_ids, "input_ids").reshape(-1))
-    qs = np.array([0, len(ids)], dtype=np.int64) if query_start is None else \
-        np.ascontiguousarray(integer_array(query_start, "query_start").reshape(-1))
-    if len(qs) < 2 or qs[0] != 0 or (np.diff(qs) < 0).any() or qs[-1] > len(ids):
+    if query_start is None:  # one request: nothing to check
+        qs = np.array([0, len(ids)], dtype=np.int64)
+    else:
+        qs = np.ascontiguousarray(integer_array(query_start, "query_start").reshape(-1))
+    if query_start is not None and (len(qs) < 2 or qs[0] != 0 or (np.diff(qs) < 0).any()
+                                    or qs[-1] > len(ids)):
         raise SpecError(f"query_start must rise from 0 to at most the {len(ids)} tokens, "
                         f"one more entry than requests; got {qs.tolist()[:8]}")
     n1 = spec.ngram_size - 1
