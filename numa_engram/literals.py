@@ -8,9 +8,22 @@ from typing import Literal, get_args
 
 from .errors import SpecError
 
+SharingMode = Literal["independent", "dp_shared", "dp_sharded"]
+"""Who holds a copy of a table: each replica, one node-local sharing group,
+or TP x EDP head slices (``plan --mode``, a deployment's mode)."""
+SHARING_MODES: tuple[str, ...] = get_args(SharingMode)
+
 CreateMode = Literal["auto", "dp_shared", "independent"]
 """What ``SharedEngramTable.create`` is asked to do (``mode=``)."""
 CREATE_MODES: tuple[str, ...] = get_args(CreateMode)
+
+RuntimeSharing = Literal["auto", "dp_shared", "independent", "dp_sharded"]
+"""What ``EngramRuntime`` is asked to do (``sharing=``): a create mode, or
+the DP-sharded lookup."""
+RUNTIME_SHARING: tuple[str, ...] = get_args(RuntimeSharing)
+
+DEFAULT_DIRECTORY = "/dev/shm"
+"""Where shared table files live unless told (a tmpfs)."""
 
 IdFormat = Literal["bucket", "global"]
 """What hash ids count: buckets within each head, or rows of the layer's table."""

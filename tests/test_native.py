@@ -153,3 +153,25 @@ def test_vector_and_scalar_floor_modulo_agree_for_any_head_count(n_head):
     slow = native.ngram_hashes(ids, 2, mult, 4, primes, n_head, hardware_division=True)
     np.testing.assert_array_equal(fast, slow)
     assert (fast >= 0).all() and (fast < primes).all()
+
+
+def test_the_c_core_compiles_clean_under_wextra_werror():
+    """The C core as one translation unit (what the cffi build compiles,
+    less cffi's own wrappers), with -Wall -Wextra -Werror: a new warning
+    fails here before it hides a bug."""
+    import shutil
+    import subprocess
+    import sysconfig
+    from pathlib import Path
+
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(cc) is None:
+        pytest.skip(f"no C compiler ({cc}) on this machine")
+    core = Path(__file__).resolve().parent.parent / "cffi_build"
+    includes = [f"-include{h}" for h in ("sys/mman.h", "linux/magic.h", "linux/memfd.h",
+                                         "linux/mempolicy.h")]
+    run = subprocess.run([cc, "-D_GNU_SOURCE", "-DNE_CORE_VERSION=\"check\"", "-std=gnu11",
+                          "-O2", "-Wall", "-Wextra", "-Werror", "-Wno-unused-function",
+                          "-fsyntax-only", *includes, str(core / "native.c")],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr[-4000:]

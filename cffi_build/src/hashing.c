@@ -139,10 +139,6 @@ static mods_fn pick_mods_fn(void)
     return mods_scalar;
 }
 
-/* Longest n-gram a window holds (the spec's bound; the windows live on the
- * stack). */
-enum { NE_MAX_NGRAM = 64 };
-
 /* DeepSeek's formula over one window, tok[k] = the id k positions back (the
  * pad id where blocked): the mix of order k+1 is that of order k XOR
  * tok[k] * m[k], in wrapping int64 (computed in uint64: signed overflow is

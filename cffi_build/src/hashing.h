@@ -13,6 +13,10 @@
 
 #define NE_MAX_POSITION ((int64_t)1 << 62)
 
+/* Longest n-gram a window holds (the spec's bound; the windows live on the
+ * stack). */
+enum { NE_MAX_NGRAM = 64 };
+
 int ne_ngram_hashes(const int64_t *ids, int64_t n_rows, int64_t t, int64_t pad_id,
                     const int64_t *multipliers, int64_t max_ngram, const int64_t *primes,
                     int64_t n_head, int64_t *out, int n_threads, int hardware_division);

@@ -15,6 +15,7 @@ import sys
 import threading
 
 from ..errors import NumaEngramError
+from ..literals import DEFAULT_DIRECTORY, SHARING_MODES
 from .args import (
     POLICY_HELP,
     non_negative_int,
@@ -66,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--regions", type=positive_int, default=2,
                     help="equal regions, region i read from node i mod nodes")
     sp.add_argument("--policy", default="gpu-local", help=POLICY_HELP)
-    sp.add_argument("--directory", default="/dev/shm",
+    sp.add_argument("--directory", default=DEFAULT_DIRECTORY,
                     help="a tmpfs, or a hugetlbfs mount for --page-size 2M/1G (the default "
                          "then means: the mount of that page size found in /proc/self/mounts)")
     sp.add_argument("--page-size", type=page_size_arg, default="4K",
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also pick pids by command line (e.g. 'vllm serve')")
     sp.add_argument("--file-match", default="numa-engram-",
                     help="mappings counted per node")
-    sp.add_argument("--directory", default="/dev/shm", help="the tmpfs")
+    sp.add_argument("--directory", default=DEFAULT_DIRECTORY, help="the tmpfs")
     sp = add("plan", cmd_plan, "what one host of a deployment needs: bytes per node, copies, "
              "remote reads, page tables, capacity (exit 1 when it does not fit)")
     sp.add_argument("--spec", default="v4-flash",
@@ -107,8 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--dp", type=positive_int, default=4, help="data parallel")
     sp.add_argument("--gpus-per-host", dest="gpus_per_host", type=non_negative_int, default=0,
                     help="GPUs per host (0: from the topology)")
-    sp.add_argument("--mode", default="dp_shared", choices=["independent", "dp_shared",
-                                                            "dp_sharded"],
+    sp.add_argument("--mode", default="dp_shared", choices=list(SHARING_MODES),
                     help="who holds rows")
     sp.add_argument("--policy", default="gpu-local", help=POLICY_HELP)
     sp.add_argument("--simulate", type=simulate_arg, help="'2x4' or a topology JSON file")
@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--steps", type=positive_int, default=12,
                     help="serving steps per replica")
     sp.add_argument("--policy", default="gpu-local", help=POLICY_HELP)
-    sp.add_argument("--directory", default="/dev/shm",
+    sp.add_argument("--directory", default=DEFAULT_DIRECTORY,
                     help="a tmpfs directory")
     sp = add("serve", cmd_serve, "hold a model's tables for this host: load once, seal, hand "
              "out descriptors to engines on a Unix socket")
@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("status", cmd_status, "what a table service holds; exit 0 when ready, 1 if not")
     sp.add_argument("--socket", required=True, help="the service's socket")
     sp = add("gc", cmd_gc, "remove table files no live process holds")
-    sp.add_argument("--directory", default="/dev/shm", help="where to look")
+    sp.add_argument("--directory", default=DEFAULT_DIRECTORY, help="where to look")
     sp.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     sp.add_argument("--all-users", action="store_true",
                     help="root only: include other users' files (else only your own)")

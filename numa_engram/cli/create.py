@@ -12,7 +12,8 @@ def cmd_create(args: argparse.Namespace) -> int:
     """Create a table file, place it, populate, verify, report; then remove it
     (or keep it mapped for --hold seconds so other tools can look at it)."""
     from ..host import hugepages
-    from ..store.fileformat import DEFAULT_DIRECTORY, Layout
+    from ..literals import DEFAULT_DIRECTORY
+    from ..store.fileformat import Layout
     from ..store.placement import Region, plan_placement, verify
     from ..store.storage import BackingFile
     from ..units import fmt_bytes

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from ..literals import DEFAULT_DIRECTORY
+
 LAYER_MATCH = "numa-engram-"
 MAX_TOKENS = 256
 
@@ -165,7 +167,8 @@ def _replica(rank: int, procs: int, port: int, model_dir: str, directory: str, p
 
 
 def run_demo(model_dir: str | None = None, spec_name: str = "small", procs: int = 2,
-             directory: str = "/dev/shm", policy: str = "gpu-local", steps: int = 12) -> dict:
+             directory: str = DEFAULT_DIRECTORY, policy: str = "gpu-local",
+             steps: int = 12) -> dict:
     """Serve ``model_dir`` (None: a synthetic model of spec ``spec_name``)
     in ``procs`` DP replicas; the per-replica results and a summary."""
     from ..model.spec import EngramSpec

@@ -8,6 +8,7 @@ import json
 import os
 
 from ..errors import TopologyError
+from ..literals import DEFAULT_DIRECTORY, SHARING_MODES
 from .args import MAX_PLAN_WORLD, emit, load_topology
 
 
@@ -101,7 +102,7 @@ def _check_this_host(d, page_size: int) -> None:
 
     if page_size == hugepages.SIZES["4K"]:
         if d.chosen.mode == "dp_shared":
-            _, total = tmpfs_usage("/dev/shm")
+            _, total = tmpfs_usage(DEFAULT_DIRECTORY)
             if d.chosen.host_bytes > total:
                 d.shortfalls.append(f"/dev/shm holds {fmt_bytes(total)}, the shared tables "
                                     f"need {fmt_bytes(d.chosen.host_bytes)}")
@@ -129,7 +130,7 @@ def _report(args: argparse.Namespace, d, topo) -> tuple[dict, str]:
     # shared copy; private copies and DP-sharded slices are never replicated)
     # (a mode this TP x DP cannot shard is left out: the plan's notes say why)
     modes = {}
-    for m in ("independent", "dp_shared", "dp_sharded"):
+    for m in SHARING_MODES:
         try:
             modes[m] = {h: b * (copies if m == "dp_shared" else 1)
                         for h, b in mode_memory(spec, m, world).per_host.items()}

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..bindings import native
 from ..errors import CapacityError
+from ..literals import DEFAULT_DIRECTORY
 from . import procfs, sysfs
 
 
@@ -23,7 +24,7 @@ def node_shmem() -> dict[int, int]:
             if sysfs.node_exists(n)}
 
 
-def tmpfs_usage(directory: str = "/dev/shm") -> tuple[int, int]:
+def tmpfs_usage(directory: str = DEFAULT_DIRECTORY) -> tuple[int, int]:
     """(used bytes, total bytes) of a tmpfs."""
     free, total = native.statvfs(directory)
     return total - free, total

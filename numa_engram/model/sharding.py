@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import TopologyError
+from ..literals import SHARING_MODES
 
-DEPLOYMENT_MODES = ("independent", "dp_shared", "dp_sharded")
 DEAD_ID = -1
 
 
@@ -194,8 +194,8 @@ class ModeAssignment:
 
 
 def assign(mode: str, layout: WorldLayout, rank: int) -> ModeAssignment:
-    if mode not in DEPLOYMENT_MODES:
-        raise TopologyError(f"unknown mode {mode!r}; choose one of {list(DEPLOYMENT_MODES)}")
+    if mode not in SHARING_MODES:
+        raise TopologyError(f"unknown mode {mode!r}; choose one of {list(SHARING_MODES)}")
     tp_rank, dp_rank = layout.coords(rank)
     group = layout.edp_group(rank)
     if mode == "independent":

@@ -33,7 +33,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from ..errors import PrefetchError, SpecError, StorageError, TopologyError
-from ..literals import PageSize
+from ..literals import DEFAULT_DIRECTORY, RUNTIME_SHARING, PageSize, RuntimeSharing
 from ..lookup.prefetch import PrefetchScheduler
 from ..model.hashstate import HashState
 from ..model.sharding import shard_heads
@@ -41,7 +41,6 @@ from ..model.spec import EngramSpec
 from ..sharing.exchange import DPShardedLookup, ShardedHeads
 from ..sharing.group import Group, as_group, sharing_groups
 from ..sharing.table import SharedEngramTable
-from ..store.fileformat import DEFAULT_DIRECTORY
 from .modeldir import ModelDirectory
 from .tpgather import HeadGather, TPGroup, head_part
 
@@ -50,7 +49,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SHARING_MODES = ("auto", "dp_shared", "independent", "dp_sharded")
 UNKNOWN_LOOKBACK_ID = -1  # what vLLM's runner puts in a look-back window where it has no id
 DEFAULT_SERVICE_SOCKET = "/run/numa-engram/engram.sock"  # the unit file's
 
@@ -107,7 +105,7 @@ class EngramRuntime:
     # ---------------------------------------------------------- startup --
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike, *, tp_group: Any = None,
-                        world_group: Any = None, sharing: str = "auto",
+                        world_group: Any = None, sharing: RuntimeSharing = "auto",
                         edp_group: Any = None, placement: str = "gpu-local",
                         page_size: PageSize | int = "4K", device: int | None = None,
                         max_tokens: int = 8192, max_requests: int = 256,
@@ -141,8 +139,8 @@ class EngramRuntime:
         when every rank reaches one that holds this model, else build;
         ``mode_report()["source"]`` says which."""
         started = time.perf_counter()
-        if sharing not in SHARING_MODES:
-            raise SpecError(f"sharing must be one of {SHARING_MODES}, got {sharing!r}")
+        if sharing not in RUNTIME_SHARING:
+            raise SpecError(f"sharing must be one of {RUNTIME_SHARING}, got {sharing!r}")
         _check_count("max_tokens", max_tokens, MAX_STEP_TOKENS)
         _check_count("max_requests", max_requests, MAX_REQUESTS)
         if device is not None and sharing == "dp_sharded":

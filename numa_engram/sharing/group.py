@@ -25,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 from ..errors import GroupTimeout, NumaEngramError, TopologyError
 from ..host import procfs
 from ..host.topology import gpu_node
+from ..literals import DEFAULT_DIRECTORY
 from ..model.sharding import WorldLayout
 from ..store.storage import describe_device, directory_id
 
@@ -353,7 +354,7 @@ def identity_groups(identities: Sequence[RankIdentity],
 
 def sharing_groups(world_group: Any = None, *, tp_rank: int | None = None,
                    device: int | None = None, per_socket: bool = False,
-                   directory: str = "/dev/shm", timeout_s: float = 300.0,
+                   directory: str = DEFAULT_DIRECTORY, timeout_s: float = 300.0,
                    socket_of: Sequence[int] | None = None,
                    within: Sequence[Sequence[int]] | None = None) -> TorchGroup:
     """Form every sharing group of the world from where the ranks really are

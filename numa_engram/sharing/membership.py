@@ -19,7 +19,8 @@ from ..errors import PlacementError, SpecError, SpecMismatchError, StorageError,
 from ..host import hugepages, procfs
 from ..host.accounting import check_memory
 from ..host.topology import Topology, current_node, gpu_node
-from ..store.fileformat import DEFAULT_DIRECTORY, Layout, ShardKey
+from ..literals import DEFAULT_DIRECTORY
+from ..store.fileformat import Layout, ShardKey
 from ..store.placement import PlacementPlan, Region, plan_placement
 from ..store.storage import check_directory_room, describe_device, directory_id
 from .group import Group

@@ -27,13 +27,13 @@ from ..bindings import native
 from ..errors import LookupIdError, StorageError
 from ..host.hugepages import parse_page_size
 from ..host.topology import Topology, current_node
-from ..literals import CreateMode, PageSize
+from ..literals import DEFAULT_DIRECTORY, CreateMode, PageSize
 from ..lookup.cpu import default_lookup_threads
 from ..lookup.ple import PLERows
 from ..model.ple import PLESpec
 from ..model.sharding import ShardInfo
 from ..store import handoff
-from ..store.fileformat import DEFAULT_DIRECTORY, STATE_READY
+from ..store.fileformat import STATE_READY
 from ..store.placement import PlacementPlan, PlacementReport, verify
 from ..store.storage import BackingFile
 from . import protocol

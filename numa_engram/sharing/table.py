@@ -27,7 +27,7 @@ from ..errors import (
 )
 from ..histogram import LOOKUP_BUCKETS, Histogram
 from ..host.topology import Topology, current_node
-from ..literals import CreateMode, IdFormat, PageSize, check_id_format
+from ..literals import DEFAULT_DIRECTORY, CreateMode, IdFormat, PageSize, check_id_format
 from ..lookup.cpu import (
     bad_id_text,
     default_lookup_threads,
@@ -45,7 +45,7 @@ from ..lookup.outputs import (
 from ..model.sharding import ShardInfo, prefix_offsets
 from ..model.spec import EngramSpec
 from ..store import handoff
-from ..store.fileformat import DEFAULT_DIRECTORY, STATE_READY
+from ..store.fileformat import STATE_READY
 from ..store.placement import PlacementPlan, PlacementReport, verify
 from ..store.storage import BackingFile
 from . import protocol

@@ -21,7 +21,6 @@ from ..bindings import native
 from ..errors import StorageError
 
 PREFIX = "numa-engram-"
-DEFAULT_DIRECTORY = "/dev/shm"  # where shared table files live unless told
 MAGIC = b"NUMAENGR"
 FORMAT_VERSION = 4  # 4: the header at the end (3 and before: a whole first page)
 STATE_CREATING, STATE_READY, STATE_FAILED = 0, 1, 2

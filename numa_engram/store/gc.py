@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from ..errors import StorageError
 from ..host import procfs
-from .fileformat import DEFAULT_DIRECTORY, PREFIX, OldFormatError
+from ..literals import DEFAULT_DIRECTORY
+from .fileformat import PREFIX, OldFormatError
 from .storage import read_header
 
 # how a file that may not be ours is opened for a look: never blocking on a

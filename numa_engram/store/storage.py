@@ -27,9 +27,9 @@ from ..errors import CapacityError, SpecMismatchError, StorageError, SyscallErro
 from ..host import hugepages, procfs, sysfs
 from ..host.accounting import check_memory
 from ..host.topology import Topology
+from ..literals import DEFAULT_DIRECTORY
 from .chunks import for_each_chunk
 from .fileformat import (
-    DEFAULT_DIRECTORY,
     FORMAT_VERSION,
     HEADER_BYTES,
     MAGIC,

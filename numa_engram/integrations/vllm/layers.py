@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from ...literals import DEFAULT_DIRECTORY
 from ...model.sharding import ShardInfo, shard_heads
 from ...model.spec import EngramSpec
 from ...sharing.table import SharedEngramTable
@@ -167,8 +168,6 @@ class LayerTables:
         return service_path(self.settings)
 
     def _shared_directory(self) -> str:
-        from ...store.fileformat import DEFAULT_DIRECTORY
-
         return self.settings.directory or DEFAULT_DIRECTORY
 
 
@@ -359,7 +358,7 @@ def _share_here(settings: PluginSettings, need: int) -> tuple[bool, tuple[Any, .
     """(ok, where: boot id, uid, directory identity, why not)."""
     from ...host import procfs
 
-    directory = settings.directory or "/dev/shm"
+    directory = settings.directory or DEFAULT_DIRECTORY
     try:
         st = os.stat(directory)
         free = os.statvfs(directory)

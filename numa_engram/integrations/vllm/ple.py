@@ -24,6 +24,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ...literals import DEFAULT_DIRECTORY
 from ...model.ple import PLESpec
 from ...sharing.pletable import SharedPLETable
 from .layers import TABLES, refuse_config, refuse_load, serve_metrics
@@ -201,7 +202,7 @@ class PLEStorage:
             group = _sharing_group(dp, emb, settings, device)
             table = SharedPLETable.create(spec, layer, group=group, mode="dp_shared",
                                           placement=settings.placement,
-                                          directory=settings.directory or _default_dir(),
+                                          directory=settings.directory or DEFAULT_DIRECTORY,
                                           register_device=device,
                                           load_threads=settings.load_threads, **shard_args)
             storage = cls(table, dtype, writer=table.leader, group=dp.cpu_group, filled=False)
@@ -282,11 +283,7 @@ def _sharing_group(dp: Any, emb: Any, settings: PluginSettings, device: int | No
     if key not in _GROUPS:
         _GROUPS[key] = sharing_groups(dp, tp_rank=emb.tp_rank, device=device,
                                       per_socket=settings.copies == "socket",
-                                      directory=settings.directory or _default_dir())
+                                      directory=settings.directory or DEFAULT_DIRECTORY)
     return _GROUPS[key]
 
 
-def _default_dir() -> str:
-    from ...store.fileformat import DEFAULT_DIRECTORY
-
-    return DEFAULT_DIRECTORY
