@@ -61,6 +61,12 @@ X86_TUNING = _accepted(["-mmove-max=256", "-mstore-max=256", "-mno-avx256-split-
                         "-mno-avx256-split-unaligned-store"]) \
     if platform.machine() in ("x86_64", "AMD64") else []
 
+# NUMA_ENGRAM_SANITIZE=1: the sanitizer build tools/sanitize.sh tests
+# (AddressSanitizer and UBSan, any finding fatal); never a release build.
+SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+            "-fno-omit-frame-pointer", "-g"] \
+    if os.environ.get("NUMA_ENGRAM_SANITIZE") == "1" else []
+
 ffibuilder = FFI()
 ffibuilder.cdef(CDEF)
 ffibuilder.set_source(
@@ -72,7 +78,9 @@ ffibuilder.set_source(
     define_macros=[("NE_CORE_VERSION", f'"{VERSION}"')],
     # -O3 lets GCC vectorise the branch-free dequant loop for the baseline
     # ISA; nothing here assumes the build host's CPU (no -march=native).
-    extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-unused-function", *X86_TUNING],
+    extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-unused-function", *X86_TUNING,
+                        *SANITIZE],
+    extra_link_args=SANITIZE,
     libraries=["pthread"],
 )
 

@@ -10,6 +10,7 @@ PY=${PYTHON:-.venv/bin/python}
 "$(dirname "$PY")/lint-imports"  # the layer order ([tool.importlinter] in pyproject.toml)
 "$PY" -m pytest -q -rs --durations=15 "$@"
 PYTHON="$PY" tools/check_package.sh
+PYTHON="$PY" tools/sanitize.sh  # the C core's tests under ASan + UBSan
 nodes=$(ls -d /sys/devices/system/node/node[0-9]* 2>/dev/null | wc -l)
 if [ "${NUMA_ENGRAM_SKIP_VM:-0}" = 1 ]; then
   echo "test.sh: NUMA_ENGRAM_SKIP_VM=1: placement tests in the VM skipped" >&2
