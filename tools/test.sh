@@ -8,7 +8,9 @@ PY=${PYTHON:-.venv/bin/python}
 "$PY" -m ruff check numa_engram tests tools cffi_build
 "$PY" -m mypy  # the package ([tool.mypy] in pyproject.toml); public modules fully typed
 "$(dirname "$PY")/lint-imports"  # the layer order ([tool.importlinter] in pyproject.toml)
-"$PY" -m pytest -q -rs --durations=15 "$@"
+# coverage of the test process (spawned ranks and CLI subprocesses are not
+# measured), printed per module that has lines no test ran
+"$PY" -m pytest -q -rs --durations=15 --cov=numa_engram --cov-report=term:skip-covered "$@"
 PYTHON="$PY" tools/check_package.sh
 PYTHON="$PY" tools/sanitize.sh  # the C core's tests under ASan + UBSan
 nodes=$(ls -d /sys/devices/system/node/node[0-9]* 2>/dev/null | wc -l)
