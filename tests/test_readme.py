@@ -20,6 +20,11 @@ from numa_engram.sharing.checkpoint import write_synthetic_checkpoint
 from .dist_harness import free_port
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+# after a program's last line: the ranks leave together (gloo aborts a
+# process that exits while a peer still talks to it: "terminate called
+# without an active exception")
+LEAVE = ("\nimport torch.distributed as _dist\n_dist.barrier()\n"
+         "_dist.destroy_process_group()\n")
 WORLD = 4
 
 # what the README's reader brings: a tokenizer's ids and compressed map, an
@@ -92,7 +97,7 @@ def test_the_readmes_runtime_example_runs_as_written(tmp_path):
     """The serving loop, with nothing added but a line that prints its rows."""
     program = python_blocks(README.read_text())[0]
     outputs = _run_world(tmp_path, program + "\nprint('README-RUNTIME-DONE', "
-                         "{k: list(v.shape) for k, v in engram_rows.items()})\n")
+                         "{k: list(v.shape) for k, v in engram_rows.items()})\n" + LEAVE)
     for rank, (code, out) in enumerate(outputs):
         assert code == 0, f"rank {rank} failed:\n{out[-3000:]}"
         assert "README-RUNTIME-DONE {1: [2, 12, 64], 14: [2, 12, 64]}" in out, out[-2000:]
@@ -105,7 +110,7 @@ def test_the_readmes_python_runs_as_written(tmp_path):
     checkpoint = re.search(r'checkpoint=\["([^"]+)"\]', program).group(1)
     write_synthetic_checkpoint(tmp_path / checkpoint, _spec_of(program))
     outputs = _run_world(tmp_path, STAND_INS + program
-                         + "\nprint('README-PROGRAM-DONE', rows.shape)\n")
+                         + "\nprint('README-PROGRAM-DONE', rows.shape)\n" + LEAVE)
     for rank, (code, out) in enumerate(outputs):
         assert code == 0, f"rank {rank} failed:\n{out[-3000:]}"
         assert "README-PROGRAM-DONE torch.Size([12, 12, 256])" in out, out[-2000:]
@@ -159,10 +164,7 @@ def test_the_readmes_qwen4_exp_example_runs_as_written(tmp_path):
                    ngram_vocab_size_base=3000, split_ngram_parts=7)
     write_ple_model(tmp_path / "Qwen3.8-Flash-Next", spec)
     outputs = _run_world(tmp_path, PLE_STAND_INS + program + "\nprint('README-PLE-DONE', "
-                         "list(rows.shape), table.mode)\n"
-                         # ranks leave together: gloo aborts a process that exits
-                         # while a peer still talks to it
-                         "table.close()\ndist.barrier()\ndist.destroy_process_group()\n")
+                         "list(rows.shape), table.mode)\ntable.close()\n" + LEAVE)
     for rank, (code, out) in enumerate(outputs):
         assert code == 0, f"rank {rank} failed:\n{out[-3000:]}"
         assert "README-PLE-DONE [12, 16, 10] dp_shared" in out, out[-2000:]
