@@ -49,16 +49,16 @@ _LAZY = {
     "SharedEngramTable": "sharing.table",
     "PrefetchScheduler": "lookup.prefetch",
     "lookup_rows": "lookup.cpu",
-    "DPShardedLookup": "sharing.exchange",
+    "DPShardedLookup": "sharing.dpsharded",
     "HashState": "model.hashstate",
     "build_token_map": "model.tokenmap",
-    "ShardedHeads": "sharing.exchange",
+    "ShardedHeads": "sharing.dpsharded",
     "sharing_groups": "sharing.group",
     "as_group": "sharing.group",
-    "EngramRuntime": "runtime.engine",
+    "EngramRuntime": "runtime.engramruntime",
     "ModelDirectory": "runtime.modeldir",
     "write_synthetic_model": "runtime.modeldir",
-    "write_synthetic_checkpoint": "sharing.checkpoint",
+    "write_synthetic_checkpoint": "sharing.synthetic",
     "TensorNames": "sharing.checkpoint",
 }
 
@@ -68,11 +68,12 @@ if TYPE_CHECKING:  # what _LAZY gives, as the real names for type checkers
     from .model.fp8 import dequantize_rows, quantize_rows
     from .model.hashstate import HashState
     from .model.tokenmap import build_token_map
-    from .runtime.engine import EngramRuntime
+    from .runtime.engramruntime import EngramRuntime
     from .runtime.modeldir import ModelDirectory, write_synthetic_model
-    from .sharing.checkpoint import TensorNames, write_synthetic_checkpoint
-    from .sharing.exchange import DPShardedLookup, ShardedHeads
+    from .sharing.checkpoint import TensorNames
+    from .sharing.dpsharded import DPShardedLookup, ShardedHeads
     from .sharing.group import as_group, sharing_groups
+    from .sharing.synthetic import write_synthetic_checkpoint
     from .sharing.table import SharedEngramTable
 
 # the library only logs; the application decides where logs go

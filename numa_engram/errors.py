@@ -126,7 +126,7 @@ class CudaError(NumaEngramError):
 
 class ServiceRefusal(StorageError):
     """The table service answered and refused: ``reason`` is one of
-    ``store.handoff.REASONS`` (no_such_table, not_ready, failed, mismatch,
+    ``store.serviceclient.REASONS`` (no_such_table, not_ready, failed, mismatch,
     refused, bad_request); ``detail`` has e.g. the load's progress."""
 
     reason: str = ""

@@ -15,8 +15,8 @@ from numa_engram.host.procfs import smaps
 from numa_engram.lookup.cpu import reference_lookup
 from numa_engram.model.hashing import ngram_hashes
 from numa_engram.model.sharding import WorldLayout
-from numa_engram.sharing.checkpoint import synthetic_layer
 from numa_engram.sharing.group import TorchGroup, sharing_groups
+from numa_engram.sharing.synthetic import synthetic_layer
 
 LAYER = 1
 
@@ -168,7 +168,7 @@ def dp_sharded(rank, world, *, tp, dp, counts, n_head_per_ngram, max_ngram, max_
     """DP-sharded lookups: every replica's rows bit-exact with the reference
     over the whole table, including an idle replica and an all-DEAD one."""
     from numa_engram.lookup.cpu import reference_lookup
-    from numa_engram.sharing.exchange import DPShardedLookup, ShardedHeads
+    from numa_engram.sharing.dpsharded import DPShardedLookup, ShardedHeads
 
     spec = EngramSpec.small(rows_per_head=96, n_head_per_ngram=n_head_per_ngram, head_dim=64,
                             max_ngram_size=max_ngram)  # primes 97 and up, like vLLM's test
@@ -364,7 +364,7 @@ def memory_fallback(rank, world, *, directory, room):
 def dp_sharded_bad_id(rank, world):
     """One member passes a bad id: all raise at once; the next lookup works."""
     from numa_engram.errors import LookupIdError
-    from numa_engram.sharing.exchange import DPShardedLookup, ShardedHeads
+    from numa_engram.sharing.dpsharded import DPShardedLookup, ShardedHeads
 
     spec = EngramSpec.small(rows_per_head=96, n_head_per_ngram=4, head_dim=64)
     heads = ShardedHeads.of(spec, LAYER, 1, world, 0)
@@ -450,7 +450,7 @@ class FakeCoordinator:
 def coordinator_group(rank, world):
     """A serving stack's coordinator passed as the group; then DP-sharded
     lookups over what sharing_groups returns."""
-    from numa_engram.sharing.exchange import DPShardedLookup, ShardedHeads
+    from numa_engram.sharing.dpsharded import DPShardedLookup, ShardedHeads
 
     coord = FakeCoordinator(range(world))
     spec = make_spec(200)

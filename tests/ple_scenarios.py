@@ -13,8 +13,8 @@ import torch.distributed as dist
 from numa_engram.host.procfs import smaps
 from numa_engram.model.ple import PLESpec
 from numa_engram.sharing.group import sharing_groups
-from numa_engram.sharing.plecheckpoint import write_ple_checkpoint
 from numa_engram.sharing.pletable import SharedPLETable, reduce_rows
+from numa_engram.sharing.synthetic import write_ple_checkpoint
 
 LAYER = 5
 

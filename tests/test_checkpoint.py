@@ -8,12 +8,8 @@ from safetensors.torch import save_file
 from numa_engram.errors import CheckpointError
 from numa_engram.model.sharding import shard_heads
 from numa_engram.model.spec import EngramSpec
-from numa_engram.sharing.checkpoint import (
-    TensorNames,
-    load_rows,
-    synthetic_layer,
-    write_synthetic_checkpoint,
-)
+from numa_engram.sharing.checkpoint import TensorNames, load_rows
+from numa_engram.sharing.synthetic import synthetic_layer, write_synthetic_checkpoint
 
 SPEC = EngramSpec.small(rows_per_head=300, n_head_per_ngram=4, head_dim=64)  # 8 heads
 

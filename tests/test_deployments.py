@@ -10,8 +10,8 @@ import pytest
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 from numa_engram.errors import CudaUnavailable, NumaEngramError
-from numa_engram.sharing.checkpoint import write_synthetic_checkpoint
 from numa_engram.sharing.group import RankIdentity, identity_groups
+from numa_engram.sharing.synthetic import write_synthetic_checkpoint
 
 from . import dist_scenarios as scenarios
 from .dist_harness import run_world

@@ -14,7 +14,7 @@ from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 from numa_engram.errors import CapacityError, StorageError
 from numa_engram.host import hugepages, procfs
 from numa_engram.lookup.cpu import reference_lookup
-from numa_engram.sharing.checkpoint import write_synthetic_checkpoint
+from numa_engram.sharing.synthetic import write_synthetic_checkpoint
 from numa_engram.store.fileformat import PREFIX, Layout
 from numa_engram.store.storage import BackingFile
 

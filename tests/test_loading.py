@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from numa_engram.sharing.checkpoint import write_synthetic_checkpoint
+from numa_engram.sharing.synthetic import write_synthetic_checkpoint
 
 from . import dist_scenarios as scenarios
 from .dist_harness import run_world, same_failure

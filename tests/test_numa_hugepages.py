@@ -14,7 +14,7 @@ from numa_engram.errors import CapacityError
 from numa_engram.host import hugepages
 from numa_engram.host.topology import Topology
 from numa_engram.lookup.cpu import reference_lookup
-from numa_engram.sharing.checkpoint import write_synthetic_checkpoint
+from numa_engram.sharing.synthetic import write_synthetic_checkpoint
 from numa_engram.store.fileformat import Layout
 from numa_engram.store.placement import PlacementPlan, PlacementRange, verify
 from numa_engram.store.storage import BackingFile

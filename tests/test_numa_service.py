@@ -11,7 +11,7 @@ import pytest
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads, write_synthetic_model
 from numa_engram.bindings import native
-from numa_engram.store import handoff
+from numa_engram.store import serviceclient
 
 pytest.importorskip("tokenizers", reason="the 'tokenizers' extra is not installed")
 pytestmark = [pytest.mark.numa, pytest.mark.multiproc]
@@ -30,7 +30,7 @@ def test_replicate_per_node_hands_every_node_its_own_copy(numa_nodes, tmp_path):
         while time.monotonic() < deadline:
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             if os.path.exists(sock):
-                doc = handoff.status(sock)
+                doc = serviceclient.status(sock)
                 if doc["ready"]:
                     break
             time.sleep(0.2)

@@ -13,8 +13,8 @@ import pytest
 
 from numa_engram.errors import CheckpointError, LookupIdError, StorageError, TopologyError
 from numa_engram.model.ple import PLESpec
-from numa_engram.sharing.plecheckpoint import synthetic_scale, write_ple_checkpoint
 from numa_engram.sharing.pletable import SharedPLETable
+from numa_engram.sharing.synthetic import synthetic_scale, write_ple_checkpoint
 
 from . import ple_scenarios
 from .dist_harness import run_world
@@ -167,7 +167,7 @@ def test_the_service_serves_a_ple_model_and_an_engine_attaches(ple_model, tmp_pa
     the checkpoint's; a second service start adopts the stored descriptors
     by their names, which differ per row range."""
     from numa_engram.runtime.plemodeldir import PLEModelDirectory
-    from numa_engram.service.holder import TableService
+    from numa_engram.service.tableservice import TableService
 
     model = PLEModelDirectory.open(ple_model)
     assert model.spec == SPEC

@@ -12,7 +12,7 @@ from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 from numa_engram.errors import LookupIdError
 from numa_engram.lookup.prefetch import PrefetchError, PrefetchScheduler
 from numa_engram.model.hashing import ngram_hashes
-from numa_engram.sharing.checkpoint import write_synthetic_checkpoint
+from numa_engram.sharing.synthetic import write_synthetic_checkpoint
 
 
 class Recorder:

@@ -5,7 +5,7 @@ import signal
 
 import pytest
 
-from numa_engram.sharing.checkpoint import write_synthetic_checkpoint
+from numa_engram.sharing.synthetic import write_synthetic_checkpoint
 from numa_engram.store.gc import gc_stale_files
 
 from . import dist_scenarios as scenarios

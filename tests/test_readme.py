@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from numa_engram import EngramSpec
-from numa_engram.sharing.checkpoint import write_synthetic_checkpoint
+from numa_engram.sharing.synthetic import write_synthetic_checkpoint
 
 from .dist_harness import free_port
 

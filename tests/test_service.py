@@ -25,8 +25,8 @@ from numa_engram import (
     write_synthetic_model,
 )
 from numa_engram.errors import StorageError
-from numa_engram.store import handoff
-from numa_engram.store.handoff import ServiceRefusal
+from numa_engram.store import serviceclient
+from numa_engram.store.serviceclient import ServiceRefusal
 
 pytest.importorskip("tokenizers", reason="the 'tokenizers' extra is not installed")
 pytestmark = pytest.mark.multiproc
@@ -74,7 +74,7 @@ def _wait_ready(path, proc, timeout_s=120):
             raise AssertionError(f"the service exited: {proc.stderr.read()[-3000:]}")
         if os.path.exists(path):
             try:
-                doc = handoff.status(path)
+                doc = serviceclient.status(path)
                 if doc["ready"]:
                     return doc
             except Exception:
@@ -151,7 +151,7 @@ def _table_bytes(doc):
 def test_engines_of_separate_launches_share_one_sealed_copy_and_survive_restarts(
         service, model_dir):
     proc, sock = service
-    doc = handoff.status(sock)
+    doc = serviceclient.status(sock)
     assert all(t["sealed"] and t["state"] == "ready" for t in doc["tables"])
     assert len(doc["tables"]) == len(SPEC.layer_ids) * TP
     want = _reference_digest(model_dir)
@@ -167,7 +167,7 @@ def test_engines_of_separate_launches_share_one_sealed_copy_and_survive_restarts
         a.wait()
         a, _ = _engine(sock)
         assert _rows(a)["digest"] == want
-        assert sum(t["attaches"] for t in handoff.status(sock)["tables"]) == 6
+        assert sum(t["attaches"] for t in serviceclient.status(sock)["tables"]) == 6
         proc.kill()  # the service dies: the engines keep reading their mappings
         proc.wait()
         assert _rows(a)["digest"] == _rows(b)["digest"] == want
@@ -201,7 +201,7 @@ def _as_nobody(sock):
         try:
             os.setgid(65534)
             os.setuid(65534)
-            answer, _, _ = handoff.ask(sock, {"op": "status"})
+            answer, _, _ = serviceclient.ask(sock, {"op": "status"})
             os.write(write, str(answer.get("reason", "answered")).encode())
         except BaseException as exc:
             os.write(write, f"error {exc}".encode())
@@ -244,7 +244,7 @@ def test_garbage_and_stalled_clients_block_nobody(service):
     assert b"bad_request" in answer
     flood = socket.socket(socket.AF_UNIX)
     flood.connect(sock)
-    flood.sendall(b"x" * (handoff.MAX_REQUEST + 10))
+    flood.sendall(b"x" * (serviceclient.MAX_REQUEST + 10))
     assert b"longer than" in flood.recv(4096)
     shard = shard_heads(SPEC.bucket_sizes(14), TP, 1)
     results, started = [], time.monotonic()
@@ -286,7 +286,7 @@ def test_a_table_still_loading_answers_not_ready_with_progress(model_dir, tmp_pa
         while not os.path.exists(sock) and time.monotonic() < deadline:
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             time.sleep(0.05)
-        doc = handoff.status(sock)
+        doc = serviceclient.status(sock)
         assert not doc["ready"] and doc["tables"][0]["state"] == "loading"
         with pytest.raises(ServiceRefusal, match="the table is loading") as exc:
             SharedEngramTable.attach(SPEC, 1, shard_heads(SPEC.bucket_sizes(1), TP, 0),
@@ -336,7 +336,7 @@ def test_auto_waits_for_a_service_still_loading_a_later_layer(model_dir, tmp_pat
         while time.monotonic() < deadline:
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             try:
-                states = [t["state"] for t in handoff.status(sock)["tables"]]
+                states = [t["state"] for t in serviceclient.status(sock)["tables"]]
             except Exception:
                 states = []
             if states and states[0] == "ready":

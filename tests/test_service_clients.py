@@ -17,8 +17,8 @@ import pytest
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads, write_synthetic_model
 from numa_engram.errors import StorageError
-from numa_engram.service.holder import CLIENT_TIMEOUT_S
-from numa_engram.store import handoff
+from numa_engram.service.tableservice import CLIENT_TIMEOUT_S
+from numa_engram.store import serviceclient
 
 pytestmark = pytest.mark.multiproc
 
@@ -44,7 +44,7 @@ def service(tmp_path_factory):
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             assert time.monotonic() < deadline, "the service did not get ready"
             try:
-                if handoff.status(sock)["ready"]:
+                if serviceclient.status(sock)["ready"]:
                     break
             except (StorageError, OSError):
                 pass
@@ -98,7 +98,7 @@ def test_an_idle_flood_past_the_descriptor_limit_starves_nobody(service):
         assert busy < 0.15, f"the service spent {busy:.0%} of a CPU with idle clients"
         for _ in range(3):
             started = time.monotonic()
-            assert handoff.status(sock, timeout_s=1.0)["ready"]
+            assert serviceclient.status(sock, timeout_s=1.0)["ready"]
             assert time.monotonic() - started < 1.0
         layer = SPEC.layer_ids[0]
         with SharedEngramTable.attach(SPEC, layer, shard_heads(SPEC.bucket_sizes(layer), 1, 0),

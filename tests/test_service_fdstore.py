@@ -14,7 +14,7 @@ import pytest
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads, write_synthetic_model
 from numa_engram.runtime.modeldir import ModelDirectory
-from numa_engram.service.holder import TableService
+from numa_engram.service.tableservice import TableService
 
 SPEC = EngramSpec.small(rows_per_head=300, n_head_per_ngram=2, head_dim=64, max_ngram_size=3)
 

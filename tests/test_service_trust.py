@@ -21,10 +21,10 @@ import torch
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads, write_synthetic_model
 from numa_engram.errors import StorageError
 from numa_engram.runtime.modeldir import ModelDirectory
-from numa_engram.service import holder
-from numa_engram.service.holder import TableService
-from numa_engram.store import handoff
-from numa_engram.store.handoff import ServiceRefusal, ServiceTrust
+from numa_engram.service import tableservice
+from numa_engram.service.tableservice import TableService
+from numa_engram.store import serviceclient
+from numa_engram.store.serviceclient import ServiceRefusal, ServiceTrust
 
 SPEC = EngramSpec.small(rows_per_head=500, n_head_per_ngram=2, head_dim=64, max_ngram_size=3)
 LAYER = SPEC.layer_ids[0]
@@ -63,7 +63,7 @@ def _wait_ready(sock, pid, timeout_s=120):
         if os.waitpid(pid, os.WNOHANG)[0]:
             raise AssertionError("the service exited")
         try:
-            if handoff.status(sock)["ready"]:
+            if serviceclient.status(sock)["ready"]:
                 return
         except (StorageError, OSError):
             pass
@@ -116,11 +116,11 @@ def test_a_service_of_another_uid_is_refused_unless_the_operator_names_it(
                                       service_uids=[NOBODY]) as t:
             assert torch.equal(t.lookup(ids).view(torch.int16),
                                _reference(model, ids).view(torch.int16))
-        os.environ[handoff.UIDS_ENV] = str(NOBODY)  # the operator's allowance, by environment
+        os.environ[serviceclient.UIDS_ENV] = str(NOBODY)  # the operator's allowance, by environment
         try:
             SharedEngramTable.attach(SPEC, LAYER, SHARD, service=sock).close()
         finally:
-            del os.environ[handoff.UIDS_ENV]
+            del os.environ[serviceclient.UIDS_ENV]
     finally:
         os.close(running)
         _, status = os.waitpid(pid, 0)
@@ -138,8 +138,8 @@ def in_process_service(world_readable_model, tmp_path):
 
 
 def test_a_sealed_descriptor_reopened_read_write_cannot_change_the_table(in_process_service):
-    request = handoff.TableRequest(SPEC.fingerprint, in_process_service.tables[0].key, 4096)
-    fd, _, _ = handoff.fetch(in_process_service.socket_path, request)
+    request = serviceclient.TableRequest(SPEC.fingerprint, in_process_service.tables[0].key, 4096)
+    fd, _, _ = serviceclient.fetch(in_process_service.socket_path, request)
     try:
         rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # the attack: a writable reopen
         try:
@@ -165,12 +165,13 @@ def test_a_sealed_descriptor_reopened_read_write_cannot_change_the_table(in_proc
 def test_a_service_never_hands_out_a_table_the_kernel_would_not_seal(
         world_readable_model, tmp_path, monkeypatch):
     _, model = world_readable_model
-    monkeypatch.setattr(holder, "seal_contents", lambda fd: False)  # as a pre-4.16 hugetlb memfd
+    # as a pre-4.16 hugetlb memfd
+    monkeypatch.setattr(tableservice, "seal_contents", lambda fd: False)
     service = TableService(ModelDirectory.open(model), str(tmp_path / "engram.sock"))
     service.start()
     try:
         service.load_all()
-        table = handoff.status(service.socket_path)["tables"][0]
+        table = serviceclient.status(service.socket_path)["tables"][0]
         assert table["state"] == "ready" and not table["sealed"]
         assert table["handout"].startswith("refused")
         with pytest.raises(ServiceRefusal, match="would not seal") as err:
@@ -193,8 +194,8 @@ def _hand_out(sock_path, fd, stop):
         except TimeoutError:
             continue
         with conn:
-            handoff.read_request(conn, 5.0)
-            handoff.send_answer(conn, {"ok": True, "table": {}}, fd)
+            serviceclient.read_request(conn, 5.0)
+            serviceclient.send_answer(conn, {"ok": True, "table": {}}, fd)
     listener.close()
 
 
@@ -227,10 +228,10 @@ def test_an_unsealed_descriptor_is_refused_unless_the_operator_allows_it(tmp_pat
 def test_trust_settings_are_checked():
     with pytest.raises(ValueError, match="service_uids must be non-negative integers"):
         ServiceTrust.of([-1])
-    os.environ[handoff.UIDS_ENV] = "12,x"
+    os.environ[serviceclient.UIDS_ENV] = "12,x"
     try:
         with pytest.raises(ValueError, match="comma-separated numeric uids"):
             ServiceTrust.of()
     finally:
-        del os.environ[handoff.UIDS_ENV]
+        del os.environ[serviceclient.UIDS_ENV]
     assert ServiceTrust.of([5], True) == ServiceTrust((5,), True)

@@ -7,7 +7,7 @@ import pytest
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 from numa_engram.errors import SpecMismatchError, StorageError, TopologyError
-from numa_engram.sharing.checkpoint import synthetic_layer, write_synthetic_checkpoint
+from numa_engram.sharing.synthetic import synthetic_layer, write_synthetic_checkpoint
 from numa_engram.store.gc import gc_stale_files
 
 from . import dist_scenarios as scenarios

@@ -15,7 +15,7 @@ from numa_engram.errors import (
     SpecMismatchError,
     StorageError,
 )
-from numa_engram.sharing.checkpoint import write_synthetic_checkpoint
+from numa_engram.sharing.synthetic import write_synthetic_checkpoint
 from numa_engram.store.fileformat import Layout
 from numa_engram.store.storage import BackingFile
 
@@ -322,7 +322,7 @@ def test_register_device_without_a_gpu_fails_at_join_before_anything_exists():
 
 def test_misused_arguments_are_library_errors_naming_what_to_pass():
     from numa_engram.errors import SpecError
-    from numa_engram.sharing.exchange import DPShardedLookup
+    from numa_engram.sharing.dpsharded import DPShardedLookup
 
     spec = EngramSpec.small()
     shard = shard_heads(spec.bucket_sizes(1), 1, 0)

@@ -107,7 +107,7 @@ def test_vllms_pinned_embedding_holds_its_rows_in_our_table(vllm, model_dir, pag
 @pytest.fixture
 def service(model_dir, tmp_path):
     from numa_engram.runtime.plemodeldir import PLEModelDirectory
-    from numa_engram.service.holder import TableService
+    from numa_engram.service.tableservice import TableService
 
     held = TableService(PLEModelDirectory.open(model_dir), str(tmp_path / "engram.sock"), tp=1)
     held.start()

@@ -199,7 +199,7 @@ def test_tp2_dp2_dp_shared_tables_give_vllms_rows_with_one_copy(vllm, model_dir,
 @pytest.fixture
 def service(model_dir, tmp_path):
     from numa_engram.runtime.modeldir import ModelDirectory
-    from numa_engram.service.holder import TableService
+    from numa_engram.service.tableservice import TableService
 
     held = TableService(ModelDirectory.open(model_dir), str(tmp_path / "engram.sock"), tp=1)
     held.start()

@@ -808,7 +808,7 @@ def _restart_times(gib: float) -> tuple[int, float, float, tuple[float, float] |
     import sys
 
     from numa_engram import SharedEngramTable, shard_heads
-    from numa_engram.store import handoff
+    from numa_engram.store import serviceclient
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DISK_DIR", "/tmp")) as d:
         model = os.path.join(d, "model")
@@ -824,7 +824,7 @@ def _restart_times(gib: float) -> tuple[int, float, float, tuple[float, float] |
                                  "--socket", sock], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)
         try:
-            while not (os.path.exists(sock) and handoff.status(sock)["ready"]):
+            while not (os.path.exists(sock) and serviceclient.status(sock)["ready"]):
                 if proc.poll() is not None:
                     raise SystemExit(f"the service exited: {proc.stderr.read()[-2000:]}")
                 time.sleep(0.1)
@@ -878,7 +878,7 @@ def _dp_member(rank: int, world: int, port: int, table_gib: float, slots: tuple[
     import torch.distributed as dist
 
     from numa_engram import EngramSpec, SharedEngramTable
-    from numa_engram.sharing.exchange import DPShardedLookup, ShardedHeads
+    from numa_engram.sharing.dpsharded import DPShardedLookup, ShardedHeads
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     per_head = max(1000, int(table_gib * 2**30) // 264 // 24)

@@ -310,7 +310,7 @@ def plugin_check(cache: str | None) -> dict:
     from numa_engram.host.hugepages import pool_pages
     from numa_engram.integrations.vllm import patch
     from numa_engram.runtime.modeldir import ModelDirectory
-    from numa_engram.service.holder import TableService
+    from numa_engram.service.tableservice import TableService
     from tests import vllm_harness as harness
 
     root, why = harness.wheel_sources()

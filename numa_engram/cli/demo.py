@@ -124,7 +124,7 @@ def _replica(rank: int, procs: int, port: int, model_dir: str, directory: str, p
     import torch.distributed as dist
 
     from ..host.procfs import smaps
-    from ..runtime.engine import EngramRuntime
+    from ..runtime.engramruntime import EngramRuntime
 
     result: dict = {"rank": rank}
     try:

@@ -17,7 +17,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..runtime.modeldir import ModelDirectory
     from ..runtime.plemodeldir import PLEModelDirectory
     from ..service import systemd
-    from ..service.holder import TableService
+    from ..service.tableservice import TableService
 
     model: ModelDirectory | PLEModelDirectory
     if _has_ple_config(args.model_dir):
@@ -47,9 +47,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     """What a table service holds: each table's state, load progress,
     bytes per node, attaches and startup phases.  Exit 0 when every table
     is ready, 1 while some are not (a readiness probe), 2 without a service."""
-    from ..store import handoff
+    from ..store import serviceclient
 
-    doc = handoff.status(args.socket)
+    doc = serviceclient.status(args.socket)
     emit(args, doc, status_text(doc))
     return READY if doc.get("ready") else NOT_READY
 

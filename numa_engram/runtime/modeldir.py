@@ -199,7 +199,7 @@ def write_synthetic_model(path: str | os.PathLike, spec: EngramSpec, *, seed: in
     when ``image_token``), then ``aliases`` ids that share compressed ids.
     ``raw``: random bytes streamed into one file without torch (for tables
     of many GiB), instead of quantised normals."""
-    from ..sharing.checkpoint import write_raw_checkpoint, write_synthetic_checkpoint
+    from ..sharing.synthetic import write_raw_checkpoint, write_synthetic_checkpoint
 
     if spec.seed != 0 or spec.block != V41_BLOCK:
         raise SpecError(f"a model directory's config carries neither the hash seed nor the "

@@ -1,3 +1,4 @@
 """The table service: one holder per host that loads each table once and
-hands out sealed descriptors (``holder``), and the systemd notify and fd
-store protocol it speaks (``systemd``)."""
+hands out sealed descriptors (``tableservice``), its socket
+(``listener``), and the systemd notify and fd store protocol it speaks
+(``systemd``)."""

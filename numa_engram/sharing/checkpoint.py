@@ -1,6 +1,6 @@
 """Read a layer's row range of FP8 weights and ue8m0 scales from safetensors
-files straight into a caller-given buffer (the mapped table), and write small
-synthetic checkpoints in the same layout.
+files straight into a caller-given buffer (the mapped table).  (Synthetic
+checkpoints in the same layout: ``sharing.synthetic``.)
 
 A layer's tensors are resolved once (``resolve``: files, names, dtypes,
 shapes and offsets, every header entry checked against its file) into a
@@ -446,81 +446,3 @@ def _pread_rows(fd: int, loc: TensorLocation, a: int, b: int, out: np.ndarray) -
             raise CheckpointError(f"{loc.path} ends inside {loc.name} (rows {a}..{b}): "
                                   "truncated checkpoint")
         got += n
-
-
-def synthetic_layer(spec: EngramSpec, layer_id: int, seed: int = 0,
-                    raw: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Deterministic FP8 rows for one layer (quantised normals, or raw bytes)."""
-    from ..model.fp8 import random_rows
-
-    return random_rows(spec.rows(layer_id), spec.head_dim, seed=seed * 1000 + layer_id,
-                       block=spec.block, raw=raw)
-
-
-def write_synthetic_checkpoint(path: str | os.PathLike, spec: EngramSpec, *, seed: int = 0,
-                               raw: bool = False, names: TensorNames = DEFAULT_NAMES,
-                               layers: Sequence[int] | None = None,
-                               shards: int = 1) -> Path:
-    """Every layer's weights (float8_e4m3fn) and scales (float8_e8m0fnu), as
-    the real checkpoints store them, with the spec in the metadata.
-    ``shards=1``: one safetensors file at ``path``; more: a directory
-    ``path`` of that many files and a model.safetensors.index.json, as
-    sharded Hugging Face checkpoints ship (each tensor in one file)."""
-    import torch
-    from safetensors.torch import save_file
-
-    tensors = {}
-    for layer in layers or spec.layer_ids:
-        w, s = synthetic_layer(spec, layer, seed, raw)
-        w_name, s_name = names.of(layer)
-        tensors[w_name] = torch.from_numpy(w).view(torch.float8_e4m3fn)
-        tensors[s_name] = torch.from_numpy(s).view(torch.float8_e8m0fnu)
-    metadata = {"engram_spec": json.dumps(spec.to_dict())}
-    if shards == 1:
-        save_file(tensors, str(path), metadata=metadata)
-        return Path(path)
-    root = Path(path)
-    root.mkdir(parents=True, exist_ok=True)
-    weight_map = {}
-    for i in range(shards):
-        part = {n: t for j, (n, t) in enumerate(sorted(tensors.items())) if j % shards == i}
-        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        save_file(part, str(root / name), metadata=metadata)
-        weight_map.update({n: name for n in part})
-    (root / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return root
-
-
-RAW_CHUNK = 64 << 20  # bytes written at a time by the streaming writer
-
-
-def write_raw_checkpoint(path: str | os.PathLike, spec: EngramSpec, *, seed: int = 0,
-                         layers: Sequence[int] | None = None) -> Path:
-    """Every layer's tensors as one safetensors file of random FP8 bytes and
-    normal ue8m0 scales (110..134), written in chunks: no torch, and never
-    a whole tensor in memory (tables of many GiB, the NUMA guests)."""
-    tensors: list[tuple[str, str, list[int]]] = []
-    for layer in layers or spec.layer_ids:
-        w_name, s_name = DEFAULT_NAMES.of(layer)
-        tensors += [(w_name, "F8_E4M3", [spec.rows(layer), spec.head_dim]),
-                    (s_name, "F8_E8M0", [spec.rows(layer), spec.scales_per_row])]
-    header: dict[str, Any] = {"__metadata__": {"engram_spec": json.dumps(spec.to_dict())}}
-    offset = 0
-    for name, dtype, shape in tensors:
-        header[name] = {"dtype": dtype, "shape": shape,
-                        "data_offsets": [offset, offset + shape[0] * shape[1]]}
-        offset += shape[0] * shape[1]
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    rng = np.random.default_rng(seed)
-    with open(path, "wb") as fh:
-        fh.write(len(text).to_bytes(8, "little") + text)
-        for _, dtype, shape in tensors:
-            left = shape[0] * shape[1]
-            while left:
-                chunk = rng.integers(0, 256, min(left, RAW_CHUNK), dtype=np.uint8)
-                if dtype == "F8_E8M0":
-                    chunk = 110 + chunk % 25
-                fh.write(chunk.tobytes())
-                left -= len(chunk)
-    return Path(path)

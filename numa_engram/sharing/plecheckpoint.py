@@ -2,17 +2,15 @@
 into ``split_ngram_parts`` row ranges (``...ngram_embedding.shard_{i}.weight``,
 part i holding ``PLESpec.part_rows``) and, for FP8, one fp32
 ``...ngram_embedding.weight_scale``; vLLM's loader copies the parts into
-each rank's row range by overlap, and so does ``load_ple_rows``.  Also a
-synthetic writer that streams random bytes at any size."""
+each rank's row range by overlap, and so does ``load_ple_rows``.  (The
+synthetic writer: ``sharing.synthetic``.)"""
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -149,46 +147,3 @@ def load_ple_rows(plan: PLECheckpointPlan, spec: PLESpec, row_start: int, row_en
     finally:
         for fd in fds.values():
             os.close(fd)
-
-
-def synthetic_scale(spec: PLESpec, layer_id: int) -> float:
-    """The per-tensor scale the synthetic writer stores for a layer."""
-    return float(np.float32(0.0123 * (1 + spec.dense_index(layer_id))))
-
-
-def write_ple_checkpoint(path: str | os.PathLike, spec: PLESpec, *, seed: int = 0,
-                         layers: Sequence[int] | None = None) -> Path:
-    """The layers' parts (random bytes: every FP8 byte, NaNs included) and
-    scales as one safetensors file under vLLM's names, streamed in chunks:
-    never a whole part in memory, any size."""
-    tensors: list[tuple[str, str, list[int], int]] = []
-    dtype = "F8_E4M3" if spec.dtype == "float8_e4m3fn" else "BF16"
-    for layer in layers or spec.layer_ids:
-        prefix = "model." + PREFIX.format(index=layer - 1)
-        for part in range(spec.split_ngram_parts):
-            a, b = spec.part_rows(layer, part)
-            tensors.append((f"{prefix}shard_{part}.weight", dtype, [b - a, spec.head_dim],
-                            (b - a) * spec.row_bytes))
-        if spec.dtype == "float8_e4m3fn":
-            tensors.append((f"{prefix}weight_scale", "F32", [], 4))
-    header: dict[str, Any] = {"__metadata__": {"ple_spec": json.dumps(spec.to_dict())}}
-    offset = 0
-    for name, dt, shape, size in tensors:
-        header[name] = {"dtype": dt, "shape": shape, "data_offsets": [offset, offset + size]}
-        offset += size
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    rng = np.random.default_rng(seed)
-    with open(path, "wb") as fh:
-        fh.write(len(text).to_bytes(8, "little") + text)
-        for name, dt, _, size in tensors:
-            if dt == "F32":
-                layer = int(name.split("layers.")[1].split(".")[0]) + 1
-                fh.write(struct.pack("<f", synthetic_scale(spec, layer)))
-                continue
-            left = size
-            while left:
-                chunk = rng.integers(0, 256, min(left, RAW_CHUNK), dtype=np.uint8)
-                fh.write(chunk.tobytes())
-                left -= len(chunk)
-    return Path(path)

@@ -32,7 +32,7 @@ from ..lookup.cpu import default_lookup_threads
 from ..lookup.ple import PLERows
 from ..model.ple import PLESpec
 from ..model.sharding import ShardInfo
-from ..store import handoff
+from ..store import serviceclient
 from ..store.fileformat import STATE_READY
 from ..store.placement import PlacementPlan, PlacementReport, verify
 from ..store.storage import BackingFile
@@ -133,10 +133,10 @@ class SharedPLETable:
         under the same rules as for Engram tables (``SharedEngramTable.attach``)."""
         shard = spec.shard(layer_id, etp_rank, etp_size)
         here = current_node(Topology.detect()) if node is None else node
-        request = handoff.TableRequest(spec.fingerprint, shard_key(layer_id, shard),
+        request = serviceclient.TableRequest(spec.fingerprint, shard_key(layer_id, shard),
                                        parse_page_size(page_size), here)
-        trust = handoff.ServiceTrust.of(service_uids, allow_unsealed)
-        fd, _, uid = handoff.fetch(service, request, timeout_s, trust)
+        trust = serviceclient.ServiceTrust.of(service_uids, allow_unsealed)
+        fd, _, uid = serviceclient.fetch(service, request, timeout_s, trust)
         try:
             backing = BackingFile.attach(fd=fd, fingerprint=spec.fingerprint,
                                          key=shard_key(layer_id, shard), owner_uid=uid,

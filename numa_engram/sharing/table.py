@@ -44,7 +44,7 @@ from ..lookup.outputs import (
 )
 from ..model.sharding import ShardInfo, prefix_offsets
 from ..model.spec import EngramSpec
-from ..store import handoff
+from ..store import serviceclient
 from ..store.fileformat import STATE_READY
 from ..store.placement import PlacementPlan, PlacementReport, verify
 from ..store.storage import BackingFile
@@ -262,7 +262,7 @@ class SharedEngramTable:
         here = current_node(Topology.detect())  # read once: the service's copy and our record
         received, owner_uid, mode = None, None, "attached"
         if service is not None:
-            trust = handoff.ServiceTrust.of(service_uids, allow_unsealed)
+            trust = serviceclient.ServiceTrust.of(service_uids, allow_unsealed)
             received, owner_uid = _from_service(spec, layer_id, shard, service,
                                                 here if node is None else node, page_size,
                                                 timeout_s, trust)
@@ -720,11 +720,11 @@ __all__ = ["CREATE_MODES", "ModeReport", "SharedEngramTable", "TableStats", "tab
 
 def _from_service(spec: EngramSpec, layer_id: int, shard: ShardInfo, service: str,
                   node: int, page_size: PageSize | int, timeout_s: float,
-                  trust: handoff.ServiceTrust) -> tuple[int, int]:
+                  trust: serviceclient.ServiceTrust) -> tuple[int, int]:
     """(the descriptor the table service hands over, the service's uid)."""
     from ..host.hugepages import parse_page_size
 
-    request = handoff.TableRequest(spec.fingerprint, shard_key(layer_id, shard),
+    request = serviceclient.TableRequest(spec.fingerprint, shard_key(layer_id, shard),
                                    parse_page_size(page_size), node)
-    fd, _, uid = handoff.fetch(service, request, timeout_s, trust)
+    fd, _, uid = serviceclient.fetch(service, request, timeout_s, trust)
     return fd, uid

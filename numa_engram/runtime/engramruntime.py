@@ -38,7 +38,7 @@ from ..lookup.prefetch import PrefetchScheduler
 from ..model.hashstate import HashState
 from ..model.sharding import shard_heads
 from ..model.spec import EngramSpec
-from ..sharing.exchange import DPShardedLookup, ShardedHeads
+from ..sharing.dpsharded import DPShardedLookup, ShardedHeads
 from ..sharing.group import Group, as_group, sharing_groups
 from ..sharing.table import SharedEngramTable
 from .modeldir import ModelDirectory
@@ -523,7 +523,7 @@ def _service_holds(path: str, model: ModelDirectory, tp: TPGroup, page_size: Pag
     the engine) is waited for, up to ``timeout_s``, its progress logged; one
     that lacks a shard, failed one, or is not trusted is not used."""
     from ..host.hugepages import parse_page_size
-    from ..store import handoff
+    from ..store import serviceclient
 
     if not os.path.exists(path):
         return False
@@ -532,7 +532,7 @@ def _service_holds(path: str, model: ModelDirectory, tp: TPGroup, page_size: Pag
     deadline, said = time.monotonic() + timeout_s, 0.0
     while True:
         try:
-            doc = handoff.status(path, trust=handoff.ServiceTrust.of())
+            doc = serviceclient.status(path, trust=serviceclient.ServiceTrust.of())
         except StorageError as exc:
             log.warning("Engram runtime: not using the table service at %s: %s", path, exc)
             return False

@@ -49,7 +49,7 @@ from ..runtime.plemodeldir import PLEModelDirectory
 from ..sharing.pletable import SharedPLETable
 from ..sharing.request import shard_key, table_layout
 from ..sharing.table import SharedEngramTable
-from ..store import handoff
+from ..store import serviceclient
 from ..store.fileformat import STATE_READY, ShardKey
 from ..store.storage import BackingFile, read_only_descriptor, seal_contents
 from . import systemd
@@ -305,29 +305,29 @@ class TableService:
     # --------------------------------------------------------- answers --
     def _answer(self, sock: socket.socket) -> None:
         sock.settimeout(CLIENT_TIMEOUT_S)  # an answer the client does not read is dropped too
-        pid, uid, gid = handoff.peer_uid(sock)
+        pid, uid, gid = serviceclient.peer_uid(sock)
         try:
             if not self._allowed(pid, uid, gid):
                 log.warning("table service: refused pid %d uid %d (not uid %d%s)", pid, uid,
                             os.geteuid(), "" if self.gid is None else f" or group {self.gid}")
-                handoff.send_answer(sock, _refusal("refused", f"uid {uid} may not attach"))
+                serviceclient.send_answer(sock, _refusal("refused", f"uid {uid} may not attach"))
                 return
             try:
-                doc = handoff.read_request(sock, CLIENT_TIMEOUT_S)
+                doc = serviceclient.read_request(sock, CLIENT_TIMEOUT_S)
             except (ValueError, OSError) as exc:
-                handoff.send_answer(sock, _refusal("bad_request", str(exc)[:200]))
+                serviceclient.send_answer(sock, _refusal("bad_request", str(exc)[:200]))
                 return
             sock.settimeout(CLIENT_TIMEOUT_S)
-            if doc.get("op") not in handoff.OPS:
-                handoff.send_answer(sock, _refusal(
+            if doc.get("op") not in serviceclient.OPS:
+                serviceclient.send_answer(sock, _refusal(
                     "bad_request", f"unknown op {str(doc.get('op'))[:40]!r}; the ops are "
-                    f"{', '.join(handoff.OPS)}"))
+                    f"{', '.join(serviceclient.OPS)}"))
                 return
             if doc.get("op") == "status":
-                handoff.send_answer(sock, self.status())
+                serviceclient.send_answer(sock, self.status())
                 return
             answer, fd = self._attach_answer(doc)
-            handoff.send_answer(sock, answer, fd)
+            serviceclient.send_answer(sock, answer, fd)
         except OSError:
             pass  # the client went away: only its own connection ends
 
@@ -340,7 +340,7 @@ class TableService:
 
     def _attach_answer(self, doc: dict) -> tuple[dict, int | None]:
         try:
-            req = handoff.TableRequest.from_dict(doc)
+            req = serviceclient.TableRequest.from_dict(doc)
         except (ValueError, TypeError) as exc:
             return _refusal("bad_request", str(exc)), None
         table, why = self._find(req)
@@ -361,7 +361,7 @@ class TableService:
             table.attaches += 1
         return {"ok": True, "table": table.describe()}, table.read_only_fd
 
-    def _find(self, req: handoff.TableRequest) -> tuple[HeldTable | None, dict]:
+    def _find(self, req: serviceclient.TableRequest) -> tuple[HeldTable | None, dict]:
         same_key = [t for t in self.tables if t.key == req.key]
         if not same_key:
             return None, _refusal("no_such_table", f"no table holds {req.key}; this service "
