@@ -15,26 +15,21 @@ import sys
 import threading
 
 from ..errors import NumaEngramError
-from ..literals import DEFAULT_DIRECTORY, SHARING_MODES
-from .args import (
-    POLICY_HELP,
-    non_negative_int,
-    non_negative_seconds,
-    page_size_arg,
-    parse_size,
-    positive_int,
-    register_rates,
-    simulate_arg,
+from . import bench, create, demo, gc, mem, plan, serve, topo, verify
+
+# each command: its name, function, one-line help and its module's arguments
+COMMANDS = (
+    ("topo", topo.cmd_topo, topo.HELP, topo.add_arguments),
+    ("create", create.cmd_create, create.HELP, create.add_arguments),
+    ("verify", verify.cmd_verify, verify.HELP, verify.add_arguments),
+    ("mem", mem.cmd_mem, mem.HELP, mem.add_arguments),
+    ("plan", plan.cmd_plan, plan.HELP, plan.add_arguments),
+    ("bench", bench.cmd_bench, bench.HELP, bench.add_arguments),
+    ("demo", demo.cmd_demo, demo.HELP, demo.add_arguments),
+    ("serve", serve.cmd_serve, serve.HELP, serve.add_arguments),
+    ("status", serve.cmd_status, serve.STATUS_HELP, serve.add_status_arguments),
+    ("gc", gc.cmd_gc, gc.HELP, gc.add_arguments),
 )
-from .bench import cmd_bench
-from .create import cmd_create
-from .demo import cmd_demo
-from .gc import cmd_gc
-from .mem import cmd_mem
-from .plan import cmd_plan
-from .serve import cmd_serve, cmd_status
-from .topo import cmd_topo
-from .verify import cmd_verify
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,106 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(func=func)
         return sp
 
-    sp = add("topo", cmd_topo, "NUMA nodes, cpus, memory, distances and GPUs")
-    sp.add_argument("--simulate", type=simulate_arg,
-                    help="'2x4' (sockets x GPUs per socket) or a topology JSON file")
-    sp = add("create", cmd_create, "create, place, populate and verify a table file")
-    sp.add_argument("--size", type=parse_size, default="64M",
-                    help="bytes, with K, M, G or T")
-    sp.add_argument("--regions", type=positive_int, default=2,
-                    help="equal regions, region i read from node i mod nodes")
-    sp.add_argument("--policy", default="gpu-local", help=POLICY_HELP)
-    sp.add_argument("--directory", default=DEFAULT_DIRECTORY,
-                    help="a tmpfs, or a hugetlbfs mount for --page-size 2M/1G (the default "
-                         "then means: the mount of that page size found in /proc/self/mounts)")
-    sp.add_argument("--page-size", type=page_size_arg, default="4K",
-                    help="4K (shmem), 2M or 1G (hugetlb: needs a reserved pool per node)")
-    sp.add_argument("--threads", type=positive_int, default=1,
-                    help="threads populating huge pages")
-    sp.add_argument("--hold", type=non_negative_seconds, default=0,
-                    help="seconds to keep it before removing")
-    sp = add("verify", cmd_verify, "report where a table's pages are (every live table, a "
-             "file, or a process's)")
-    sp.add_argument("path", nargs="?", help="a table file (none: every table a live process "
-                    "holds, each once)")
-    sp.add_argument("--pid", type=positive_int, help="every table this process holds")
-    sp = add("mem", cmd_mem, "PSS/RSS per process and Shmem per node")
-    sp.add_argument("pids", nargs="*", type=positive_int,
-                    help="processes (none given: every process that maps a table, and those "
-                    "whose command line has --match)")
-    sp.add_argument("--match", default="",
-                    help="also pick pids by command line (e.g. 'vllm serve')")
-    sp.add_argument("--file-match", default="numa-engram-",
-                    help="mappings counted per node")
-    sp.add_argument("--directory", default=DEFAULT_DIRECTORY, help="the tmpfs")
-    sp = add("plan", cmd_plan, "what one host of a deployment needs: bytes per node, copies, "
-             "remote reads, page tables, capacity (exit 1 when it does not fit)")
-    sp.add_argument("--spec", default="v4-flash",
-                    help="demo, v4-flash, small, tiny, a JSON spec or a model's config.json")
-    sp.add_argument("--model", default=None, help="a model directory (its config.json)")
-    sp.add_argument("--page-size", type=page_size_arg, default="4K",
-                    help="4K, 2M or 1G: huge-page pools per node are then planned")
-    sp.add_argument("--read-gbps", type=float, default=2.0,
-                    help="checkpoint read speed for the load time")
-    sp.add_argument("--batch", type=positive_int, default=256,
-                    help="tokens per step for the DP-sharded exchange")
-    sp.add_argument("--register-s-per-gb", type=register_rates, default="4K=0.1",
-                    help="cudaHostRegister seconds per GB per page size, e.g. 4K=0.1,2M=0.01 "
-                    "(4K: vLLM's on an H200); a size not given is reported as not measured")
-    sp.add_argument("--tp", type=positive_int, default=2, help="tensor parallel")
-    sp.add_argument("--dp", type=positive_int, default=4, help="data parallel")
-    sp.add_argument("--gpus-per-host", dest="gpus_per_host", type=non_negative_int, default=0,
-                    help="GPUs per host (0: from the topology)")
-    sp.add_argument("--mode", default="dp_shared", choices=list(SHARING_MODES),
-                    help="who holds rows")
-    sp.add_argument("--policy", default="gpu-local", help=POLICY_HELP)
-    sp.add_argument("--simulate", type=simulate_arg, help="'2x4' or a topology JSON file")
-    sp = add("bench", cmd_bench, "lookup rows/s on a placed table, per reader node")
-    sp.add_argument("--size", type=parse_size, default="1G", help="table bytes")
-    sp.add_argument("--policy", default="node:0", help=POLICY_HELP)
-    sp.add_argument("--tokens", type=positive_int, default=100_000,
-                    help="tokens per lookup")
-    sp.add_argument("--threads", type=positive_int, default=2,
-                    help="lookup threads")
-    sp.add_argument("--repeat", type=positive_int, default=3, help="runs per node")
-    sp.add_argument("--spec", default="v4-flash",
-                    help="row shape from this spec: demo, v4-flash, small, tiny or a JSON file")
-    sp.add_argument("--page-size", type=page_size_arg, default="4K",
-                    help="4K, 2M or 1G (hugetlb: needs a reserved pool)")
-    sp = add("demo", cmd_demo, "serve a model directory through EngramRuntime in DP replicas "
-             "sharing placed tables, rows checked")
-    sp.add_argument("--model", default=None,
-                    help="a model directory (config.json, tokenizer.json, safetensors); "
-                    "default: a synthetic one of --spec")
-    sp.add_argument("--spec", default="small",
-                    help="the synthetic model's spec: demo, small, tiny or a JSON file")
-    sp.add_argument("--procs", type=positive_int, default=2,
-                    help="DP replicas sharing the tables")
-    sp.add_argument("--steps", type=positive_int, default=12,
-                    help="serving steps per replica")
-    sp.add_argument("--policy", default="gpu-local", help=POLICY_HELP)
-    sp.add_argument("--directory", default=DEFAULT_DIRECTORY,
-                    help="a tmpfs directory")
-    sp = add("serve", cmd_serve, "hold a model's tables for this host: load once, seal, hand "
-             "out descriptors to engines on a Unix socket")
-    sp.add_argument("model_dir", help="the model directory (config.json, tokenizer, checkpoint)")
-    sp.add_argument("--socket", required=True, help="the Unix socket engines attach through")
-    sp.add_argument("--tp", type=positive_int, default=1, help="TP shards of each layer")
-    sp.add_argument("--placement", default="interleave",
-                    help=POLICY_HELP + "; replicate-per-node: one copy per node, each client "
-                    "gets its node's")
-    sp.add_argument("--page-size", type=page_size_arg, default="4K", help="4K, 2M or 1G")
-    sp.add_argument("--group", default=None,
-                    help="a group whose members may attach too (else only this uid and root)")
-    sp.add_argument("--load-threads", type=positive_int, default=None,
-                    help="threads per table load (default: one per CPU, at most 8)")
-    sp = add("status", cmd_status, "what a table service holds; exit 0 when ready, 1 if not")
-    sp.add_argument("--socket", required=True, help="the service's socket")
-    sp = add("gc", cmd_gc, "remove table files no live process holds")
-    sp.add_argument("--directory", default=DEFAULT_DIRECTORY, help="where to look")
-    sp.add_argument("--dry-run", action="store_true", help="only say what would be removed")
-    sp.add_argument("--all-users", action="store_true",
-                    help="root only: include other users' files (else only your own)")
+    for name, func, help_text, add_arguments in COMMANDS:
+        add_arguments(add(name, func, help_text))
     return p
 
 

@@ -6,7 +6,16 @@ import argparse
 import time
 
 from ..errors import StorageError
-from .args import emit, load_spec, load_topology, progress_bar
+from .args import (
+    POLICY_HELP,
+    emit,
+    load_spec,
+    load_topology,
+    page_size_arg,
+    parse_size,
+    positive_int,
+    progress_bar,
+)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -64,3 +73,21 @@ def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+HELP = "lookup rows/s on a placed table, per reader node"
+
+
+def add_arguments(sp: argparse.ArgumentParser) -> None:
+    """``numa-engram bench``'s arguments."""
+    sp.add_argument("--size", type=parse_size, default="1G", help="table bytes")
+    sp.add_argument("--policy", default="node:0", help=POLICY_HELP)
+    sp.add_argument("--tokens", type=positive_int, default=100_000,
+                    help="tokens per lookup")
+    sp.add_argument("--threads", type=positive_int, default=2,
+                    help="lookup threads")
+    sp.add_argument("--repeat", type=positive_int, default=3, help="runs per node")
+    sp.add_argument("--spec", default="v4-flash",
+                    help="row shape from this spec: demo, v4-flash, small, tiny or a JSON file")
+    sp.add_argument("--page-size", type=page_size_arg, default="4K",
+                    help="4K, 2M or 1G (hugetlb: needs a reserved pool)")

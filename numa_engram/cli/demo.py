@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..literals import DEFAULT_DIRECTORY
+from .args import POLICY_HELP, positive_int
 
 LAYER_MATCH = "numa-engram-"
 MAX_TOKENS = 256
@@ -264,3 +265,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
                    directory=args.directory, policy=args.policy, steps=args.steps)
     emit(args, doc, doc["text"])
     return 0 if doc["ok"] else 1
+
+
+HELP = ("serve a model directory through EngramRuntime in DP replicas "
+        "sharing placed tables, rows checked")
+
+
+def add_arguments(sp: argparse.ArgumentParser) -> None:
+    """``numa-engram demo``'s arguments."""
+    sp.add_argument("--model", default=None,
+                    help="a model directory (config.json, tokenizer.json, safetensors); "
+                    "default: a synthetic one of --spec")
+    sp.add_argument("--spec", default="small",
+                    help="the synthetic model's spec: demo, small, tiny or a JSON file")
+    sp.add_argument("--procs", type=positive_int, default=2,
+                    help="DP replicas sharing the tables")
+    sp.add_argument("--steps", type=positive_int, default=12,
+                    help="serving steps per replica")
+    sp.add_argument("--policy", default="gpu-local", help=POLICY_HELP)
+    sp.add_argument("--directory", default=DEFAULT_DIRECTORY,
+                    help="a tmpfs directory")

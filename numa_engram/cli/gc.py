@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..literals import DEFAULT_DIRECTORY
 from .args import emit
 
 
@@ -28,3 +29,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
                         for e in entries], left=2, text_last=True)
     emit(args, [vars(e) for e in entries], table if entries else "no numa_engram files")
     return 0
+
+
+HELP = "remove table files no live process holds"
+
+
+def add_arguments(sp: argparse.ArgumentParser) -> None:
+    """``numa-engram gc``'s arguments."""
+    sp.add_argument("--directory", default=DEFAULT_DIRECTORY, help="where to look")
+    sp.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    sp.add_argument("--all-users", action="store_true",
+                    help="root only: include other users' files (else only your own)")

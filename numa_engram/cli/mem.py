@@ -6,7 +6,8 @@ import argparse
 import os
 from typing import Any
 
-from .args import emit
+from ..literals import DEFAULT_DIRECTORY
+from .args import emit, positive_int
 
 
 def cmd_mem(args: argparse.Namespace) -> int:
@@ -62,3 +63,18 @@ def cmd_mem(args: argparse.Namespace) -> int:
     emit(args, {"processes": rows, "node_shmem": shmem, "node_hugetlb": huge,
                 "table_pss_total": table_pss, "tmpfs_used": used, "tmpfs_total": total}, text)
     return 0
+
+
+HELP = "PSS/RSS per process and Shmem per node"
+
+
+def add_arguments(sp: argparse.ArgumentParser) -> None:
+    """``numa-engram mem``'s arguments."""
+    sp.add_argument("pids", nargs="*", type=positive_int,
+                    help="processes (none given: every process that maps a table, and those "
+                    "whose command line has --match)")
+    sp.add_argument("--match", default="",
+                    help="also pick pids by command line (e.g. 'vllm serve')")
+    sp.add_argument("--file-match", default="numa-engram-",
+                    help="mappings counted per node")
+    sp.add_argument("--directory", default=DEFAULT_DIRECTORY, help="the tmpfs")

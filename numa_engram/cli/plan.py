@@ -9,7 +9,17 @@ import os
 
 from ..errors import TopologyError
 from ..literals import DEFAULT_DIRECTORY, SHARING_MODES
-from .args import MAX_PLAN_WORLD, emit, load_topology
+from .args import (
+    MAX_PLAN_WORLD,
+    POLICY_HELP,
+    emit,
+    load_topology,
+    non_negative_int,
+    page_size_arg,
+    positive_int,
+    register_rates,
+    simulate_arg,
+)
 
 
 def plan_spec(args: argparse.Namespace):
@@ -215,3 +225,31 @@ def _operator_numbers(args: argparse.Namespace, d) -> dict:
             "value": register_s, "text": f"cudaHostRegister of a process's "
             f"{fmt_bytes(biggest)}: {register_text}"},
     }
+
+
+HELP = ("what one host of a deployment needs: bytes per node, copies, "
+        "remote reads, page tables, capacity (exit 1 when it does not fit)")
+
+
+def add_arguments(sp: argparse.ArgumentParser) -> None:
+    """``numa-engram plan``'s arguments."""
+    sp.add_argument("--spec", default="v4-flash",
+                    help="demo, v4-flash, small, tiny, a JSON spec or a model's config.json")
+    sp.add_argument("--model", default=None, help="a model directory (its config.json)")
+    sp.add_argument("--page-size", type=page_size_arg, default="4K",
+                    help="4K, 2M or 1G: huge-page pools per node are then planned")
+    sp.add_argument("--read-gbps", type=float, default=2.0,
+                    help="checkpoint read speed for the load time")
+    sp.add_argument("--batch", type=positive_int, default=256,
+                    help="tokens per step for the DP-sharded exchange")
+    sp.add_argument("--register-s-per-gb", type=register_rates, default="4K=0.1",
+                    help="cudaHostRegister seconds per GB per page size, e.g. 4K=0.1,2M=0.01 "
+                    "(4K: vLLM's on an H200); a size not given is reported as not measured")
+    sp.add_argument("--tp", type=positive_int, default=2, help="tensor parallel")
+    sp.add_argument("--dp", type=positive_int, default=4, help="data parallel")
+    sp.add_argument("--gpus-per-host", dest="gpus_per_host", type=non_negative_int, default=0,
+                    help="GPUs per host (0: from the topology)")
+    sp.add_argument("--mode", default="dp_shared", choices=list(SHARING_MODES),
+                    help="who holds rows")
+    sp.add_argument("--policy", default="gpu-local", help=POLICY_HELP)
+    sp.add_argument("--simulate", type=simulate_arg, help="'2x4' or a topology JSON file")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .args import emit
+from .args import POLICY_HELP, emit, page_size_arg, positive_int
 
 READY, NOT_READY = 0, 1  # status's exit codes (2: no service, as any other error)
 
@@ -95,3 +95,30 @@ def _has_ple_config(model_dir: str) -> bool:
             return is_ple_config(json.load(fh))
     except (OSError, ValueError):
         return False  # ModelDirectory.open names what is wrong
+
+
+HELP = ("hold a model's tables for this host: load once, seal, hand "
+        "out descriptors to engines on a Unix socket")
+
+
+def add_arguments(sp: argparse.ArgumentParser) -> None:
+    """``numa-engram serve``'s arguments."""
+    sp.add_argument("model_dir", help="the model directory (config.json, tokenizer, checkpoint)")
+    sp.add_argument("--socket", required=True, help="the Unix socket engines attach through")
+    sp.add_argument("--tp", type=positive_int, default=1, help="TP shards of each layer")
+    sp.add_argument("--placement", default="interleave",
+                    help=POLICY_HELP + "; replicate-per-node: one copy per node, each client "
+                    "gets its node's")
+    sp.add_argument("--page-size", type=page_size_arg, default="4K", help="4K, 2M or 1G")
+    sp.add_argument("--group", default=None,
+                    help="a group whose members may attach too (else only this uid and root)")
+    sp.add_argument("--load-threads", type=positive_int, default=None,
+                    help="threads per table load (default: one per CPU, at most 8)")
+
+
+STATUS_HELP = "what a table service holds; exit 0 when ready, 1 if not"
+
+
+def add_status_arguments(sp: argparse.ArgumentParser) -> None:
+    """``numa-engram status``'s arguments."""
+    sp.add_argument("--socket", required=True, help="the service's socket")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .args import emit, load_topology
+from .args import emit, load_topology, simulate_arg
 
 
 def cmd_topo(args: argparse.Namespace) -> int:
@@ -29,3 +29,12 @@ def cmd_topo(args: argparse.Namespace) -> int:
     lines.extend(f"note: {note}" for note in topo.notes)
     emit(args, topo.to_dict(), "\n".join(lines))
     return 0
+
+
+HELP = "NUMA nodes, cpus, memory, distances and GPUs"
+
+
+def add_arguments(sp: argparse.ArgumentParser) -> None:
+    """``numa-engram topo``'s arguments."""
+    sp.add_argument("--simulate", type=simulate_arg,
+                    help="'2x4' (sockets x GPUs per socket) or a topology JSON file")

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from ..errors import StorageError
-from .args import emit
+from .args import emit, positive_int
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -114,3 +114,14 @@ def _holder_status(path: str | None) -> str:
         os.close(fd)
     return {True: "in use", None: "liveness unknown",
             False: "creator dead: no process holds it (numa-engram gc removes it)"}[alive]
+
+
+HELP = ("report where a table's pages are (every live table, a "
+        "file, or a process's)")
+
+
+def add_arguments(sp: argparse.ArgumentParser) -> None:
+    """``numa-engram verify``'s arguments."""
+    sp.add_argument("path", nargs="?", help="a table file (none: every table a live process "
+                    "holds, each once)")
+    sp.add_argument("--pid", type=positive_int, help="every table this process holds")
