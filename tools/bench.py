@@ -346,6 +346,20 @@ def _prefetch_ratio(best: dict) -> float:
     return best["prefetch submit+wait"] / min(best["lookup(ids)"], best["lookup(ids, out=)"])
 
 
+def _page_sizes(table_gib: float) -> list[str]:
+    """4K, and 2M where this node's pool can hold a table of ``table_gib``
+    (else a line saying why not)."""
+    from numa_engram.errors import CapacityError
+    from numa_engram.host import hugepages
+
+    try:
+        hugepages.check_pool(int(table_gib * 2**30) + (16 << 20), 2 << 20)
+    except CapacityError as exc:
+        print(f"  (2M pages skipped: {str(exc).splitlines()[0][:160]})")
+        return ["4K"]
+    return ["4K", "2M"]
+
+
 def bench_serving(table_gib: float = 2.0, sweep: tuple[float, ...] = (0.5, 2.0, 8.0),
                   tokens_list: tuple[int, ...] = SERVING_TOKENS, repeat: int = 15) -> None:
     """Lookups at the sizes a server asks for (a decode step is 1-256
@@ -354,15 +368,9 @@ def bench_serving(table_gib: float = 2.0, sweep: tuple[float, ...] = (0.5, 2.0, 
     outputs, on 4 KiB and (where a pool can be reserved) 2 MiB pages; then
     the same at 64 and 4096 tokens over table sizes."""
     from numa_engram.errors import CapacityError
-    from numa_engram.host import hugepages
 
     rng = np.random.default_rng(0)
-    pages = ["4K"]
-    try:
-        hugepages.check_pool(int(table_gib * 2**30) + (16 << 20), 2 << 20)
-        pages.append("2M")
-    except CapacityError as exc:
-        print(f"  (2M pages skipped: {str(exc).splitlines()[0][:160]})")
+    pages = _page_sizes(table_gib)
     for page in pages:
         spec, table = _serving_table(table_gib, page, rng)
         print(f"== serving lookups: {table.backing_bytes / 2**30:.2f} GiB table on {page} pages, "
@@ -446,16 +454,8 @@ def bench_ple(table_gib: float = 2.0, tokens_list: tuple[int, ...] = SERVING_TOK
     ``repeat`` interleaved turns (``LAYER_PAUSE_S`` of work before each), as
     a ratio to numpy take of the same FP8 rows, on 4 KiB and (where a pool
     can be reserved) 2 MiB pages; "ids + lookup" hashes the tokens too."""
-    from numa_engram.errors import CapacityError
-    from numa_engram.host import hugepages
-
     rng = np.random.default_rng(0)
-    pages = ["4K"]
-    try:
-        hugepages.check_pool(int(table_gib * 2**30) + (16 << 20), 2 << 20)
-        pages.append("2M")
-    except CapacityError as exc:
-        print(f"  (2M pages skipped: {str(exc).splitlines()[0][:160]})")
+    pages = _page_sizes(table_gib)
     for page in pages:
         spec, table = _ple_table(table_gib, page, rng)
         print(f"== PLE lookups: {table.backing_bytes / 2**30:.2f} GiB layer on {page} pages, "

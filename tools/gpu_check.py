@@ -52,6 +52,27 @@ def timed(fn, n: int = 10) -> float:
     return (time.perf_counter() - t0) / n
 
 
+def copy_seconds(nbytes: int) -> float:
+    """One host-to-device copy of ``nbytes`` from pinned memory (the copy
+    engine: the baseline a lookup's bytes are measured against)."""
+    import torch
+
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    return timed(lambda: dst.copy_(host, non_blocking=True))
+
+
+def rotating(sets: list):
+    """What gives the next of ``sets`` at each call, round and round (no
+    call finds the rows the last one read)."""
+    turn = [0]
+
+    def next_set():
+        turn[0] += 1
+        return sets[turn[0] % len(sets)]
+    return next_set
+
+
 def same(a, b) -> bool:
     import torch
 
@@ -123,14 +144,8 @@ def main() -> int:
     print(f"bit-exact vs the CPU kernel: {exact}")
 
     fp8_bytes = id_sets[0].size * 264
-    host = torch.empty(fp8_bytes, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(fp8_bytes, dtype=torch.uint8, device="cuda")
-    turn = [0]
-
-    def next_ids():
-        turn[0] += 1
-        return dev_sets[turn[0] % len(dev_sets)]
-    t_copy = timed(lambda: dst.copy_(host, non_blocking=True))
+    next_ids = rotating(dev_sets)
+    t_copy = copy_seconds(fp8_bytes)
     t_fused = timed(lambda: table.lookup_cuda(next_ids(), out=out))
     t_torch = timed(lambda: view.lookup_torch(next_ids()), 3)
     rows = id_sets[0].size
@@ -266,16 +281,10 @@ def ple_check(gib: float = 2.0, tokens: int = 8192) -> dict:
             np.array_equal(table.lookup_cuda(dev_sets[1], packed=True).cpu().numpy(),
                            table.lookup_packed(id_sets[1]))
         nbytes = id_sets[0].size * spec.row_bytes
-        host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         out = torch.empty((tokens, spec.n_heads, spec.head_dim), dtype=torch.bfloat16,
                           device="cuda")
-        turn = [0]
-
-        def next_ids():
-            turn[0] += 1
-            return dev_sets[turn[0] % len(dev_sets)]
-        t_copy = timed(lambda: dst.copy_(host, non_blocking=True))
+        next_ids = rotating(dev_sets)
+        t_copy = copy_seconds(nbytes)
         t_rows = timed(lambda: table.lookup_cuda(next_ids(), out=out))
         bad = dev_sets[0].clone()
         bad[5, 2] = spec.rows(1)

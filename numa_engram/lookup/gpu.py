@@ -47,6 +47,18 @@ def device_tensor(array: np.ndarray, device: int, lease: RegistrationLease | Non
     return tensor
 
 
+def take_error_record(errors) -> tuple[int, int, int]:
+    """A kernel's device error record (``triton_kernels.new_error_record``)
+    read with one sync, and cleared when it holds an error: (bad-id count,
+    first bad position, its value)."""
+    from .triton_kernels import NO_ERROR
+
+    count, pos, value = (int(x) for x in errors.tolist())
+    if count:
+        errors.copy_(errors.new_tensor([0, NO_ERROR, 0]))
+    return count, pos, value
+
+
 class DeviceShard:
     """Zero-copy CUDA views of a registered shard and the GPU lookup on them.
 
@@ -125,13 +137,10 @@ class DeviceShard:
         """Read (one sync) and clear the device error record; raise
         LookupIdError naming the first bad id of the lookups since the last
         check."""
-        from .triton_kernels import NO_ERROR
-
-        count, pos, value = (int(x) for x in self.errors.tolist())
+        count, pos, value = take_error_record(self.errors)
         formats, self._formats = self._formats, set()
         if not count:
             return
-        self.errors.copy_(self.errors.new_tensor([0, NO_ERROR, 0]))
         t, h = divmod(pos, len(self.sizes))
         raise LookupIdError(self._bad_id(value, t, h, formats, count) +
                             " (since the last check; their rows were written as zeros)")
@@ -248,12 +257,9 @@ class PLEDeviceRows:
     def check_errors(self) -> None:
         """Read (one sync) and clear the error record; raise LookupIdError
         naming the first bad id since the last check."""
-        from .triton_kernels import NO_ERROR
-
-        count, pos, value = (int(x) for x in self.errors.tolist())
+        count, pos, value = take_error_record(self.errors)
         if not count:
             return
-        self.errors.copy_(self.errors.new_tensor([0, NO_ERROR, 0]))
         raise LookupIdError(f"{count} PLE row id(s) outside the layer's {self.total_rows} "
                             f"rows, the first {value} (position {pos}) since the last check; "
                             "their rows were written as zeros")

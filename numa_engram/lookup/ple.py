@@ -49,9 +49,14 @@ def bf16_value(bits: np.ndarray) -> np.ndarray:
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+def bf16_scale(scale: float) -> np.float32:
+    """The per-tensor scale as vLLM multiplies by it: ``scale.to(bf16)``."""
+    return bf16_value(bf16_bits(np.array([scale], dtype=np.float32)))[0]
+
+
 def bf16_lut(scale: float) -> np.ndarray:
     """uint16 ``[256]``: BF16 bits of ``bf16(e4m3(byte)) * bf16(scale)``."""
-    s = bf16_value(bf16_bits(np.array([scale], dtype=np.float32)))[0]
+    s = bf16_scale(scale)
     with np.errstate(over="ignore", invalid="ignore"):
         return bf16_bits(fp8_e4m3_values() * s)
 
@@ -90,8 +95,7 @@ class PLERows:
         self.table, self.dtype, self.scale, self.workers = table, dtype, scale, workers
         self.row_start, self.total_rows = row_start, total_rows
         self.head_dim = table.shape[1] if dtype == "float8_e4m3fn" else table.shape[1] // 2
-        self.scale_bf16 = None if scale is None else \
-            float(bf16_value(bf16_bits(np.array([scale], dtype=np.float32)))[0])
+        self.scale_bf16 = None if scale is None else float(bf16_scale(scale))
         self._shard = native.PLEShard(table, row_start, total_rows, self.scale_bf16, workers)
         self._scaled = dtype == "float8_e4m3fn"
 
@@ -133,7 +137,6 @@ def reference_rows(table: np.ndarray, ids: np.ndarray, *, row_start: int,
     if scale is None:
         bits = raw.view(np.uint16)
     else:
-        s = bf16_value(bf16_bits(np.array([scale], dtype=np.float32)))[0]
         with np.errstate(over="ignore", invalid="ignore"):
-            bits = bf16_bits(fp8_e4m3_values()[raw] * s)
+            bits = bf16_bits(fp8_e4m3_values()[raw] * bf16_scale(scale))
     return np.where(inside[..., None], bits, np.uint16(0))

@@ -25,7 +25,6 @@ import numpy as np
 
 from ..bindings import native
 from ..errors import LookupIdError, StorageError
-from ..host.hugepages import parse_page_size
 from ..host.topology import Topology, current_node
 from ..literals import DEFAULT_DIRECTORY, CreateMode, PageSize
 from ..lookup.cpu import default_lookup_threads
@@ -41,7 +40,7 @@ from .checkpoint import Progress
 from .group import SingleProcessGroup, as_group
 from .membership import MemberInfo
 from .request import CreateRequest, shard_key, table_layout
-from .table import TableStats
+from .table import TableStats, accounted_bytes, service_descriptor
 
 if TYPE_CHECKING:
     import torch
@@ -133,10 +132,9 @@ class SharedPLETable:
         under the same rules as for Engram tables (``SharedEngramTable.attach``)."""
         shard = spec.shard(layer_id, etp_rank, etp_size)
         here = current_node(Topology.detect()) if node is None else node
-        request = serviceclient.TableRequest(spec.fingerprint, shard_key(layer_id, shard),
-                                       parse_page_size(page_size), here)
         trust = serviceclient.ServiceTrust.of(service_uids, allow_unsealed)
-        fd, _, uid = serviceclient.fetch(service, request, timeout_s, trust)
+        fd, uid = service_descriptor(spec, layer_id, shard, service, here, page_size, timeout_s,
+                                     trust)
         try:
             backing = BackingFile.attach(fd=fd, fingerprint=spec.fingerprint,
                                          key=shard_key(layer_id, shard), owner_uid=uid,
@@ -206,8 +204,7 @@ class SharedPLETable:
         with self._count_lock:
             lookups, rows, seconds, bad, failed = self._counts
         report = self._report
-        physical = self.backing_bytes if self.mode == "independent" or \
-            self.mode == "dp_shared" and self.leader else 0
+        physical = accounted_bytes(self.mode, self.leader, self.backing_bytes)
         return TableStats(self.layer_id, 0, self.spec.n_heads, self.mode, self.backing_bytes,
                           int(lookups), int(rows), int(rows) * self.spec.row_bytes,
                           float(seconds), None if report is None else report.fraction_on_plan,

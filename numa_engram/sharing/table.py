@@ -42,6 +42,7 @@ from ..lookup.outputs import (
     prepare_out,
     scales_shape,
 )
+from ..model.family import TableFamily
 from ..model.sharding import ShardInfo, prefix_offsets
 from ..model.spec import EngramSpec
 from ..store import serviceclient
@@ -91,6 +92,12 @@ class TableStats:
     bad_id_lookups: int = 0     # lookups refused for ids outside the shard's buckets
     failed_lookups: int = 0     # lookups that failed otherwise
     latency: tuple = ()         # CPU lookups' kernel times: Histogram.snapshot()
+
+
+def accounted_bytes(mode: str, leader: bool, backing_bytes: int) -> int:
+    """What a table's process accounts for (``TableStats.physical_bytes``):
+    its own copy, or a shared copy when it leads the group, else 0."""
+    return backing_bytes if mode == "independent" or mode == "dp_shared" and leader else 0
 
 
 class PlacementSummary(TypedDict):
@@ -263,9 +270,9 @@ class SharedEngramTable:
         received, owner_uid, mode = None, None, "attached"
         if service is not None:
             trust = serviceclient.ServiceTrust.of(service_uids, allow_unsealed)
-            received, owner_uid = _from_service(spec, layer_id, shard, service,
-                                                here if node is None else node, page_size,
-                                                timeout_s, trust)
+            received, owner_uid = service_descriptor(spec, layer_id, shard, service,
+                                                     here if node is None else node, page_size,
+                                                     timeout_s, trust)
             fd, mode = received, "service"
         try:
             backing = BackingFile.attach(path, fd=fd, fingerprint=spec.fingerprint,
@@ -612,8 +619,7 @@ class SharedEngramTable:
         lookups, rows, seconds, buckets = self._state.counts()
         latency = Histogram.of(buckets, seconds).snapshot()  # CPU lookups: GPU ones are launches
         lookups, rows = lookups + gpu_lookups, rows + gpu_rows
-        physical = self.backing_bytes if self.mode == "independent" or \
-            self.mode == "dp_shared" and self.leader else 0
+        physical = accounted_bytes(self.mode, self.leader, self.backing_bytes)
         return TableStats(self.layer_id, self.shard.head_start, self.shard.head_end, self.mode,
                           self.backing_bytes, lookups, rows,
                           rows * self.spec.row_bytes, seconds,
@@ -718,13 +724,14 @@ def _prepared(out: PreparedOutput, shape: tuple[int, ...], packed: bool) -> tupl
 __all__ = ["CREATE_MODES", "ModeReport", "SharedEngramTable", "TableStats", "table_layout"]
 
 
-def _from_service(spec: EngramSpec, layer_id: int, shard: ShardInfo, service: str,
-                  node: int, page_size: PageSize | int, timeout_s: float,
-                  trust: serviceclient.ServiceTrust) -> tuple[int, int]:
-    """(the descriptor the table service hands over, the service's uid)."""
+def service_descriptor(spec: TableFamily, layer_id: int, shard: ShardInfo, service: str,
+                       node: int, page_size: PageSize | int, timeout_s: float,
+                       trust: serviceclient.ServiceTrust) -> tuple[int, int]:
+    """(the descriptor the table service on ``service`` hands over for this
+    table's shard and ``page_size``, its copy on ``node``; the service's uid)."""
     from ..host.hugepages import parse_page_size
 
     request = serviceclient.TableRequest(spec.fingerprint, shard_key(layer_id, shard),
-                                   parse_page_size(page_size), node)
+                                         parse_page_size(page_size), node)
     fd, _, uid = serviceclient.fetch(service, request, timeout_s, trust)
     return fd, uid

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 
 ATTACHED = False  # this process's tables come from a table service (the mapper drops them)
 REFUSED_LOADS = ("dummy", "sharded_state", "ipc_cache")
-_SPECS: dict[str, EngramSpec] = {}
+_SPECS: dict[tuple[str, str], Any] = {}  # by model directory and family
 # this process's tables (Engram and PLE), for its metrics endpoint: vLLM's
 # Prometheus multiprocess mode runs no custom collector, so each worker
 # serves its own registry on metrics_port + its global rank
@@ -88,14 +89,23 @@ def model_spec(config: Any) -> EngramSpec:
     table service's tables carry), read once per process."""
     from ...runtime.modeldir import ModelDirectory
 
+    return directory_spec(config, "config.json and tokenizer.json",
+                          lambda path: ModelDirectory.open(path).spec)
+
+
+def directory_spec(config: Any, reads: str, open_spec: Callable[[str], Any]) -> Any:
+    """``open_spec`` of vLLM's model directory, once per process and
+    directory (``reads``: the files it reads, for the message when the
+    model is not a local directory)."""
     path = str(config.model_config.model)
-    if path not in _SPECS:
+    key = (path, reads)
+    if key not in _SPECS:
         if not os.path.isdir(path):
             raise PluginError(f"the model {path!r} is not a local directory; the numa_engram "
-                              "plugin reads its config.json and tokenizer.json (download it "
-                              "first, e.g. huggingface-cli download)")
-        _SPECS[path] = ModelDirectory.open(path).spec
-    return _SPECS[path]
+                              f"plugin reads its {reads} (download it first, e.g. "
+                              "huggingface-cli download)")
+        _SPECS[key] = open_spec(path)
+    return _SPECS[key]
 
 
 @dataclass

@@ -23,6 +23,7 @@ import hashlib
 import logging
 import re
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -77,17 +78,23 @@ def patch(nv: Any, common: Any, vl: Any = None) -> None:
 
 def source_problem(nv: Any, common: Any, vl: Any) -> str | None:
     """Why these modules are not the ones the patch was checked against, or None."""
-    vllm = sys.modules.get("vllm")
-    version = getattr(vllm, "__version__", None)
+    return sources_problem((("nvidia/engram.py", nv), ("common/engram.py", common),
+                            ("nvidia/vl_model.py", vl)), CHECKED_SOURCES)
+
+
+def sources_problem(modules: Iterable[tuple[str, Any]], checked: dict[str, str]) -> str | None:
+    """Why vLLM's version or one of ``modules`` (name, module or None: not
+    loaded) is not what the patch was checked against (``checked``: sha256
+    by name), or None."""
+    version = getattr(sys.modules.get("vllm"), "__version__", None)
     if version != VLLM_VERSION:
         return (f"the numa_engram vLLM plugin supports vLLM {VLLM_VERSION}, this is "
                 f"{version}: install vllm=={VLLM_VERSION}, or unset VLLM_PLUGINS=numa_engram")
-    for name, module in (("nvidia/engram.py", nv), ("common/engram.py", common),
-                         ("nvidia/vl_model.py", vl)):
+    for name, module in modules:
         if module is None:
             continue
         digest = hashlib.sha256(Path(module.__file__ or "").read_bytes()).hexdigest()
-        if digest != CHECKED_SOURCES[name]:
+        if digest != checked[name]:
             return (f"vLLM's {name} ({module.__file__}) is not the 0.31.0 file the numa_engram "
                     f"plugin was checked against (sha256 {digest[:16]}...): reinstall "
                     f"vllm=={VLLM_VERSION} unpatched, or unset VLLM_PLUGINS=numa_engram")

@@ -15,33 +15,30 @@ service.  The same refusals and settings as the Engram part.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import re
-import sys
 import warnings
-from pathlib import Path
 from typing import Any
 
 from ...literals import DEFAULT_DIRECTORY
 from ...model.ple import PLESpec
 from ...sharing.pletable import SharedPLETable
-from .layers import TABLES, refuse_config, refuse_load, serve_metrics
+from .layers import TABLES, directory_spec, refuse_config, refuse_load, serve_metrics
+from .patching import sources_problem
 from .settings import PluginError, PluginSettings
 
 log = logging.getLogger(__name__)
 
 CHECKED_SOURCES = {
-    "common/ngram_embedding.py":
+    "qwen4_exp/common/ngram_embedding.py":
         "1392f51ccf0b610542bf05c3021271bf6754221d9616ff92831b94f79fc3a892",
-    "common/ple.py": "585fabb01a14f8071251e52891843cdc1340f75b4d7173abf4748e2ba8746b76",
+    "qwen4_exp/common/ple.py":
+        "585fabb01a14f8071251e52891843cdc1340f75b4d7173abf4748e2ba8746b76",
 }
 PLE_PATCHED = "_numa_engram_ple_patched"
 # vLLM's prefix of a PLE table: the 0-based decoder layer, one less than
 # the 1-based ple_layer_ids entry
 LAYER_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_SPECS: dict[str, PLESpec] = {}
 _GROUPS: dict[Any, Any] = {}
 
 
@@ -86,22 +83,8 @@ def patch_ple(common: Any, ple: Any = None) -> None:
 
 def source_problem(common: Any, ple: Any) -> str | None:
     """Why these modules are not the ones the patch was checked against, or None."""
-    from .patching import VLLM_VERSION
-
-    version = getattr(sys.modules.get("vllm"), "__version__", None)
-    if version != VLLM_VERSION:
-        return (f"the numa_engram vLLM plugin supports vLLM {VLLM_VERSION}, this is "
-                f"{version}: install vllm=={VLLM_VERSION}, or unset VLLM_PLUGINS=numa_engram")
-    for name, module in (("common/ngram_embedding.py", common), ("common/ple.py", ple)):
-        if module is None:
-            continue
-        digest = hashlib.sha256(Path(module.__file__ or "").read_bytes()).hexdigest()
-        if digest != CHECKED_SOURCES[name]:
-            return (f"vLLM's qwen4_exp/{name} ({module.__file__}) is not the 0.31.0 file the "
-                    f"numa_engram plugin was checked against (sha256 {digest[:16]}...): "
-                    f"reinstall vllm=={VLLM_VERSION} unpatched, or unset "
-                    "VLLM_PLUGINS=numa_engram")
-    return None
+    return sources_problem((("qwen4_exp/common/ngram_embedding.py", common),
+                            ("qwen4_exp/common/ple.py", ple)), CHECKED_SOURCES)
 
 
 def layer_of(prefix: str) -> int:
@@ -116,14 +99,7 @@ def model_spec(config: Any) -> PLESpec:
     """The model directory's PLE spec, read once per process."""
     from ...runtime.plemodeldir import PLEModelDirectory
 
-    path = str(config.model_config.model)
-    if path not in _SPECS:
-        if not os.path.isdir(path):
-            raise PluginError(f"the model {path!r} is not a local directory; the numa_engram "
-                              "plugin reads its config.json (download it first, e.g. "
-                              "huggingface-cli download)")
-        _SPECS[path] = PLEModelDirectory.open(path).spec
-    return _SPECS[path]
+    return directory_spec(config, "config.json", lambda path: PLEModelDirectory.open(path).spec)
 
 
 def _torch_dtype(name: str) -> Any:
@@ -166,11 +142,13 @@ class PLEStorage:
             raw = torch.from_numpy(table.weights)
         self.weight = raw.view(dtype)
         spec, layer = table.spec, table.layer_id
-        start, end = table.shard.row_start, table.shard.row_end
-        self.parts_expected = sum(
-            1 for p in range(spec.split_ngram_parts)
-            if max(start, spec.part_rows(layer, p)[0]) < min(end, spec.part_rows(layer, p)[1]))
+        self.parts_expected = sum(1 for p in range(spec.split_ngram_parts)
+                                  if self._covers(*spec.part_rows(layer, p)))
         self.parts_loaded = 0
+
+    def _covers(self, first: int, end: int) -> bool:
+        """Whether layer rows ``[first, end)`` overlap this table's."""
+        return max(self.table.shard.row_start, first) < min(self.table.shard.row_end, end)
 
     @classmethod
     def allocate(cls, common: Any, emb: Any, rows: int, dim: int, dtype: Any) -> PLEStorage:
@@ -225,8 +203,7 @@ class PLEStorage:
         if checkpoint_start is None:
             raise PluginError("vLLM's loader handed the whole PLE table at once; the numa_engram "
                               "plugin takes the split-parts checkpoint (shard_{i}.weight)")
-        start, end = self.table.shard.row_start, self.table.shard.row_end
-        covers = max(start, checkpoint_start) < min(end, checkpoint_start + loaded_weight.shape[0])
+        covers = self._covers(checkpoint_start, checkpoint_start + loaded_weight.shape[0])
         if self.filled:
             if self.parts_loaded >= self.parts_expected and covers:
                 raise PluginError("a weight update would write into a PLE table attached "
