@@ -173,8 +173,14 @@ def test_two_threads_on_one_runtime_never_get_each_others_rows(model_dir):
                 try:
                     ids = rt.begin_step(tokens, [slot] * len(tokens), list(range(len(tokens))),
                                         commit=False)
+                    step = rt._steps  # this thread's until its last embed returns
                     for i, layer in enumerate(rt.layer_ids):
                         got = rt.embed(layer).clone()
+                        # the last embed ends the step: the other thread's next
+                        # step may overwrite that buffer before the clone, as
+                        # embed's contract says; checked when no step began
+                        if layer == rt.layer_ids[-1] and rt._steps != step:
+                            continue
                         want = reference[layer].lookup(ids[:, i], id_format="global")
                         if not same_bits(got, want):
                             wrong.append((slot, n, layer))
