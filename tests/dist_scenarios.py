@@ -396,6 +396,79 @@ def dp_sharded_bad_id(rank, world):
     return {"first": first, "took": took, "exact": exact}
 
 
+GUARD = 0xA5
+
+
+def _guarded_bf16(shape, pad=4096):
+    """A BF16 view of ``shape`` amid guard bytes, and a check that they are intact."""
+    n = 2 * int(np.prod(shape))
+    whole = torch.full((n + 2 * pad,), GUARD, dtype=torch.uint8)
+    view = whole[pad:pad + n].view(torch.bfloat16).view(shape)
+
+    def intact():
+        raw = whole.numpy()
+        return bool((raw[:pad] == GUARD).all() and (raw[pad + n:] == GUARD).all())
+    return view, intact
+
+
+def dp_sharded_guards(rank, world):
+    """The DP-sharded exchange writes its receive buffer, its result and a
+    caller's ``out=`` and not a byte around them; a wrong ``out`` in one
+    member fails every member before any exchange, and the group goes on."""
+    from numa_engram.errors import LookupIdError
+    from numa_engram.sharing.dpsharded import DPShardedLookup, ShardedHeads
+
+    spec = EngramSpec.small(rows_per_head=96, n_head_per_ngram=4, head_dim=64)
+    heads = ShardedHeads.of(spec, LAYER, 1, world, 0)
+    table = SharedEngramTable.create(spec, LAYER, heads.members[rank], mode="independent")
+    w_all, s_all = synthetic_layer(spec, LAYER, raw=True)
+    mine = heads.members[rank]
+    np.copyto(table.weights, w_all[mine.row_start:mine.row_end])
+    np.copyto(table.scales, s_all[mine.row_start:mine.row_end])
+    sharded = DPShardedLookup(table, heads, rank, None)
+    counts = [7, 12][:world]
+    ids = ngram_hashes(spec, np.random.default_rng(rank).integers(0, 1000, counts[rank]), LAYER)
+    want = reference_lookup(w_all, s_all, ids, head_start=0,
+                            bucket_sizes=spec.bucket_sizes(LAYER)).view(torch.int16)
+    shape = (counts[rank], heads.head_end - heads.head_start, spec.head_dim)
+    result = {}
+    for given in (None, counts):
+        out, intact = _guarded_bf16(shape)
+        got = sharded.lookup(ids, counts=given, out=out)
+        result[f"out given={given is not None}"] = bool(
+            got.data_ptr() == out.data_ptr() and torch.equal(got.view(torch.int16), want)
+            and intact())
+    # the exchange's own buffers (receive and result) handed out amid guards
+    checks = []
+    pool_take = sharded._outputs.take
+
+    def guarded_take(shape):
+        view, intact = _guarded_bf16(shape)
+        checks.append(intact)
+        return view, view.view(torch.int16).numpy()
+    sharded._outputs.take = guarded_take
+    got = sharded.lookup(ids)
+    sharded._outputs.take = pool_take
+    result["internal"] = bool(torch.equal(got.view(torch.int16), want) and len(checks) == 2
+                              and all(c() for c in checks))
+    # member 1's out is a token short: it gets a ValueError, the others a
+    # LookupIdError, nothing is written around it, the next lookup is exact
+    refusals = []
+    for given in (None, counts):
+        short = (shape[0] - (rank == 1),) + shape[1:]
+        out, intact = _guarded_bf16(short)
+        try:
+            sharded.lookup(ids, counts=given, out=out)
+            refusals.append(None)
+        except (ValueError, LookupIdError) as exc:
+            refusals.append([type(exc).__name__, str(exc), intact()])
+        again = sharded.lookup(ids, counts=given)
+        result[f"again given={given is not None}"] = bool(
+            torch.equal(again.view(torch.int16), want))
+    table.close()
+    return {"exact": result, "refusals": refusals}
+
+
 # ------------------------------------------------- deployment scenarios --
 
 def share_on_hosts(rank, world, *, tp, mode, checkpoint, rows_per_head, directory="/dev/shm"):

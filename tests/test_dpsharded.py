@@ -82,3 +82,21 @@ def test_dp_sharded_bad_id_fails_all_at_once_and_the_group_stays_usable():
         assert "EDP member(s) [1]" in r["first"] and r["took"] < 5
         assert r["exact"]
     assert "hash id 1000000000 at token 7, column 3" in results[1]["first"]
+
+
+@pytest.mark.multiproc
+def test_the_exchange_writes_its_buffers_and_out_and_nothing_around_them():
+    """Guard bytes around a caller's out= slice and around the exchange's
+    own receive and result buffers stay intact; an out= of the wrong shape
+    in one member is refused in every member before any row moves."""
+    results = run_world(2, scenarios.dp_sharded_guards)
+    for r in results:
+        assert r["ok"], r.get("traceback") or r
+        assert all(r["exact"].values()), r["exact"]
+    for given in (0, 1):  # counts gathered, counts given
+        kind, message, intact = results[1]["refusals"][given]
+        assert kind == "ValueError" and "out must be a contiguous CPU bfloat16 tensor" in message
+        assert "[12, 8, 64], got torch.bfloat16 [11, 8, 64]" in message and intact
+        assert "no rows were exchanged" in message
+        kind, message, intact = results[0]["refusals"][given]
+        assert kind == "LookupIdError" and "EDP member(s) [1]" in message and intact

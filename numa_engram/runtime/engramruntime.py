@@ -194,7 +194,7 @@ class EngramRuntime:
 
             def run(ids: Any, out: Any) -> Any:
                 counts = None if runtime is None else runtime._counts
-                return out.copy_(sharded.lookup(ids, id_format="global", counts=counts))
+                return sharded.lookup(ids, id_format="global", counts=counts, out=out)
             return run
 
         sources = {layer: made.table if made.sharded is None else sharded_lookup(made)

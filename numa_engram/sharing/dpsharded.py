@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import LookupIdError, SpecError, TopologyError
 from ..literals import IdFormat
 from ..lookup.cpu import check_hash_ids, check_ids_in_range, id_base
-from ..lookup.outputs import OutputPool
+from ..lookup.outputs import OutputPool, check_bf16_out
 from ..model.sharding import DEAD_ID, ShardInfo, shard_heads
 from ..model.spec import EngramSpec
 
@@ -140,7 +140,8 @@ class DPShardedLookup:
         self._outputs = OutputPool()
 
     def lookup(self, hash_ids: Any, *, id_format: IdFormat = "bucket",
-               counts: Sequence[int] | None = None) -> torch.Tensor:
+               counts: Sequence[int] | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """BF16 ``[T, tp_heads, head_dim]`` for this member's ``hash_ids [T, n_hash_cols]``
         (T may be 0: an idle replica still takes part); ``id_format="global"``
         for rows of the layer's whole table.
@@ -151,20 +152,27 @@ class DPShardedLookup:
         one collective per direction (ids gathered with each member's count
         and id check riding along, rows exchanged).  A count that disagrees
         with the ids a member passed, or a bad id, is a LookupIdError in
-        every member, before any row is exchanged."""
+        every member, before any row is exchanged.
+
+        ``out``: a contiguous CPU BF16 tensor ``[T, tp_heads, head_dim]``
+        the rows are written to (and returned); one of another shape is a
+        ValueError in this member and a LookupIdError in the others, before
+        any row is exchanged."""
         import torch
 
         ids = check_hash_ids(hash_ids, self.table.spec.n_hash_cols)
-        # every member checks its ids against all of its TP rank's heads
-        # before any exchange, so a bad id fails all members alike, at once,
-        # and the group stays in step for the next lookup
+        # every member checks its ids against all of its TP rank's heads (and
+        # its out buffer) before any exchange, so a bad one fails all members
+        # alike, at once, and the group stays in step for the next lookup
         problem = self._check_ids(ids, id_format)
+        bad_out = self._check_out(out, ids.shape[0])
+        problem = problem or bad_out
         given = counts is not None
         if counts is not None:
             counts = self._check_counts(counts)
         else:
             counts, oks = self._gather_counts(ids.shape[0], problem is None)
-            self._raise_unless_all_ok(oks, problem)
+            self._raise_unless_all_ok(oks, problem, bad_out)
         slot = max(counts)
         if self.max_tokens is not None and slot > self.max_tokens:
             raise LookupIdError(f"EDP members have {counts} tokens; the slot limit is "
@@ -173,23 +181,28 @@ class DPShardedLookup:
             if ids.shape[0]:
                 raise LookupIdError(f"counts says every EDP member has 0 tokens, this one "
                                     f"passed {ids.shape[0]}")
-            return torch.zeros((0, self._tp_heads(), self.table.spec.head_dim),
-                               dtype=torch.bfloat16)
+            if bad_out:
+                raise ValueError(bad_out)
+            return out if out is not None else torch.zeros(
+                (0, self._tp_heads(), self.table.spec.head_dim), dtype=torch.bfloat16)
         if given:  # each member's count and id check ride along with its ids
             gathered = self._gather_ids(_with_status(ids, slot, problem is None))
-            gathered = self._statuses_checked(gathered, slot, counts, problem)
+            gathered = self._statuses_checked(gathered, slot, counts, problem, bad_out)
         else:
             gathered = self._gather_ids(pad_hash_ids(ids, slot))         # [edp * slot, cols]
         rows = self.table.lookup(gathered, id_format=id_format)           # [edp*slot, own, d]
-        received = self._exchange(rows, slot)
-        return received[: ids.shape[0]]
+        return self._exchange(rows, slot, ids.shape[0], out)
 
-    def _raise_unless_all_ok(self, oks: Sequence[bool], problem: str | None) -> None:
+    def _raise_unless_all_ok(self, oks: Sequence[bool], problem: str | None,
+                             bad_out: str | None) -> None:
         if not all(oks):
             bad = [e for e, ok in enumerate(oks) if not ok]
+            if bad_out:
+                raise ValueError(f"{bad_out}; no rows were exchanged")
             mine = f": {problem}" if problem else ""
             raise LookupIdError(f"EDP member(s) {bad} of TP rank {self.heads.tp_rank} passed hash "
-                                f"ids outside their heads' buckets; no rows were exchanged{mine}")
+                                "ids outside their heads' buckets (or a wrong out= buffer); no "
+                                f"rows were exchanged{mine}")
 
     def _check_counts(self, counts: Sequence[int]) -> list[int]:
         """The caller's counts: one non-negative int per EDP member."""
@@ -203,7 +216,7 @@ class DPShardedLookup:
         return out
 
     def _statuses_checked(self, gathered: np.ndarray, slot: int, counts: list[int],
-                          problem: str | None) -> np.ndarray:
+                          problem: str | None, bad_out: str | None) -> np.ndarray:
         """The gathered ids without their status rows, once every member's
         real count matches ``counts`` and every member's ids are good (the
         same verdict in every member: they all see the same statuses)."""
@@ -216,7 +229,7 @@ class DPShardedLookup:
             raise LookupIdError(f"counts says EDP members have {counts} tokens, but member(s) "
                                 f"{odd} passed {[real[e] for e in odd]}; pass every member's "
                                 "real count (the same list in every member)")
-        self._raise_unless_all_ok(oks, problem)
+        self._raise_unless_all_ok(oks, problem, bad_out)
         return np.ascontiguousarray(blocks[:, :slot]).reshape(self.heads.edp * slot, -1)
 
     def mode_report(self) -> ShardedModeReport:
@@ -244,6 +257,15 @@ class DPShardedLookup:
             return str(exc)
         return None
 
+    def _check_out(self, out: Any, tokens: int) -> str | None:
+        if out is None:
+            return None
+        try:
+            check_bf16_out(out, (tokens, self._tp_heads(), self.table.spec.head_dim))
+        except ValueError as exc:
+            return str(exc)
+        return None
+
     def _gather_counts(self, count: int, ok: bool) -> tuple[list[int], list[bool]]:
         import torch
 
@@ -260,8 +282,11 @@ class DPShardedLookup:
         self._dist.all_gather(out, mine, group=self.pg)
         return torch.cat(out).numpy()
 
-    def _exchange(self, rows: torch.Tensor, slot: int) -> torch.Tensor:
-        """all-to-all: chunk j of ours (our heads, j's tokens) goes to member j."""
+    def _exchange(self, rows: torch.Tensor, slot: int, tokens: int,
+                  out: torch.Tensor | None) -> torch.Tensor:
+        """all-to-all: chunk j of ours (our heads, j's tokens) goes to member j;
+        our ``tokens`` rows of every member's heads, side by side by head,
+        are the result (written to ``out`` when given)."""
         import torch
 
         d = self.table.spec.head_dim
@@ -272,6 +297,13 @@ class DPShardedLookup:
             recv, send, output_split_sizes=[slot * h * d for h in owned],
             input_split_sizes=[slot * owned[self.edp_rank] * d] * self.heads.edp,
             group=self.pg)
-        parts = recv.split([slot * h * d for h in owned])
-        result, _ = self._outputs.take((slot, sum(owned), d))
-        return torch.cat([p.view(slot, h, d) for p, h in zip(parts, owned)], dim=1, out=result)
+        parts = [p.view(slot, h, d) for p, h in zip(recv.split([slot * h * d for h in owned]),
+                                                       owned)]
+        if out is None:
+            result, _ = self._outputs.take((slot, sum(owned), d))
+            return torch.cat(parts, dim=1, out=result)[:tokens]
+        first = 0
+        for part, h in zip(parts, owned):
+            out[:, first:first + h].copy_(part[:tokens])
+            first += h
+        return out
