@@ -175,3 +175,18 @@ def test_the_c_core_compiles_clean_under_wextra_werror():
                           "-fsyntax-only", *includes, str(core / "native.c")],
                          capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 0, run.stderr[-4000:]
+
+
+def test_every_exported_c_function_has_a_python_caller():
+    """The cffi declarations are the library's C ABI: a function declared
+    there that no module of the package calls is a dead export (internal
+    helpers stay static in their part, out of the headers)."""
+    from pathlib import Path
+
+    package = Path(native.__file__).resolve().parent.parent
+    sources = "\n".join(p.read_text() for p in package.rglob("*.py"))
+    exported = [name for name in dir(native.lib)
+                if name.startswith("ne_") and callable(getattr(native.lib, name))]
+    assert len(exported) > 20, exported
+    dead = [name for name in exported if f"lib.{name}(" not in sources]
+    assert dead == [], f"declared in cffi_build/src/*.h, called by no module: {dead}"

@@ -33,7 +33,7 @@ enum { NE_MAX_THREADS = 256 };
 
 /* What the CPU can do and the environment allows (NUMA_ENGRAM_NO_AVX512,
  * NUMA_ENGRAM_NO_VBMI, NUMA_ENGRAM_NO_AVX2 switch paths off, for tests and benchmarks): read
- * once per process, not per call (a small lookup is a few us). */
+ * once per process, not per call (docs/design.md, "The decode budget"). */
 struct ne_cpu {
     int avx2, avx512bw, avx512dq, avx512vbmi;
 };

@@ -238,7 +238,7 @@ int ne_ngram_hashes(const int64_t *ids, int64_t n_rows, int64_t t, int64_t pad_i
  * returned; else the index of the first bad token, with *why = 1 (slot out
  * of range), 2 (position not the slot's next) or 3 (position outside
  * 0..NE_MAX_POSITION), and nothing changed. */
-int64_t ne_hash_windows(const int64_t *ids, const int64_t *slots, const int64_t *positions,
+static int64_t ne_hash_windows(const int64_t *ids, const int64_t *slots, const int64_t *positions,
                         const uint8_t *commit, int64_t n_tokens, int64_t n_slots, int64_t n1,
                         int64_t *hist, int64_t *next_pos, int64_t *cur, int64_t *cur_next,
                         int64_t *last, int64_t *win, int64_t *why)

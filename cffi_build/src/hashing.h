@@ -20,10 +20,6 @@ enum { NE_MAX_NGRAM = 64 };
 int ne_ngram_hashes(const int64_t *ids, int64_t n_rows, int64_t t, int64_t pad_id,
                     const int64_t *multipliers, int64_t max_ngram, const int64_t *primes,
                     int64_t n_head, int64_t *out, int n_threads, int hardware_division);
-int64_t ne_hash_windows(const int64_t *ids, const int64_t *slots, const int64_t *positions,
-                        const uint8_t *commit, int64_t n_tokens, int64_t n_slots,
-                        int64_t n1, int64_t *hist, int64_t *next_pos, int64_t *cur,
-                        int64_t *cur_next, int64_t *last, int64_t *win, int64_t *why);
 int ne_hash_window_batch(const int64_t *win, int64_t n_tokens, int64_t n, int64_t pad_id,
                          const int64_t *multipliers, const int64_t *primes,
                          const int64_t *offsets, int64_t n_layers, int64_t n_head,

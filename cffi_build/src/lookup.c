@@ -137,7 +137,7 @@ static inline void cursor_next(const struct lookup_job *j, struct cursor *c)
 
 /* One row's bytes.  The model's shape (256 FP8 bytes and 8 scale bytes)
  * gets fixed-size copies the compiler inlines as a few vector moves; a
- * libc memcpy call per 256-byte row was a quarter of a gather's time. */
+ * libc memcpy call per 256-byte row costs a quarter of a gather's time. */
 static inline void copy_row(uint8_t *dst, const uint8_t *src, int64_t bytes)
 {
     if (bytes == 256)
@@ -250,8 +250,8 @@ static void order_chunk(struct lookup_job *j, struct cursor *cur, int64_t k0, in
  * buffer with plain copies (many independent misses in flight, as in a
  * memcpy-style gather), then dequantised from there with streaming stores:
  * the dequant code is long enough per row that, interleaved with the misses,
- * it would starve the out-of-order window of memory parallelism (measured:
- * interleaving prefetches with the dequant was 0.6-0.7x these phases). */
+ * it would starve the out-of-order window of memory parallelism (interleaving
+ * prefetches with the dequant runs at 0.6-0.7x these phases). */
 enum { STAGE_ROWS = 64, MAX_STAGE_BYTES = 1024, MAX_STAGE_SCALES = 64 };
 
 /* A table row's weights and scale bytes on their way to cache. */
@@ -351,7 +351,7 @@ static void stream_lines(uint8_t *dst, const uint8_t *src, int64_t bytes)
 
 /* The packed variant: each row's FP8 bytes and scale bytes copied as they
  * are stored, prefetched ahead like the lookup.  No stage here: the plain
- * copies overlap the misses (measured: staged phases were 0.75-0.8x). */
+ * copies overlap the misses (staged phases run at 0.75-0.8x). */
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 static void gather_chunk(const struct lookup_job *j, const struct order *o, int64_t k0,
                          int stream)
@@ -415,12 +415,12 @@ static void direct_chunk(struct lookup_job *j, struct cursor *cur, int64_t k0, i
  * here, which the rows read pass through too) before its reader comes, so
  * its lines are not worth reading for ownership; a decode step's smaller
  * one stays in cache for that reader (the TP gather, the copy to the GPU).
- * Decided per job before 0.5, so a call cut into 48-row jobs never
- * streamed below 16,384 rows.  Measured (tools/bench.py serving's regime,
- * 24 heads of 256, one run): 64-256
- * tokens took 0.68-0.84x numpy take streamed against 0.90-1.08x plain;
- * 8-16 tokens streamed took 1.1x their plain time; the lookup and a CPU
- * reader's copy of its rows took 0.90-1.10x plain at 64-512 tokens. */
+ * Decided per call, not per job: a call cut into 48-row jobs is large
+ * even when each job is small.  In tools/bench.py serving's regime (24
+ * heads of 256), 64-256 tokens take 0.68-0.84x numpy take streamed against
+ * 0.90-1.08x plain; 8-16 tokens streamed take 1.1x their plain time; the
+ * lookup and a CPU reader's copy of its rows take 0.90-1.10x plain at
+ * 64-512 tokens. */
 static int64_t stream_min_bytes = NE_STREAM_BYTES;
 
 int ne_tune_stream_bytes(int64_t bytes)

@@ -41,8 +41,8 @@ struct ne_geometry {
  * (no bad id, no error) is counted with its rows and its time in ns, in
  * the first bucket whose bound (bounds_ns, ascending) it does not pass,
  * or the last.  The Python side reads the counts as they are (each
- * updated atomically), not per call: a decode step's lookup is a few us,
- * and counting it in Python took two lock round trips. */
+ * updated atomically), not per call: counting in Python takes two lock
+ * round trips (docs/design.md, "The decode budget"). */
 struct ne_table_state {
     int closed;
     int64_t active;
@@ -55,8 +55,8 @@ void ne_table_close(struct ne_table_state *st);
  * table (and process): its geometry, the first id column it reads, at
  * most n_threads threads, the CPUs fresh ones are bound to and the pool
  * of persistent ones (NULL: none).  A call then passes seven arguments,
- * not twelve: each costs ~50 ns through cffi, and a decode step's whole
- * lookup is a few us. */
+ * not twelve: each costs ~50 ns through cffi (docs/design.md, "The
+ * decode budget"). */
 struct ne_kernel {
     const struct ne_geometry *g;
     int64_t col0;

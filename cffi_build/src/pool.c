@@ -44,7 +44,7 @@ struct ne_pool {
 
 /* A worker (and a dispatcher waiting for its workers) spins this long
  * before it sleeps: calls come in bursts (a prefill's chunks, a step's
- * layers), and a futex wake-up cost ~20 us here, a tenth of a 64-token
+ * layers), and a futex wake-up costs ~20 us here, a tenth of a 64-token
  * lookup; the spin is a bounded few us of one core after each call. */
 #define NE_POOL_SPIN_NS 50000
 
@@ -178,7 +178,7 @@ void ne_pool_free(struct ne_pool *p)
     free(p);
 }
 
-int ne_pool_size(const struct ne_pool *p)
+static int ne_pool_size(const struct ne_pool *p)
 {
     return p && p->pid == current_pid() ? p->n : 0;
 }

@@ -4,7 +4,7 @@
  * (creating, pinning and joining pthreads cost ~50 us a call).  One call
  * at a time per pool (a caller finding it busy runs alone).  A forked
  * child inherits the memory but not the threads: every entry point
- * checks the pid (ne_pool_size is 0 there).
+ * checks the pid (a pool has no threads there).
  * The builder reads this header as the cffi declarations. */
 #ifndef NE_POOL_H
 #define NE_POOL_H
@@ -12,6 +12,5 @@
 struct ne_pool;
 struct ne_pool *ne_pool_new(int n, const int *cpus, int n_cpus);
 void ne_pool_free(struct ne_pool *pool);
-int ne_pool_size(const struct ne_pool *pool);
 
 #endif

@@ -276,8 +276,8 @@ static uint8_t vbmi_interleave[2][64] __attribute__((aligned(64))); /* words 0-3
 /* Each scale byte's exponent shift, (s - 127) << 7, twice in a 32-bit
  * word: a step reads its blocks' with a broadcast from this table (a load:
  * a broadcast from a register is a port-5 shuffle, the port the byte
- * permutes keep busy).  Built per row in a stack array before 0.5, whose
- * stores the broadcasts then read back: the table took 0.89x that row's
+ * permutes keep busy).  A table built per row in a stack array would make
+ * the broadcasts read back its stores: this one takes 0.89x that row's
  * time (rows in cache, one thread, bit-exact). */
 static int32_t vbmi_shift[256] __attribute__((aligned(64)));
 

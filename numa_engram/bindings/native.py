@@ -32,7 +32,7 @@ except ImportError as exc:  # pragma: no cover - only on a broken install
 def _core_version() -> str:
     try:
         return ffi.string(lib.ne_core_version()).decode()
-    except AttributeError:  # a core from before the version was compiled in
+    except AttributeError:  # a core without the version compiled in
         return "unknown (older)"
 
 
@@ -278,7 +278,7 @@ def ids_args(ids: np.ndarray) -> tuple[Any, int]:
     """The kernel's view of int64 ids and their row stride in ids: the
     buffer of contiguous ones (the cheap path), the first element's address
     of a strided view (a token's columns adjacent, tokens apart).  One call
-    for both: a decode step's lookup is a few us."""
+    for both (the decode budget, docs/design.md)."""
     try:  # the common case without a flags check: a contiguous array's buffer
         address = ffi.from_buffer(ids)
     except ValueError:  # numpy's "not C-contiguous"
@@ -314,7 +314,7 @@ def first_bad_id(ids: np.ndarray, col0: int, sizes: np.ndarray,
 
 
 # this process's pid, renewed in a forked child: a pool's threads belong to
-# the process that made them (os.getpid() per lookup was a syscall each)
+# the process that made them (os.getpid() per lookup would be a syscall each)
 _this_process = [os.getpid()]
 # every ShardKernel, so that a forked child's forget their parent's binding
 _kernels: weakref.WeakSet[ShardKernel] = weakref.WeakSet()

@@ -71,8 +71,8 @@ def check_hash_ids(hash_ids: Any, n_cols: int | None = None) -> np.ndarray:
     e.g. ``out[:, layer]`` of ``HashState.hash``; columns must be adjacent).
     int32 ids (as vLLM passes global rows) are widened, which copies.
     ``n_cols=None`` accepts any column count."""
-    # the common case in a few attribute reads: a decode step's whole
-    # lookup is a few us, and the general checks below take one
+    # the common case in a few attribute reads (the decode budget,
+    # docs/design.md): the general checks below take a microsecond
     if type(hash_ids) is np.ndarray and hash_ids.dtype is _INT64 and hash_ids.ndim == 2 \
             and (n_cols is None or hash_ids.shape[1] == n_cols) and hash_ids.flags.c_contiguous:
         return hash_ids

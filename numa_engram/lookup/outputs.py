@@ -187,7 +187,7 @@ class OutputPool:
         try:
             last = self._last  # the common case: the buffer of the last call, free again
             if last is not None and last.shape == shape:
-                # last.idle(), inline: a decode step's lookup is a few us
+                # last.idle(), inline (the decode budget, docs/design.md)
                 owner, tensor, storage = last._idle_refs
                 if _getrefcount(last.owner) == owner and _getrefcount(last.tensor) == tensor \
                         and last._use_count(last._storage) == storage:
@@ -236,7 +236,7 @@ class _Pooled:
     def shape_as(self, shape: tuple[int, ...]) -> None:
         """Make ``tensor``/``bits`` the memory as ``shape`` (kept when it is
         the shape they have), and note what idle counts are then."""
-        if shape == self.shape:  # before the import: a decode step's lookup is a few us
+        if shape == self.shape:  # before the import (the decode budget)
             return
         import torch
 

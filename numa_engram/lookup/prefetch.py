@@ -137,9 +137,8 @@ class LayerMetrics:
         """Whether the layer's next lookup should go to the worker: when the
         last lead was longer than a hand-off costs.  A shorter lead hides
         nothing even if the lookup is shorter still: the worker is still
-        waking when the wait comes (measured: 1-token lookups with a lead of
-        a few us went to the worker whenever the lead outlasted the
-        lookup, one in six, and cost ~100 us each)."""
+        waking when the wait comes (1-token lookups with a lead of a few us
+        handed to the worker cost ~100 us each)."""
         return self.last_lead_s >= HANDOFF_S
 
     def as_dict(self) -> dict:
@@ -285,14 +284,14 @@ class PrefetchScheduler:
         self._ran: dict[Any, _Ran] = {}
         self._sleepers = 0  # threads waiting on the lock (_sleep)
         # state changes hold the mutex (a Condition's `with` runs Python code,
-        # the lock's does not: a decode step's lookup is a few us)
+        # the lock's does not: the decode budget, docs/design.md)
         self._mutex = mutex = threading.Lock()
         self._lock = threading.Condition(mutex)  # waiters, submitters
         self._work = threading.Condition(mutex)  # the worker: a job queued, or stop
         self._closed = self._stopping = False
         self._queue: deque[_Job] = deque()  # CPU: submitted, not started, in order
         self._running = False  # CPU: a lookup runs (on the worker or a waiter)
-        self._cpu = backend == "cpu"  # (read every call: a decode step's lookup is a few us)
+        self._cpu = backend == "cpu"  # (read every call: the decode budget)
         if backend == "cpu":
             self._worker = threading.Thread(target=self._run_cpu, name="engram-prefetch",
                                             daemon=True)
@@ -400,8 +399,8 @@ class PrefetchScheduler:
         sync) and raise LookupIdError for bad ids.  ``timeout_s`` (CPU): give
         up after that long with PrefetchError; the lookup stays in flight
         (wait again, or reset())."""
-        # a decode step's case first, in the fewest steps (its lookup is a
-        # few us): a lookup run in its submit is collected without the lock
+        # a decode step's case first, in the fewest steps (the decode
+        # budget): a lookup run in its submit is collected without the lock
         record = self._ran.pop(layer, None)
         if record is None:  # (a job's lookup, or none)
             return self._wait_job(layer, check_errors, timeout_s)
@@ -593,7 +592,7 @@ class PrefetchScheduler:
     def _sleep(self, predicate: Callable[[], bool], timeout_s: float | None = None) -> bool:
         """Under the lock: wait on it until ``predicate``, counted, so that
         state changes wake threads only when some sleep (a notify costs a
-        decode step's lookup a few us even with no one to wake)."""
+        few us even with no one to wake: the decode budget)."""
         self._sleepers += 1
         try:
             return self._lock.wait_for(predicate, timeout_s)
@@ -734,7 +733,7 @@ class PrefetchScheduler:
             job.done, self._running = True, False
             if retire:
                 self._retire_locked(job)
-            if self._sleepers:  # (_wake_all, inline: a decode step's lookup is a few us)
+            if self._sleepers:  # (_wake_all, inline: the decode budget)
                 self._lock.notify_all()
             if self._stopping or self._queue and self._queue[0].woken:
                 # only when there is work for it: a woken worker that finds

@@ -102,7 +102,7 @@ class HashState:
                                             dtype=np.int64)
         self._offsets = np.ascontiguousarray([spec.head_offsets(layer) for layer in layers],
                                              dtype=np.int64)
-        # cast once: a decode step of one token is a few us, the casts were half of it
+        # cast once: per call the casts would be half of a one-token decode step
         self._native = native.WindowState(self._hist, self._next, self._scratch,
                                           self._multipliers, self._primes, self._offsets,
                                           spec.pad_id, spec.n_head_per_ngram, self.token_map,
@@ -154,7 +154,7 @@ class HashState:
         of it: the last call's again when nothing else refers to the array
         (the caller dropped it and every view of it: a numpy view, a tensor
         from_numpy or a memoryview holds it), else a new one.  Making the
-        array and its buffer was half of a 64-token decode step's Python."""
+        array and its buffer would be half of a 64-token decode step's Python."""
         last = self._last_out
         if last is not None and last[0].shape[0] == n and \
                 sys.getrefcount(last[0]) == self._idle_refs:

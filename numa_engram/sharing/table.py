@@ -336,7 +336,7 @@ class SharedEngramTable:
         ``prepare_out(buffer)`` gave, for a buffer used call after call."""
         if out is None and not packed and id_format == "bucket":
             # the default, a decode step's call: its Python is most of its
-            # cost (a few us at one token), so the fewest steps: a decode
+            # cost (the decode budget, docs/design.md), so the fewest steps: a decode
             # step's ids into the pooled output by the bound kernel, called
             # here as _run_kernel would; other ids, or a kernel not bound
             # yet, take the general path below
@@ -393,8 +393,8 @@ class SharedEngramTable:
 
         def lookup_into(hash_ids: Any) -> Rows:
             # a decode step's ids (as _decode_ids takes them) into the bound
-            # kernel (as _run_kernel calls it) in this one frame: a
-            # scheduler's whole decode step is a few us
+            # kernel (as _run_kernel calls it) in this one frame (the decode
+            # budget, docs/design.md)
             kernel = self._kernel
             if kernel is not None and (bound := kernel.bound) is not None and \
                     type(hash_ids) is np.ndarray and hash_ids.dtype is _INT64 and \
