@@ -1,8 +1,9 @@
 # make demo  - install into .venv and run the main job on a default table
 # make test  - install into .venv and run every test (NUMA ones in the VM)
+# make check - the fast lane: lint, types and the tests without processes or guests
 VENV ?= .venv
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test check bench
 setup:
 	VENV=$(VENV) tools/setup.sh
 
@@ -12,6 +13,9 @@ demo: setup
 
 test: setup
 	PYTHON=$(VENV)/bin/python tools/test.sh
+
+check: setup
+	PYTHON=$(VENV)/bin/python tools/check.sh
 
 bench: setup
 	$(VENV)/bin/python tools/bench.py

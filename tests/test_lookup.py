@@ -422,11 +422,11 @@ def test_table_workers_persist_and_stop_with_close_no_leak_after_100_tables():
     # 3 threads a call: the caller runs one part, 2 workers the others
     with SharedEngramTable.create(spec, 1, shard, lookup_threads=3) as table:
         first = table.lookup(ids).clone()
-        workers = table._kernel.workers
+        workers = table.rows._kernel.workers
         assert workers is not None and _threads() == before + 2  # made once...
         for _ in range(5):
             assert torch.equal(table.lookup(ids), first)
-        assert table._kernel.workers is workers and _threads() == before + 2  # ...and kept
+        assert table.rows._kernel.workers is workers and _threads() == before + 2  # ...and kept
         want = reference_lookup(table.weights, table.scales, ids, head_start=0,
                                 bucket_sizes=spec.bucket_sizes(1))
         assert torch.equal(first.view(torch.int16), want.view(torch.int16))
@@ -484,14 +484,14 @@ def test_tables_on_the_same_cpus_share_one_pool_that_the_last_to_let_go_stops():
                  for t in (a, b, c)]
         for table, want in zip((a, b, c), wants):
             assert torch.equal(table.lookup(ids).view(torch.int16), want)
-        assert a._kernel.workers is b._kernel.workers is not c._kernel.workers
+        assert a.rows._kernel.workers is b.rows._kernel.workers is not c.rows._kernel.workers
         assert _threads() == before + 2 + 1
         a.close()
         assert torch.equal(b.lookup(ids).view(torch.int16), wants[1])
         assert _threads(settle_at=before + 3) == before + 3  # b still uses them
         b.lookup_threads = 2  # b's kernel dropped: b now shares c's pool
         assert torch.equal(b.lookup(ids).view(torch.int16), wants[1])
-        assert b._kernel.workers is c._kernel.workers
+        assert b.rows._kernel.workers is c.rows._kernel.workers
         assert _threads(settle_at=before + 1) == before + 1  # nobody uses the 2-thread one
     finally:
         for table in (a, b, c):
@@ -524,7 +524,7 @@ def test_callers_of_tables_sharing_a_pool_each_get_their_own_rows():
             t.start()
         for t in threads:
             t.join()
-        assert a._kernel.workers is b._kernel.workers
+        assert a.rows._kernel.workers is b.rows._kernel.workers
         assert wrong == []
 
 
@@ -544,7 +544,7 @@ def test_a_forked_child_looks_up_through_a_pool_of_its_own():
             ok = False
             try:  # numpy only: torch's OpenMP pool does not survive a fork
                 got = table.lookup(ids).view(torch.int16).numpy()
-                ok = np.array_equal(got, want) and table._kernel.workers.pid == os.getpid()
+                ok = np.array_equal(got, want) and table.rows._kernel.workers.pid == os.getpid()
             finally:
                 os.write(w, b"1" if ok else b"0")
                 os._exit(0)
@@ -664,7 +664,7 @@ def test_a_pooled_output_is_handed_out_again_only_once_nothing_refers_to_it():
             again = table.lookup(ids)
             # the last call's buffer first (its lines are the ones in cache)
             assert again.data_ptr() == other_ptr, "a freed buffer is reused, not a new one made"
-            assert len(table._outputs._buffers) == 2
+            assert len(table.rows._outputs._buffers) == 2
 
 
 def test_a_prepared_output_gives_what_out_gives_and_refuses_another_shape():

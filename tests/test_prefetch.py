@@ -251,7 +251,7 @@ def test_a_lookup_waited_for_at_once_runs_on_the_waiting_thread():
     """No hand-off for a small step waited for at once: after the first
     lookup (which goes to the worker: nothing is known yet) the lead is
     shorter than the lookup, so every later one runs on the waiter."""
-    from numa_engram.lookup.prefetch import HANDOFF_S
+    from numa_engram.lookup.prefetchmetrics import HANDOFF_S
 
     threads, short = [], []
 
@@ -292,7 +292,7 @@ def test_a_long_lookup_goes_ahead_with_any_lead_longer_than_a_hand_off_only():
     """A long lookup (a prefill chunk) waited for at once runs on the
     waiter too (the hand-off would only add to it); with a lead longer than
     a hand-off costs, though shorter than the lookup, it runs ahead."""
-    from numa_engram.lookup.prefetch import HANDOFF_S
+    from numa_engram.lookup.prefetchmetrics import HANDOFF_S
 
     threads = []
 
@@ -353,7 +353,7 @@ def test_a_fast_lookup_with_a_lead_shorter_than_a_hand_off_stays_on_the_waiter()
     """A lead longer than the lookup but shorter than a hand-off hides
     nothing (the worker is still waking when the wait comes): the lookup
     runs on the waiter, not ahead."""
-    from numa_engram.lookup.prefetch import HANDOFF_S
+    from numa_engram.lookup.prefetchmetrics import HANDOFF_S
 
     threads, short = [], []
 
@@ -466,10 +466,10 @@ def test_a_tables_lookup_longer_than_a_hand_off_stays_in_its_submit(small_table,
     lead counted from the submit's call sent every other one to the worker,
     and its wait paid two wake-ups: 256-token steps 1.26-1.42x a direct
     lookup)."""
-    from numa_engram.lookup.prefetch import HANDOFF_S
+    from numa_engram.lookup.prefetchmetrics import HANDOFF_S
 
     spec, layer, table = small_table
-    where, bind = [], table.bind_lookup
+    where, bind = [], table.rows.bind_lookup
 
     def slow_bind(out, **kw):
         run = bind(out, **kw)
@@ -480,7 +480,7 @@ def test_a_tables_lookup_longer_than_a_hand_off_stays_in_its_submit(small_table,
             return run(ids)
         return slow
 
-    monkeypatch.setattr(table, "bind_lookup", slow_bind)
+    monkeypatch.setattr(table.rows, "bind_lookup", slow_bind)
     ids = ngram_hashes(spec, np.arange(6), layer)
     want = table.lookup(ids).view(torch.int16)
     with PrefetchScheduler({layer: table}, {layer: (spec.n_hash_cols, spec.head_dim)},
@@ -514,7 +514,7 @@ def test_wait_reads_the_device_error_record_only_when_asked(small_table, monkeyp
         if fail[0]:
             raise LookupIdError("bad ids on the device")
 
-    monkeypatch.setattr(table, "check_device_errors", check_device_errors)
+    monkeypatch.setattr(table.rows, "check_device_errors", check_device_errors)
     ids = ngram_hashes(spec, np.arange(6), layer)
     want = table.lookup(ids).view(torch.int16)
     with PrefetchScheduler({layer: table}, {layer: (spec.n_hash_cols, spec.head_dim)},
@@ -758,9 +758,10 @@ def test_stats_count_every_decode_step_once_while_other_threads_read_them(small_
     threads switching as often as they can: every step is counted once
     (lookups and latency histogram alike), no read fails, and the waits
     leave fewer than SETTLE_AT queued."""
-    from numa_engram.lookup import prefetch
+    from numa_engram.lookup import cpuprefetch, prefetch
 
-    monkeypatch.setattr(prefetch, "SETTLE_AT", 4)
+    for module in (prefetch, cpuprefetch):  # (the modules that read it)
+        monkeypatch.setattr(module, "SETTLE_AT", 4)
     spec, layer, table = small_table
     ids = ngram_hashes(spec, np.arange(6), layer)
     steps, reads, failed = 3000, [0], []

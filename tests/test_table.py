@@ -413,7 +413,7 @@ def test_lookup_counts_every_outcome_and_a_closed_table_says_so_whatever_the_ids
         table.lookup(bad_value)
     stats = table.stats()
     assert (stats.lookups, stats.bad_id_lookups, stats.failed_lookups) == (1, 3, 0)
-    assert table._active == 0
+    assert table.rows._active == 0
     table.close()
     for ids in (good, np.zeros((3, 1), dtype=np.int64)):
         with pytest.raises(StorageError, match="closed"):
@@ -450,7 +450,7 @@ def test_the_kernel_counts_each_lookup_once_in_the_bucket_its_time_falls_in(tp_s
     assert 0 < s.lookup_seconds < wall and dict(s.latency[0])["+Inf"] == 4
 
     def bucket_counts(bounds):
-        geometry = t._geometry
+        geometry = t.rows._geometry
         state = native.TableState(bounds)
         kernel = native.ShardKernel(geometry, 1, col0=t.shard.head_start, state=state)
         out = np.empty((5, 4, spec.head_dim), np.uint16)
@@ -476,7 +476,7 @@ def test_a_closed_table_state_refuses_the_kernel_and_close_waits_for_running_cal
 
     spec, t = tp_shard_table
     state = native.TableState([1e-3 * (i + 1) for i in range(16)])
-    kernel = native.ShardKernel(t._geometry, 1, col0=t.shard.head_start, state=state)
+    kernel = native.ShardKernel(t.rows._geometry, 1, col0=t.shard.head_start, state=state)
     ids = np.random.default_rng(0).integers(0, 400, (4000, spec.n_hash_cols))
     expected = t.lookup(ids).view(torch.int16).numpy()
     outcomes = []

@@ -197,7 +197,7 @@ class EngramRuntime:
                 return sharded.lookup(ids, id_format="global", counts=counts, out=out)
             return run
 
-        sources = {layer: made.table if made.sharded is None else sharded_lookup(made)
+        sources = {layer: made.table.rows if made.sharded is None else sharded_lookup(made)
                    for layer, made in layers.items()}
         shapes = {layer: (made.heads[1] - made.heads[0], spec.head_dim)
                   for layer, made in layers.items()}

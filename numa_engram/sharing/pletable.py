@@ -40,7 +40,7 @@ from .checkpoint import Progress
 from .group import SingleProcessGroup, as_group
 from .membership import MemberInfo
 from .request import CreateRequest, shard_key, table_layout
-from .table import TableStats, accounted_bytes, service_descriptor
+from .tablereports import TableStats, accounted_bytes, service_descriptor
 
 if TYPE_CHECKING:
     import torch

@@ -1,0 +1,1 @@
+"""tools/bench.py's benchmarks, one module per concern over one harness."""
