@@ -1,5 +1,11 @@
-"""Run a scenario in N real processes (spawn) joined by torch.distributed
-over gloo on 127.0.0.1, and collect each rank's JSON result."""
+"""Run a scenario in N real processes joined by torch.distributed over
+gloo on 127.0.0.1, and collect each rank's JSON result.
+
+Ranks are forked from a forkserver that imported torch and the scenarios
+once per test session: a rank starts in ~0.1 s instead of the ~3 s a
+fresh interpreter takes to import torch (the suite starts ~90 worlds).  A
+rank takes the caller's environment, working directory and memory cgroup
+as they are at ``run_world``, as a spawned one would."""
 
 import json
 import logging
@@ -48,7 +54,40 @@ def enter_host(source: str, hostname: str, mount_at: str = "/dev/shm") -> None:
     check(libc.sethostname(hostname.encode(), len(hostname)), "sethostname")
 
 
-def _worker(rank, world, port, scenario, kwargs, conn, pg_timeout_s, host=None):
+# imported once, in the forkserver (before it forks any rank)
+PRELOAD = ["numpy", "torch", "torch.distributed", "numa_engram", "tests.dist_scenarios"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # (no effect once the server runs)
+    return ctx
+
+
+def _caller_state():
+    """What a rank takes from its caller: environment, working directory,
+    memory cgroups (a test may limit the caller's memory)."""
+    from numa_engram.host.accounting import _cgroup_dirs
+
+    return dict(os.environ), os.getcwd(), [str(d) for d, _, _ in _cgroup_dirs()]
+
+
+def _become_caller(env, cwd, cgroups):
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    from numa_engram.host.accounting import _cgroup_dirs
+
+    mine = {str(d) for d, _, _ in _cgroup_dirs()}
+    for cgroup in cgroups:
+        if cgroup not in mine:  # (moving needs a writable cgroup: only when it differs)
+            with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+
+
+def _worker(rank, world, port, scenario, kwargs, conn, pg_timeout_s, host=None, caller=None):
+    if caller is not None:  # the caller's, not the forkserver's
+        _become_caller(*caller)
     if host is not None:
         enter_host(*host)
     import torch.distributed as dist
@@ -92,11 +131,12 @@ def run_world(world, scenario, timeout_s=180, pg_timeout_s=60, resume_stopped=Fa
     (SIGSTOP), they get SIGCONT and their results are collected too
     (marked ``resumed``).  ``hosts``: for each rank, (tmpfs dir, hostname,
     mount point) of the simulated host it runs on (see ``enter_host``)."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
+    caller = _caller_state()
     procs = [ctx.Process(target=_worker, args=(r, world, port, scenario, kwargs, pipes[r][1],
-                                               pg_timeout_s, hosts[r] if hosts else None))
+                                               pg_timeout_s, hosts[r] if hosts else None, caller))
              for r in range(world)]
     for p in procs:
         p.start()

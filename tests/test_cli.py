@@ -1,21 +1,34 @@
-"""The numa-engram tools, run as an operator runs them (subprocesses)."""
+"""The numa-engram tools' output and effects, through ``main(argv)`` in
+this process (what the command line runs; tests/test_cli_errors.py runs
+the real command for exit codes and signals)."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+
+from numa_engram.cli.app import main
 
 from .conftest import shm_files
 
 
 def cli(*args, check=True):
-    out = subprocess.run([sys.executable, "-m", "numa_engram.cli.app", *args], capture_output=True,
-                         text=True, timeout=300)
+    """``numa-engram ARGS``: its exit code, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's refusals and --help
+            code = exc.code if isinstance(exc.code, int) else 2
+    result = SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
     if check:
-        assert out.returncode == 0, out.stderr
-    return out
+        assert result.returncode == 0, result.stderr
+    return result
 
 
 def test_topo_reads_like_numactl_and_answers_json():

@@ -831,3 +831,29 @@ def test_histogram_buckets_are_a_bisects_whatever_the_last_bucket_was():
         expected[bisect_left(LOOKUP_BUCKETS, float(v))] += 1
     assert h.counts == expected
     assert h.total == pytest.approx(float(np.sum(values)))
+
+
+def test_counts_given_to_submit_reach_a_callables_lookup_and_no_tables(small_table):
+    """The DP-sharded step's token counts travel with its submit: a
+    callable's lookup gets them as its third argument (and none when the
+    submit passes none), in the worker and in the waiter alike; a table's
+    lookup takes none and gives its rows."""
+    spec, layer, table = small_table
+    seen = []
+
+    def lookup(ids, out, *counts):
+        seen.append(counts)
+        out.zero_()
+        return out
+
+    ids = ngram_hashes(spec, np.arange(6), layer)
+    shape = (spec.n_hash_cols, spec.head_dim)
+    with PrefetchScheduler({"fn": lookup, layer: table}, {"fn": shape, layer: shape},
+                           max_tokens=6) as sched:
+        for counts in ([6, 2], None, [6, 0]):
+            sched.submit("fn", ids, counts)
+            sched.submit(layer, ids, counts)
+            sched.wait("fn")
+            got = sched.wait(layer)
+            assert torch.equal(got.view(torch.int16), table.lookup(ids).view(torch.int16))
+    assert seen == [([6, 2],), (), ([6, 0],)]

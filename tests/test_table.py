@@ -145,10 +145,14 @@ def test_auto_falls_back_only_to_copies_that_fit(tmp_path):
 
 def test_ids_changed_by_another_thread_never_read_outside_the_table():
     child = run_python("""
+        import sys
         import threading
         import numpy as np
         from numa_engram import EngramSpec, SharedEngramTable, shard_heads
         from numa_engram.errors import LookupIdError
+        # the flipping thread gets the GIL back within 0.2 ms, not 5 ms: many
+        # more flips land while the kernel reads, and no lookup waits long
+        sys.setswitchinterval(0.0002)
         spec = EngramSpec.small(rows_per_head=2000)
         t = SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0))
         t.lookup_threads = 2

@@ -69,13 +69,13 @@ class CPUScheduler(PrefetchScheduler):
                                         daemon=True)
         self._worker.start()
 
-    def submit(self, layer: Any, hash_ids: Any) -> None:
+    def submit(self, layer: Any, hash_ids: Any, counts: Any = None) -> None:
         lane, (out, run, now_ok) = self._staged_rows(layer, len(hash_ids))
         mutex = self._mutex
         mutex.acquire()
         try:
-            # a decode step's case, in the fewest steps (its lookup is a few
-            # us): a table's lookup with no job in flight (none queued,
+            # a decode step's case, in the fewest steps (the decode budget):
+            # a table's lookup with no job in flight (none queued,
             # running, waiting for a slot or not yet collected: every job is
             # in _inflight from its claim to its retirement, so no job holds
             # a slot either), whose wait comes too soon for the worker to
@@ -96,18 +96,19 @@ class CPUScheduler(PrefetchScheduler):
                 return
         finally:
             mutex.release()
-        self._submit_job(layer, lane, hash_ids, out, run)
+        self._submit_job(layer, lane, hash_ids, out, run, None if now_ok else counts)
 
-    def _submit_job(self, layer: Any, lane: Lane, hash_ids: Any, out: Any, run: Any) -> None:
+    def _submit_job(self, layer: Any, lane: Lane, hash_ids: Any, out: Any, run: Any,
+                    counts: Any) -> None:
         """submit() of a lookup that goes through a job: queued for the
         worker (a long lead, or behind its work) or for its waiter (the
         waiter runs it when it is next), or launched on the side stream."""
         job = self._spare.pop(layer, None)  # the layer's last job, collected by its wait
         now = perf_counter()
         if job is None:
-            job = Job(layer, hash_ids, out, run, now)
+            job = Job(layer, hash_ids, out, run, now, counts=counts)
         else:
-            job.rearm(hash_ids, out, run, now)
+            job.rearm(hash_ids, out, run, now, counts)
         mutex = self._mutex
         mutex.acquire()  # check and claim the layer in one step
         try:
@@ -266,8 +267,8 @@ class CPUScheduler(PrefetchScheduler):
                                           id_format=self._id_format), True
         lookup = self._lookups[layer]
 
-        def run(ids: Any) -> Any:
-            return lookup(ids, view)
+        def run(ids: Any, *counts: Any) -> Any:
+            return lookup(ids, view, *counts)
         return view, run, False
 
     def _run_cpu(self) -> None:
@@ -324,7 +325,10 @@ class CPUScheduler(PrefetchScheduler):
         job.started = perf_counter() if started is None else started
         if not job.cancelled:
             try:
-                job.run(job.ids)
+                if job.counts is None:
+                    job.run(job.ids)
+                else:
+                    job.run(job.ids, job.counts)
             except BaseException as exc:  # surfaces at this layer's wait()
                 job.error = exc
         job.finished = perf_counter()

@@ -39,11 +39,11 @@ class CUDAScheduler(PrefetchScheduler):
         self._stream = self._torch.cuda.Stream(device=self._device)
         self._gpu_times: list[tuple[Any, Any, Any]] = []  # (layer, start, end) not yet read
 
-    def submit(self, layer: Any, hash_ids: Any) -> None:
+    def submit(self, layer: Any, hash_ids: Any, counts: Any = None) -> None:
         """Launch the layer's lookup on the side stream after the consumer's
         queued work."""
         _, (out, _, _) = self._staged_rows(layer, len(hash_ids))
-        job = Job(layer, hash_ids, out, None, perf_counter())
+        job = Job(layer, hash_ids, out, None, perf_counter(), counts=counts)
         with self._mutex:
             self._claim(job, _NONE_HELD)
         self._launch(job)
@@ -105,7 +105,11 @@ class CUDAScheduler(PrefetchScheduler):
         with torch.cuda.stream(self._stream):
             job.start_event.record(self._stream)
             try:
-                self._lookups[job.layer](job.ids, job.out)
+                lookup = self._lookups[job.layer]
+                if job.counts is None or self._rows[job.layer] is not None:
+                    lookup(job.ids, job.out)
+                else:
+                    lookup(job.ids, job.out, job.counts)
             except BaseException as exc:
                 job.error = exc
             job.event.record(self._stream)

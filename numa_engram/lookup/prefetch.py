@@ -41,7 +41,9 @@ if TYPE_CHECKING:
 
     Rows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
-LookupFn = Callable[[Any, Any], Any]  # (hash_ids, out) -> out
+# (hash_ids, out) -> out; called (hash_ids, out, counts) when a submit
+# passes counts (the DP-sharded step's EDP token counts)
+LookupFn = Callable[..., Any]
 # A layer's staged rows of one size: (rows, run(ids) into them, whether run
 # may run under the scheduler's lock)
 Staged = tuple[Any, Any, bool]
@@ -64,11 +66,12 @@ class Job:
     retired: bool = False  # its layer and slot are free again (under the lock)
     event: Any = None  # CUDA event: the lookup is done
     start_event: Any = None  # CUDA event: the lookup started (timing)
+    counts: Any = None  # what the submit passed on to a callable's lookup
 
-    def rearm(self, ids: Any, out: Any, run: Any, submitted: float) -> None:
+    def rearm(self, ids: Any, out: Any, run: Any, submitted: float, counts: Any) -> None:
         """The layer's next CPU lookup in this (retired) job: no allocation
         per step."""
-        self.ids, self.out, self.run = ids, out, run
+        self.ids, self.out, self.run, self.counts = ids, out, run, counts
         self.submitted = submitted
         self.done = self.cancelled = self.slot = self.woken = self.retired = False
         self.started = self.finished = 0.0
@@ -199,8 +202,10 @@ class PrefetchScheduler:
         self._closed = False
 
     # -------------------------------------------------------------- api --
-    def submit(self, layer: Any, hash_ids: Any) -> None:
-        """Queue the layer's lookup after everything already submitted."""
+    def submit(self, layer: Any, hash_ids: Any, counts: Any = None) -> None:
+        """Queue the layer's lookup after everything already submitted.
+        ``counts`` (e.g. the DP-sharded step's EDP token counts) go to a
+        callable's lookup as its third argument; a table's takes none."""
         raise NotImplementedError
 
     def wait(self, layer: Any, *, check_errors: bool = False,

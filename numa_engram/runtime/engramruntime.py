@@ -186,14 +186,12 @@ class EngramRuntime:
                   device: int | None, sequence_parallel: bool, background: bool,
                   phases: dict[str, float]) -> EngramRuntime:
         spec = model.spec
-        runtime: EngramRuntime | None = None
 
-        def sharded_lookup(made: _Layer) -> Callable[[Any, Any], Any]:
+        def sharded_lookup(made: _Layer) -> Callable[..., Any]:
             assert made.sharded is not None
             sharded = made.sharded
 
-            def run(ids: Any, out: Any) -> Any:
-                counts = None if runtime is None else runtime._counts
+            def run(ids: Any, out: Any, counts: Sequence[int] | None = None) -> Any:
                 return sharded.lookup(ids, id_format="global", counts=counts, out=out)
             return run
 
@@ -209,9 +207,8 @@ class EngramRuntime:
         gather = HeadGather(tp, spec.n_hash_cols, spec.head_dim, max_tokens, tuple(layers),
                             sequence_parallel=sequence_parallel,
                             device=None if device is None else f"cuda:{device}")
-        runtime = cls(model, layers, hash_state, scheduler, gather, sharing=sharing, tp=tp,
-                      edp=edp, max_tokens=max_tokens, device=device, phases=phases)
-        return runtime
+        return cls(model, layers, hash_state, scheduler, gather, sharing=sharing, tp=tp, edp=edp,
+                   max_tokens=max_tokens, device=device, phases=phases)
 
     # ------------------------------------------------------------- step --
     def begin_step(self, token_ids: ArrayLike, slots: ArrayLike, positions: ArrayLike,
@@ -418,7 +415,7 @@ class EngramRuntime:
 
             ids = torch.from_numpy(np.ascontiguousarray(ids)).to(f"cuda:{self.device}",
                                                                  non_blocking=True)
-        self._scheduler.submit(layer_id, ids)
+        self._scheduler.submit(layer_id, ids, self._counts)
         self._pending.add(layer_id)
 
 

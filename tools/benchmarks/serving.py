@@ -67,8 +67,8 @@ def _serving_variants(spec, table, tokens: int, rng,
     sched = PrefetchScheduler({1: table}, {1: (len(sizes), spec.head_dim)}, max_tokens=tokens)
     # the bare calls: the table's kernel, and one bound alike to a single
     # thread on the same CPUs, both made once (as a table makes its own)
-    kernel, buffer = table._shard_kernel(), native.ffi.from_buffer(bits)
-    one_thread = native.ShardKernel(table._geometry, 1, table.lookup_cpus)
+    kernel, buffer = table.rows._shard_kernel(), native.ffi.from_buffer(bits)
+    one_thread = native.ShardKernel(table.rows._geometry, 1, table.lookup_cpus)
 
     def close() -> None:
         sched.close()
