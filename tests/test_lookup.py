@@ -40,11 +40,10 @@ def test_fused_kernel_is_bit_exact_with_reference(head_start, head_end, threads,
     sizes, w, s = _shard(head_start, head_end)
     ids = _ids(777)
     ids[:50] = ids[50:100]  # repeated rows
-    native.tune_prefetch(*prefetch)  # how far ahead never changes what is read
-    try:
-        got = lookup_rows(w, s, ids, head_start=head_start, bucket_sizes=sizes, threads=threads)
-    finally:
-        native.tune_prefetch(*native.DEFAULT_PREFETCH)
+    # how far ahead, and with which hint, never changes what is read
+    tuning = native.Tuning(prefetch_ahead=prefetch[0], prefetch_hint=prefetch[1])
+    got = lookup_rows(w, s, ids, head_start=head_start, bucket_sizes=sizes, threads=threads,
+                      tuning=tuning)
     want = reference_lookup(w, s, ids, head_start=head_start, bucket_sizes=sizes)
     assert got.shape == (777, head_end - head_start, DIM) and got.dtype == torch.bfloat16
     np.testing.assert_array_equal(_bits(got), _bits(want))
@@ -364,33 +363,29 @@ def test_no_memory_for_the_kernel_scratch_is_a_memory_error():
 
 # ------------------------------------------------ serving-size lookups --
 
-@pytest.fixture
-def small_rows_default():
-    yield
-    native.tune_small_rows(native.lib.NE_SMALL_ROWS)
-
-
 @pytest.mark.parametrize("rows_at", [0, 1, native.lib.NE_SMALL_ROWS, 4096])
 @pytest.mark.parametrize("tokens", [1, 7, 85, 86, 200])
-def test_both_sides_of_the_small_call_threshold_are_bit_exact(small_rows_default, rows_at,
-                                                              tokens):
+def test_both_sides_of_the_small_call_threshold_are_bit_exact(rows_at, tokens):
     """24 heads: 85 tokens are 2040 rows, 86 are 2064 (either side of the
     default); the threshold moved to 0 and 4096 puts every size on one side."""
     sizes = [97 + i for i in range(24)]
     w, s = random_rows(sum(sizes), 64, seed=tokens)
     rng = np.random.default_rng(tokens)
     ids = np.stack([rng.integers(-1, n, tokens) for n in sizes], 1)
-    native.tune_small_rows(rows_at)
+    tuning = native.Tuning(small_rows=rows_at)
     for threads in (1, 2):
-        got = lookup_rows(w, s, ids, head_start=0, bucket_sizes=sizes, threads=threads)
+        got = lookup_rows(w, s, ids, head_start=0, bucket_sizes=sizes, threads=threads,
+                          tuning=tuning)
         want = reference_lookup(w, s, ids, head_start=0, bucket_sizes=sizes)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
         packed = (np.empty((tokens, 24, 64), np.uint8), np.empty((tokens, 24, 2), np.uint8))
-        gather(w, s, ids, head_start=0, bucket_sizes=sizes, out=packed, threads=threads)
+        gather(w, s, ids, head_start=0, bucket_sizes=sizes, out=packed, threads=threads,
+               tuning=tuning)
         rows = np.where(ids >= 0, ids + np.cumsum([0] + sizes[:-1]), 0)
         np.testing.assert_array_equal(packed[0], np.where((ids >= 0)[..., None], w[rows], 0))
-    with pytest.raises(ValueError, match="0..4096"):
-        native.tune_small_rows(5000)
+    with pytest.raises(ValueError, match="small_rows must be in 0..4096"):
+        lookup_rows(w, s, ids, head_start=0, bucket_sizes=sizes,
+                    tuning=native.Tuning(small_rows=5000))
 
 
 def _threads(settle_at: int | None = None) -> int:
@@ -562,19 +557,10 @@ def test_a_forked_child_looks_up_through_a_pool_of_its_own():
         np.testing.assert_array_equal(table.lookup(ids).view(torch.int16).numpy(), want)
 
 
-@pytest.fixture
-def split_and_stream_default():
-    yield
-    native.tune_split_rows(native.lib.NE_SPLIT_ROWS)
-    native.tune_stream_bytes(native.lib.NE_STREAM_BYTES)
-    native.tune_job_rows(native.lib.NE_JOB_ROWS)
-
-
 @pytest.mark.parametrize("split_rows", [1, native.lib.NE_SPLIT_ROWS, 1 << 40])
 @pytest.mark.parametrize("stream_bytes", [0, native.lib.NE_STREAM_BYTES, 1 << 40])
 @pytest.mark.parametrize("job_rows", [1, native.lib.NE_JOB_ROWS, native.lib.NE_SHARE_ROWS])
-def test_split_and_streaming_thresholds_never_change_the_bits(split_and_stream_default,
-                                                              split_rows, stream_bytes, job_rows):
+def test_split_and_streaming_thresholds_never_change_the_bits(split_rows, stream_bytes, job_rows):
     """A call splits over the table's threads (the caller and its pool)
     only above split_rows rows per thread, in jobs of job_rows rows that
     the threads claim up to NE_SHARE_ROWS rows (one job a thread above),
@@ -584,12 +570,11 @@ def test_split_and_streaming_thresholds_never_change_the_bits(split_and_stream_d
     from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 
     spec = EngramSpec.small(rows_per_head=500)
-    native.tune_split_rows(split_rows)
-    native.tune_stream_bytes(stream_bytes)
-    native.tune_job_rows(job_rows)
     rng = np.random.default_rng(split_rows % 97)
     with SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0),
                                   lookup_threads=3) as table:
+        table.rows.tuning = native.Tuning(split_rows=split_rows, stream_bytes=stream_bytes,
+                                          job_rows=job_rows)
         table.weights[:] = rng.integers(0, 256, table.weights.shape, dtype=np.uint8)
         table.scales[:] = rng.integers(100, 140, table.scales.shape, dtype=np.uint8)
         sizes = spec.bucket_sizes(1)
@@ -599,12 +584,9 @@ def test_split_and_streaming_thresholds_never_change_the_bits(split_and_stream_d
             want = reference_lookup(table.weights, table.scales, ids, head_start=0,
                                     bucket_sizes=sizes)
             assert torch.equal(table.lookup(ids).view(torch.int16), want.view(torch.int16))
-    with pytest.raises(ValueError, match=">= 1"):
-        native.tune_split_rows(0)
-    with pytest.raises(ValueError, match="1..16384"):
-        native.tune_job_rows(0)
-    with pytest.raises(ValueError, match=">= 0"):
-        native.tune_stream_bytes(-1)
+    for bad in (dict(split_rows=0), dict(job_rows=0), dict(stream_bytes=-1)):
+        with pytest.raises(ValueError, match="split_rows >= 1, job_rows in 1..16384"):
+            table.rows.tuning = native.Tuning(**bad)
 
 
 def test_jobs_claimed_by_whichever_thread_is_awake_give_the_bits_of_every_call():

@@ -124,11 +124,19 @@ def test_read_rows_reads_every_line_of_every_row():
         native.read_rows(table, np.array([1000]))
 
 
-def test_prefetch_tuning_refuses_values_out_of_range():
-    for ahead, hint in ((-1, 0), (257, 0), (8, 4)):
-        with pytest.raises(ValueError, match="want 0..256 and 0..3"):
-            native.tune_prefetch(ahead, hint)
-    native.tune_prefetch(*native.DEFAULT_PREFETCH)
+def test_a_kernel_tuning_outside_its_bounds_is_refused_naming_them():
+    """Thresholds the kernel's stack scratch or a division could not take
+    never reach it: ShardKernel(tuning=) checks them (through C, which
+    holds the bounds) before anything is bound."""
+    bad = [dict(prefetch_ahead=-1), dict(prefetch_ahead=257), dict(prefetch_hint=4),
+           dict(small_rows=-1), dict(small_rows=native.lib.NE_MAX_SMALL_ROWS + 1),
+           dict(split_rows=0), dict(job_rows=0), dict(job_rows=native.lib.NE_SHARE_ROWS + 1),
+           dict(stream_bytes=-1)]
+    for fields in bad:
+        with pytest.raises(ValueError, match="prefetch_ahead in 0..256, prefetch_hint in 0..3"):
+            native.Tuning(**fields).struct()
+    native.Tuning(small_rows=native.lib.NE_MAX_SMALL_ROWS, split_rows=1, job_rows=1,
+                  stream_bytes=0, prefetch_ahead=256, prefetch_hint=3).struct()  # the edges
 
 
 def test_hardware_division_and_reciprocals_hash_alike():

@@ -436,3 +436,20 @@ def test_a_raw_model_directory_is_streamed_and_reads_back(tmp_path):
     with table:
         scales = np.asarray(table.scales)
         assert scales.min() >= 110 and scales.max() <= 134 and np.asarray(table.weights).any()
+
+
+def test_a_checkpoint_missing_a_later_layer_is_refused_before_any_table(tmp_path, monkeypatch):
+    """The model directory's checkpoint is resolved for every layer once,
+    before any table is made: a checkpoint without the last layer's tensors
+    is a CheckpointError naming it, and no table was created (nor loaded)."""
+    from numa_engram.errors import CheckpointError
+    from numa_engram.sharing.table import SharedEngramTable
+
+    first, last = SPEC.layer_ids[0], SPEC.layer_ids[-1]
+    root = write_synthetic_model(tmp_path, SPEC, layers=[first])
+    made = []
+    monkeypatch.setattr(SharedEngramTable, "create",
+                        classmethod(lambda cls, *a, **k: made.append(a) or pytest.fail("made")))
+    with pytest.raises(CheckpointError, match=f"layers.{last}.|layer {last}") as err:
+        EngramRuntime.from_pretrained(str(root), max_tokens=8, max_requests=2)
+    assert made == [], err.value

@@ -42,6 +42,8 @@ struct lookup_job {
     uint8_t *raw_w, *raw_s; /* packed output instead of out: the rows as stored */
     int64_t t_begin, t_end;
     int64_t call_rows; /* the whole call's rows: whether its output is streamed */
+    int64_t small_rows, stream_bytes; /* the call's tuning (struct ne_tuning) */
+    int prefetch_ahead, prefetch_hint;
     const int *cpus; /* a fresh thread's affinity: the rows' node's CPUs */
     int n_cpus;
     /* ids outside their head's buckets (neither DEAD nor valid): written
@@ -52,45 +54,22 @@ struct lookup_job {
 
 /* Rows some lookups ahead are prefetched: random 264-byte rows are
  * memory-latency bound, not compute bound.  How far ahead and with which
- * locality hint is tunable (ne_tune_prefetch) so tools/bench.py can measure
- * the choice; the defaults are what it measured best (64 rows ahead, hint 1
- * = PREFETCHT2).  The helpers that issue prefetches are always_inline: a
- * call to a function whose only effect is __builtin_prefetch is one GCC
- * may drop as having no effect (it did at -O3 without -fwrapv). */
+ * locality hint is a kernel's tuning (struct ne_tuning), so tools/bench.py
+ * can measure the choice; the defaults are what it measured best (64 rows
+ * ahead, hint 1 = PREFETCHT2).  The helpers that issue prefetches are
+ * always_inline: a call to a function whose only effect is
+ * __builtin_prefetch is one GCC may drop as having no effect (it did at
+ * -O3 without -fwrapv). */
 #define NE_PREFETCH_AHEAD 64 /* rows ahead: bench's best on 2- and 4-node hosts */
 #define NE_PREFETCH_HINT 1   /* PREFETCHT2: rows are read once, not kept in L1 */
-enum { MAX_PREFETCH_AHEAD = 256 }; /* beyond this the rows are evicted before they are read */
-static int prefetch_ahead = NE_PREFETCH_AHEAD, prefetch_hint = NE_PREFETCH_HINT;
-
-int ne_tune_prefetch(int ahead, int hint)
-{
-    if (ahead < 0 || ahead > MAX_PREFETCH_AHEAD || hint < 0 || hint > 3) {
-        errno = EINVAL;
-        return -1;
-    }
-    prefetch_ahead = ahead;
-    prefetch_hint = hint;
-    return 0;
-}
-
-/* Set a tunable to value when lo <= value <= hi; else EINVAL.  The one
- * setter of the row and byte thresholds below. */
-static int set_knob(int64_t *knob, int64_t value, int64_t lo, int64_t hi)
-{
-    if (value < lo || value > hi) {
-        errno = EINVAL;
-        return -1;
-    }
-    *knob = value;
-    return 0;
-}
+#define NE_MAX_PREFETCH_AHEAD 256 /* beyond this the rows are evicted before they are read */
 
 /* __builtin_prefetch takes its hint as a constant */
 static inline __attribute__((always_inline)) void
-prefetch_row(const char *p, int64_t bytes)
+prefetch_row(const char *p, int64_t bytes, int hint)
 {
     for (int64_t off = 0; off < bytes; off += 64) {
-        switch (prefetch_hint) {
+        switch (hint) {
         case 3: __builtin_prefetch(p + off, 0, 3); break;
         case 2: __builtin_prefetch(p + off, 0, 2); break;
         case 1: __builtin_prefetch(p + off, 0, 1); break;
@@ -258,8 +237,8 @@ enum { STAGE_ROWS = 64, MAX_STAGE_BYTES = 1024, MAX_STAGE_SCALES = 64 };
 static inline __attribute__((always_inline)) void
 prefetch_table_row(const struct lookup_job *j, int64_t row, int64_t n_scales)
 {
-    prefetch_row((const char *)(j->weights + row * j->dim), j->dim);
-    prefetch_row((const char *)(j->scales + row * n_scales), 1);
+    prefetch_row((const char *)(j->weights + row * j->dim), j->dim, j->prefetch_hint);
+    prefetch_row((const char *)(j->scales + row * n_scales), 1, j->prefetch_hint);
 }
 
 /* Row q + ahead of the chunk, weights and scale bytes, on its way to cache. */
@@ -295,7 +274,7 @@ static void dequant_chunk(const struct lookup_job *j, const struct order *o, int
     const int64_t dim = j->dim, n_scales = dim / j->block;
     const uint8_t *const weights = j->weights, *const scales = j->scales;
     const int staged = dim <= MAX_STAGE_BYTES && n_scales <= MAX_STAGE_SCALES;
-    const int ahead_n = prefetch_ahead;
+    const int ahead_n = j->prefetch_ahead;
     uint8_t w_stage[STAGE_ROWS * MAX_STAGE_BYTES] __attribute__((aligned(64)));
     uint8_t s_stage[STAGE_ROWS * MAX_STAGE_SCALES] __attribute__((aligned(64)));
     prefetch_first(j, o, ahead_n, n_scales);
@@ -357,7 +336,7 @@ static void gather_chunk(const struct lookup_job *j, const struct order *o, int6
                          int stream)
 {
     const int64_t n_scales = j->dim / j->block;
-    const int ahead_n = prefetch_ahead;
+    const int ahead_n = j->prefetch_ahead;
     prefetch_first(j, o, ahead_n, n_scales);
     for (int64_t q = 0; q < o->n; q++) {
         prefetch_ahead_of(j, o, q, ahead_n, n_scales);
@@ -377,18 +356,12 @@ static void run_sorted_job(struct lookup_job *j);
 /* Small calls (a decode step: 1-256 tokens x 24 heads) skip the sort: its
  * 4,096-bucket histogram and scratch cost more than the page walks it saves
  * there, so rows are read in token order (still prefetched ahead, through
- * the same stage) from stack scratch.  The threshold is tunable
- * (ne_tune_small_rows) so tools/bench.py can measure it and tests can run
- * both sides; the default is what bench measured. */
+ * the same stage) from stack scratch.  The threshold is a kernel's tuning
+ * so tools/bench.py can measure it and tests can run both sides; the
+ * default is what bench measured. */
 #define NE_STREAM_BYTES (512 << 10) /* a call's output: bench's crossover of plain and streaming */
 #define NE_SMALL_ROWS 2048 /* rows: bench's crossover of token order and table order */
-enum { MAX_SMALL_ROWS = 4096 }; /* the small path's scratch is on the stack (64 KiB) */
-static int64_t small_rows = NE_SMALL_ROWS;
-
-int ne_tune_small_rows(int64_t rows)
-{
-    return set_knob(&small_rows, rows, 0, MAX_SMALL_ROWS);
-}
+#define NE_MAX_SMALL_ROWS 4096 /* the small path's scratch is on the stack (64 KiB) */
 
 /* The n rows from flat index k0 on, in token order: DEAD and bad ids get
  * zero rows (bad ones noted), the others go to o->row / o->pos. */
@@ -420,13 +393,8 @@ static void direct_chunk(struct lookup_job *j, struct cursor *cur, int64_t k0, i
  * heads of 256), 64-256 tokens take 0.68-0.84x numpy take streamed against
  * 0.90-1.08x plain; 8-16 tokens streamed take 1.1x their plain time; the
  * lookup and a CPU reader's copy of its rows take 0.90-1.10x plain at
- * 64-512 tokens. */
-static int64_t stream_min_bytes = NE_STREAM_BYTES;
-
-int ne_tune_stream_bytes(int64_t bytes)
-{
-    return set_knob(&stream_min_bytes, bytes, 0, INT64_MAX);
-}
+ * 64-512 tokens.  The size is a kernel's tuning (NE_STREAM_BYTES unless
+ * told). */
 
 /* The row function of a job: the picked one (AVX-512 where it is), or on
  * an AVX2 CPU the AVX2 rows, streaming for a large 32-byte aligned output. */
@@ -434,13 +402,14 @@ static row_fn job_row_fn(const struct lookup_job *j, row_fn picked)
 {
 #if defined(__x86_64__)
     const int64_t out_bytes = j->call_rows * j->dim * 2;
+    const int64_t stream_bytes = j->stream_bytes;
     if (picked == row_vbmi)
-        return out_bytes >= stream_min_bytes ? row_vbmi_stream : row_vbmi;
+        return out_bytes >= stream_bytes ? row_vbmi_stream : row_vbmi;
     if (picked == row_avx512)
-        return out_bytes >= stream_min_bytes ? row_avx512_stream : row_avx512;
+        return out_bytes >= stream_bytes ? row_avx512_stream : row_avx512;
     if (picked == row_generic && have_avx2() && j->block == 32 && j->dim % 32 == 0)
-        return out_bytes >= stream_min_bytes && ((uintptr_t)j->out & 31) == 0 ? row_avx2_stream
-                                                                           : row_avx2;
+        return out_bytes >= stream_bytes && ((uintptr_t)j->out & 31) == 0 ? row_avx2_stream
+                                                                       : row_avx2;
 #endif
     (void)j;
     return picked;
@@ -453,7 +422,7 @@ static int use_streaming(const struct lookup_job *j, row_fn row_dequant)
      * there and allowed) and whole 64-byte lines at every output row */
     const int64_t out_bytes = j->call_rows * j->dim;
     const int avx512 = row_dequant == row_avx512 || row_dequant == row_vbmi;
-    return avx512 && out_bytes >= stream_min_bytes && j->dim % 64 == 0
+    return avx512 && out_bytes >= j->stream_bytes && j->dim % 64 == 0
            && ((uintptr_t)j->raw_w & 63) == 0;
 #else
     (void)j;
@@ -476,9 +445,9 @@ static void finish_stores(void)
 static void run_job(struct lookup_job *j)
 {
     const int64_t n_rows = (j->t_end - j->t_begin) * j->n_heads;
-    if (n_rows > 0 && n_rows <= small_rows) {
+    if (n_rows > 0 && n_rows <= j->small_rows) {
         const row_fn row_dequant = pick_row_fn();
-        int64_t row[MAX_SMALL_ROWS], pos[MAX_SMALL_ROWS];
+        int64_t row[NE_MAX_SMALL_ROWS], pos[NE_MAX_SMALL_ROWS];
         struct order o = {.row = row, .pos = pos};
         struct cursor cur = {j->t_begin, 0};
         direct_chunk(j, &cur, j->t_begin * j->n_heads, n_rows, &o);
@@ -536,7 +505,8 @@ static void run_job_of(void *job)
  * is set for the call (*saved: what to put back) and 1 returned; a small
  * one runs where the caller is (two syscalls are nothing next to a large
  * gather, much next to a decode step's). */
-static int caller_to_node(const int *cpus, int n_cpus, int64_t rows_each, cpu_set_t *saved)
+static int caller_to_node(const int *cpus, int n_cpus, int64_t rows_each, int64_t small_rows,
+                          cpu_set_t *saved)
 {
     cpu_set_t want;
     if (n_cpus <= 0 || rows_each <= small_rows)
@@ -567,17 +537,11 @@ static void caller_back(int moved, const cpu_set_t *saved)
  * here with the workers asleep between calls (as between a server's
  * layers), 2 threads: 48-row jobs took 0.60-0.66x numpy take from 64 to
  * 256 tokens, 96-row ones 0.63-0.74x, one job a thread 0.74-0.95x; the
- * knob (ne_tune_job_rows) is for benchmarks and tests. */
+ * job size is a kernel's tuning, for benchmarks and tests. */
 #define NE_JOB_ROWS 48
 #define NE_SHARE_ROWS 16384
-static int64_t job_rows = NE_JOB_ROWS;
 
-int ne_tune_job_rows(int64_t rows)
-{
-    return set_knob(&job_rows, rows, 1, NE_SHARE_ROWS);
-}
-
-static int pool_jobs(int64_t n_tokens, int64_t n_heads, int n_threads)
+static int pool_jobs(int64_t n_tokens, int64_t n_heads, int n_threads, int64_t job_rows)
 {
     const int64_t rows = n_tokens * n_heads;
     const int64_t jobs = rows > NE_SHARE_ROWS ? n_threads : rows / job_rows;
@@ -588,20 +552,14 @@ static int pool_jobs(int64_t n_tokens, int64_t n_heads, int n_threads)
  * rows: waking a sleeping worker costs the caller a system call (~10 us in
  * this guest, with the IPI), which a decode step of 8 tokens (192 rows,
  * ~60 us) does not win back: split, it took 1.2-1.5x unsplit; 32 tokens
- * split took 0.9x.  Tunable (ne_tune_split_rows) for benchmarks and
- * tests. */
+ * split took 0.9x.  A kernel's tuning, for benchmarks and tests. */
 #define NE_SPLIT_ROWS 256 /* rows per thread */
-static int64_t split_rows = NE_SPLIT_ROWS;
-
-int ne_tune_split_rows(int64_t rows)
-{
-    return set_knob(&split_rows, rows, 1, INT64_MAX);
-}
 
 /* Threads for a call of n_tokens x n_heads rows: at most n_threads, one
  * per split_rows rows, and no more than the pool serves (its threads and
  * the caller) when a pool is given. */
-static int call_threads(int n_threads, int64_t n_tokens, int64_t n_heads, int pool_threads)
+static int call_threads(int n_threads, int64_t n_tokens, int64_t n_heads, int pool_threads,
+                        int64_t split_rows)
 {
     const int64_t by_rows = n_tokens * n_heads / split_rows;
     if (pool_threads > 0 && n_threads > pool_threads + 1)
@@ -628,15 +586,17 @@ void ne_last_bad(int64_t *flat_and_value)
  * thread (bound to the CPUs cpus[0..n_cpus) when n_cpus > 0).  Returns the number of bad ids (the first one kept for
  * ne_last_bad), or -1 with errno. */
 static int64_t run_lookup_jobs(const struct lookup_job *proto, int64_t n_tokens, int n_threads,
-                               const int *cpus, int n_cpus, struct ne_pool *pool)
+                               const int *cpus, int n_cpus, struct ne_pool *pool,
+                               const struct ne_tuning *tn)
 {
     struct lookup_job jobs[NE_MAX_THREADS];
     int64_t bad = 0;
     int rc = 0;
     const int pool_threads = ne_pool_size(pool);
-    n_threads = call_threads(n_threads, n_tokens, proto->n_heads, pool_threads);
+    n_threads = call_threads(n_threads, n_tokens, proto->n_heads, pool_threads, tn->split_rows);
     const int n_jobs = n_threads > 1 && pool_threads > 0
-                           ? pool_jobs(n_tokens, proto->n_heads, n_threads) : n_threads;
+                           ? pool_jobs(n_tokens, proto->n_heads, n_threads, tn->job_rows)
+                           : n_threads;
     for (int i = 0; i < n_jobs; i++) {
         jobs[i] = *proto;
         split_range(n_tokens, n_jobs, i, &jobs[i].t_begin, &jobs[i].t_end);
@@ -646,7 +606,8 @@ static int64_t run_lookup_jobs(const struct lookup_job *proto, int64_t n_tokens,
     if (n_threads == 1 || pool_threads > 0) {
         /* one thread: a handoff costs more than it saves */
         cpu_set_t saved;
-        int moved = caller_to_node(cpus, n_cpus, n_tokens * proto->n_heads / n_threads, &saved);
+        int moved = caller_to_node(cpus, n_cpus, n_tokens * proto->n_heads / n_threads,
+                                   tn->small_rows, &saved);
         if (n_threads == 1)
             run_job(&jobs[0]);
         else
@@ -669,6 +630,24 @@ static int64_t run_lookup_jobs(const struct lookup_job *proto, int64_t n_tokens,
             rc = -1;
         }
     return rc ? -1 : bad;
+}
+
+/* The measured defaults, for a kernel without a tuning. */
+static const struct ne_tuning default_tuning = {
+    .small_rows = NE_SMALL_ROWS, .split_rows = NE_SPLIT_ROWS, .job_rows = NE_JOB_ROWS,
+    .stream_bytes = NE_STREAM_BYTES, .prefetch_ahead = NE_PREFETCH_AHEAD,
+    .prefetch_hint = NE_PREFETCH_HINT};
+
+int ne_tuning_check(const struct ne_tuning *t)
+{
+    if (t->small_rows < 0 || t->small_rows > NE_MAX_SMALL_ROWS || t->split_rows < 1 ||
+        t->job_rows < 1 || t->job_rows > NE_SHARE_ROWS || t->stream_bytes < 0 ||
+        t->prefetch_ahead < 0 || t->prefetch_ahead > NE_MAX_PREFETCH_AHEAD ||
+        t->prefetch_hint < 0 || t->prefetch_hint > 3) {
+        errno = EINVAL;
+        return -1;
+    }
+    return 0;
 }
 
 /* ---------------------------------------------- a table's calls, counted --- */
@@ -732,6 +711,7 @@ int64_t ne_lookup(const struct ne_kernel *k, const void *ids, int64_t n_tokens, 
                   int global_ids, void *out, void *out_scales)
 {
     const struct ne_geometry *g = k->g;
+    const struct ne_tuning *tn = k->tuning ? k->tuning : &default_tuning;
     struct ne_table_state *st = k->state;
     if (st && !table_enter(st))
         return -2;
@@ -741,6 +721,8 @@ int64_t ne_lookup(const struct ne_kernel *k, const void *ids, int64_t n_tokens, 
         .ids = (const int64_t *)ids + k->col0, .stride = stride, .n_heads = g->n_heads,
         .head_offsets = g->head_offsets, .bucket_sizes = g->bucket_sizes,
         .id_base = global_ids ? g->id_base : NULL, .call_rows = n_tokens * g->n_heads,
+        .small_rows = tn->small_rows, .stream_bytes = tn->stream_bytes,
+        .prefetch_ahead = tn->prefetch_ahead, .prefetch_hint = tn->prefetch_hint,
         .first_bad = -1, .first_bad_id = 0};
     if (out_scales) {
         proto.raw_w = out;
@@ -750,7 +732,7 @@ int64_t ne_lookup(const struct ne_kernel *k, const void *ids, int64_t n_tokens, 
         proto.out = out;
     }
     const int64_t bad = run_lookup_jobs(&proto, n_tokens, k->n_threads, k->cpus, k->n_cpus,
-                                        k->pool);
+                                        k->pool, tn);
     if (st)
         table_leave(st, bad == 0 ? n_tokens * g->n_heads : -1, now_ns() - started);
     return bad;

@@ -4,9 +4,11 @@
  * counted (ne_lookup's result), the first kept for ne_last_bad.
  * The builder reads this header as the cffi declarations.
  *
- * cffi-constants (the defaults lookup.c tunes from):
+ * cffi-constants (a kernel's default tuning, and its bounds):
  *   #define NE_SMALL_ROWS ...
+ *   #define NE_MAX_SMALL_ROWS ...
  *   #define NE_PREFETCH_AHEAD ...
+ *   #define NE_MAX_PREFETCH_AHEAD ...
  *   #define NE_PREFETCH_HINT ...
  *   #define NE_SPLIT_ROWS ...
  *   #define NE_JOB_ROWS ...
@@ -18,11 +20,19 @@
 #include <stdint.h>
 
 struct ne_pool;
-int ne_tune_small_rows(int64_t rows);
-int ne_tune_prefetch(int ahead, int hint);
-int ne_tune_split_rows(int64_t rows);
-int ne_tune_job_rows(int64_t rows);
-int ne_tune_stream_bytes(int64_t bytes);
+/* A kernel's thresholds (benchmarks and tests pass others; NULL: the
+ * defaults above): calls of at most small_rows rows read in token order
+ * (0..NE_MAX_SMALL_ROWS); a call split only where each thread gets
+ * split_rows rows (>= 1), in jobs of job_rows rows (1..NE_SHARE_ROWS);
+ * outputs from stream_bytes on written with streaming stores; rows
+ * prefetched prefetch_ahead ahead (0..NE_MAX_PREFETCH_AHEAD) with locality
+ * hint prefetch_hint (0..3).  Bound with the kernel: a call never sees
+ * another's change.  ne_tuning_check: 0, or -1 with EINVAL. */
+struct ne_tuning {
+    int64_t small_rows, split_rows, job_rows, stream_bytes;
+    int prefetch_ahead, prefetch_hint;
+};
+int ne_tuning_check(const struct ne_tuning *t);
 int64_t ne_first_bad_id(const int64_t *ids, int64_t n_tokens, int64_t stride,
                         int64_t n_heads, const int64_t *bucket_sizes,
                         const int64_t *id_base);
@@ -65,6 +75,7 @@ struct ne_kernel {
     int n_cpus;
     struct ne_pool *pool;
     struct ne_table_state *state; /* NULL: a one-off call, not a table's */
+    const struct ne_tuning *tuning; /* NULL: the defaults */
 };
 int64_t ne_lookup(const struct ne_kernel *k, const void *ids, int64_t n_tokens, int64_t stride,
                   int global_ids, void *out, void *out_scales);

@@ -154,8 +154,8 @@ int64_t ne_ple_lookup(const struct ne_ple_shard *s, const int64_t *ids, int64_t 
     const struct ple_job proto = {s->table, s->n_rows, s->row_bytes, s->row_start,
                                   s->total_rows, ids, 0, n_ids, scaled, s->scale, out, -1};
     int n_jobs = ne_pool_size(s->pool) + 1;
-    if (n_jobs > n_ids / split_rows)
-        n_jobs = (int)(n_ids / split_rows);
+    if (n_jobs > n_ids / NE_SPLIT_ROWS)  /* (the Engram kernel's default split) */
+        n_jobs = (int)(n_ids / NE_SPLIT_ROWS);
     n_jobs = clamp_threads(n_jobs, n_ids);
     if (n_jobs == 1) {  /* the decode-sized call: no copies of the job */
         jobs[0] = proto;

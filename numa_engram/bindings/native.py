@@ -439,8 +439,34 @@ def cpu_list(cpus: Sequence[int]) -> tuple[Any, int]:
 NO_CPUS = (ffi.NULL, 0)
 
 
+@dataclass(frozen=True)
+class Tuning:
+    """A kernel's thresholds (``struct ne_tuning``; lookup.h says what each
+    decides), for benchmarks and tests: bound with the kernel, so a running
+    call never sees another's change.  The defaults are the measured ones."""
+
+    small_rows: int = lib.NE_SMALL_ROWS
+    split_rows: int = lib.NE_SPLIT_ROWS
+    job_rows: int = lib.NE_JOB_ROWS
+    stream_bytes: int = lib.NE_STREAM_BYTES
+    prefetch_ahead: int = lib.NE_PREFETCH_AHEAD
+    prefetch_hint: int = lib.NE_PREFETCH_HINT
+
+    def struct(self) -> Any:
+        """The ``struct ne_tuning *`` of these values; ValueError naming
+        the bounds when one is outside them."""
+        made = ffi.new("struct ne_tuning *", vars(self))
+        if lib.ne_tuning_check(made) != 0:
+            raise ValueError(f"tuning {self}: small_rows must be in 0..{lib.NE_MAX_SMALL_ROWS}, "
+                             f"split_rows >= 1, job_rows in 1..{lib.NE_SHARE_ROWS}, "
+                             f"stream_bytes >= 0, prefetch_ahead in "
+                             f"0..{lib.NE_MAX_PREFETCH_AHEAD}, prefetch_hint in 0..3")
+        return made
+
+
 def run_geometry_lookup(geom: Geometry, ids: np.ndarray, col0: int, global_ids: bool, out: Any,
-                        threads: int, cpus: tuple[Any, int] = NO_CPUS) -> tuple[int, int, int]:
+                        threads: int, cpus: tuple[Any, int] = NO_CPUS,
+                        tuning: Tuning | None = None) -> tuple[int, int, int]:
     """The kernel (GIL released) over a shard's ``Geometry``, for ids from
     column ``col0``, once: ``out`` BF16 bits, or (FP8 rows, scales) for the
     packed gather, on the caller and fresh threads (a table keeps its
@@ -448,7 +474,7 @@ def run_geometry_lookup(geom: Geometry, ids: np.ndarray, col0: int, global_ids: 
     ids another thread changes meanwhile never make it read outside the
     table; bad ones give zero rows.  ``cpus`` from ``cpu_list``.  Returns
     (bad ids, flat index of the first, its value)."""
-    kernel = ShardKernel(geom, threads, col0=col0, persistent=False)
+    kernel = ShardKernel(geom, threads, col0=col0, persistent=False, tuning=tuning)
     kernel.bind(cpus)
     return kernel(ids, global_ids, out)
 
@@ -492,9 +518,11 @@ class ShardKernel:
 
     def __init__(self, geometry: Geometry, threads: int, cpus: Sequence[int] = (),
                  col0: int = 0, *, persistent: bool = True,
-                 state: TableState | None = None) -> None:
+                 state: TableState | None = None, tuning: Tuning | None = None) -> None:
         self.geometry, self.threads, self.cpus = geometry, max(1, int(threads)), tuple(cpus)
         self.col0, self.persistent, self.state = int(col0), persistent, state
+        # checked here, bound with the struct: NULL for the defaults
+        self._tuning = ffi.NULL if tuning is None else tuning.struct()
         self.closed = False
         self.workers: Workers | None = None  # shared_workers' (persistent, > 1 thread)
         self._release: weakref.finalize | None = None  # lets go of them, once
@@ -554,7 +582,8 @@ class ShardKernel:
                 bound = ffi.new("struct ne_kernel *", {
                     "g": self.geometry.struct, "col0": self.col0, "n_threads": self.threads,
                     "cpus": cpu_arg[0], "n_cpus": cpu_arg[1], "pool": pool,
-                    "state": ffi.NULL if self.state is None else self.state.struct})
+                    "state": ffi.NULL if self.state is None else self.state.struct,
+                    "tuning": self._tuning})
                 # the struct points into these: they live as long as it does
                 self._keep = (cpu_arg, pool)
                 self.bound = bound
@@ -583,36 +612,6 @@ class ShardKernel:
 
 
 _NO_BAD_IDS = (0, -1, 0)
-
-
-def tune_small_rows(rows: int) -> None:
-    """Set the row count up to which a lookup job reads in token order (no
-    sort; the default is ``lib.NE_SMALL_ROWS``).  For benchmarks and tests."""
-    if lib.ne_tune_small_rows(rows) != 0:
-        raise ValueError(f"small-call rows must be in 0..4096, got {rows}")
-
-
-def tune_split_rows(rows: int) -> None:
-    """Set the fewest rows per thread for which a lookup is split over
-    threads (the default is ``lib.NE_SPLIT_ROWS``).  For benchmarks and tests."""
-    if lib.ne_tune_split_rows(rows) != 0:
-        raise ValueError(f"split rows must be >= 1, got {rows}")
-
-
-def tune_job_rows(rows: int) -> None:
-    """Set the rows of a job that the caller and a table's workers claim in
-    a call of up to ``lib.NE_SHARE_ROWS`` rows (the default is
-    ``lib.NE_JOB_ROWS``).  For benchmarks and tests."""
-    if lib.ne_tune_job_rows(rows) != 0:
-        raise ValueError(f"job rows must be in 1..{lib.NE_SHARE_ROWS}, got {rows}")
-
-
-def tune_stream_bytes(size: int) -> None:
-    """Set the output size (bytes per thread) from which the AVX2 rows are
-    written with streaming stores (the default is ``lib.NE_STREAM_BYTES``).
-    For benchmarks and tests."""
-    if lib.ne_tune_stream_bytes(size) != 0:
-        raise ValueError(f"stream bytes must be >= 0, got {size}")
 
 
 def _check_lookup_rc(rc: int, tokens: int, heads: int, threads: int) -> None:
@@ -645,17 +644,6 @@ def ngram_hashes(rows: np.ndarray, pad_id: int, multipliers: np.ndarray, max_ngr
             _ptr(out, "int64_t *"), threads, int(hardware_division)) != 0:
         _raise("pthread_create", f"hashing with {threads} threads")
     return out
-
-
-DEFAULT_PREFETCH = (lib.NE_PREFETCH_AHEAD, lib.NE_PREFETCH_HINT)
-
-
-def tune_prefetch(ahead: int, hint: int) -> None:
-    """How many rows ahead the lookup kernels prefetch (0-256) and with
-    which locality hint (0 = NTA ... 3 = T0), process-wide: for measuring
-    (tools/bench.py); the defaults are the measured best."""
-    if lib.ne_tune_prefetch(ahead, hint) != 0:
-        raise ValueError(f"prefetch distance {ahead} / hint {hint}: want 0..256 and 0..3")
 
 
 def read_rows(table: np.ndarray, rows: np.ndarray, ahead: int = 32, threads: int = 1) -> int:

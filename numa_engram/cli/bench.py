@@ -23,6 +23,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     the local/remote cost an operator pays for a placement."""
     import numpy as np
 
+    # before the table exists: torch's import runs C++ that calls back into
+    # Python, where a signal's Terminated would abort the process (no
+    # cleanup) instead of unwinding to main()
+    import torch  # noqa: F401
+
     from ..host import hugepages
     from ..lookup.cpu import lookup_rows
     from ..store.fileformat import Layout

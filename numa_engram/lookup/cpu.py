@@ -49,16 +49,18 @@ def default_lookup_threads(cpus: Sequence[int] = ()) -> int:
 def lookup_rows(weights: np.ndarray, scales: np.ndarray, hash_ids: Any, *, head_start: int,
                 bucket_sizes: Sequence[int], head_offsets: Sequence[int] | None = None,
                 out: torch.Tensor | None = None, threads: int = 1, cpus: Sequence[int] = (),
-                block: int = 32) -> torch.Tensor:
+                block: int = 32, tuning: native.Tuning | None = None) -> torch.Tensor:
     """BF16 ``[T, n_heads, head_dim]`` rows for heads ``head_start ..
     head_start + len(bucket_sizes)`` of ``hash_ids [T, n_hash_cols]``.
 
     ``weights``/``scales`` are the shard's uint8 rows; ``head_offsets`` the
-    first shard row of each head (prefix sums of bucket_sizes by default)."""
+    first shard row of each head (prefix sums of bucket_sizes by default);
+    ``tuning``: the kernel's thresholds (benchmarks and tests)."""
     ids = check_hash_ids(hash_ids)
     result, bits = bf16_out(out, (ids.shape[0], len(bucket_sizes), weights.shape[1]))
     gather(weights, scales, ids, head_start=head_start, bucket_sizes=bucket_sizes,
-           head_offsets=head_offsets, out=bits, threads=threads, cpus=cpus, block=block)
+           head_offsets=head_offsets, out=bits, threads=threads, cpus=cpus, block=block,
+           tuning=tuning)
     return result
 
 
@@ -144,7 +146,8 @@ def gather(weights: np.ndarray, scales: np.ndarray, ids: np.ndarray, *, head_sta
            bucket_sizes: Sequence[int] | np.ndarray,
            out: np.ndarray | tuple[np.ndarray, np.ndarray],
            head_offsets: Sequence[int] | np.ndarray | None = None, threads: int = 1,
-           cpus: Sequence[int] = (), block: int = 32, id_base: np.ndarray | None = None) -> None:
+           cpus: Sequence[int] = (), block: int = 32, id_base: np.ndarray | None = None,
+           tuning: native.Tuning | None = None) -> None:
     """The one lookup path (tables, DP-sharded exchange, lookup_rows): rows
     of heads ``head_start .. +len(bucket_sizes)`` of checked ``ids [T, cols]``
     gathered from uint8 ``weights``/``scales`` into ``out``: BF16 bits
@@ -170,7 +173,7 @@ def gather(weights: np.ndarray, scales: np.ndarray, ids: np.ndarray, *, head_sta
     base = None if id_base is None else np.ascontiguousarray(id_base, dtype=np.int64)
     geometry = native.Geometry.of(weights, scales, offsets, sizes, base, block)
     count, first, value = native.run_geometry_lookup(geometry, ids, head_start, base is not None,
-                                                     out, threads, native.cpu_list(cpus))
+                                                     out, threads, native.cpu_list(cpus), tuning)
     if count:
         t, h = divmod(first, len(sizes))
         raise LookupIdError(bad_id_text(value, t, head_start + h, int(sizes[h]), base, h,

@@ -52,7 +52,8 @@ class ShardRows:
 
     def __init__(self, spec: EngramSpec, layer_id: int, shard: ShardInfo, weights: np.ndarray,
                  scales: np.ndarray, *, lookup_threads: int | None = None,
-                 lookup_cpus: Sequence[int] = (), registration: Any = None) -> None:
+                 lookup_cpus: Sequence[int] = (), registration: Any = None,
+                 tuning: native.Tuning | None = None) -> None:
         self.spec, self.layer_id, self.shard = spec, layer_id, shard
         self.registration = registration
         self._weights: np.ndarray | None = weights
@@ -67,6 +68,7 @@ class ShardRows:
         self._lookup_cpus = tuple(lookup_cpus)
         self._lookup_threads = default_lookup_threads(self._lookup_cpus) \
             if lookup_threads is None else max(1, int(lookup_threads))
+        self._tuning = tuning
         self._n_cols, self._row_shape = spec.n_hash_cols, (shard.num_heads, spec.head_dim)
         self._device_shard: DeviceShard | None = None
         self._closed = False
@@ -229,6 +231,19 @@ class ShardRows:
         self._lookup_threads = max(1, int(threads))
         self._drop_kernel()
 
+    @property
+    def tuning(self) -> native.Tuning | None:
+        """The kernel's thresholds (None: the measured defaults), for
+        benchmarks and tests: set, later calls bind a kernel with them."""
+        return self._tuning
+
+    @tuning.setter
+    def tuning(self, tuning: native.Tuning | None) -> None:
+        if tuning is not None:
+            tuning.struct()  # refused here, not at the next lookup
+        self._tuning = tuning
+        self._drop_kernel()
+
     def _shard_kernel(self) -> native.ShardKernel:
         """This shard's kernel, bound to its threads and CPUs (made at the
         first lookup; its workers stop with close())."""
@@ -238,7 +253,7 @@ class ShardRows:
                 assert self._geometry is not None  # (None only once closed)
                 self._kernel = native.ShardKernel(self._geometry, self._lookup_threads,
                                                   self._lookup_cpus, self.shard.head_start,
-                                                  state=self.state)
+                                                  state=self.state, tuning=self._tuning)
             return self._kernel
 
     def _drop_kernel(self, stop: bool = False) -> None:

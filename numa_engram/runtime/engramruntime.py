@@ -33,6 +33,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from ..errors import PrefetchError, SpecError, StorageError, TopologyError
+from ..host.topology import Topology
 from ..literals import DEFAULT_DIRECTORY, RUNTIME_SHARING, PageSize, RuntimeSharing
 from ..lookup.prefetch import PrefetchScheduler
 from ..model.hashstate import HashState
@@ -154,6 +155,10 @@ class EngramRuntime:
                                     timeout_s)
         group, edp = (None, None) if socket_path else _groups(
             sharing, world_group, edp_group, tp.rank, device, directory, timeout_s)
+        # what every layer's table needs, found once: the checkpoint's
+        # tensors (refused before any table is made) and the host's topology
+        plans = {} if socket_path else model.checkpoint_plans()
+        topology = None if socket_path else Topology.detect()
         layers: dict[int, _Layer] = {}
         try:
             for layer in model.spec.layer_ids:
@@ -165,7 +170,8 @@ class EngramRuntime:
                         model, layer, tp, group, edp, sharing, max_tokens,
                         dict(placement=placement, page_size=page_size, directory=directory,
                              timeout_s=timeout_s, load_threads=load_threads,
-                             register_device=device))
+                             register_device=device, checkpoint=plans[layer],
+                             topology=topology))
                 _add_phases(phases, layers[layer].table.startup_phases)
             hash_state = HashState(model.spec, max_requests, token_map=model.token_map,
                                    dead_ids=model.dead_ids)
@@ -457,8 +463,7 @@ def _make_layer(model: ModelDirectory, layer: int, tp: TPGroup, group: Group | N
     if edp is not None:  # this member's slice of the TP rank's heads, a private table
         sharded_heads = ShardedHeads.of(spec, layer, tp.size, edp.size, tp.rank)
         table = SharedEngramTable.create(spec, layer, sharded_heads.members[edp.rank],
-                                         checkpoint=model.checkpoint, mode="independent",
-                                         **create)
+                                         mode="independent", **create)
         try:
             exchange = DPShardedLookup(table, sharded_heads, edp.rank, group=edp,
                                        max_tokens=max_tokens)
@@ -467,7 +472,7 @@ def _make_layer(model: ModelDirectory, layer: int, tp: TPGroup, group: Group | N
             raise
         return _Layer(layer, table, exchange, heads)
     mode = "auto" if sharing in ("auto", "dp_sharded") else sharing
-    table = SharedEngramTable.create(spec, layer, mine, group=group, checkpoint=model.checkpoint,
+    table = SharedEngramTable.create(spec, layer, mine, group=group,
                                      mode=mode, **create)  # type: ignore[arg-type]
     return _Layer(layer, table, None, heads)
 

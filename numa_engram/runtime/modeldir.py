@@ -3,9 +3,12 @@ fields at the top level or under ``text_config``), a tokenizer
 (``tokenizer.json``), and the checkpoint (``model.safetensors.index.json``
 and its files, or plain ``*.safetensors``).
 
-``ModelDirectory.open`` reads and checks all of it before any table is
-made; ``write_synthetic_model`` writes one at any size (for tests, the demo
-and benchmarks).  No torch here except in the writer, when it is called.
+``ModelDirectory.open`` reads and checks the config and the tokenizer;
+``checkpoint_plans()`` resolves every layer's tensors in the checkpoint
+once, before any table is made (what building the tables needs; a table
+service's client does not).  ``write_synthetic_model`` writes a directory
+at any size (for tests, the demo and benchmarks).  No torch here except in
+the writer, when it is called.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ import numpy as np
 from ..errors import CheckpointError, SpecError
 from ..model.spec import EngramSpec, strict_int
 from ..model.tokenmap import build_token_map
+from ..sharing.checkpoint import CheckpointPlan, resolve
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -38,6 +42,8 @@ class ModelDirectory:
     spec: EngramSpec
     token_map: np.ndarray   # tokenizer id -> compressed id (int64)
     dead_ids: tuple[int, ...]  # tokenizer ids that are DEAD wherever they appear
+    # checkpoint_plans(), resolved at its first call
+    _plans: dict[int, CheckpointPlan] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def open(cls, path: str | os.PathLike, tokenizer: Any = None) -> ModelDirectory:
@@ -69,6 +75,17 @@ class ModelDirectory:
         """What ``SharedEngramTable.create(checkpoint=)`` reads: the directory
         (its index, or its .safetensors files)."""
         return self.path
+
+    def checkpoint_plans(self) -> dict[int, CheckpointPlan]:
+        """Every Engram layer's two tensors in the checkpoint, resolved once
+        (files, offsets, dtypes, shapes and the spec metadata checked: a
+        missing or misshapen layer is a CheckpointError naming it before any
+        table is made); ``create(checkpoint=plans[layer])`` reads through
+        them and refuses a file that changed since."""
+        if not self._plans:
+            self._plans.update({layer: resolve(self.path, self.spec, layer)
+                                for layer in self.spec.layer_ids})
+        return dict(self._plans)
 
 
 MAX_TOKEN_ID = (1 << 31) - 1  # tokenizer ids are int32 in every engine

@@ -57,11 +57,10 @@ def bench_lookup(table_gib: float, tokens: int, heads: int = 24, head_dim: int =
         w = f.region("weights").reshape(rows, head_dim)
         sc = f.region("scales").reshape(rows, head_dim // 32)
 
-        def fused(threads, w=w, sc=sc, prefetch=native.DEFAULT_PREFETCH, o=out):
+        def fused(threads, w=w, sc=sc, tuning=None, o=out):
             def run():
-                native.tune_prefetch(*prefetch)
                 lookup_rows(w, sc, sets[nxt()], head_start=0, bucket_sizes=sizes, out=o,
-                            threads=threads)
+                            threads=threads, tuning=tuning)
             return run
         fns[f"{name} fused1"], fns[f"{name} fused2"] = fused(1), fused(2)
         fns[f"{name} packed1"] = lambda w=w, sc=sc: gather(
@@ -73,9 +72,8 @@ def bench_lookup(table_gib: float, tokens: int, heads: int = 24, head_dim: int =
         if name == "4K":
             for ahead, hint in ((32, 3), (32, 1), (64, 1), (128, 1), (32, 0)):
                 fns[f"4K fused1 prefetch {ahead}/T{3 - hint if hint else 'NTA'}"] = fused(
-                    1, prefetch=(ahead, hint))
+                    1, tuning=native.Tuning(prefetch_ahead=ahead, prefetch_hint=hint))
     best = best_interleaved(fns, 7)
-    native.tune_prefetch(*native.DEFAULT_PREFETCH)
     n = tokens * heads
     w4 = tables["4K"].region("weights").reshape(rows, head_dim)
     s4 = tables["4K"].region("scales").reshape(rows, head_dim // 32)
@@ -105,7 +103,7 @@ def bench_lookup(table_gib: float, tokens: int, heads: int = 24, head_dim: int =
             f"{v} {best[f'4K {v}'] / best[f'2M {v}']:.2f}x" for v in ("fused1", "fused2", "take")))
     for key in [k for k in best if "prefetch" in k]:
         print(f"  {key}: {best['4K fused1'] / best[key]:.2f}x the default "
-              f"{native.DEFAULT_PREFETCH[0]} ahead/hint {native.DEFAULT_PREFETCH[1]}")
+              f"{native.Tuning().prefetch_ahead} ahead/hint {native.Tuning().prefetch_hint}")
     print(f"  bit-exact vs reference on a sample: {exact}")
 
 
