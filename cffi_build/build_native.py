@@ -56,7 +56,7 @@ def _accepted(flags: list[str]) -> list[str]:
 
 # GCC's generic tuning copies with 16-byte moves and splits unaligned
 # 32-byte loads and stores, even in the AVX2 clones (a row's copy into the
-# stage was sixteen 16-byte moves); CPUs with AVX2 do them whole.
+# stage takes sixteen 16-byte moves under it); CPUs with AVX2 do them whole.
 X86_TUNING = _accepted(["-mmove-max=256", "-mstore-max=256", "-mno-avx256-split-unaligned-load",
                         "-mno-avx256-split-unaligned-store"]) \
     if platform.machine() in ("x86_64", "AMD64") else []

@@ -26,22 +26,24 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ..errors import PrefetchError, SpecError, StorageError, TopologyError
+from ..errors import PrefetchError, SpecError, TopologyError
 from ..host.topology import Topology
 from ..literals import DEFAULT_DIRECTORY, RUNTIME_SHARING, PageSize, RuntimeSharing
 from ..lookup.prefetch import PrefetchScheduler
 from ..model.hashstate import HashState
-from ..model.sharding import shard_heads
-from ..model.spec import EngramSpec
-from ..sharing.dpsharded import DPShardedLookup, ShardedHeads
-from ..sharing.group import Group, as_group, sharing_groups
-from ..sharing.table import SharedEngramTable
+from ..sharing.group import Group
+from .layers import (
+    RuntimeLayer,
+    attached_layer,
+    make_layer,
+    runtime_groups,
+    service_path,
+)
 from .modeldir import ModelDirectory
 from .tpgather import HeadGather, TPGroup, head_part
 
@@ -51,25 +53,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 UNKNOWN_LOOKBACK_ID = -1  # what vLLM's runner puts in a look-back window where it has no id
-DEFAULT_SERVICE_SOCKET = "/run/numa-engram/engram.sock"  # the unit file's
-
-
-@dataclass
-class _Layer:
-    """One Engram layer of this rank: its table, and in the DP-sharded mode
-    the exchange that completes this TP rank's heads."""
-
-    layer_id: int
-    table: SharedEngramTable
-    sharded: DPShardedLookup | None
-    heads: tuple[int, int]  # [first, end) of this TP rank's heads
-
-    def report(self) -> dict:
-        doc: dict[str, Any] = dict(self.table.mode_report())
-        if self.sharded is not None:
-            doc.update(self.sharded.mode_report())
-        doc["tp_heads"] = list(self.heads)
-        return doc
 
 
 class EngramRuntime:
@@ -83,10 +66,10 @@ class EngramRuntime:
     hand each thread the other's rows.  Any thread may begin the next step
     once the last one's layers are embedded."""
 
-    def __init__(self, model: ModelDirectory, layers: dict[int, _Layer], hash_state: HashState,
-                 scheduler: PrefetchScheduler, gather: HeadGather, *, sharing: str, tp: TPGroup,
-                 edp: Group | None, max_tokens: int, device: int | None,
-                 phases: dict[str, float]) -> None:
+    def __init__(self, model: ModelDirectory, layers: dict[int, RuntimeLayer],
+                 hash_state: HashState, scheduler: PrefetchScheduler, gather: HeadGather, *,
+                 sharing: str, tp: TPGroup, edp: Group | None, max_tokens: int,
+                 device: int | None, phases: dict[str, float]) -> None:
         self.model, self.spec = model, model.spec
         self.layer_ids: tuple[int, ...] = tuple(layers)
         self._layers, self.hash_state = layers, hash_state
@@ -151,22 +134,22 @@ class EngramRuntime:
         tp = TPGroup.of(tp_group)
         head_part(model.spec.n_hash_cols, tp.size)  # refuses a TP size vLLM refuses
         phases = {"read": time.perf_counter() - started}
-        socket_path = _service_path(service, sharing, model, tp, page_size, world_group,
+        socket_path = service_path(service, sharing, model, tp, page_size, world_group,
                                     timeout_s)
-        group, edp = (None, None) if socket_path else _groups(
+        group, edp = (None, None) if socket_path else runtime_groups(
             sharing, world_group, edp_group, tp.rank, device, directory, timeout_s)
         # what every layer's table needs, found once: the checkpoint's
         # tensors (refused before any table is made) and the host's topology
         plans = {} if socket_path else model.checkpoint_plans()
         topology = None if socket_path else Topology.detect()
-        layers: dict[int, _Layer] = {}
+        layers: dict[int, RuntimeLayer] = {}
         try:
             for layer in model.spec.layer_ids:
                 if socket_path:
-                    layers[layer] = _attached_layer(model, layer, tp, socket_path, page_size,
+                    layers[layer] = attached_layer(model, layer, tp, socket_path, page_size,
                                                     device)
                 else:
-                    layers[layer] = _make_layer(
+                    layers[layer] = make_layer(
                         model, layer, tp, group, edp, sharing, max_tokens,
                         dict(placement=placement, page_size=page_size, directory=directory,
                              timeout_s=timeout_s, load_threads=load_threads,
@@ -187,13 +170,13 @@ class EngramRuntime:
         return runtime
 
     @classmethod
-    def _assemble(cls, model: ModelDirectory, layers: dict[int, _Layer], hash_state: HashState,
-                  tp: TPGroup, edp: Group | None, sharing: str, max_tokens: int,
-                  device: int | None, sequence_parallel: bool, background: bool,
-                  phases: dict[str, float]) -> EngramRuntime:
+    def _assemble(cls, model: ModelDirectory, layers: dict[int, RuntimeLayer],
+                  hash_state: HashState, tp: TPGroup, edp: Group | None, sharing: str,
+                  max_tokens: int, device: int | None, sequence_parallel: bool,
+                  background: bool, phases: dict[str, float]) -> EngramRuntime:
         spec = model.spec
 
-        def sharded_lookup(made: _Layer) -> Callable[..., Any]:
+        def sharded_lookup(made: RuntimeLayer) -> Callable[..., Any]:
             assert made.sharded is not None
             sharded = made.sharded
 
@@ -423,144 +406,6 @@ class EngramRuntime:
                                                                  non_blocking=True)
         self._scheduler.submit(layer_id, ids, self._counts)
         self._pending.add(layer_id)
-
-
-# ----------------------------------------------------------- building --
-
-def _world_ranks(group: Any) -> tuple[int, ...]:
-    """World ranks of a Group, a GroupCoordinator (``ranks``) or a ProcessGroup."""
-    if hasattr(group, "ranks"):
-        ranks = group.ranks
-        return tuple(int(r) for r in (ranks() if callable(ranks) else ranks))
-    import torch.distributed as dist
-
-    return tuple(dist.get_process_group_ranks(group))
-
-
-def _groups(sharing: str, world_group: Any, edp_group: Any, tp_rank: int, device: int | None,
-            directory: str, timeout_s: float) -> tuple[Group | None, Group | None]:
-    """(the sharing group of the tables, the EDP group of the exchange)."""
-    import torch.distributed as dist
-
-    if sharing == "independent" or not dist.is_initialized():
-        return None, None
-    if sharing == "dp_sharded":
-        if edp_group is not None:
-            return None, as_group(edp_group, timeout_s)
-        return None, sharing_groups(world_group, tp_rank=tp_rank, device=device,
-                                    directory=directory, timeout_s=timeout_s)
-    within = None if edp_group is None else [_world_ranks(edp_group)]
-    return sharing_groups(world_group, tp_rank=tp_rank, device=device, directory=directory,
-                          timeout_s=timeout_s, within=within), None
-
-
-def _make_layer(model: ModelDirectory, layer: int, tp: TPGroup, group: Group | None,
-                edp: Group | None, sharing: str, max_tokens: int,
-                create: dict[str, Any]) -> _Layer:
-    spec: EngramSpec = model.spec
-    mine = shard_heads(spec.bucket_sizes(layer), tp.size, tp.rank)
-    heads = (mine.head_start, mine.head_end)
-    if edp is not None:  # this member's slice of the TP rank's heads, a private table
-        sharded_heads = ShardedHeads.of(spec, layer, tp.size, edp.size, tp.rank)
-        table = SharedEngramTable.create(spec, layer, sharded_heads.members[edp.rank],
-                                         mode="independent", **create)
-        try:
-            exchange = DPShardedLookup(table, sharded_heads, edp.rank, group=edp,
-                                       max_tokens=max_tokens)
-        except BaseException:
-            table.close()
-            raise
-        return _Layer(layer, table, exchange, heads)
-    mode = "auto" if sharing in ("auto", "dp_sharded") else sharing
-    table = SharedEngramTable.create(spec, layer, mine, group=group,
-                                     mode=mode, **create)  # type: ignore[arg-type]
-    return _Layer(layer, table, None, heads)
-
-
-def _attached_layer(model: ModelDirectory, layer: int, tp: TPGroup, socket_path: str,
-                    page_size: PageSize | int, device: int | None) -> _Layer:
-    """This TP rank's shard of the layer, from the table service."""
-    mine = shard_heads(model.spec.bucket_sizes(layer), tp.size, tp.rank)
-    table = SharedEngramTable.attach(model.spec, layer, mine, service=socket_path,
-                                     page_size=page_size, register_device=device)
-    return _Layer(layer, table, None, (mine.head_start, mine.head_end))
-
-
-def _service_path(service: str | None, sharing: str, model: ModelDirectory, tp: TPGroup,
-                  page_size: PageSize | int, world_group: Any,
-                  timeout_s: float) -> str | None:
-    """The socket to attach through, or None to build the tables here.
-    ``auto`` asks the service whether it holds this rank's shard of every
-    layer (waiting while it loads them); the ranks then agree (all attach,
-    or all build: building is collective)."""
-    if service is None:
-        return None
-    if sharing == "dp_sharded":
-        raise TopologyError("the DP-sharded mode holds per-member head slices, which a table "
-                            "service does not: use sharing='dp_shared' with service=")
-    if service != "auto":
-        return service
-    path = os.environ.get("NUMA_ENGRAM_SOCKET", DEFAULT_SERVICE_SOCKET)
-    try:
-        answer: bool | str = _service_holds(path, model, tp, page_size, timeout_s)
-    except StorageError as exc:  # every rank learns it, none waits in a collective alone
-        answer = str(exc)
-    import torch.distributed as dist
-
-    answers = as_group(world_group).all_gather(answer, "service") if dist.is_initialized() \
-        else [answer]
-    problems = [a for a in answers if isinstance(a, str)]
-    if problems:
-        raise StorageError(problems[0])
-    usable = all(answers)
-    if not usable:
-        log.info("Engram runtime: no usable table service at %s; building the tables", path)
-    return path if usable else None
-
-
-def _service_holds(path: str, model: ModelDirectory, tp: TPGroup, page_size: PageSize | int,
-                   timeout_s: float) -> bool:
-    """Whether the service at ``path`` holds this rank's shard of every
-    layer, ready: a service still loading some (a sidecar starting beside
-    the engine) is waited for, up to ``timeout_s``, its progress logged; one
-    that lacks a shard, failed one, or is not trusted is not used."""
-    from ..host.hugepages import parse_page_size
-    from ..store import serviceclient
-
-    if not os.path.exists(path):
-        return False
-    wanted = {(layer, (s := shard_heads(model.spec.bucket_sizes(layer), tp.size, tp.rank))
-               .head_start, s.head_end) for layer in model.spec.layer_ids}
-    deadline, said = time.monotonic() + timeout_s, 0.0
-    while True:
-        try:
-            doc = serviceclient.status(path, trust=serviceclient.ServiceTrust.of())
-        except StorageError as exc:
-            log.warning("Engram runtime: not using the table service at %s: %s", path, exc)
-            return False
-        if doc.get("spec_fingerprint") != model.spec.fingerprint.hex() or \
-                doc.get("page_size") != parse_page_size(page_size):
-            return False
-        mine = {(t["layer"], *t["heads"]): t for t in doc.get("tables", [])
-                if (t["layer"], *t["heads"]) in wanted}
-        if len(mine) < len(wanted) or any(t["state"] == "failed" for t in mine.values()):
-            return False
-        loading = [t for t in mine.values() if t["state"] != "ready"]
-        if not loading:
-            return True
-        done = sum(t["progress"][0] for t in mine.values())
-        total = sum(t["progress"][1] for t in mine.values()) or 1
-        if time.monotonic() > deadline:
-            raise StorageError(f"the table service at {path} is still loading this rank's "
-                               f"tables after {timeout_s:g} s ({done / total:.0%} of "
-                               f"{total} bytes); wait for `numa-engram status` to say ready, "
-                               "raise timeout_s, or pass service=None to build here")
-        if time.monotonic() - said >= 5.0:
-            said = time.monotonic()
-            log.info("Engram runtime: the table service at %s is loading layers %s (%.0f%% "
-                     "of this rank's bytes); waiting", path,
-                     sorted({t["layer"] for t in loading}), 100 * done / total)
-        time.sleep(0.2)
 
 
 MAX_STEP_TOKENS = 1 << 20  # staging buffers of this many tokens are GiBs per layer
