@@ -125,8 +125,7 @@ def _check_this_host(d, page_size: int) -> None:
 
 
 def _report(args: argparse.Namespace, d, topo) -> tuple[dict, str]:
-    from ..host.accounting import mode_memory
-    from ..store.deployment import REGION_LEGEND, recommendation
+    from ..store.deployment import REGION_LEGEND, mode_memory, recommendation
     from ..units import fmt_bytes, node_list, text_table, unit_for
 
     spec, world, chosen = d.spec, d.world, d.chosen

@@ -8,7 +8,6 @@ what tells one shared copy from N private ones.  No torch here.
 from __future__ import annotations
 
 import os
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,44 +129,3 @@ def check_memory(size: int, bytes_per_node: dict[int, int] | None = None,
                 f"{what} needs {size / gib:.2f} GiB but the memory cgroup {room.path} allows "
                 f"{room.free / gib:.2f} GiB more (limit {room.limit / gib:.2f} GiB, used "
                 f"{room.usage / gib:.2f} GiB); raise its limit or use a smaller table")
-
-
-# ------------------------------------------------------------ arithmetic --
-# Exact bytes from per-shard row counts (prime bucket sizes make W/T only
-# approximate).
-
-
-@dataclass(frozen=True)
-class ModeMemory:
-    mode: str
-    per_rank: dict[int, int]   # bytes each rank's shard(s) occupy (attributed, not PSS)
-    per_host: dict[int, int]   # physical bytes on each host (shared copies counted once)
-
-    @property
-    def total(self) -> int:
-        return sum(self.per_host.values())
-
-
-def shard_bytes(spec, layer_id: int, num_shards: int, rank: int) -> int:
-    """The family's own split: Engram by heads, PLE by row ranges."""
-    return int(spec.shard_bytes(layer_id, num_shards, rank))
-
-
-def mode_memory(spec, mode: str, world) -> ModeMemory:
-    """Host bytes per rank and per host of all Engram layers under a mode."""
-    from ..model.sharding import assign
-
-    per_rank: dict[int, int] = {}
-    per_host: Counter[int] = Counter()
-    holders: set[tuple[int, ...]] = set()
-    for rank in range(world.world_size):
-        a = assign(mode, world, rank)
-        size = sum(shard_bytes(spec, layer, a.num_shards, a.shard_index)
-                   for layer in spec.layer_ids)
-        per_rank[rank] = size
-        if a.sharing_group not in holders:  # one physical copy per sharing group
-            holders.add(a.sharing_group)
-            per_host[world.host_of(rank)] += size
-    return ModeMemory(mode, per_rank, dict(sorted(per_host.items())))
-
-

@@ -1,16 +1,16 @@
 """What one host of a deployment needs (``numa-engram plan``): per policy the
 bytes on each NUMA node, the physical copies, the expected remote reads;
 per process and per host the page tables; whether it fits the host's
-nodes, and the commands that make it fit.  Arithmetic only: no torch, no
-allocation.
+nodes, and the commands that make it fit; the memory each sharing mode
+takes per rank and per host.  Arithmetic only: no torch, no allocation.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ..errors import TopologyError
-from ..host.accounting import shard_bytes
 from ..host.hugepages import SIZES, name_of, page_table_bytes
 from ..host.topology import Topology
 from ..model.family import TableFamily
@@ -190,3 +190,40 @@ def _check_capacity(d: Deployment, topo: Topology, page_size: int) -> None:
                        f"{-(-size // 2**30) + 1}G /dev/shm; Docker --shm-size="
                        f"{-(-size // 2**30) + 1}g; Kubernetes emptyDir medium Memory, "
                        f"sizeLimit {-(-size // 2**30) + 1}Gi")
+
+
+# ------------------------------------------------- memory per mode --
+# Exact bytes from per-shard row counts (prime bucket sizes make W/T only
+# approximate).
+
+
+@dataclass(frozen=True)
+class ModeMemory:
+    mode: str
+    per_rank: dict[int, int]   # bytes each rank's shard(s) occupy (attributed, not PSS)
+    per_host: dict[int, int]   # physical bytes on each host (shared copies counted once)
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_host.values())
+
+
+def shard_bytes(spec: TableFamily, layer_id: int, num_shards: int, rank: int) -> int:
+    """The family's own split: Engram by heads, PLE by row ranges."""
+    return int(spec.shard_bytes(layer_id, num_shards, rank))
+
+
+def mode_memory(spec: TableFamily, mode: str, world: WorldLayout) -> ModeMemory:
+    """Host bytes per rank and per host of all Engram layers under a mode."""
+    per_rank: dict[int, int] = {}
+    per_host: Counter[int] = Counter()
+    holders: set[tuple[int, ...]] = set()
+    for rank in range(world.world_size):
+        a = assign(mode, world, rank)
+        size = sum(shard_bytes(spec, layer, a.num_shards, a.shard_index)
+                   for layer in spec.layer_ids)
+        per_rank[rank] = size
+        if a.sharing_group not in holders:  # one physical copy per sharing group
+            holders.add(a.sharing_group)
+            per_host[world.host_of(rank)] += size
+    return ModeMemory(mode, per_rank, dict(sorted(per_host.items())))

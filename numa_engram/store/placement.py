@@ -328,8 +328,8 @@ def host_regions(spec: TableFamily, world: WorldLayout, mode: str,
     """The regions one host's tables occupy under ``mode`` (one per layer
     and distinct shard copy), each with the NUMA nodes of the GPUs that
     read it: what ``plan_placement`` places.  ``world``: the WorldLayout."""
-    from ..host.accounting import shard_bytes
     from ..model.sharding import assign
+    from .deployment import shard_bytes
 
     per_host = world.gpus_per_host
     regions, offset, seen = [], 0, set()
