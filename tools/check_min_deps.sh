@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The oldest versions pyproject.toml allows: numpy, cffi, safetensors and
+# py-libnuma pinned to their `>=` bounds in a fresh venv, the C core built
+# with that cffi in a copy of HEAD, and the tests of what those packages
+# touch run there (the native core, lookups, hashing, checkpoints, tables).
+# A bound set too low fails here.  torch is the main venv's version: the
+# wheel cache holds only its CPU build (torch 2.7, the bound, is a CUDA
+# wheel that needs NVIDIA's libraries to import).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+mkdir "$WORK/src"
+git archive HEAD | tar -x -C "$WORK/src"
+pins=$("$PY" - <<'PY'
+import re, tomllib
+deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+out = []
+for dep in deps:
+    name, low = re.fullmatch(r"\s*([A-Za-z0-9_.-]+)\s*>=\s*([0-9.]+)\s*", dep).groups()
+    if name != "torch":
+        out.append(f"{name}=={low}")
+print(" ".join(out))
+PY
+)
+torch=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')
+base=$("$PY" -c 'import sys; print(sys._base_executable)')
+"$base" -m venv "$WORK/venv"
+echo "check_min_deps: $pins torch==$torch"
+# shellcheck disable=SC2086  # (the pins are words)
+"$WORK/venv/bin/pip" install -q $pins "torch==$torch" pytest pytest-timeout hypothesis setuptools
+cd "$WORK/src"
+"$WORK/venv/bin/python" setup.py -q build_ext --inplace >/dev/null
+"$WORK/venv/bin/python" -m pytest -q -p no:cacheprovider -m "not multiproc" \
+  tests/test_native.py tests/test_lookup.py tests/test_hashing.py tests/test_checkpoint.py \
+  tests/test_table.py tests/test_out_guards.py
