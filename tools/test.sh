@@ -12,6 +12,7 @@ PY=${PYTHON:-.venv/bin/python}
 # measured), printed per module that has lines no test ran
 "$PY" -m pytest -q -rs --durations=15 --cov=numa_engram --cov-report=term:skip-covered "$@"
 PYTHON="$PY" tools/check_package.sh
+PYTHON="$PY" tools/check_min_deps.sh  # the dependencies' lower bounds, in a fresh venv
 PYTHON="$PY" tools/sanitize.sh  # the C core's tests under ASan + UBSan
 nodes=$(ls -d /sys/devices/system/node/node[0-9]* 2>/dev/null | wc -l)
 if [ "${NUMA_ENGRAM_SKIP_VM:-0}" = 1 ]; then
