@@ -48,7 +48,7 @@ def test_fault_matrix(victim, point, action, ckpt):
     """A member killed or stopped at each protocol step: every surviving
     member ends the same way within timeout_s + 10 s, a stopped one resumed
     later ends like them, and gc then leaves /dev/shm clean."""
-    timeout_s = 4
+    timeout_s = 2
     before = shm_files()
     results = run_world(3, scenarios.fault, timeout_s=90, pg_timeout_s=120, resume_stopped=True,
                         victim=victim, point=point, action=action, bound_s=timeout_s,
