@@ -156,6 +156,8 @@ struct ne_pool *ne_pool_new(int n, const int *cpus, int n_cpus)
             errno = err;
             return NULL;
         }
+        /* named, so an operator's top -H (and a test) tells them apart */
+        pthread_setname_np(p->thread[i], NE_POOL_THREAD_NAME);
         p->n = i + 1;
     }
     return p;
