@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Mapping
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PrefetchError
-from ..literals import IdFormat
 from .prefetch import Job, Lane, PrefetchScheduler, Staged
 from .prefetchmetrics import HANDOFF_S, SETTLE_AT, LayerMetrics
 
@@ -47,14 +45,7 @@ class CPUScheduler(PrefetchScheduler):
 
     backend = "cpu"
 
-    def __init__(self, lookups: Mapping[Any, Any], row_shape: Mapping[Any, tuple[int, int]], *,
-                 max_tokens: int, depth: int = 2, backend: str = "cpu", device: Any = None,
-                 dtype: Any = None, max_sms: int | None = None,
-                 background: bool = True, packed: bool = False,
-                 id_format: IdFormat = "bucket") -> None:
-        super().__init__(lookups, row_shape, max_tokens=max_tokens, depth=depth,
-                         backend=backend, device=device, dtype=dtype, max_sms=max_sms,
-                         background=background, packed=packed, id_format=id_format)
+    def _start(self) -> None:
         self._spare: dict[Any, Job] = {}  # a layer's collected job, for its next submit
         # by layer, the lookups that ran in their submit, not yet waited for
         # (each holds a slot too): put in under the lock, taken out by their

@@ -14,7 +14,6 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PrefetchError
-from ..literals import IdFormat
 from .prefetch import Job, PrefetchScheduler, Staged
 
 if TYPE_CHECKING:
@@ -28,14 +27,7 @@ class CUDAScheduler(PrefetchScheduler):
 
     backend = "cuda"
 
-    def __init__(self, lookups: Mapping[Any, Any], row_shape: Mapping[Any, tuple[int, int]], *,
-                 max_tokens: int, depth: int = 2, backend: str = "cuda", device: Any = None,
-                 dtype: Any = None, max_sms: int | None = None,
-                 background: bool = True, packed: bool = False,
-                 id_format: IdFormat = "bucket") -> None:
-        super().__init__(lookups, row_shape, max_tokens=max_tokens, depth=depth,
-                         backend=backend, device=device, dtype=dtype, max_sms=max_sms,
-                         background=background, packed=packed, id_format=id_format)
+    def _start(self) -> None:
         self._stream = self._torch.cuda.Stream(device=self._device)
         self._gpu_times: list[tuple[Any, Any, Any]] = []  # (layer, start, end) not yet read
 

@@ -162,12 +162,13 @@ class PrefetchScheduler:
         return super().__new__(cls)
 
     def __init__(self, lookups: Mapping[Any, Any], row_shape: Mapping[Any, tuple[int, int]], *,
-                 max_tokens: int, depth: int = 2, backend: str = "cpu", device: Any = None,
-                 dtype: Any = None, max_sms: int | None = None,
+                 max_tokens: int, depth: int = 2, backend: str | None = None,
+                 device: Any = None, dtype: Any = None, max_sms: int | None = None,
                  background: bool = True, packed: bool = False,
                  id_format: IdFormat = "bucket") -> None:
         import torch
 
+        backend = self.backend if backend is None else backend
         if depth < 1:
             raise PrefetchError(f"depth must be >= 1, got {depth}")
         if backend != self.backend:
@@ -200,6 +201,12 @@ class PrefetchScheduler:
         self._mutex = mutex = threading.Lock()
         self._lock = threading.Condition(mutex)  # waiters, submitters
         self._closed = False
+        self._start()
+
+    def _start(self) -> None:
+        """The backend's own state and thread or stream, once the shared
+        state is made (the last step of ``__init__``)."""
+        raise NotImplementedError
 
     # -------------------------------------------------------------- api --
     def submit(self, layer: Any, hash_ids: Any, counts: Any = None) -> None:
