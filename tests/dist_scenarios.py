@@ -361,9 +361,10 @@ def memory_fallback(rank, world, *, directory, room):
     return {}
 
 
-def dp_sharded_bad_id(rank, world):
-    """One member passes a bad id: all raise at once; the next lookup works."""
-    from numa_engram.errors import LookupIdError
+def _sharded_member(rank, world):
+    """This member's head slice of a small layer (TP 1, EDP = the world),
+    filled from the synthetic layer, and its DP-sharded lookup over the
+    world group: (spec, table, whole weights, whole scales, lookup)."""
     from numa_engram.sharing.dpsharded import DPShardedLookup, ShardedHeads
 
     spec = EngramSpec.small(rows_per_head=96, n_head_per_ngram=4, head_dim=64)
@@ -373,7 +374,14 @@ def dp_sharded_bad_id(rank, world):
     mine = heads.members[rank]
     np.copyto(table.weights, w_all[mine.row_start:mine.row_end])
     np.copyto(table.scales, s_all[mine.row_start:mine.row_end])
-    sharded = DPShardedLookup(table, heads, rank, None)
+    return spec, table, w_all, s_all, DPShardedLookup(table, heads, rank, None)
+
+
+def dp_sharded_bad_id(rank, world):
+    """One member passes a bad id: all raise at once; the next lookup works."""
+    from numa_engram.errors import LookupIdError
+
+    spec, table, w_all, s_all, sharded = _sharded_member(rank, world)
     ids = ngram_hashes(spec, np.random.default_rng(rank).integers(0, 1000, 50), LAYER)
     bad = ids.copy()
     if rank == 1:
@@ -416,21 +424,13 @@ def dp_sharded_guards(rank, world):
     caller's ``out=`` and not a byte around them; a wrong ``out`` in one
     member fails every member before any exchange, and the group goes on."""
     from numa_engram.errors import LookupIdError
-    from numa_engram.sharing.dpsharded import DPShardedLookup, ShardedHeads
 
-    spec = EngramSpec.small(rows_per_head=96, n_head_per_ngram=4, head_dim=64)
-    heads = ShardedHeads.of(spec, LAYER, 1, world, 0)
-    table = SharedEngramTable.create(spec, LAYER, heads.members[rank], mode="independent")
-    w_all, s_all = synthetic_layer(spec, LAYER, raw=True)
-    mine = heads.members[rank]
-    np.copyto(table.weights, w_all[mine.row_start:mine.row_end])
-    np.copyto(table.scales, s_all[mine.row_start:mine.row_end])
-    sharded = DPShardedLookup(table, heads, rank, None)
+    spec, table, w_all, s_all, sharded = _sharded_member(rank, world)
     counts = [7, 12][:world]
     ids = ngram_hashes(spec, np.random.default_rng(rank).integers(0, 1000, counts[rank]), LAYER)
     want = reference_lookup(w_all, s_all, ids, head_start=0,
                             bucket_sizes=spec.bucket_sizes(LAYER)).view(torch.int16)
-    shape = (counts[rank], heads.head_end - heads.head_start, spec.head_dim)
+    shape = (counts[rank], sharded.heads.head_end - sharded.heads.head_start, spec.head_dim)
     result = {}
     for given in (None, counts):
         out, intact = _guarded_bf16(shape)
