@@ -106,10 +106,10 @@ def ids_for_kernel(hash_ids: Any, n_cols: int) -> tuple[np.ndarray, Any, int, in
     """``check_hash_ids`` and ``native.ids_args`` in one: (the ids, the
     kernel's view of them, their row stride, their token count); the
     caller keeps the ids alive while the kernel reads them (a widened or
-    strided array's view does not).  A decode step's whole lookup is a few
-    us, and its ids are nearly always a C-contiguous int64 array: that case
-    is a few attribute reads and the buffer (cffi refuses a strided array
-    with ValueError, which takes the general path)."""
+    strided array's view does not).  A decode step's ids are nearly always
+    a C-contiguous int64 array: that case is a few attribute reads and the
+    buffer (the decode budget, docs/design.md; cffi refuses a strided
+    array with ValueError, which takes the general path)."""
     if type(hash_ids) is np.ndarray and hash_ids.dtype is _INT64:
         shape = hash_ids.shape
         if len(shape) == 2 and shape[1] == n_cols:
