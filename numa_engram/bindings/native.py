@@ -512,9 +512,9 @@ class ShardKernel:
     table's ``TableState`` (``state``: its lookups counted, refused once it
     is closed).  ``bound`` is that struct once a call (or ``bind()``) made
     it in this process: None before, after ``close()`` and in a forked
-    child.  A decode step's lookup calls ``lib.ne_lookup(bound, ...)``
-    itself when ``bound`` is set (its Python is most of its cost), else
-    ``run``.  After ``close()`` a call raises StorageError."""
+    child.  Every lookup goes through ``run`` (``ShardRows`` calls it with
+    ids and outputs already cast).  After ``close()`` a call raises
+    StorageError."""
 
     def __init__(self, geometry: Geometry, threads: int, cpus: Sequence[int] = (),
                  col0: int = 0, *, persistent: bool = True,
@@ -546,8 +546,7 @@ class ShardKernel:
             scales: Any = ffi.NULL) -> int:
         """The kernel over ids already cast (``ids_args``) into outputs
         already cast: the count of bad ids, 0 for none, or a failure
-        (``bad_ids`` says which).  A decode step's lookup calls this
-        directly: its Python is most of its cost."""
+        (``bad_ids`` says which): the one place Python calls ``ne_lookup``."""
         bound = self.bound
         if bound is None:
             bound = self.bind()

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
     Rows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
-_ne_lookup, _NULL = native.lib.ne_lookup, native.ffi.NULL
+_NULL = native.ffi.NULL
 
 
 class ShardRows:
@@ -172,10 +172,7 @@ class ShardRows:
         try:
             if kernel is None:
                 kernel = self._shard_kernel()
-            bound = kernel.bound
-            if bound is None:
-                bound = kernel.bind()
-            bad = _ne_lookup(bound, address, tokens, stride, global_ids, rows, scales)
+            bad = kernel.run(address, tokens, stride, global_ids, rows, scales)
         except StorageError:  # closed: not a lookup
             raise
         except BaseException:
