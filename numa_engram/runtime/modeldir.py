@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import CheckpointError, SpecError
 from ..model.spec import EngramSpec, strict_int
 from ..model.tokenmap import build_token_map
-from ..sharing.checkpoint import CheckpointPlan, resolve
+from ..sharing.checkpoint import CheckpointPlan, resolve_layers
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -82,9 +82,8 @@ class ModelDirectory:
         missing or misshapen layer is a CheckpointError naming it before any
         table is made); ``create(checkpoint=plans[layer])`` reads through
         them and refuses a file that changed since."""
-        if not self._plans:
-            self._plans.update({layer: resolve(self.path, self.spec, layer)
-                                for layer in self.spec.layer_ids})
+        if not self._plans:  # (the index and each file's header read once)
+            self._plans.update(resolve_layers(self.path, self.spec, self.spec.layer_ids))
         return dict(self._plans)
 
 

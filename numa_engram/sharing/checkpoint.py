@@ -342,16 +342,26 @@ def resolve(paths, spec: EngramSpec, layer_id: int,
     files, the spec metadata.  Reads headers only: fast for any table size."""
     if isinstance(paths, CheckpointPlan):
         return paths
+    return resolve_layers(paths, spec, [layer_id], names)[layer_id]
+
+
+def resolve_layers(paths, spec: EngramSpec, layer_ids: Sequence[int],
+                   names: TensorNames | None = None) -> dict[int, CheckpointPlan]:
+    """``resolve`` for several layers, the index read and each file's
+    header parsed once for all of them."""
     files = checkpoint_files(paths)
-    w_name, s_name = (names or find_names(files, layer_id)).of(layer_id)
     headers: dict[str, tuple[dict, int, FileIdentity]] = {}
-    w_loc, s_loc = locate(files, w_name, headers), locate(files, s_name, headers)
-    for path in {w_loc.path, s_loc.path}:
-        check_spec_metadata(headers[path][0], path, spec)
-    rows = spec.rows(layer_id)
-    _check_tensor(w_loc, rows, spec.head_dim, WEIGHT_DTYPES)
-    _check_tensor(s_loc, rows, spec.scales_per_row, SCALE_DTYPES)
-    return CheckpointPlan(layer_id, w_loc, s_loc)
+    plans = {}
+    for layer_id in layer_ids:
+        w_name, s_name = (names or find_names(files, layer_id)).of(layer_id)
+        w_loc, s_loc = locate(files, w_name, headers), locate(files, s_name, headers)
+        for path in {w_loc.path, s_loc.path}:
+            check_spec_metadata(headers[path][0], path, spec)
+        rows = spec.rows(layer_id)
+        _check_tensor(w_loc, rows, spec.head_dim, WEIGHT_DTYPES)
+        _check_tensor(s_loc, rows, spec.scales_per_row, SCALE_DTYPES)
+        plans[layer_id] = CheckpointPlan(layer_id, w_loc, s_loc)
+    return plans
 
 
 def load_rows(paths, spec: EngramSpec, layer_id: int, row_start: int, row_end: int,
