@@ -4,7 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-"$PY" -m ruff check numa_engram tests tools cffi_build
-"$PY" -m mypy
-"$(dirname "$PY")/lint-imports"
+PYTHON="$PY" tools/lint.sh
 "$PY" -m pytest -q -rs --durations=10 -m "not multiproc and not numa and not slow" "$@"

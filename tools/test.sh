@@ -5,9 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-"$PY" -m ruff check numa_engram tests tools cffi_build
-"$PY" -m mypy  # the package ([tool.mypy] in pyproject.toml); public modules fully typed
-"$(dirname "$PY")/lint-imports"  # the layer order ([tool.importlinter] in pyproject.toml)
+PYTHON="$PY" tools/lint.sh
 # coverage of the test process (spawned ranks and CLI subprocesses are not
 # measured), printed per module that has lines no test ran
 "$PY" -m pytest -q -rs --durations=15 --cov=numa_engram --cov-report=term:skip-covered "$@"
