@@ -326,7 +326,7 @@ def local_identity(rank: int, tp_rank: int, directory: str,
                         procfs.namespace("mnt"), limit)
 
 
-def _caller_limit(rank: int, world_layout: WorldLayout | None, socket_of: Sequence[int] | None,
+def caller_limit(rank: int, world_layout: WorldLayout | None, socket_of: Sequence[int] | None,
                   within: Sequence[Sequence[int]] | None) -> tuple[int, ...] | None:
     """The ranks the caller allows ``rank`` to share with: its layout group
     intersected with its within= group (None: no limit given)."""
@@ -387,7 +387,7 @@ def sharing_groups(world_group: Any = None, *, tp_rank: int | None = None,
         per_socket, numa_socket = True, int(socket_of[me])
     elif per_socket:
         numa_socket = gpu_node(device)
-    limit = _caller_limit(me, world_layout, socket_of, within)
+    limit = caller_limit(me, world_layout, socket_of, within)
     world = TorchGroup(world_group, timeout_s)
     identities = world.all_gather(local_identity(me, tp_rank, directory, numa_socket, limit),
                                   "identity")
