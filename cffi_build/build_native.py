@@ -2,7 +2,7 @@
 
 Run by setuptools at install time (``cffi_modules`` in setup.py); nothing
 prebuilt is committed.  The C source is native.c beside this file, which
-includes the parts in src/; the declarations are read from their headers.
+includes the parts in src/; the declarations are their headers, as they are.
 """
 
 import os
@@ -20,26 +20,12 @@ HERE = Path(__file__).resolve().parent
 VERSION = re.search(r'__version__ = "([^"]+)"',
                     (HERE.parent / "numa_engram" / "_version.py").read_text()).group(1)
 
-# The declarations are the parts' headers (src/*.h), read as written: the
-# prototypes as they are, the constants from each header's
-# "cffi-constants" comment block (their values come from the system
-# headers at build time, not from numbers typed here).  Preprocessor lines
-# (include guards, includes) are not cffi syntax and are dropped.
+# The declarations are the parts' headers (src/*.h, plain declarations
+# cffi reads as they are) after the constants Python reads (constants.cdef,
+# their values taken from the compiled core).
 HEADERS = ("memory.h", "pool.h", "lookup.h", "hashing.h", "ple.h")
-CONSTANTS = re.compile(r"cffi-constants[^\n]*\n(.*?)\*/", re.S)
-
-
-def declarations(header: Path) -> str:
-    text = header.read_text()
-    block = CONSTANTS.search(text)
-    constants = "" if block is None else "\n".join(
-        line.strip().lstrip("*").strip() for line in block.group(1).splitlines())
-    code = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
-    code = "\n".join(line for line in code.splitlines() if not line.lstrip().startswith("#"))
-    return constants + "\n" + code
-
-
-CDEF = "\n".join(declarations(HERE / "src" / name) for name in HEADERS)
+CDEF = "\n".join([(HERE / "constants.cdef").read_text(),
+                  *((HERE / "src" / name).read_text() for name in HEADERS)])
 
 
 def _accepted(flags: list[str]) -> list[str]:
@@ -67,6 +53,10 @@ SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",
             "-fno-omit-frame-pointer", "-g"] \
     if os.environ.get("NUMA_ENGRAM_SANITIZE") == "1" else []
 
+# NUMA_ENGRAM_STRICT=1 (tools/setup.sh, so every test run): any warning is
+# an error.  A user's build keeps going on a compiler that warns of more.
+STRICT = ["-Werror"] if os.environ.get("NUMA_ENGRAM_STRICT") == "1" else []
+
 ffibuilder = FFI()
 ffibuilder.cdef(CDEF)
 ffibuilder.set_source(
@@ -78,8 +68,8 @@ ffibuilder.set_source(
     define_macros=[("NE_CORE_VERSION", f'"{VERSION}"')],
     # -O3 lets GCC vectorise the branch-free dequant loop for the baseline
     # ISA; nothing here assumes the build host's CPU (no -march=native).
-    extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wno-unused-function", *X86_TUNING,
-                        *SANITIZE],
+    extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-function",
+                        *STRICT, *X86_TUNING, *SANITIZE],
     extra_link_args=SANITIZE,
     libraries=["pthread"],
 )

@@ -1,7 +1,8 @@
 /* numa_engram's C core: thin syscall wrappers and the hot kernels, one
- * translation unit built from the parts below (each part's header is what
- * Python sees: build_native.py reads the headers as the cffi
- * declarations, so no prototype is typed twice).
+ * translation unit built from the parts below.  The parts' headers are
+ * plain declarations, included here once: build_native.py hands the same
+ * files to cffi as they are, so no prototype is typed twice (the
+ * constants Python reads are listed in constants.cdef).
  *
  *   src/core.h     shared: system headers, CPU features read once, threads
  *   src/memory.c   mappings, memory policies, page nodes, file systems
@@ -16,6 +17,11 @@
  * errno into an exception.  Nothing here allocates memory that outlives a
  * call, except a pool (freed by ne_pool_free). */
 #include "src/core.h"
+#include "src/memory.h"
+#include "src/pool.h"
+#include "src/lookup.h"
+#include "src/hashing.h"
+#include "src/ple.h"
 #include "src/memory.c"
 #include "src/rows.c"
 #include "src/pool.c"

@@ -778,7 +778,7 @@ def test_a_tables_lookup_threads_are_bound_to_the_rows_nodes_cpus():
         table.lookup_cpus = node_cpus
         table.lookup_threads = 3  # (a default table on one CPU would have 1)
         table.lookup(np.zeros((3000, spec.n_hash_cols), np.int64))
-        # the pool's threads by their name (pool.h's NE_POOL_THREAD_NAME):
+        # the pool's threads by their name (pool.c's NE_POOL_THREAD_NAME):
         # another thread this process starts meanwhile (torch's) is not one
         workers = [tid for tid in set(os.listdir("/proc/self/task")) - before
                    if _comm(tid) == "numa-engram-lk"]

@@ -113,17 +113,6 @@ def test_array_is_a_real_view_across_two_mappings(mapped):
     other.close()
 
 
-def test_read_rows_reads_every_line_of_every_row():
-    table = np.random.default_rng(3).integers(0, 256, (1000, 256), dtype=np.uint8)
-    rows = np.random.default_rng(4).integers(0, 1000, 5000)
-    words = table.view(np.uint64)[:, ::8]  # the first word of each 64-byte line
-    want = int(words[rows].sum(dtype=np.uint64))
-    for threads in (1, 3):
-        assert native.read_rows(table, rows, ahead=16, threads=threads) == want
-    with pytest.raises(ValueError, match=r"rows must be in \[0, 1000\)"):
-        native.read_rows(table, np.array([1000]))
-
-
 def test_a_kernel_tuning_outside_its_bounds_is_refused_naming_them():
     """Thresholds the kernel's stack scratch or a division could not take
     never reach it: ShardKernel(tuning=) checks them (through C, which

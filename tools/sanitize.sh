@@ -14,7 +14,7 @@ if [ ! -e "$ASAN" ]; then
 fi
 rebuild() { "$PY" setup.py -q build_ext --inplace --force >/dev/null; }
 trap rebuild EXIT
-NUMA_ENGRAM_SANITIZE=1 "$PY" setup.py -q build_ext --inplace --force >/dev/null
+NUMA_ENGRAM_STRICT=1 NUMA_ENGRAM_SANITIZE=1 "$PY" setup.py -q build_ext --inplace --force >/dev/null
 # detect_leaks=0: CPython's own allocations at exit are not ours to judge
 LD_PRELOAD="$ASAN" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \

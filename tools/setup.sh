@@ -20,4 +20,5 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 [ "$TORCH_SPEC" = skip ] || "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
-"$VENV/bin/python" -m pip install -q -e '.[test]'
+# strict: the C core must build without a warning (-Wall -Wextra -Werror)
+NUMA_ENGRAM_STRICT=1 "$VENV/bin/python" -m pip install -q -e '.[test]'

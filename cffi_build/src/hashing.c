@@ -2,7 +2,8 @@
  * invariant primes (fastdiv), one mix loop, whole sequences and the
  * serving state's windows. */
 #include "core.h"
-#include "hashing.h"
+
+#define NE_MAX_POSITION ((int64_t)1 << 62)
 
 /* Division by an invariant integer (Granlund-Montgomery, round-up
  * multiplier): the hashes take 24 remainders per token by the same primes,

@@ -1,17 +1,10 @@
 /* hashing.h: DeepSeek's n-gram hashes, for whole sequences and for the
  * serving state's look-back windows (V4.1's rule).  n (max_ngram) is at
  * most NE_MAX_NGRAM; larger is EINVAL.  Each returns 0 (or -1 for "all
- * good" where it returns an index) or -1 with errno.  The builder reads
- * this header as the cffi declarations.
+ * good" where it returns an index) or -1 with errno.
  *
- * cffi-constants (positions beyond this are refused: p + 1 must not wrap):
- *   #define NE_MAX_POSITION ...
- */
-#ifndef NE_HASHING_H
-#define NE_HASHING_H
-#include <stdint.h>
-
-#define NE_MAX_POSITION ((int64_t)1 << 62)
+ * Plain declarations: cffi reads this header as it is; native.c includes
+ * it once, after core.h. */
 
 /* Longest n-gram a window holds (the spec's bound; the windows live on the
  * stack). */
@@ -46,5 +39,3 @@ int64_t ne_hash_step(const struct ne_hash_state *st, const void *tokens_, const 
                      const void *slots_, const void *positions_, const void *commit_,
                      int commit_all, int64_t n_tokens, int global_rows, void *out_,
                      int n_threads, int64_t *why);
-
-#endif

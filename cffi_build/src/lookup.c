@@ -3,8 +3,6 @@
  * split by token over threads: fresh ones, a table's persistent pool
  * (pool.c) or the caller's own. */
 #include "core.h"
-#include "lookup.h"
-#include "pool.h"
 
 /* Every id in ids[t * stride + h] (t < n_tokens, h < n_heads) must be -1
  * (DEAD) or in [0, bucket_sizes[h]) after subtracting id_base[h] (the
@@ -736,57 +734,4 @@ int64_t ne_lookup(const struct ne_kernel *k, const void *ids, int64_t n_tokens, 
     if (st)
         table_leave(st, bad == 0 ? n_tokens * g->n_heads : -1, now_ns() - started);
     return bad;
-}
-
-/* ------------------------------------------- the random-read limit --- */
-
-/* What the memory system gives a plain gather: read every cache line of
- * rows[i] (dim bytes each) with `ahead` rows prefetched, summing one word
- * per line so nothing is optimised away.  Rows/s of this is the ceiling a
- * lookup kernel is measured against (tools/bench.py). */
-struct read_job {
-    const uint8_t *table;
-    int64_t dim;
-    const int64_t *rows;
-    int64_t begin, end;
-    int ahead;
-    uint64_t sum;
-};
-
-static void *read_thread(void *arg)
-{
-    struct read_job *j = arg;
-    uint64_t sum = 0;
-    for (int64_t i = j->begin; i < j->end; i++) {
-        if (i + j->ahead < j->end) {
-            const uint8_t *q = j->table + j->rows[i + j->ahead] * j->dim;
-            for (int64_t off = 0; off < j->dim; off += 64)
-                __builtin_prefetch(q + off, 0, 3);
-        }
-        const uint8_t *p = j->table + j->rows[i] * j->dim;
-        for (int64_t off = 0; off < j->dim; off += 64) {
-            uint64_t word;
-            memcpy(&word, p + off, sizeof word);
-            sum += word;
-        }
-    }
-    j->sum = sum;
-    return NULL;
-}
-
-int ne_read_rows(const uint8_t *table, int64_t dim, const int64_t *rows, int64_t n, int ahead,
-                 int n_threads, uint64_t *sum)
-{
-    struct read_job jobs[NE_MAX_THREADS];
-    n_threads = clamp_threads(n_threads, n);
-    for (int i = 0; i < n_threads; i++) {
-        jobs[i] = (struct read_job){table, dim, rows, 0, 0, ahead, 0};
-        split_range(n, n_threads, i, &jobs[i].begin, &jobs[i].end);
-    }
-    int rc = n_threads == 1 ? (read_thread(&jobs[0]), 0)
-                            : run_threads(read_thread, jobs, sizeof(jobs[0]), n_threads);
-    *sum = 0;
-    for (int i = 0; i < n_threads; i++)
-        *sum += jobs[i].sum;
-    return rc;
 }

@@ -1,23 +1,9 @@
-/* lookup.h: a shard's rows for a batch of hash ids, BF16 or packed, and
- * the plain random-read rate they are measured against.  Each id is -1
- * (DEAD: a zero row) or inside its head; a bad one gives a zero row and is
- * counted (ne_lookup's result), the first kept for ne_last_bad.
- * The builder reads this header as the cffi declarations.
+/* lookup.h: a shard's rows for a batch of hash ids, BF16 or packed.
+ * Each id is -1 (DEAD: a zero row) or inside its head; a bad one gives a
+ * zero row and is counted (ne_lookup's result), the first kept for ne_last_bad.
  *
- * cffi-constants (a kernel's default tuning, and its bounds):
- *   #define NE_SMALL_ROWS ...
- *   #define NE_MAX_SMALL_ROWS ...
- *   #define NE_PREFETCH_AHEAD ...
- *   #define NE_MAX_PREFETCH_AHEAD ...
- *   #define NE_PREFETCH_HINT ...
- *   #define NE_SPLIT_ROWS ...
- *   #define NE_JOB_ROWS ...
- *   #define NE_SHARE_ROWS ...
- *   #define NE_STREAM_BYTES ...
- */
-#ifndef NE_LOOKUP_H
-#define NE_LOOKUP_H
-#include <stdint.h>
+ * Plain declarations: cffi reads this header as it is; native.c includes
+ * it once, after core.h. */
 
 struct ne_pool;
 /* A kernel's thresholds (benchmarks and tests pass others; NULL: the
@@ -82,7 +68,3 @@ int64_t ne_lookup(const struct ne_kernel *k, const void *ids, int64_t n_tokens, 
 /* (flat index t*n_heads+h, value) of the first bad id of the calling
  * thread's last lookup that had bad ids */
 void ne_last_bad(int64_t *flat_and_value);
-int ne_read_rows(const uint8_t *table, int64_t dim, const int64_t *rows, int64_t n,
-                 int ahead, int n_threads, uint64_t *sum);
-
-#endif

@@ -1,6 +1,5 @@
 /* memory.c: the syscall wrappers memory.h declares. */
 #include "core.h"
-#include "memory.h"
 
 /* Older C libraries lack these (Linux 5.14); the kernel's values. */
 #ifndef MADV_POPULATE_READ

@@ -1,5 +1,4 @@
 /* ple.c: Qwen4-Exp's PLE ids and rows (see ple.h). */
-#include "ple.h"
 
 /* The look-back of the token at flat index t: cand[s] for s = 1..n1 is the
  * token s back in its request (this call's tokens, else the request's

@@ -1,9 +1,9 @@
-/* ple.h: Qwen4-Exp's PLE n-gram ids (vLLM 0.31.0's rule, numa_engram/model/
- * plehashing.py) and FP8 rows with one per-tensor scale turned into BF16.  The builder reads this
- * header as the cffi declarations. */
-#ifndef NE_PLE_H
-#define NE_PLE_H
-#include <stdint.h>
+/* ple.h: Qwen4-Exp's PLE n-gram ids (vLLM 0.31.0's rule,
+ * numa_engram/model/plehashing.py) and FP8 rows with one per-tensor scale
+ * turned into BF16.
+ *
+ * Plain declarations: cffi reads this header as it is; native.c includes
+ * it once, after core.h. */
 
 int ne_ple_ids(const int64_t *ids, int64_t n_tokens, const int64_t *query_start,
                int64_t n_reqs, const int64_t *context, int64_t n1, int64_t eos,
@@ -19,5 +19,3 @@ struct ne_ple_shard {
 };
 int64_t ne_ple_lookup(const struct ne_ple_shard *s, const int64_t *ids, int64_t n_ids,
                       int scaled, void *out);
-
-#endif

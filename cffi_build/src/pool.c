@@ -1,7 +1,8 @@
 /* pool.c: worker threads that live as long as their owner (a table's
  * lookups), the job-running engine pool.h declares. */
 #include "core.h"
-#include "pool.h"
+
+#define NE_POOL_THREAD_NAME "numa-engram-lk"
 
 /* Lookup threads that live as long as the tables using them (a process
  * shares one pool per CPU set and thread count): pinned once to the

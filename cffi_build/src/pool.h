@@ -5,15 +5,11 @@
  * at a time per pool (a caller finding it busy runs alone).  A forked
  * child inherits the memory but not the threads: every entry point
  * checks the pid (a pool has no threads there).
- * The workers are named NE_POOL_THREAD_NAME (/proc/PID/task/TID/comm).
- * The builder reads this header as the cffi declarations. */
-#ifndef NE_POOL_H
-#define NE_POOL_H
-
-#define NE_POOL_THREAD_NAME "numa-engram-lk"
+ * The workers are named "numa-engram-lk" (/proc/PID/task/TID/comm).
+ *
+ * Plain declarations: cffi reads this header as it is; native.c includes
+ * it once, after core.h. */
 
 struct ne_pool;
 struct ne_pool *ne_pool_new(int n, const int *cpus, int n_cpus);
 void ne_pool_free(struct ne_pool *pool);
-
-#endif

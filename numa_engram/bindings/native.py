@@ -645,22 +645,6 @@ def ngram_hashes(rows: np.ndarray, pad_id: int, multipliers: np.ndarray, max_ngr
     return out
 
 
-def read_rows(table: np.ndarray, rows: np.ndarray, ahead: int = 32, threads: int = 1) -> int:
-    """Read every cache line of ``table[rows]`` (uint8 [n, dim]), ``ahead``
-    rows in flight: the random-read ceiling a lookup is measured against.
-    Returns a checksum (so the reads happen)."""
-    rows = np.ascontiguousarray(rows, dtype=np.int64)
-    if table.ndim != 2 or table.dtype != np.uint8 or not table.flags.c_contiguous:
-        raise ValueError("table must be a C-contiguous uint8 [rows, dim] array")
-    if rows.size and (rows.min() < 0 or rows.max() >= table.shape[0]):
-        raise ValueError(f"rows must be in [0, {table.shape[0]})")
-    total = ffi.new("uint64_t *")
-    if lib.ne_read_rows(_ptr(table, "uint8_t *"), table.shape[1], _ptr(rows, "int64_t *"),
-                        rows.size, ahead, threads, total) != 0:
-        _raise("pthread_create", f"reading with {threads} threads")
-    return int(total[0])
-
-
 MAX_POSITION: int = int(lib.NE_MAX_POSITION)
 
 

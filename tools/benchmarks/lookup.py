@@ -8,6 +8,7 @@ import numpy as np
 from numa_engram.bindings import native
 
 from .harness import best_interleaved, fill_random, filled_table, numpy_take
+from .readlimit import read_rows
 
 
 def bench_lookup(table_gib: float, tokens: int, heads: int = 24, head_dim: int = 256,
@@ -67,8 +68,8 @@ def bench_lookup(table_gib: float, tokens: int, heads: int = 24, head_dim: int =
             w, sc, sets[nxt()], head_start=0, bucket_sizes=sizes, out=packed)
         fns[f"{name} take"] = lambda w=w, sc=sc: numpy_take(w, sc, flats[nxt()], gathered_w,
                                                        gathered_s)
-        fns[f"{name} limit1"] = lambda w=w: native.read_rows(w, flats[nxt()], 32, 1)
-        fns[f"{name} limit2"] = lambda w=w: native.read_rows(w, flats[nxt()], 32, 2)
+        fns[f"{name} limit1"] = lambda w=w: read_rows(w, flats[nxt()], 32, 1)
+        fns[f"{name} limit2"] = lambda w=w: read_rows(w, flats[nxt()], 32, 2)
         if name == "4K":
             for ahead, hint in ((32, 3), (32, 1), (64, 1), (128, 1), (32, 0)):
                 fns[f"4K fused1 prefetch {ahead}/T{3 - hint if hint else 'NTA'}"] = fused(
