@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from numa_engram.bindings import native
+from numa_engram.bindings import lookupkernel, native
 from numa_engram.errors import LookupIdError
 from numa_engram.lookup.cpu import gather, lookup_rows, reference_lookup
 from numa_engram.lookup.outputs import OutputPool, aligned_empty
@@ -41,7 +41,7 @@ def test_fused_kernel_is_bit_exact_with_reference(head_start, head_end, threads,
     ids = _ids(777)
     ids[:50] = ids[50:100]  # repeated rows
     # how far ahead, and with which hint, never changes what is read
-    tuning = native.Tuning(prefetch_ahead=prefetch[0], prefetch_hint=prefetch[1])
+    tuning = lookupkernel.Tuning(prefetch_ahead=prefetch[0], prefetch_hint=prefetch[1])
     got = lookup_rows(w, s, ids, head_start=head_start, bucket_sizes=sizes, threads=threads,
                       tuning=tuning)
     want = reference_lookup(w, s, ids, head_start=head_start, bucket_sizes=sizes)
@@ -372,7 +372,7 @@ def test_both_sides_of_the_small_call_threshold_are_bit_exact(rows_at, tokens):
     w, s = random_rows(sum(sizes), 64, seed=tokens)
     rng = np.random.default_rng(tokens)
     ids = np.stack([rng.integers(-1, n, tokens) for n in sizes], 1)
-    tuning = native.Tuning(small_rows=rows_at)
+    tuning = lookupkernel.Tuning(small_rows=rows_at)
     for threads in (1, 2):
         got = lookup_rows(w, s, ids, head_start=0, bucket_sizes=sizes, threads=threads,
                           tuning=tuning)
@@ -385,7 +385,7 @@ def test_both_sides_of_the_small_call_threshold_are_bit_exact(rows_at, tokens):
         np.testing.assert_array_equal(packed[0], np.where((ids >= 0)[..., None], w[rows], 0))
     with pytest.raises(ValueError, match="small_rows must be in 0..4096"):
         lookup_rows(w, s, ids, head_start=0, bucket_sizes=sizes,
-                    tuning=native.Tuning(small_rows=5000))
+                    tuning=lookupkernel.Tuning(small_rows=5000))
 
 
 def _threads(settle_at: int | None = None) -> int:
@@ -573,7 +573,7 @@ def test_split_and_streaming_thresholds_never_change_the_bits(split_rows, stream
     rng = np.random.default_rng(split_rows % 97)
     with SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0),
                                   lookup_threads=3) as table:
-        table.rows.tuning = native.Tuning(split_rows=split_rows, stream_bytes=stream_bytes,
+        table.rows.tuning = lookupkernel.Tuning(split_rows=split_rows, stream_bytes=stream_bytes,
                                           job_rows=job_rows)
         table.weights[:] = rng.integers(0, 256, table.weights.shape, dtype=np.uint8)
         table.scales[:] = rng.integers(100, 140, table.scales.shape, dtype=np.uint8)
@@ -586,7 +586,7 @@ def test_split_and_streaming_thresholds_never_change_the_bits(split_rows, stream
             assert torch.equal(table.lookup(ids).view(torch.int16), want.view(torch.int16))
     for bad in (dict(split_rows=0), dict(job_rows=0), dict(stream_bytes=-1)):
         with pytest.raises(ValueError, match="split_rows >= 1, job_rows in 1..16384"):
-            table.rows.tuning = native.Tuning(**bad)
+            table.rows.tuning = lookupkernel.Tuning(**bad)
 
 
 def test_jobs_claimed_by_whichever_thread_is_awake_give_the_bits_of_every_call():

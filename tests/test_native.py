@@ -4,7 +4,7 @@ import os
 import numpy as np
 import pytest
 
-from numa_engram.bindings import native
+from numa_engram.bindings import hashkernels, lookupkernel, native
 from numa_engram.errors import CapacityError, SyscallError
 
 
@@ -123,8 +123,8 @@ def test_a_kernel_tuning_outside_its_bounds_is_refused_naming_them():
            dict(stream_bytes=-1)]
     for fields in bad:
         with pytest.raises(ValueError, match="prefetch_ahead in 0..256, prefetch_hint in 0..3"):
-            native.Tuning(**fields).struct()
-    native.Tuning(small_rows=native.lib.NE_MAX_SMALL_ROWS, split_rows=1, job_rows=1,
+            lookupkernel.Tuning(**fields).struct()
+    lookupkernel.Tuning(small_rows=native.lib.NE_MAX_SMALL_ROWS, split_rows=1, job_rows=1,
                   stream_bytes=0, prefetch_ahead=256, prefetch_hint=3).struct()  # the edges
 
 
@@ -133,8 +133,8 @@ def test_hardware_division_and_reciprocals_hash_alike():
     ids = rng.integers(-(2**62), 2**62, (3, 500))
     mult = rng.integers(1, 2**40, 4) | 1
     primes = np.array([3, 1_000_003, 2**31 - 1, 998_244_353, 1_099_511_627_791, 7], np.int64)
-    fast = native.ngram_hashes(ids, 2, mult, 4, primes, 2)
-    slow = native.ngram_hashes(ids, 2, mult, 4, primes, 2, hardware_division=True)
+    fast = hashkernels.ngram_hashes(ids, 2, mult, 4, primes, 2)
+    slow = hashkernels.ngram_hashes(ids, 2, mult, 4, primes, 2, hardware_division=True)
     np.testing.assert_array_equal(fast, slow)
 
 
@@ -146,8 +146,8 @@ def test_vector_and_scalar_floor_modulo_agree_for_any_head_count(n_head):
     primes = rng.integers(2, 2**45, 3 * n_head).astype(np.int64)
     primes[::5] = 1  # and the smallest divisors
     primes[1::7] = 2**62 + 1
-    fast = native.ngram_hashes(ids, 2, mult, 4, primes, n_head)
-    slow = native.ngram_hashes(ids, 2, mult, 4, primes, n_head, hardware_division=True)
+    fast = hashkernels.ngram_hashes(ids, 2, mult, 4, primes, n_head)
+    slow = hashkernels.ngram_hashes(ids, 2, mult, 4, primes, n_head, hardware_division=True)
     np.testing.assert_array_equal(fast, slow)
     assert (fast >= 0).all() and (fast < primes).all()
 

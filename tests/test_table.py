@@ -433,7 +433,7 @@ def test_the_kernel_counts_each_lookup_once_in_the_bucket_its_time_falls_in(tp_s
     bounds of picoseconds, the bound rule at both ends."""
     import torch
 
-    from numa_engram.bindings import native
+    from numa_engram.bindings import lookupkernel
     from numa_engram.errors import LookupIdError
 
     spec, t = tp_shard_table
@@ -455,8 +455,8 @@ def test_the_kernel_counts_each_lookup_once_in_the_bucket_its_time_falls_in(tp_s
 
     def bucket_counts(bounds):
         geometry = t.rows._geometry
-        state = native.TableState(bounds)
-        kernel = native.ShardKernel(geometry, 1, col0=t.shard.head_start, state=state)
+        state = lookupkernel.TableState(bounds)
+        kernel = lookupkernel.ShardKernel(geometry, 1, col0=t.shard.head_start, state=state)
         out = np.empty((5, 4, spec.head_dim), np.uint16)
         for _ in range(3):
             assert kernel(ids, False, out) == (0, -1, 0)
@@ -466,7 +466,7 @@ def test_the_kernel_counts_each_lookup_once_in_the_bucket_its_time_falls_in(tp_s
     lookups, rows, seconds, buckets = bucket_counts([1e-12 * (i + 1) for i in range(16)])
     assert (lookups, buckets[16], sum(buckets)) == (3, 3, 3)
     with pytest.raises(ValueError, match="latency bounds"):
-        native.TableState([1.0] * 15)
+        lookupkernel.TableState([1.0] * 15)
 
 
 def test_a_closed_table_state_refuses_the_kernel_and_close_waits_for_running_calls(
@@ -476,11 +476,11 @@ def test_a_closed_table_state_refuses_the_kernel_and_close_waits_for_running_cal
     call is inside once it returns."""
     import torch
 
-    from numa_engram.bindings import native
+    from numa_engram.bindings import lookupkernel
 
     spec, t = tp_shard_table
-    state = native.TableState([1e-3 * (i + 1) for i in range(16)])
-    kernel = native.ShardKernel(t.rows._geometry, 1, col0=t.shard.head_start, state=state)
+    state = lookupkernel.TableState([1e-3 * (i + 1) for i in range(16)])
+    kernel = lookupkernel.ShardKernel(t.rows._geometry, 1, col0=t.shard.head_start, state=state)
     ids = np.random.default_rng(0).integers(0, 400, (4000, spec.n_hash_cols))
     expected = t.lookup(ids).view(torch.int16).numpy()
     outcomes = []

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..bindings import native
+from ..bindings import lookupkernel, native
 from ..errors import LookupIdError
 from ..literals import IdFormat, check_id_format
 from ..model.fp8 import dequantize_rows
@@ -49,7 +49,7 @@ def default_lookup_threads(cpus: Sequence[int] = ()) -> int:
 def lookup_rows(weights: np.ndarray, scales: np.ndarray, hash_ids: Any, *, head_start: int,
                 bucket_sizes: Sequence[int], head_offsets: Sequence[int] | None = None,
                 out: torch.Tensor | None = None, threads: int = 1, cpus: Sequence[int] = (),
-                block: int = 32, tuning: native.Tuning | None = None) -> torch.Tensor:
+                block: int = 32, tuning: lookupkernel.Tuning | None = None) -> torch.Tensor:
     """BF16 ``[T, n_heads, head_dim]`` rows for heads ``head_start ..
     head_start + len(bucket_sizes)`` of ``hash_ids [T, n_hash_cols]``.
 
@@ -103,7 +103,7 @@ _from_buffer = native.ffi.from_buffer
 
 
 def ids_for_kernel(hash_ids: Any, n_cols: int) -> tuple[np.ndarray, Any, int, int]:
-    """``check_hash_ids`` and ``native.ids_args`` in one: (the ids, the
+    """``check_hash_ids`` and ``lookupkernel.ids_args`` in one: (the ids, the
     kernel's view of them, their row stride, their token count); the
     caller keeps the ids alive while the kernel reads them (a widened or
     strided array's view does not).  A decode step's ids are nearly always
@@ -118,14 +118,14 @@ def ids_for_kernel(hash_ids: Any, n_cols: int) -> tuple[np.ndarray, Any, int, in
             except ValueError:
                 pass
     ids = check_hash_ids(hash_ids, n_cols)
-    return (ids, *native.ids_args(ids), ids.shape[0])
+    return (ids, *lookupkernel.ids_args(ids), ids.shape[0])
 
 
 def check_ids_in_range(ids: np.ndarray, head_start: int, sizes: np.ndarray,
                        id_base: np.ndarray | None = None) -> None:
     """Every id of heads ``head_start ..`` is -1 (DEAD) or in its head's
     buckets (global rows: in ``[id_base[h], id_base[h] + sizes[h])``)."""
-    bad = native.first_bad_id(ids, head_start, sizes, id_base)
+    bad = lookupkernel.first_bad_id(ids, head_start, sizes, id_base)
     if bad >= 0:
         t, h = divmod(bad, len(sizes))
         raise LookupIdError(bad_id_text(int(ids[t, head_start + h]), t, head_start + h,
@@ -147,7 +147,7 @@ def gather(weights: np.ndarray, scales: np.ndarray, ids: np.ndarray, *, head_sta
            out: np.ndarray | tuple[np.ndarray, np.ndarray],
            head_offsets: Sequence[int] | np.ndarray | None = None, threads: int = 1,
            cpus: Sequence[int] = (), block: int = 32, id_base: np.ndarray | None = None,
-           tuning: native.Tuning | None = None) -> None:
+           tuning: lookupkernel.Tuning | None = None) -> None:
     """The one lookup path (tables, DP-sharded exchange, lookup_rows): rows
     of heads ``head_start .. +len(bucket_sizes)`` of checked ``ids [T, cols]``
     gathered from uint8 ``weights``/``scales`` into ``out``: BF16 bits
@@ -171,9 +171,10 @@ def gather(weights: np.ndarray, scales: np.ndarray, ids: np.ndarray, *, head_sta
     if ids.shape[0] == 0:
         return
     base = None if id_base is None else np.ascontiguousarray(id_base, dtype=np.int64)
-    geometry = native.Geometry.of(weights, scales, offsets, sizes, base, block)
-    count, first, value = native.run_geometry_lookup(geometry, ids, head_start, base is not None,
-                                                     out, threads, native.cpu_list(cpus), tuning)
+    geometry = lookupkernel.Geometry.of(weights, scales, offsets, sizes, base, block)
+    count, first, value = lookupkernel.run_geometry_lookup(
+        geometry, ids, head_start, base is not None, out, threads, lookupkernel.cpu_list(cpus),
+        tuning)
     if count:
         t, h = divmod(first, len(sizes))
         raise LookupIdError(bad_id_text(value, t, head_start + h, int(sizes[h]), base, h,

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..bindings import native
+from ..bindings import lookupkernel
 from ..errors import LookupIdError
 from ..model.ple import PLEDtype
 
@@ -81,7 +81,7 @@ class PLERows:
     over (the caller runs a part too)."""
 
     def __init__(self, table: np.ndarray, *, dtype: PLEDtype, row_start: int, total_rows: int,
-                 scale: float | None = None, workers: native.Workers | None = None) -> None:
+                 scale: float | None = None, workers: lookupkernel.Workers | None = None) -> None:
         if table.dtype != np.uint8 or table.ndim != 2 or not table.flags.c_contiguous:
             raise ValueError(f"a PLE shard is C-contiguous uint8 [rows, row_bytes], got "
                              f"{table.dtype} {table.shape}")
@@ -96,7 +96,7 @@ class PLERows:
         self.row_start, self.total_rows = row_start, total_rows
         self.head_dim = table.shape[1] if dtype == "float8_e4m3fn" else table.shape[1] // 2
         self.scale_bf16 = None if scale is None else float(bf16_scale(scale))
-        self._shard = native.PLEShard(table, row_start, total_rows, self.scale_bf16, workers)
+        self._shard = lookupkernel.PLEShard(table, row_start, total_rows, self.scale_bf16, workers)
         self._scaled = dtype == "float8_e4m3fn"
 
     def rows_bf16(self, ids: Any, out: np.ndarray | None = None) -> np.ndarray:

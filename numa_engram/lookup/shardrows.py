@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
-from ..bindings import native
+from ..bindings import lookupkernel, native
 from ..errors import LookupIdError, StorageError
 from ..histogram import LOOKUP_BUCKETS
 from ..literals import IdFormat, check_id_format
@@ -53,7 +53,7 @@ class ShardRows:
     def __init__(self, spec: EngramSpec, layer_id: int, shard: ShardInfo, weights: np.ndarray,
                  scales: np.ndarray, *, lookup_threads: int | None = None,
                  lookup_cpus: Sequence[int] = (), registration: Any = None,
-                 tuning: native.Tuning | None = None) -> None:
+                 tuning: lookupkernel.Tuning | None = None) -> None:
         self.spec, self.layer_id, self.shard = spec, layer_id, shard
         self.registration = registration
         self._weights: np.ndarray | None = weights
@@ -61,10 +61,10 @@ class ShardRows:
         self._bucket_sizes = np.asarray(
             spec.bucket_sizes(layer_id)[shard.head_start:shard.head_end], dtype=np.int64)
         # the kernel's fixed arguments, cast once: a call adds only ids and output
-        self._geometry: native.Geometry | None = native.Geometry.of(
+        self._geometry: lookupkernel.Geometry | None = lookupkernel.Geometry.of(
             weights, scales, prefix_offsets(self._bucket_sizes), self._bucket_sizes,
             self.id_base("global"), spec.block)
-        self._kernel: native.ShardKernel | None = None  # bound at the first lookup
+        self._kernel: lookupkernel.ShardKernel | None = None  # bound at the first lookup
         self._lookup_cpus = tuple(lookup_cpus)
         self._lookup_threads = default_lookup_threads(self._lookup_cpus) \
             if lookup_threads is None else max(1, int(lookup_threads))
@@ -82,7 +82,7 @@ class ShardRows:
         # the CPU lookups that ran are counted by the kernel (rows, time),
         # which refuses them once closed; here, under the lock, the GPU
         # launches and their rows, and the lookups that failed, by why
-        self.state = native.TableState(LOOKUP_BUCKETS)
+        self.state = lookupkernel.TableState(LOOKUP_BUCKETS)
         self._failures = {"bad_ids": 0, "failed": 0}
         self._gpu_lookups = self._gpu_rows = 0
 
@@ -120,7 +120,7 @@ class ShardRows:
         else:  # a caller's tensor: its address, not a numpy view (~3 us a call)
             check_bf16_out(out, shape)
             result, bits, buffer = out, None, native.ffi.cast("uint16_t *", out.data_ptr())
-        return (result, *native.kernel_outputs(bits, buffer))
+        return (result, *lookupkernel.kernel_outputs(bits, buffer))
 
     def bind_lookup(self, out: Any, *, packed: bool = False,
                     id_format: IdFormat = "bucket") -> Callable[[Any], Rows]:
@@ -133,7 +133,7 @@ class ShardRows:
         check_id_format(id_format)
         prepared = out if isinstance(out, PreparedOutput) else self.prepare_out(out, packed=packed)
         result, bits, buffer = _prepared(prepared, prepared.shape, packed)  # (packed checked)
-        rows, scales = native.kernel_outputs(bits, buffer)
+        rows, scales = lookupkernel.kernel_outputs(bits, buffer)
         tokens, n_cols, run = prepared.shape[0], self._n_cols, self._run
         global_ids = id_format == "global"
 
@@ -181,7 +181,7 @@ class ShardRows:
         if bad:
             self._kernel_failed(kernel, bad, tokens, global_ids)
 
-    def _kernel_failed(self, kernel: native.ShardKernel, bad: int, tokens: int,
+    def _kernel_failed(self, kernel: lookupkernel.ShardKernel, bad: int, tokens: int,
                        global_ids: bool) -> NoReturn:
         """The kernel's call of ``tokens`` tokens returned ``bad`` (not 0):
         LookupIdError for bad ids, StorageError once closed, else why it
@@ -229,26 +229,26 @@ class ShardRows:
         self._drop_kernel()
 
     @property
-    def tuning(self) -> native.Tuning | None:
+    def tuning(self) -> lookupkernel.Tuning | None:
         """The kernel's thresholds (None: the measured defaults), for
         benchmarks and tests: set, later calls bind a kernel with them."""
         return self._tuning
 
     @tuning.setter
-    def tuning(self, tuning: native.Tuning | None) -> None:
+    def tuning(self, tuning: lookupkernel.Tuning | None) -> None:
         if tuning is not None:
             tuning.struct()  # refused here, not at the next lookup
         self._tuning = tuning
         self._drop_kernel()
 
-    def _shard_kernel(self) -> native.ShardKernel:
+    def _shard_kernel(self) -> lookupkernel.ShardKernel:
         """This shard's kernel, bound to its threads and CPUs (made at the
         first lookup; its workers stop with close())."""
         with self._idle:
             self._check_open()
             if self._kernel is None:
                 assert self._geometry is not None  # (None only once closed)
-                self._kernel = native.ShardKernel(self._geometry, self._lookup_threads,
+                self._kernel = lookupkernel.ShardKernel(self._geometry, self._lookup_threads,
                                                   self._lookup_cpus, self.shard.head_start,
                                                   state=self.state, tuning=self._tuning)
             return self._kernel

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ..bindings import native
+from ..bindings import hashkernels
 from ..errors import SpecError
 from .spec import EngramSpec
 
@@ -35,7 +35,7 @@ def ngram_hashes(spec: EngramSpec, compressed_ids: ArrayLike, layer_id: int, *,
     ``[..., T]`` (a single sequence or a batch of rows): one native pass per
     token computing every column, on ``threads`` threads."""
     rows, lead = _as_rows(compressed_ids)
-    out = native.ngram_hashes(rows, spec.pad_id, spec.multipliers(layer_id),
+    out = hashkernels.ngram_hashes(rows, spec.pad_id, spec.multipliers(layer_id),
                               spec.max_ngram_size, np.asarray(spec.bucket_sizes(layer_id)),
                               spec.n_head_per_ngram, threads)
     return out.reshape(*lead, rows.shape[1], spec.n_hash_cols)

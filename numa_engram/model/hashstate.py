@@ -32,14 +32,14 @@ from typing import TypeGuard
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ..bindings import native
+from ..bindings import hashkernels, native
 from ..errors import SpecError
 from ..literals import IdFormat, check_id_format
 from .spec import EngramSpec, strict_int
 
 DEAD = -1
 # the slot's next position is position + 1: it must not wrap int64
-MAX_POSITION = native.MAX_POSITION  # 2**62, the kernel's bound (cffi_build/src/hashing.h)
+MAX_POSITION = hashkernels.MAX_POSITION  # 2**62, the kernel's bound (cffi_build/src/hashing.h)
 
 
 def integer_array(values: ArrayLike, name: str) -> np.ndarray:
@@ -103,7 +103,7 @@ class HashState:
         self._offsets = np.ascontiguousarray([spec.head_offsets(layer) for layer in layers],
                                              dtype=np.int64)
         # cast once: per call the casts would be half of a one-token decode step
-        self._native = native.WindowState(self._hist, self._next, self._scratch,
+        self._native = hashkernels.WindowState(self._hist, self._next, self._scratch,
                                           self._multipliers, self._primes, self._offsets,
                                           spec.pad_id, spec.n_head_per_ngram, self.token_map,
                                           self.dead_ids)
@@ -143,7 +143,7 @@ class HashState:
         commits = commit if commit is True or commit is False else self._commit_mask(commit, n)
         out, out_buffer = self._output(n)
         # one kernel call: the token map and dead ids, the windows, the hashes
-        bad, why = native.hash_step(self._native, tokens, mask, slots, positions, commits, out,
+        bad, why = hashkernels.hash_step(self._native, tokens, mask, slots, positions, commits, out,
                                     id_format == "global", threads, out_buffer)
         if bad >= 0:
             raise SpecError(self._misuse(bad, why, slots, positions))

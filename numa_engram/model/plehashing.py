@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ..bindings import native
+from ..bindings import hashkernels
 from ..errors import SpecError
 from .hashstate import integer_array
 from .ple import PLESpec
@@ -76,7 +76,7 @@ def ple_ids(spec: PLESpec, layer_ids: Sequence[int], input_ids: ArrayLike,
     mult, sizes, offsets = _layer_arrays(spec, layer_ids)
     if not len(ids):
         return np.empty((0, len(layer_ids), spec.n_heads), dtype=np.int64)
-    return native.ple_ids(ids, qs, ctx, spec.eos_token_id, mult, sizes, offsets,
+    return hashkernels.ple_ids(ids, qs, ctx, spec.eos_token_id, mult, sizes, offsets,
                           spec.heads_per_ngram)
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..bindings import native
+from ..bindings import lookupkernel
 from ..errors import LookupIdError, StorageError
 from ..host.topology import Topology, current_node
 from ..literals import DEFAULT_DIRECTORY, CreateMode, PageSize
@@ -63,11 +63,11 @@ class SharedPLETable:
         self.lookup_cpus = tuple(lookup_cpus)
         self.lookup_threads = default_lookup_threads(self.lookup_cpus) \
             if lookup_threads is None else max(1, int(lookup_threads))
-        # the node's lookup threads, shared with its other tables (native.shared_workers)
-        self._workers = native.shared_workers(self.lookup_threads - 1, self.lookup_cpus) \
+        # the node's lookup threads, shared with its other tables (lookupkernel.shared_workers)
+        self._workers = lookupkernel.shared_workers(self.lookup_threads - 1, self.lookup_cpus) \
             if self.lookup_threads > 1 else None
         self._release = None if self._workers is None else \
-            weakref.finalize(self, native.release_workers, self._workers)
+            weakref.finalize(self, lookupkernel.release_workers, self._workers)
         self.registration = registration  # a cudart.RegistrationLease, or None
         self._device_rows: PLEDeviceRows | None = None
         self._report: PlacementReport | None = None

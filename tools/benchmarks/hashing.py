@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from numa_engram.bindings import native
+from numa_engram.bindings import hashkernels
 
 from .harness import best_interleaved
 
@@ -24,9 +24,9 @@ def bench_hashing(tokens: int) -> None:
     best = best_interleaved({
         # serving-sized calls (8192 tokens), whose outputs malloc reuses: the
         # compute, not the page faults of a fresh 190 MB output
-        "old1": lambda: _each(batches, lambda b: native.ngram_hashes(
+        "old1": lambda: _each(batches, lambda b: hashkernels.ngram_hashes(
             b, spec.pad_id, mult, 4, primes, 8, hardware_division=True)),
-        "new1": lambda: _each(batches, lambda b: native.ngram_hashes(
+        "new1": lambda: _each(batches, lambda b: hashkernels.ngram_hashes(
             b, spec.pad_id, mult, 4, primes, 8)),
         "native1": lambda: ngram_hashes(spec, ids, 1),
         "native2": lambda: ngram_hashes(spec, ids, 1, threads=2),
@@ -115,8 +115,9 @@ def _decode_step_times(spec, n: int, rng, id_sets: int, calls: int) -> dict:
 
     def native_calls():
         for _ in range(calls):
-            native.hash_window_batch(wins[next(turn) % id_sets], spec.pad_id, state._multipliers,
-                                     state._primes, None, spec.n_head_per_ngram, out, 1)
+            hashkernels.hash_window_batch(wins[next(turn) % id_sets], spec.pad_id,
+                                          state._multipliers, state._primes, None,
+                                          spec.n_head_per_ngram, out, 1)
     best = best_interleaved({"state": state_calls, "native": native_calls}, 9)
     return {k: v / calls * 1e6 for k, v in best.items()}
 

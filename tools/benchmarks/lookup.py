@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from numa_engram.bindings import native
+from numa_engram.bindings import lookupkernel, native
 
 from .harness import best_interleaved, fill_random, filled_table, numpy_take
 from .readlimit import read_rows
@@ -73,7 +73,7 @@ def bench_lookup(table_gib: float, tokens: int, heads: int = 24, head_dim: int =
         if name == "4K":
             for ahead, hint in ((32, 3), (32, 1), (64, 1), (128, 1), (32, 0)):
                 fns[f"4K fused1 prefetch {ahead}/T{3 - hint if hint else 'NTA'}"] = fused(
-                    1, tuning=native.Tuning(prefetch_ahead=ahead, prefetch_hint=hint))
+                    1, tuning=lookupkernel.Tuning(prefetch_ahead=ahead, prefetch_hint=hint))
     best = best_interleaved(fns, 7)
     n = tokens * heads
     w4 = tables["4K"].region("weights").reshape(rows, head_dim)
@@ -102,9 +102,10 @@ def bench_lookup(table_gib: float, tokens: int, heads: int = 24, head_dim: int =
     if "2M" in tables:
         print("  2M vs 4K pages (time ratio 4K / 2M): " + ", ".join(
             f"{v} {best[f'4K {v}'] / best[f'2M {v}']:.2f}x" for v in ("fused1", "fused2", "take")))
+    default = lookupkernel.Tuning()
     for key in [k for k in best if "prefetch" in k]:
         print(f"  {key}: {best['4K fused1'] / best[key]:.2f}x the default "
-              f"{native.Tuning().prefetch_ahead} ahead/hint {native.Tuning().prefetch_hint}")
+              f"{default.prefetch_ahead} ahead/hint {default.prefetch_hint}")
     print(f"  bit-exact vs reference on a sample: {exact}")
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from numa_engram.bindings import native
+from numa_engram.bindings import lookupkernel, native
 
 from .harness import (
     best_interleaved,
@@ -68,7 +68,7 @@ def _serving_variants(spec, table, tokens: int, rng,
     # the bare calls: the table's kernel, and one bound alike to a single
     # thread on the same CPUs, both made once (as a table makes its own)
     kernel, buffer = table.rows._shard_kernel(), native.ffi.from_buffer(bits)
-    one_thread = native.ShardKernel(table.rows._geometry, 1, table.lookup_cpus)
+    one_thread = lookupkernel.ShardKernel(table.rows._geometry, 1, table.lookup_cpus)
 
     def close() -> None:
         sched.close()
@@ -101,7 +101,7 @@ LAYER_PAUSE_S = 0.0002
 def _bare_native(kernel, ids, buffer) -> None:
     """The kernel call alone (ids cast, output cast once): the floor of any
     Python around it."""
-    address, stride = native.ids_args(ids)
+    address, stride = lookupkernel.ids_args(ids)
     kernel.run(address, ids.shape[0], stride, False, buffer)
 
 
