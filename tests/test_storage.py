@@ -15,9 +15,10 @@ from numa_engram.errors import (
     StorageError,
     TopologyError,
 )
+from numa_engram.store.directories import check_directory, check_shmem_thp
 from numa_engram.store.fileformat import FORMAT_VERSION, MAGIC, PREFIX, Layout
 from numa_engram.store.placement import PlacementPlan, PlacementRange
-from numa_engram.store.storage import BackingFile, check_directory, check_shmem_thp
+from numa_engram.store.storage import BackingFile
 
 from .conftest import SHM, run_python, shm_files
 

@@ -27,7 +27,7 @@ from ..host import procfs
 from ..host.topology import gpu_node
 from ..literals import DEFAULT_DIRECTORY
 from ..model.sharding import WorldLayout
-from ..store.storage import describe_device, directory_id
+from ..store.directories import describe_device, directory_id
 
 log = logging.getLogger(__name__)
 

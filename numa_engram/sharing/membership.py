@@ -20,9 +20,9 @@ from ..host import hugepages, procfs
 from ..host.accounting import check_memory
 from ..host.topology import Topology, current_node, gpu_node
 from ..literals import DEFAULT_DIRECTORY
+from ..store.directories import check_directory_room, describe_device, directory_id
 from ..store.fileformat import Layout, ShardKey
 from ..store.placement import PlacementPlan, Region, plan_placement
-from ..store.storage import check_directory_room, describe_device, directory_id
 from .group import Group
 from .request import DEFAULT_POLICY, CreateRequest
 
