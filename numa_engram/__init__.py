@@ -47,6 +47,7 @@ _LAZY = {
     "dequantize_rows": "model.fp8",
     "quantize_rows": "model.fp8",
     "SharedEngramTable": "sharing.table",
+    "TableOptions": "sharing.request",
     "PrefetchScheduler": "lookup.prefetch",
     "lookup_rows": "lookup.cpu",
     "DPShardedLookup": "sharing.dpsharded",
@@ -73,6 +74,7 @@ if TYPE_CHECKING:  # what _LAZY gives, as the real names for type checkers
     from .sharing.checkpoint import TensorNames
     from .sharing.dpsharded import DPShardedLookup, ShardedHeads
     from .sharing.group import as_group, sharing_groups
+    from .sharing.request import TableOptions
     from .sharing.synthetic import write_synthetic_checkpoint
     from .sharing.table import SharedEngramTable
 
@@ -95,6 +97,7 @@ __all__ = [
     "SpecMismatchError", "StorageError", "SyscallError", "Topology", "TopologyError",
     "WorldLayout", "as_group", "build_token_map", "compress_ids", "dequantize_rows",
     "lookup_rows", "ngram_hashes", "plan_placement", "quantize_rows", "shard_heads", "shard_rows",
-    "sharing_groups", "write_synthetic_model", "TensorNames", "write_synthetic_checkpoint"
+    "sharing_groups", "write_synthetic_model", "TensorNames", "write_synthetic_checkpoint",
+    "TableOptions",
 ]
 assert set(_LAZY) <= set(__all__)

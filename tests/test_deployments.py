@@ -11,6 +11,7 @@ import pytest
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 from numa_engram.errors import CudaUnavailable, NumaEngramError
 from numa_engram.sharing.group import RankIdentity, identity_groups
+from numa_engram.sharing.identity import HostIdentity
 from numa_engram.sharing.synthetic import write_synthetic_checkpoint
 
 from . import dist_scenarios as scenarios
@@ -21,7 +22,7 @@ ROWS = 1500
 
 
 def ident(rank, tp_rank, host, socket=None, directory=(40, 1)):
-    return RankIdentity(rank, tp_rank, host, 0, directory, socket, host, "mnt")
+    return RankIdentity(rank, tp_rank, HostIdentity(host, 0, directory, host), socket, "mnt")
 
 
 def test_identity_groups_follow_where_ranks_are_not_rank_arithmetic():
@@ -142,9 +143,11 @@ def test_registrations_equal_unregistrations_in_every_path(fake_cuda, monkeypatc
     assert len(fake_cuda.unregistered) == 2
 
     t = _registered_table()                       # dropped without close()
+    name = t.path
     del t
     gc.collect()
     assert len(fake_cuda.unregistered) == 3
+    assert name.split(":")[-1] not in " ".join(_open_files())  # its memfd given back
 
     spec = EngramSpec.small()                     # a create that fails after registering
     bad = checkpoint_in_tmp(spec)  # truncated once the create is under way
@@ -156,6 +159,14 @@ def test_registrations_equal_unregistrations_in_every_path(fake_cuda, monkeypatc
     gc.collect()
     assert len(fake_cuda.registered) == len(fake_cuda.unregistered) == 4
     assert sorted(fake_cuda.registered) == sorted(fake_cuda.unregistered)
+
+
+def _open_files():
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            yield os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed since the listing (the listing's own fd)
+            pass
 
 
 def checkpoint_in_tmp(spec):

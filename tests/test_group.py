@@ -6,6 +6,7 @@ import pytest
 from numa_engram.errors import TopologyError
 from numa_engram.model.sharding import WorldLayout
 from numa_engram.sharing.group import RankIdentity, caller_limit, identity_groups
+from numa_engram.sharing.identity import HostIdentity
 
 from . import dist_scenarios as scenarios
 from .dist_harness import run_world, same_failure
@@ -15,8 +16,9 @@ def _groups(world, gpus_per_host=None, within=None):
     """Each rank's sharing group on one machine, limited as sharing_groups limits it."""
     layout = None if gpus_per_host is None else WorldLayout(tp=1, dp=world,
                                                             gpus_per_host=gpus_per_host)
-    identities = [RankIdentity(r, 0, "boot", 0, (40, 1), None, "host", "mnt",
-                               caller_limit(r, layout, None, within)) for r in range(world)]
+    host = HostIdentity("boot", 0, (40, 1), "host")
+    identities = [RankIdentity(r, 0, host, None, "mnt", caller_limit(r, layout, None, within))
+                  for r in range(world)]
     groups = identity_groups(identities)
     return [list(next(g for g in groups if r in g)) for r in range(world)]
 

@@ -273,12 +273,11 @@ def _corrupt(kind: str):
 
 
 def _request(spec, shard):
-    from numa_engram.sharing.request import CreateRequest
+    from numa_engram.sharing.request import CreateRequest, TableOptions
 
-    return CreateRequest.of(spec, 1, shard, mode="auto", placement=None, directory="/dev/shm",
-                            page_size="4K", checkpoint=None, names=None, register_device=None,
-                            timeout_s=30, topology=None, progress=None, lookup_threads=1,
-                            load_threads=1, shared_load=False)
+    return CreateRequest.of(spec, 1, shard, "auto", None,
+                            TableOptions(directory="/dev/shm", timeout_s=30, lookup_threads=1,
+                                         load_threads=1, shared_load=False))
 
 
 @pytest.mark.parametrize("kind, text", [

@@ -350,24 +350,45 @@ def test_a_sealed_tables_views_cannot_be_made_writable(tmp_path):
         assert int(table.weights[0, 0]) >= 0  # still readable
 
 
-def _request(**kwargs):
-    from numa_engram.sharing.request import CreateRequest
+def _request(mode="auto", **kwargs):
+    from numa_engram.sharing.request import CreateRequest, TableOptions
 
     spec = EngramSpec.small()
-    args = dict(mode="auto", placement=None, directory="/dev/shm", page_size="4K",
-                checkpoint=None, names=None, register_device=None, timeout_s=30,
-                topology=None, progress=None, lookup_threads=1, load_threads=None)
+    args = dict(directory="/dev/shm", timeout_s=30, lookup_threads=1)
     args.update(kwargs)
-    return CreateRequest.of(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0), **args)
+    return CreateRequest.of(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0), mode, None,
+                            TableOptions(**args))
 
 
 def test_a_create_request_gives_each_name_one_meaning():
     req = _request(load_threads=3)
-    assert (req.load_threads, req.shared_load, req.stall_timeout_s) == (3, True, 30.0)
-    assert _request(shared_load=False, load_threads=4).shared_load is False
-    assert _request(load_threads=1, shared_load=True).shared_load is True  # 1 thread, shared
+    assert (req.load_threads, req.options.shared_load, req.stall_timeout_s) == (3, True, 30.0)
+    assert _request(shared_load=False, load_threads=4).options.shared_load is False
+    # 1 thread, shared
+    assert _request(load_threads=1, shared_load=True).options.shared_load is True
     assert _request(stall_timeout_s=5).stall_timeout_s == 5.0  # the collectives keep 30
     assert _request(page_size="2M").page_size == 2 << 20
+
+
+def test_table_options_come_as_keywords_or_as_one_object_not_both():
+    import torch
+
+    from numa_engram import TableOptions
+
+    spec = EngramSpec.small()
+    shard = shard_heads(spec.bucket_sizes(1), 1, 0)
+    options = TableOptions(directory=None, lookup_threads=2, load_threads=1, timeout_s=30)
+    with SharedEngramTable.create(spec, 1, shard, options=options) as by_object, \
+            SharedEngramTable.create(spec, 1, shard, directory=None, lookup_threads=2,
+                                     load_threads=1, timeout_s=30) as by_keywords:
+        assert by_object.lookup_threads == by_keywords.lookup_threads == 2
+        # directory=None: a memfd each
+        assert by_object.path.startswith("memfd:") and by_keywords.path.startswith("memfd:")
+        ids = np.zeros((3, spec.n_hash_cols), np.int64)
+        assert torch.equal(by_object.lookup(ids), by_keywords.lookup(ids))
+    with pytest.raises(TypeError, match=r"page_size, timeout_s given both as keyword\(s\) and "
+                                        r"in options="):
+        SharedEngramTable.create(spec, 1, shard, options=options, page_size="2M", timeout_s=5)
 
 
 def test_load_threads_only_counts_threads_and_shared_load_decides_sharing():
@@ -375,8 +396,8 @@ def test_load_threads_only_counts_threads_and_shared_load_decides_sharing():
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert _request(load_threads=1).shared_load is True
-        assert _request(load_threads=1, shared_load=False).shared_load is False
+        assert _request(load_threads=1).options.shared_load is True
+        assert _request(load_threads=1, shared_load=False).options.shared_load is False
 
 
 @pytest.mark.parametrize("kwargs, text", [

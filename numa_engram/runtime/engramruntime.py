@@ -37,6 +37,7 @@ from ..literals import DEFAULT_DIRECTORY, RUNTIME_SHARING, PageSize, RuntimeShar
 from ..lookup.prefetch import PrefetchScheduler
 from ..model.hashstate import HashState
 from ..sharing.group import Group
+from ..sharing.request import TableOptions
 from .layers import (
     RuntimeLayer,
     attached_layer,
@@ -141,7 +142,10 @@ class EngramRuntime:
         # what every layer's table needs, found once: the checkpoint's
         # tensors (refused before any table is made) and the host's topology
         plans = {} if socket_path else model.checkpoint_plans()
-        topology = None if socket_path else Topology.detect()
+        options = TableOptions(placement=placement, page_size=page_size, directory=directory,
+                               timeout_s=timeout_s, load_threads=load_threads,
+                               register_device=device,
+                               topology=None if socket_path else Topology.detect())
         layers: dict[int, RuntimeLayer] = {}
         try:
             for layer in model.spec.layer_ids:
@@ -149,12 +153,8 @@ class EngramRuntime:
                     layers[layer] = attached_layer(model, layer, tp, socket_path, page_size,
                                                     device)
                 else:
-                    layers[layer] = make_layer(
-                        model, layer, tp, group, edp, sharing, max_tokens,
-                        dict(placement=placement, page_size=page_size, directory=directory,
-                             timeout_s=timeout_s, load_threads=load_threads,
-                             register_device=device, checkpoint=plans[layer],
-                             topology=topology))
+                    layers[layer] = make_layer(model, layer, tp, group, edp, sharing,
+                                               max_tokens, plans[layer], options)
                 _add_phases(phases, layers[layer].table.startup_phases)
             hash_state = HashState(model.spec, max_requests, token_map=model.token_map,
                                    dead_ids=model.dead_ids)

@@ -17,6 +17,7 @@ from ..model.sharding import shard_heads
 from ..model.spec import EngramSpec
 from ..sharing.dpsharded import DPShardedLookup, ShardedHeads
 from ..sharing.group import Group, as_group, sharing_groups
+from ..sharing.request import TableOptions
 from ..sharing.table import SharedEngramTable
 from .modeldir import ModelDirectory
 from .tpgather import TPGroup
@@ -71,15 +72,16 @@ def runtime_groups(sharing: str, world_group: Any, edp_group: Any, tp_rank: int,
 
 
 def make_layer(model: ModelDirectory, layer: int, tp: TPGroup, group: Group | None,
-                edp: Group | None, sharing: str, max_tokens: int,
-                create: dict[str, Any]) -> RuntimeLayer:
+               edp: Group | None, sharing: str, max_tokens: int, checkpoint: Any,
+               options: TableOptions) -> RuntimeLayer:
     spec: EngramSpec = model.spec
     mine = shard_heads(spec.bucket_sizes(layer), tp.size, tp.rank)
     heads = (mine.head_start, mine.head_end)
     if edp is not None:  # this member's slice of the TP rank's heads, a private table
         sharded_heads = ShardedHeads.of(spec, layer, tp.size, edp.size, tp.rank)
         table = SharedEngramTable.create(spec, layer, sharded_heads.members[edp.rank],
-                                         mode="independent", **create)
+                                         mode="independent", checkpoint=checkpoint,
+                                         options=options)
         try:
             exchange = DPShardedLookup(table, sharded_heads, edp.rank, group=edp,
                                        max_tokens=max_tokens)
@@ -88,8 +90,9 @@ def make_layer(model: ModelDirectory, layer: int, tp: TPGroup, group: Group | No
             raise
         return RuntimeLayer(layer, table, exchange, heads)
     mode = "auto" if sharing in ("auto", "dp_sharded") else sharing
-    table = SharedEngramTable.create(spec, layer, mine, group=group,
-                                     mode=mode, **create)  # type: ignore[arg-type]
+    table = SharedEngramTable.create(
+        spec, layer, mine, group=group, mode=mode,  # type: ignore[arg-type]
+        checkpoint=checkpoint, options=options)
     return RuntimeLayer(layer, table, None, heads)
 
 

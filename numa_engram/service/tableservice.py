@@ -47,7 +47,7 @@ from ..model.spec import EngramSpec
 from ..runtime.modeldir import ModelDirectory
 from ..runtime.plemodeldir import PLEModelDirectory
 from ..sharing.pletable import SharedPLETable
-from ..sharing.request import shard_key, table_layout
+from ..sharing.request import TableOptions, shard_key, table_layout
 from ..sharing.table import SharedEngramTable
 from ..store import serviceclient
 from ..store.fileformat import STATE_READY, ShardKey
@@ -229,19 +229,17 @@ class TableService:
         def progress(done: int, total: int) -> None:
             table.done, table.total = done, total
         created: SharedEngramTable | SharedPLETable
+        options = TableOptions(directory=None, placement=table.policy, page_size=self.page_size,
+                               load_threads=self.load_threads, progress=progress,
+                               topology=self.topology)
         if isinstance(self.spec, PLESpec):
             created = SharedPLETable.create(
-                self.spec, table.layer_id, etp_rank=table.tp_rank,
-                etp_size=self.tp,
-                directory=None, mode="independent", placement=table.policy,
-                checkpoint=self.model.checkpoint, page_size=self.page_size,
-                load_threads=self.load_threads, progress=progress, topology=self.topology)
+                self.spec, table.layer_id, etp_rank=table.tp_rank, etp_size=self.tp,
+                mode="independent", checkpoint=self.model.checkpoint, options=options)
         else:
             created = SharedEngramTable.create(
-                self.spec, table.layer_id, table.shard, directory=None, mode="independent",
-                placement=table.policy, checkpoint=self.model.checkpoint,
-                page_size=self.page_size, load_threads=self.load_threads, progress=progress,
-                topology=self.topology)
+                self.spec, table.layer_id, table.shard, mode="independent",
+                checkpoint=self.model.checkpoint, options=options)
         try:
             report = created.placement_report()
             table.bytes_per_node = {} if report is None else report.bytes_per_node()

@@ -10,10 +10,8 @@ node-local sharing (EDP) groups of a world, per the rule in sharding.py.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import queue
-import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -27,7 +25,7 @@ from ..host import procfs
 from ..host.topology import gpu_node
 from ..literals import DEFAULT_DIRECTORY
 from ..model.sharding import WorldLayout
-from ..store.directories import describe_device, directory_id
+from .identity import HostIdentity
 
 log = logging.getLogger(__name__)
 
@@ -292,37 +290,31 @@ def as_group(group: Any, timeout_s: float = 300.0) -> Group:
 
 @dataclass(frozen=True)
 class RankIdentity:
-    """Where a rank really is: ranks can map one table file iff their boot
-    id (host), uid and table directory (st_dev, st_ino) are equal.  The
-    hostname and mount namespace are only logged."""
+    """Where a rank really is (its ``HostIdentity``, the record the join
+    step checks too), what it asks to share (its TP rank, its GPU's socket)
+    and the mount namespace, which is only logged."""
 
     rank: int
     tp_rank: int
-    boot_id: str
-    uid: int
-    directory: tuple[int, int] | None
+    host: HostIdentity
     socket: int | None
-    hostname: str
     mount_ns: str
     # the group the caller put this rank in (a WorldLayout's arithmetic or a
     # within= list), or None: measured identity may split it, never widen it
     limit: tuple[int, ...] | None = None
 
     def key(self, per_socket: bool) -> tuple:
-        return (self.tp_rank, self.boot_id, self.uid, self.directory,
-                self.socket if per_socket else None, self.limit)
+        return (self.tp_rank, *self.host.key(), self.socket if per_socket else None, self.limit)
 
     def describe(self, per_socket: bool) -> str:
-        text = (f"tp_rank {self.tp_rank}, boot {self.boot_id[:8]}, uid {self.uid}, "
-                f"directory {describe_device(self.directory)}")
+        text = f"tp_rank {self.tp_rank}, {self.host.describe()}"
         return text + (f", socket {self.socket}" if per_socket else "")
 
 
 def local_identity(rank: int, tp_rank: int, directory: str,
                    numa_socket: int | None = None,
                    limit: tuple[int, ...] | None = None) -> RankIdentity:
-    return RankIdentity(rank, tp_rank, procfs.boot_id().hex(), os.geteuid(),
-                        directory_id(directory), numa_socket, socket.gethostname(),
+    return RankIdentity(rank, tp_rank, HostIdentity.here(directory), numa_socket,
                         procfs.namespace("mnt"), limit)
 
 
@@ -411,5 +403,5 @@ def sharing_groups(world_group: Any = None, *, tp_rank: int | None = None,
                     "measured identities allow only %s, which is used", me, list(limit),
                     list(mine.ranks))
     log.info("rank %d: sharing group %s (%s; host %s, mount ns %s)", me, list(mine.ranks),
-             mine.identity, ident.hostname, ident.mount_ns)
+             mine.identity, ident.host.hostname, ident.mount_ns)
     return mine

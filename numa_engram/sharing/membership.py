@@ -9,21 +9,21 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any
 
 from .. import errors
 from ..bindings import native
 from ..errors import PlacementError, SpecError, SpecMismatchError, StorageError, TopologyError
-from ..host import hugepages, procfs
+from ..host import hugepages
 from ..host.accounting import check_memory
 from ..host.topology import Topology, current_node, gpu_node
 from ..literals import DEFAULT_DIRECTORY
-from ..store.directories import check_directory_room, describe_device, directory_id
+from ..store.directories import check_directory_room
 from ..store.fileformat import Layout, ShardKey
 from ..store.placement import PlacementPlan, Region, plan_placement
 from .group import Group
+from .identity import NOWHERE, HostIdentity
 from .request import DEFAULT_POLICY, CreateRequest
 
 
@@ -31,15 +31,12 @@ from .request import DEFAULT_POLICY, CreateRequest
 class MemberInfo:
     rank: int  # world rank
     pid: int
-    uid: int
     node: int
     device: int | None
     fingerprint: bytes
     key: ShardKey = ShardKey()
     mode: str = "auto"
-    boot_id: bytes = b""
-    directory_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the table directory
-    hostname: str = ""
+    host: HostIdentity = NOWHERE  # where it is (the identity sharing_groups also gathers)
     directory: str | None = None  # this member's table directory (None: none usable)
     page_size: int = native.PAGE_SIZE
     directory_problem: str = ""  # why this member has no directory for the table
@@ -48,10 +45,7 @@ class MemberInfo:
 
 def identity_key(m: MemberInfo) -> dict:
     """What the sharing group's members have in common (the leader's)."""
-    return {"boot_id": m.boot_id.hex(), "uid": m.uid, "directory": m.directory,
-            "directory_device": None if m.directory_id is None else
-            describe_device(m.directory_id),
-            "host": m.hostname}
+    return m.host.report(m.directory)
 
 
 def member_info(grp: Group, req: CreateRequest) -> MemberInfo:
@@ -65,20 +59,20 @@ def member_info(grp: Group, req: CreateRequest) -> MemberInfo:
     problem = ""
     directory: str | None
     try:
-        directory = hugepages.resolve_directory(req.directory, req.page_size, DEFAULT_DIRECTORY)
+        directory = hugepages.resolve_directory(req.options.directory, req.page_size,
+                                                DEFAULT_DIRECTORY)
     except StorageError as exc:
         directory, problem = None, str(exc)
-    device = req.register_device
+    device = req.options.register_device
     if device is not None:  # before the leader allocates anything
         check_device(device)
     node = member_node(req.topology, device)
-    if req.placement is not None:  # this member's own argument, valid on its own host
-        reader = MemberInfo(0, 0, 0, node, device, b"")
-        plan_for(req.placement, req.layout, [reader], req.topology)
-    return MemberInfo(grp.ranks[grp.rank], os.getpid(), os.geteuid(), node,
-                      device, req.spec.fingerprint, req.key, req.mode, procfs.boot_id(),
-                      directory_id(directory) if directory else None, socket.gethostname(),
-                      directory, req.page_size, problem, placement_text(req.placement))
+    if req.options.placement is not None:  # this member's own argument, valid on its own host
+        reader = MemberInfo(0, 0, node, device, b"")
+        plan_for(req.options.placement, req.layout, [reader], req.topology)
+    return MemberInfo(grp.ranks[grp.rank], os.getpid(), node, device, req.spec.fingerprint,
+                      req.key, req.mode, HostIdentity.here(directory), directory, req.page_size,
+                      problem, placement_text(req.options.placement))
 
 
 def placement_text(placement: Any) -> str | None:
@@ -141,14 +135,9 @@ def identity_difference(members: list[MemberInfo]) -> str:
         if m.directory_problem:
             return f"rank {m.rank}: {m.directory_problem}"
     for m in members[1:]:
-        if m.boot_id != first.boot_id:
-            return (f"rank {m.rank} runs on another host (boot id differs; host "
-                    f"{m.hostname!r} vs {first.hostname!r})")
-        if m.uid != first.uid:
-            return f"rank {m.rank} runs as uid {m.uid}, the leader as uid {first.uid}"
-        if m.directory_id != first.directory_id:
-            return (f"rank {m.rank} has another {m.directory} ({describe_device(m.directory_id)}"
-                    f" vs {describe_device(first.directory_id)})")
+        why = m.host.difference(first.host, m.directory)
+        if why:
+            return f"rank {m.rank} {why}"
     return ""
 
 
@@ -175,7 +164,7 @@ def decide(mode: str, members: list[MemberInfo], layout: Layout,
         return "dp_shared", ""
     if mode == "dp_shared":
         raise error(f"dp_shared requested but {reason}")
-    here = sum(m.boot_id == members[0].boot_id for m in members)
+    here = sum(m.host.boot_id == members[0].host.boot_id for m in members)
     what = "the table" if len(members) == 1 else f"{here} independent copies (the fallback)"
     if hugepages.is_huge(layout.page_size):
         hugepages.check_pool(here * layout.file_size, layout.page_size, what=what)

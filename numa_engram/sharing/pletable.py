@@ -38,8 +38,10 @@ from ..store.storage import BackingFile
 from . import protocol
 from .checkpoint import Progress
 from .group import SingleProcessGroup, as_group
+from .identity import HostIdentity
 from .membership import MemberInfo
-from .request import CreateRequest, shard_key, table_layout
+from .protocol import Built
+from .request import CreateRequest, TableOptions, shard_key, table_layout
 from .tablereports import TableStats, accounted_bytes, service_descriptor
 
 if TYPE_CHECKING:
@@ -53,14 +55,11 @@ log = logging.getLogger(__name__)
 class SharedPLETable:
     """Rows ``shard.row_start .. shard.row_end`` of a PLE layer's table."""
 
-    def __init__(self, spec: PLESpec, layer_id: int, shard: ShardInfo, backing: BackingFile, *,
-                 mode: str, members: list[MemberInfo], leader: bool,
-                 plan: PlacementPlan | None = None,
-                 startup_phases: dict[str, float] | None = None,
-                 registration: Any = None, lookup_threads: int | None = None,
-                 lookup_cpus: Sequence[int] = ()) -> None:
+    def __init__(self, spec: PLESpec, layer_id: int, shard: ShardInfo, built: Built, *,
+                 lookup_threads: int | None = None) -> None:
+        """A table from what the protocol (or an attach) made: ``built``."""
         self.spec, self.layer_id, self.shard = spec, layer_id, shard
-        self.lookup_cpus = tuple(lookup_cpus)
+        self.lookup_cpus = built.lookup_cpus
         self.lookup_threads = default_lookup_threads(self.lookup_cpus) \
             if lookup_threads is None else max(1, int(lookup_threads))
         # the node's lookup threads, shared with its other tables (lookupkernel.shared_workers)
@@ -68,14 +67,15 @@ class SharedPLETable:
             if self.lookup_threads > 1 else None
         self._release = None if self._workers is None else \
             weakref.finalize(self, lookupkernel.release_workers, self._workers)
-        self.registration = registration  # a cudart.RegistrationLease, or None
+        self.registration = built.registration  # a cudart.RegistrationLease, or None
         self._device_rows: PLEDeviceRows | None = None
         self._report: PlacementReport | None = None
         self._counts = [0, 0, 0.0, 0, 0]  # lookups, rows, seconds, bad-id lookups, failed
         self._count_lock = threading.Lock()
-        self.startup_phases = dict(startup_phases or {})
-        self.mode, self.members, self.leader, self.plan = mode, members, leader, plan
-        self.backing = backing
+        self.startup_phases = dict(built.phases)
+        self.mode, self.members, self.leader = built.mode, built.members, built.leader
+        self.plan = built.plan
+        self.backing = backing = built.backing
         self.backing_bytes = backing.layout.file_size
         self.weights = backing.region("weights").reshape(shard.num_rows, spec.row_bytes)
         self.scale = float(backing.region("scale")[:4].view(np.float32)[0]) \
@@ -84,37 +84,34 @@ class SharedPLETable:
 
     @classmethod
     def create(cls, spec: PLESpec, layer_id: int, *, etp_rank: int = 0, etp_size: int = 1,
-               group: Any = None, mode: CreateMode = "auto",
+               group: Any = None, mode: CreateMode = "auto", checkpoint: Any = None,
+               options: TableOptions | None = None,
                placement: str | PlacementPlan | None = None,
                directory: str | None = DEFAULT_DIRECTORY, page_size: PageSize | int = "4K",
-               checkpoint: Any = None,
                timeout_s: float = 300.0, load_threads: int | None = None,
-               topology: Topology | None = None,
-               progress: Progress | None = None,
+               topology: Topology | None = None, progress: Progress | None = None,
                register_device: int | None = None,
                lookup_threads: int | None = None) -> SharedPLETable:
         """Collective over ``group`` (the members holding the same ETP
         shard; its rank 0 leads; None: a private table), with the same
-        modes, placements, page sizes and failure rules as
-        ``SharedEngramTable.create``.  ``checkpoint``: vLLM's split-parts
-        safetensors (a file, files or directory).  ``register_device``:
-        pin the mapping for zero-copy reads by that CUDA device
-        (``lookup_cuda``).  ``lookup_threads``: at most this many threads
-        per CPU lookup (None: one per CPU of the table's node, at most 4;
-        a call splits only where each thread gets enough rows)."""
+        modes, placements, page sizes, options (keywords or ``options=``)
+        and failure rules as ``SharedEngramTable.create``.  ``checkpoint``:
+        vLLM's split-parts safetensors (a file, files or directory).
+        ``register_device``: pin the mapping for zero-copy reads by that
+        CUDA device (``lookup_cuda``).  ``lookup_threads``: at most this
+        many threads per CPU lookup (None: one per CPU of the table's node,
+        at most 4; a call splits only where each thread gets enough rows)."""
         shard = spec.shard(layer_id, etp_rank, etp_size)
-        req = CreateRequest.of(spec, layer_id, shard, mode=mode, placement=placement,
-                               directory=directory, page_size=page_size, checkpoint=checkpoint,
-                               names=None, register_device=register_device,
-                               timeout_s=timeout_s, topology=topology, progress=progress,
-                               lookup_threads=None, load_threads=load_threads)
+        asked = TableOptions(
+            placement=placement, directory=directory, page_size=page_size,
+            register_device=register_device, timeout_s=timeout_s, topology=topology,
+            progress=progress, lookup_threads=lookup_threads,
+            load_threads=load_threads).given_once(options)
+        req = CreateRequest.of(spec, layer_id, shard, mode, checkpoint, asked)
         grp = SingleProcessGroup() if group is None else as_group(group)
-        with grp.bounded(req.timeout_s):
+        with grp.bounded(req.options.timeout_s):
             built = protocol.create(grp, req)
-        table = cls(spec, layer_id, shard, built.backing, mode=built.mode,
-                    members=built.members, leader=built.leader, plan=built.plan,
-                    startup_phases=built.phases, registration=built.registration,
-                    lookup_threads=lookup_threads, lookup_cpus=built.lookup_cpus)
+        table = cls(spec, layer_id, shard, built, lookup_threads=req.options.lookup_threads)
         log.info("PLE table: layer %d rows [%d, %d) %s, %d member(s)", layer_id,
                  shard.row_start, shard.row_end, built.mode, len(built.members))
         return table
@@ -147,10 +144,10 @@ class SharedPLETable:
                 raise StorageError(f"the service's PLE table layer {layer_id} is not READY")
             if register_device is not None:
                 registration = protocol.register(backing, register_device)
-            me = MemberInfo(0, os.getpid(), os.geteuid(), here, None, spec.fingerprint,
-                            shard_key(layer_id, shard), "attach")
-            return cls(spec, layer_id, shard, backing, mode="service", members=[me],
-                       leader=False, registration=registration,
+            me = MemberInfo(0, os.getpid(), here, None, spec.fingerprint,
+                            shard_key(layer_id, shard), "attach", HostIdentity.here(None))
+            return cls(spec, layer_id, shard,
+                       protocol.attached(backing, "service", me, registration, {}),
                        lookup_threads=lookup_threads)
         except BaseException:
             if registration is not None:

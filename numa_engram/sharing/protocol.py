@@ -61,6 +61,13 @@ class Built:
     phases: dict[str, float]  # startup seconds: checks, create, populate, map, register, load
 
 
+def attached(backing: BackingFile, mode: str, me: MemberInfo, registration: Any,
+             phases: dict[str, float]) -> Built:
+    """What a table attached outside a group is made of: a READY file this
+    member maps read-only, alone."""
+    return Built(backing, mode, "", [me], False, None, None, registration, (), phases)
+
+
 class _Held:
     """What this member has made so far, released if the create fails."""
 
@@ -146,10 +153,10 @@ def share(grp: Group, req: CreateRequest, members: list[MemberInfo], directory: 
         mark = time.perf_counter()
         step_hook("before-load")
         _, loaded = attempt(lambda: load(
-            held.mapped(), req, checkpoint, (req.progress or _log_progress(req.layer_id))
+            held.mapped(), req, checkpoint, (req.options.progress or _log_progress(req.layer_id))
             if leader else None, parts, grp.rank, cpus))
         step_hook("after-load")
-        with grp.bounded(min(req.timeout_s, ACK_TIMEOUT_S)):
+        with grp.bounded(min(req.options.timeout_s, ACK_TIMEOUT_S)):
             _, outcomes = every(grp, "ready", lambda: raise_unless(loaded))
         raise_failures(outcomes, grp.ranks, "ready")
         held.phases["load"] = time.perf_counter() - mark
@@ -167,13 +174,13 @@ def create_file(held: _Held, req: CreateRequest, members: list[MemberInfo],
                 directory: str | None) -> tuple[str, PlacementPlan | None, bool]:
     """Leader: the file planned, created, sized, mapped, bound, populated,
     verified; its path, the plan and whether loading is cooperative."""
-    plan = plan_for(req.placement, req.layout, members, req.topology)
+    plan = plan_for(req.options.placement, req.layout, members, req.topology)
     backing = BackingFile.create(req.layout, req.spec.fingerprint, directory=directory,
                                  placement=plan, topology=req.topology, key=req.key,
                                  threads=req.load_threads, phases=held.phases)
     held.backing = backing
     held.report = verify(backing.mapping, plan) if plan is not None else None
-    return backing.path, plan, req.shared_load
+    return backing.path, plan, bool(req.options.shared_load)
 
 
 def map_file(held: _Held, leader: bool, path: str, directory: str | None,
@@ -183,9 +190,9 @@ def map_file(held: _Held, leader: bool, path: str, directory: str | None,
         # by basename in our own directory: a container may mount the tmpfs elsewhere
         mine = os.path.join(directory or "", os.path.basename(path))
         held.backing = peer_attach(mine, req, writable)
-    if req.register_device is not None:
+    if req.options.register_device is not None:
         started = time.perf_counter()
-        held.registration = register(held.mapped(), req.register_device)
+        held.registration = register(held.mapped(), req.options.register_device)
         held.phases["register"] = time.perf_counter() - started
 
 
@@ -239,7 +246,7 @@ def load(backing: BackingFile, req: CreateRequest, checkpoint: AnyPlan | None,
         step_hook("load-progress")
         group_progress()
     if member in slot:
-        load_part(backing, req.spec, req.layer_id, req.shard, checkpoint, req.names,
+        load_part(backing, req.spec, req.layer_id, req.shard, checkpoint, req.options.names,
                   parts[member], slot[member], req.load_threads, cpus, report)
     # the group's progress (every loader's slot), also while the others finish
     wait_for_parts(backing, range(len(loaders)), req.stall_timeout_s, group_progress)
@@ -255,7 +262,7 @@ def resolve(req: CreateRequest) -> AnyPlan | None:
         return resolve_ple(req.checkpoint, req.spec, req.layer_id)
     if not isinstance(req.spec, EngramSpec):
         raise TypeError(f"no checkpoint reader for {type(req.spec).__name__} tables")
-    return resolve_checkpoint(req.checkpoint, req.spec, req.layer_id, req.names)
+    return resolve_checkpoint(req.checkpoint, req.spec, req.layer_id, req.options.names)
 
 
 def _weights_range(plan: PlacementPlan | None) -> PlacementRange | None:

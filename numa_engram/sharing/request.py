@@ -11,14 +11,14 @@ at once rather than leaving the others waiting.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from ..bindings import native
 from ..errors import SpecError
 from ..host import hugepages
 from ..host.topology import Topology
-from ..literals import CREATE_MODES, CreateMode, PageSize
+from ..literals import CREATE_MODES, DEFAULT_DIRECTORY, CreateMode, PageSize
 from ..model.family import TableFamily
 from ..model.sharding import ShardInfo
 from ..model.spec import strict_int
@@ -76,48 +76,86 @@ def _load_threads(value: Any) -> int:
 
 
 @dataclass(frozen=True)
+class TableOptions:
+    """How a table is made, whatever its layer and shard: ``create``'s
+    keywords as one object, for a caller that makes many tables alike (a
+    runtime's layers, the vLLM plugin, the table service).  Each field is
+    the ``create`` keyword of its name; ``create`` checks them."""
+
+    placement: str | PlacementPlan | None = None
+    directory: str | None = DEFAULT_DIRECTORY
+    page_size: PageSize | int = "4K"
+    register_device: int | None = None
+    timeout_s: float = 300.0
+    topology: Topology | None = None
+    names: TensorNames | None = None
+    progress: Progress | None = None
+    lookup_threads: int | None = None
+    load_threads: int | None = None
+    shared_load: bool | None = None
+    stall_timeout_s: float | None = None
+
+    def given_once(self, options: TableOptions | None) -> TableOptions:
+        """``options`` when given (these, from keywords, left at their
+        defaults), else these."""
+        if options is None:
+            return self
+        given = [f.name for f in fields(self) if getattr(self, f.name) != f.default]
+        if given:
+            raise TypeError(f"{', '.join(given)} given both as keyword(s) and in options=; "
+                            "give each table option one way")
+        return options
+
+
+@dataclass(frozen=True)
 class CreateRequest:
-    """What one member asks ``create`` for, every argument checked and in
-    its final form (the page size in bytes, the load threads counted, the
-    topology detected)."""
+    """What one member asks ``create`` for: the table (spec, layer, shard),
+    the mode and checkpoint, and its options checked and in their final
+    form (the page size in bytes, the load threads counted, the topology
+    detected): ``options`` is what the protocol reads."""
 
     spec: TableFamily  # EngramSpec or PLESpec
     layer_id: int
     shard: ShardInfo
     mode: CreateMode
-    placement: str | PlacementPlan | None
-    directory: str | None  # as asked; None: an anonymous memfd (a private copy)
-    page_size: int
     checkpoint: Any
-    names: TensorNames | None
-    register_device: int | None
-    timeout_s: float
-    topology: Topology
-    progress: Progress | None
-    lookup_threads: int | None  # None: the table picks (default_lookup_threads)
-    load_threads: int
-    shared_load: bool  # the members on the rows' node load parts (False: the leader alone)
-    stall_timeout_s: float  # how long a load may make no progress before it fails
+    options: TableOptions
 
     @classmethod
-    def of(cls, spec: TableFamily, layer_id: int, shard: ShardInfo, *, mode: str,
-           placement: str | PlacementPlan | None, directory: str | None,
-           page_size: PageSize | int, checkpoint: Any, names: TensorNames | None,
-           register_device: int | None, timeout_s: float, topology: Topology | None,
-           progress: Progress | None, lookup_threads: int | None,
-           load_threads: int | None, shared_load: bool | None = None,
-           stall_timeout_s: float | None = None) -> CreateRequest:
+    def of(cls, spec: TableFamily, layer_id: int, shard: ShardInfo, mode: str, checkpoint: Any,
+           options: TableOptions) -> CreateRequest:
         if mode not in CREATE_MODES:
             raise SpecError(f"mode must be one of {CREATE_MODES}, got {mode!r}")
         check_shard(spec, layer_id, shard)
-        return cls(spec, layer_id, shard, mode,  # type: ignore[arg-type]  # checked above
-                   placement, directory, hugepages.parse_page_size(page_size), checkpoint,
-                   names, register_device, _positive_seconds(timeout_s),
-                   topology or Topology.detect(), progress,
-                   None if lookup_threads is None else max(1, int(lookup_threads)),
-                   _load_threads(load_threads), _shared_load(shared_load),
-                   _positive_seconds(timeout_s if stall_timeout_s is None else stall_timeout_s,
-                                     "stall_timeout_s"))
+        o = options
+        checked = replace(
+            o, page_size=hugepages.parse_page_size(o.page_size),
+            timeout_s=_positive_seconds(o.timeout_s), topology=o.topology or Topology.detect(),
+            lookup_threads=None if o.lookup_threads is None else max(1, int(o.lookup_threads)),
+            load_threads=_load_threads(o.load_threads), shared_load=_shared_load(o.shared_load),
+            stall_timeout_s=_positive_seconds(
+                o.timeout_s if o.stall_timeout_s is None else o.stall_timeout_s,
+                "stall_timeout_s"))
+        return cls(spec, layer_id, shard, mode, checkpoint,  # type: ignore[arg-type]  # checked
+                   checked)
+
+    # the checked options whose type the check narrowed
+    @property
+    def page_size(self) -> int:
+        return int(self.options.page_size)
+
+    @property
+    def topology(self) -> Topology:
+        assert self.options.topology is not None  # detected by of()
+        return self.options.topology
+
+    @property
+    def load_threads(self) -> int:
+        return int(self.options.load_threads or 1)
+
+    @property
+    def stall_timeout_s(self) -> float:
+        return float(self.options.stall_timeout_s or self.options.timeout_s)
 
     @property
     def layout(self) -> Layout:
@@ -130,4 +168,4 @@ class CreateRequest:
     def private(self) -> CreateRequest:
         """The same request for a copy of this member's own (the fallback of
         ``auto``): no path, an anonymous memfd, never in /dev/shm."""
-        return replace(self, directory=None)
+        return replace(self, options=replace(self.options, directory=None))

@@ -36,8 +36,17 @@ from ..store.storage import BackingFile
 from . import protocol
 from .checkpoint import Progress, TensorNames
 from .group import SingleProcessGroup, as_group
+from .identity import HostIdentity
 from .membership import MemberInfo, identity_key
-from .request import CREATE_MODES, CreateRequest, check_shard, shard_key, table_layout
+from .protocol import Built
+from .request import (
+    CREATE_MODES,
+    CreateRequest,
+    TableOptions,
+    check_shard,
+    shard_key,
+    table_layout,
+)
 from .tablereports import ModeReport, TableStats, accounted_bytes, service_descriptor
 
 if TYPE_CHECKING:
@@ -53,21 +62,20 @@ class SharedEngramTable:
     """Use ``SharedEngramTable.create(...)``; then ``lookup``, ``weights``,
     ``scales``, ``placement_report()``, ``mode_report()``, ``close()``."""
 
-    def __init__(self, spec: EngramSpec, layer_id: int, shard: ShardInfo, backing: BackingFile,
-                 *, mode: str, requested_mode: str, members: list[MemberInfo], leader: bool,
-                 plan: PlacementPlan | None, report: PlacementReport | None,
-                 registration: Any = None, fallback_reason: str = "",
-                 lookup_threads: int | None = None, lookup_cpus: tuple[int, ...] = (),
-                 startup_phases: dict[str, float] | None = None) -> None:
+    def __init__(self, spec: EngramSpec, layer_id: int, shard: ShardInfo, built: Built, *,
+                 requested_mode: str, lookup_threads: int | None = None) -> None:
+        """A table from what the protocol (or an attach) made: ``built``."""
         self.spec, self.layer_id, self.shard = spec, layer_id, shard
+        backing = built.backing
         # seconds of this member's create steps (checks, create, populate, map, register, load)
-        self.startup_phases = dict(startup_phases or {})
+        self.startup_phases = dict(built.phases)
         self._backing = backing
-        self.mode, self.requested_mode = mode, requested_mode
-        self.members, self.leader = members, leader
-        self.plan, self._report = plan, report
-        self.registration = registration
-        self.fallback_reason = fallback_reason
+        self.mode, self.requested_mode = built.mode, requested_mode
+        self.members, self.leader = built.members, built.leader
+        self.plan, self._report = built.plan, built.report
+        self.registration = registration = built.registration
+        self.fallback_reason = built.fallback_reason
+        lookup_cpus = built.lookup_cpus
         self.path = backing.path
         self.backing_bytes = backing.layout.file_size
         self.weights = backing.region("weights").reshape(shard.num_rows, spec.head_dim)
@@ -82,15 +90,19 @@ class SharedEngramTable:
     # ------------------------------------------------------------ create --
     @classmethod
     def create(cls, spec: EngramSpec, layer_id: int, shard: ShardInfo, *, group: Any = None,
+               mode: CreateMode = "auto", checkpoint: Any = None,
+               options: TableOptions | None = None,
                placement: str | PlacementPlan | None = None,
-               directory: str | None = DEFAULT_DIRECTORY, checkpoint: Any = None,
-               register_device: int | None = None, timeout_s: float = 300.0,
-               mode: CreateMode = "auto", topology: Topology | None = None,
+               directory: str | None = DEFAULT_DIRECTORY, register_device: int | None = None,
+               timeout_s: float = 300.0, topology: Topology | None = None,
                names: TensorNames | None = None, progress: Progress | None = None,
                lookup_threads: int | None = None, page_size: PageSize | int = "4K",
                load_threads: int | None = None, shared_load: bool | None = None,
                stall_timeout_s: float | None = None) -> SharedEngramTable:
         """Collective over ``group`` (its rank 0 leads; None: a private table).
+
+        The table options below may come as keywords or, for many tables
+        made alike, as one ``options=TableOptions(...)`` (not both).
 
         page_size: ``4K`` (shmem: /dev/shm or a memfd), ``2M`` or ``1G``
         (hugetlb: a hugetlbfs mount of that size, found in /proc/self/mounts
@@ -120,20 +132,17 @@ class SharedEngramTable:
         (at most ``stall_timeout_s`` without any).
         Every member ends the same way: all return a table, or all raise the
         same class (our own, or MemberFailure) naming every failing member."""
-        req = CreateRequest.of(spec, layer_id, shard, mode=mode, placement=placement,
-                               directory=directory, page_size=page_size, checkpoint=checkpoint,
-                               names=names, register_device=register_device,
-                               timeout_s=timeout_s, topology=topology, progress=progress,
-                               lookup_threads=lookup_threads, load_threads=load_threads,
-                               shared_load=shared_load, stall_timeout_s=stall_timeout_s)
+        asked = TableOptions(
+            placement=placement, directory=directory, page_size=page_size,
+            register_device=register_device, timeout_s=timeout_s, topology=topology, names=names,
+            progress=progress, lookup_threads=lookup_threads, load_threads=load_threads,
+            shared_load=shared_load, stall_timeout_s=stall_timeout_s).given_once(options)
+        req = CreateRequest.of(spec, layer_id, shard, mode, checkpoint, asked)
         grp = SingleProcessGroup() if group is None else as_group(group)
-        with grp.bounded(req.timeout_s):
+        with grp.bounded(req.options.timeout_s):
             built = protocol.create(grp, req)
-        table = cls(spec, layer_id, shard, built.backing, mode=built.mode, requested_mode=mode,
-                    members=built.members, leader=built.leader, plan=built.plan,
-                    report=built.report, registration=built.registration,
-                    fallback_reason=built.fallback_reason, lookup_threads=req.lookup_threads,
-                    lookup_cpus=built.lookup_cpus, startup_phases=built.phases)
+        table = cls(spec, layer_id, shard, built, requested_mode=mode,
+                    lookup_threads=req.options.lookup_threads)
         log.info("Engram table: %s", table.mode_report())
         return table
 
@@ -186,12 +195,11 @@ class SharedEngramTable:
                 mark = time.perf_counter()
                 registration = protocol.register(backing, register_device)
                 phases["register"] = time.perf_counter() - mark
-            me = MemberInfo(0, os.getpid(), os.geteuid(), here, None,
-                            spec.fingerprint, shard_key(layer_id, shard), "attach")
-            table = cls(spec, layer_id, shard, backing, mode=mode,
-                        requested_mode="service" if service is not None else "attach",
-                        members=[me], leader=False, plan=None, report=None,
-                        registration=registration, startup_phases=phases)
+            me = MemberInfo(0, os.getpid(), here, None, spec.fingerprint,
+                            shard_key(layer_id, shard), "attach", HostIdentity.here(None))
+            table = cls(spec, layer_id, shard, protocol.attached(backing, mode, me, registration,
+                                                                 phases),
+                        requested_mode="service" if service is not None else "attach")
             log.info("Engram table attached: layer %d heads [%d, %d) from %s in %s", layer_id,
                      shard.head_start, shard.head_end, service or path or f"fd {fd}",
                      ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in phases.items()))

@@ -17,6 +17,7 @@ import secrets
 import stat
 import struct
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -73,6 +74,9 @@ class BackingFile:
                  owner: bool) -> None:
         self.path = path
         self.fd = fd
+        # a backing dropped without close() still gives its descriptor back
+        # (its mapping goes with its last view): no table file stays held
+        self._fd_closer = weakref.finalize(self, os.close, fd)
         self.header = header
         self.layout = header.layout
         self.mapping = mapping
@@ -239,9 +243,8 @@ class BackingFile:
         if self.owner:
             self.unlink()
         self.mapping.close()  # idempotent; the object stays, closed
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self._fd_closer()  # (once)
+        self.fd = -1
 
     def __enter__(self) -> BackingFile:
         return self

@@ -9,13 +9,14 @@ import logging
 import os
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
 
 from ...literals import DEFAULT_DIRECTORY
 from ...model.sharding import ShardInfo, shard_heads
 from ...model.spec import EngramSpec
+from ...sharing.request import TableOptions
 from ...sharing.table import SharedEngramTable
 from .settings import PluginError, PluginSettings
 
@@ -143,21 +144,19 @@ class LayerTables:
             ATTACHED = True
             return TableStorage(self.nv, self.common, table, writer=False, group=None,
                                 filled=True)
+        options = TableOptions(placement=self.settings.placement,
+                               page_size=self.settings.page_size, register_device=device,
+                               load_threads=self.settings.load_threads)
         if emb.dp_shared_memory:
             edp = self.nv.get_engram_dp_group()
             refuse_load(self.config, read_only=True)
             table = SharedEngramTable.create(
                 spec, self.layer_id, shard, group=self._sharing_group(edp, device),
-                mode="dp_shared",
-                placement=self.settings.placement, page_size=self.settings.page_size,
-                directory=self._shared_directory(), register_device=device,
-                load_threads=self.settings.load_threads)
+                mode="dp_shared", options=replace(options, directory=self._shared_directory()))
             return TableStorage(self.nv, self.common, table, writer=table.leader,
                                 group=edp.cpu_group, filled=False)
-        table = SharedEngramTable.create(
-            spec, self.layer_id, shard, mode="independent", directory=None,
-            placement=self.settings.placement, page_size=self.settings.page_size,
-            register_device=device, load_threads=self.settings.load_threads)
+        table = SharedEngramTable.create(spec, self.layer_id, shard, mode="independent",
+                                         options=replace(options, directory=None))
         return TableStorage(self.nv, self.common, table, writer=True, group=None, filled=False)
 
     def _sharing_group(self, edp: Any, device: int | None) -> Any:

@@ -18,11 +18,13 @@ from __future__ import annotations
 import logging
 import re
 import warnings
+from dataclasses import replace
 from typing import Any
 
 from ...literals import DEFAULT_DIRECTORY
 from ...model.ple import PLESpec
 from ...sharing.pletable import SharedPLETable
+from ...sharing.request import TableOptions
 from .layers import TABLES, directory_spec, refuse_config, refuse_load, serve_metrics
 from .patching import sources_problem
 from .settings import PluginError, PluginSettings
@@ -165,11 +167,13 @@ class PLEStorage:
         layer = layer_of(emb.prefix)
         check_layer(spec, layer, emb, rows, dim, dtype)
         device, service = _device(), service_path(settings)
-        shard_args = dict(etp_rank=emb.tp_rank, etp_size=emb.tp_size,
-                          page_size=settings.page_size)
+        shard_args = dict(etp_rank=emb.tp_rank, etp_size=emb.tp_size)
+        options = TableOptions(placement=settings.placement, page_size=settings.page_size,
+                               register_device=device, load_threads=settings.load_threads)
         if service is not None:
             refuse_load(config, read_only=True)
             table = SharedPLETable.attach(spec, layer, service=service, register_device=device,
+                                          page_size=settings.page_size,
                                           service_uids=settings.service_uids or None,
                                           allow_unsealed=settings.allow_unsealed or None,
                                           **shard_args)
@@ -178,16 +182,13 @@ class PLEStorage:
             refuse_load(config, read_only=True)
             dp = common.get_dp_group()
             group = _sharing_group(dp, emb, settings, device)
-            table = SharedPLETable.create(spec, layer, group=group, mode="dp_shared",
-                                          placement=settings.placement,
-                                          directory=settings.directory or DEFAULT_DIRECTORY,
-                                          register_device=device,
-                                          load_threads=settings.load_threads, **shard_args)
+            table = SharedPLETable.create(
+                spec, layer, group=group, mode="dp_shared", **shard_args,
+                options=replace(options, directory=settings.directory or DEFAULT_DIRECTORY))
             storage = cls(table, dtype, writer=table.leader, group=dp.cpu_group, filled=False)
         else:
-            table = SharedPLETable.create(spec, layer, mode="independent", directory=None,
-                                          placement=settings.placement, register_device=device,
-                                          load_threads=settings.load_threads, **shard_args)
+            table = SharedPLETable.create(spec, layer, mode="independent", **shard_args,
+                                          options=replace(options, directory=None))
             storage = cls(table, dtype, writer=True, group=None, filled=False)
         TABLES.append(table)
         serve_metrics(settings)
