@@ -1,20 +1,21 @@
 """CPUScheduler: the prefetch scheduler's CPU backend.
 
-A lookup of a layer
-whose last wait came sooner after its submit returned than ``HANDOFF_S``
-(a lookup run in its submit is no lead), so that running ahead would have
-hidden less than the hand-off to the worker and back costs, is not handed
-to an idle worker: a table's runs in its ``submit`` when no job is in
-flight and a slot is free (no job is made for it: it leaves a record of
-its rows, error and times, which its ``wait`` only takes), else its
+Where a lookup runs: one whose layer's last wait came sooner after its
+submit returned than ``HANDOFF_S`` (running ahead would hide less than the
+hand-off to the worker and back costs) is not handed to an idle worker: a
+table's runs in its ``submit`` when nothing is queued or running, else its
 ``wait`` runs it on the waiting thread (with any such lookups queued before
-it, in order).  Every other lookup runs on the worker, ahead
-of its wait.
+it, in order).  Every other lookup runs on the worker, ahead of its wait.
 
-Threads: every state change happens under the scheduler's lock, except a
-wait's taking of a lookup run in its submit: one ``dict.pop`` of an
-immutable record (atomic: exactly one of that wait, a reset and a close
-gets it).
+How it completes: a lookup run in its submit leaves a record (its rows,
+error and times) that its wait only takes: no job, no lock (one
+``dict.pop`` of an immutable record, atomic: exactly one of that wait, a
+reset and a close gets it; a job's claim, lock round trips and retirement
+cost a 1-token decode step a third more, docs/design.md, "The decode
+budget").  Every other lookup is a job (one per layer, reused step after
+step), marked done under the scheduler's lock wherever it ran, and
+collected by its wait in one way: retired (its layer and slot free),
+counted, its rows returned.
 """
 
 from __future__ import annotations
@@ -31,11 +32,9 @@ from .prefetchmetrics import HANDOFF_S, SETTLE_AT, LayerMetrics
 if TYPE_CHECKING:
     from .prefetch import Rows
 
-# A lookup that ran in its submit (a table's, with no job in flight and its
-# wait due at once: a decode step's), which needs no job: (the rows wait()
-# returns, its error or None, the clock when it started and when it ended,
-# its layer's metrics).  Its rows wait in the staging buffer; the record
-# waits in the scheduler's ``_ran`` until the layer's wait takes it, and
+# A lookup that ran in its submit: (the rows wait() returns, its error or
+# None, the clock when it started and when it ended, its layer's metrics).
+# It waits in the scheduler's ``_ran`` until its layer's wait takes it, and
 # holds one of the ``depth`` slots meanwhile.
 _Ran = tuple[Any, BaseException | None, float, float, LayerMetrics]
 
@@ -47,16 +46,12 @@ class CPUScheduler(PrefetchScheduler):
 
     def _start(self) -> None:
         self._spare: dict[Any, Job] = {}  # a layer's collected job, for its next submit
-        # by layer, the lookups that ran in their submit, not yet waited for
-        # (each holds a slot too): put in under the lock, taken out by their
-        # wait with one dict.pop and no lock (atomic, and the record is
-        # immutable: exactly one of a wait, a reset and a close takes it)
-        self._ran: dict[Any, _Ran] = {}
+        self._ran: dict[Any, _Ran] = {}  # by layer: the lookups run in their submit
         self._work = threading.Condition(self._mutex)  # the worker: a job queued, or stop
         self._stopping = False
         self._queue: deque[Job] = deque()  # submitted, not started, in order
         self._running = False  # a lookup runs (on the worker or a waiter)
-        self._worker = threading.Thread(target=self._run_cpu, name="engram-prefetch",
+        self._worker = threading.Thread(target=self._run_worker, name="engram-prefetch",
                                         daemon=True)
         self._worker.start()
 
@@ -65,14 +60,10 @@ class CPUScheduler(PrefetchScheduler):
         mutex = self._mutex
         mutex.acquire()
         try:
-            # a decode step's case, in the fewest steps (the decode budget):
-            # a table's lookup with no job in flight (none queued,
-            # running, waiting for a slot or not yet collected: every job is
-            # in _inflight from its claim to its retirement, so no job holds
-            # a slot either), whose wait comes too soon for the worker to
-            # run it ahead (metrics.ahead_pays(), inline), runs now, under
-            # the lock (a table's kernel never calls back); its wait only
-            # takes its record
+            # a table's lookup whose wait comes too soon for the worker to
+            # run it ahead (a decode step's), with no job in flight (none
+            # queued, running, waiting for a slot or not yet collected)
+            # runs now, under the lock (a table's kernel never calls back)
             ran = self._ran
             if now_ok and not self._inflight and layer not in ran \
                     and lane.metrics.last_lead_s < HANDOFF_S \
@@ -92,34 +83,26 @@ class CPUScheduler(PrefetchScheduler):
     def _submit_job(self, layer: Any, lane: Lane, hash_ids: Any, out: Any, run: Any,
                     counts: Any) -> None:
         """submit() of a lookup that goes through a job: queued for the
-        worker (a long lead, or behind its work) or for its waiter (the
-        waiter runs it when it is next), or launched on the side stream."""
+        worker (a long lead, or behind its work) or for its waiter."""
         job = self._spare.pop(layer, None)  # the layer's last job, collected by its wait
         now = perf_counter()
         if job is None:
             job = Job(layer, hash_ids, out, run, now, counts=counts)
         else:
             job.rearm(hash_ids, out, run, now, counts)
-        mutex = self._mutex
-        mutex.acquire()  # check and claim the layer in one step
-        try:
+        with self._mutex:
             self._claim(job, self._ran)  # refused, or waits for a slot
-            # under the lock: close() stops the worker after it
             queue = self._queue
             queue.append(job)
             if lane.metrics.ahead_pays() or self._running or \
                     len(queue) > 1 and queue[-2].woken:
                 job.woken = True  # the worker runs it (after what it has)
                 self._work.notify()
-        finally:
-            mutex.release()
 
     def wait(self, layer: Any, *, check_errors: bool = False,
              timeout_s: float | None = None) -> Rows:
-        # a decode step's case first, in the fewest steps (the decode
-        # budget): a lookup run in its submit is collected without the lock
-        record = self._ran.pop(layer, None)
-        if record is None:  # (a job's lookup, or none)
+        record = self._ran.pop(layer, None)  # (a decode step's: no lock)
+        if record is None:
             return self._wait_job(layer, check_errors, timeout_s)
         if self._sleepers:  # a submit waits for the slot this frees
             with self._mutex:
@@ -140,89 +123,35 @@ class CPUScheduler(PrefetchScheduler):
         return out
 
     def _wait_job(self, layer: Any, check_errors: bool, timeout_s: float | None) -> Rows:
-        """wait() for a lookup that went through a job: a CPU job already
-        done (on the worker) and never dropped (close() drops every job in
-        flight) is retired and collected in one lock round trip; anything
-        else takes _wait_slowly."""
-        mutex = self._mutex
-        mutex.acquire()
-        try:
-            job = self._inflight.get(layer)
-            collect = job is not None and job.done and not job.cancelled
-            if job is not None and collect:
-                self._retire_locked(job)
-        finally:
-            mutex.release()
-        if job is None or not collect:
-            return self._wait_slowly(layer, check_errors, timeout_s)
+        """wait() for a job, however it ran: done already, run here, or
+        waited for; then retired, counted and collected, in one lock round
+        trip when it was done."""
         called = perf_counter()
-        self._account(job, called, called, job.finished - job.started)
-        out, error = job.out, job.error
-        job.ids = job.error = None  # nothing else refers to it: the next submit's
-        self._spare[layer] = job
+        with self._mutex:
+            job = self._inflight.get(layer)
+            if job is None:
+                self._check_open()
+                raise PrefetchError(f"wait({layer!r}) without a submit({layer!r}) this step")
+            ready = called if job.done else self._until_done(job, timeout_s, called)
+            self._retire_locked(job)
+            if job.cancelled:  # (reset or close hold it: not reused)
+                raise PrefetchError(f"the lookup of layer {layer!r} was dropped: the scheduler "
+                                    "was closed or reset while it was awaited")
+            out, error = job.out, job.error
+            m = self.metrics[layer]
+            m.count(called - job.submitted, called - job.submitted, ready - called,
+                    job.finished - job.started)
+            job.ids = job.error = None  # nothing else refers to it: the next submit's
+            self._spare[layer] = job
+            if error is not None:
+                m.errors += 1
+        if len(m.unsettled) >= SETTLE_AT:
+            self._settle(m)
         if error is not None:
-            self.metrics[layer].errors += 1
             raise error
         if check_errors:
             self._check_device_errors(layer)
         return out
-
-    def _wait_slowly(self, layer: Any, check_errors: bool, timeout_s: float | None) -> Rows:
-        """wait() for a job not yet done (run here when it is next and no
-        worker was told to, else waited for) or dropped."""
-        mutex = self._mutex
-        mutex.acquire()
-        try:
-            if self._closed:
-                self._check_open()
-            job = self._inflight.get(layer)
-            # settled in this round trip: the job is done (or dropped) and is
-            # retired here; or it is next, no worker was
-            # told to run it and none runs: it runs here, below
-            done = job is not None and job.done
-            if job is not None and done:
-                self._retire_locked(job)
-            queue = self._queue
-            here = not done and job is not None and timeout_s is None and \
-                not self._running and bool(queue) and queue[0] is job and not job.woken
-            if here:
-                queue.popleft()
-                self._running = True
-        finally:
-            mutex.release()
-        if job is None:
-            raise PrefetchError(f"wait({layer!r}) without a submit({layer!r}) this step")
-        called = perf_counter()
-        if done:
-            pass
-        elif here:
-            self._execute(job, retire=True, started=called)  # done and retired: one round trip
-        elif not self._wait_cpu(job, timeout_s):
-            with self._mutex:
-                self.metrics[layer].timeouts += 1
-            raise PrefetchError(f"the lookup of layer {layer!r} did not finish in {timeout_s} s;"
-                                " it is still in flight: wait again or reset()")
-        try:
-            if job.cancelled:
-                raise PrefetchError(f"the lookup of layer {layer!r} was dropped: the scheduler "
-                                    "was closed or reset while it was awaited")
-            self._account(job, called, called if done else job.finished if here else
-                          perf_counter(), job.finished - job.started)
-            if job.error is not None:
-                self.metrics[layer].errors += 1
-                raise job.error
-            if check_errors:
-                self._check_device_errors(layer)
-            return job.out
-        finally:
-            if not job.retired:  # (set by this thread when the lookup ran here)
-                self._retire(job)
-            if not job.cancelled:
-                # retired and never cancelled: nothing refers to it now (a
-                # reset or close only holds the jobs it cancelled), so the
-                # layer's next submit reuses it
-                job.ids = job.error = None
-                self._spare[layer] = job
 
     def reset(self) -> None:
         with self._mutex:
@@ -231,9 +160,10 @@ class CPUScheduler(PrefetchScheduler):
             for job in self._queue:  # the worker drains what no waiter will run now
                 job.woken = True
             self._work.notify()
-        for job in pending:
-            self._wait_done(job)
-            self._retire(job)
+        with self._mutex:
+            self._sleep(lambda: all(job.done for job in pending))
+            for job in pending:
+                self._retire_locked(job)
 
     def close(self) -> None:
         with self._mutex:
@@ -244,7 +174,7 @@ class CPUScheduler(PrefetchScheduler):
             self._ran.clear()
             self._stopping = True
             self._work.notify()
-        self._worker.join()  # skipped jobs and the running one set `done`
+        self._worker.join()  # skipped jobs and the running one are marked done
 
     # --------------------------------------------------------- internals --
     def _staged(self, layer: Any, view: Any) -> Staged:
@@ -262,58 +192,42 @@ class CPUScheduler(PrefetchScheduler):
             return lookup(ids, view, *counts)
         return view, run, False
 
-    def _run_cpu(self) -> None:
-        """The worker: the oldest queued job whenever no lookup runs; after
-        close() it still drains the queue (dropped jobs are only marked done)."""
-        while True:
-            with self._work:
-                # only what it was told to run: a small lookup of an idle
-                # scheduler is its waiter's
-                self._work.wait_for(lambda: not self._running and (
-                    self._stopping or bool(self._queue) and self._queue[0].woken))
-                if not self._queue:
-                    return
-                job = self._queue.popleft()
+    def _until_done(self, job: Job, timeout_s: float | None, called: float) -> float:
+        """Under the lock: run the lookups queued up to ``job`` here, in
+        order, while the worker is idle and was not told to run them (no
+        hand-off); else have the worker run what is queued and wait for it.
+        A wait that may give up (``timeout_s``) runs nothing itself.  The
+        clock when the rows were ready; PrefetchError after ``timeout_s``
+        (the lookup stays in flight).  ``called``: the clock at the wait's
+        call, the start of a lookup it runs at once."""
+        queue = self._queue
+        while not job.done:
+            head = queue[0] if queue and not self._running else None
+            if head is not None and not head.woken and timeout_s is None:
+                queue.popleft()
                 self._running = True
-            self._execute(job)
+                self._mutex.release()
+                try:
+                    head.started = called if head is job else perf_counter()
+                    self._run(head)
+                finally:
+                    self._mutex.acquire()
+                self._finish(head)
+                continue
+            if not job.woken:
+                for queued in queue:
+                    queued.woken = True
+                self._work.notify()
+            if not self._sleep(lambda: job.done, timeout_s):
+                self.metrics[job.layer].timeouts += 1
+                raise PrefetchError(f"the lookup of layer {job.layer!r} did not finish in "
+                                    f"{timeout_s} s; it is still in flight: wait again or "
+                                    "reset()")
+        return perf_counter()
 
-    def _wait_cpu(self, job: Job, timeout_s: float | None = None) -> bool:
-        """Run the small lookups queued up to this one here, in order, while
-        the worker is idle (no hand-off); wait for the worker for anything
-        else.  False when ``timeout_s`` passed first (a wait that may give
-        up runs nothing itself: the worker is told to run it)."""
-        while True:
-            with self._mutex:
-                if job.done:
-                    return True
-                head = self._queue[0] if self._queue and not self._running else None
-                if head is None or head.woken or timeout_s is not None:
-                    return self._wait_for_worker(job, timeout_s)
-                self._queue.popleft()
-                self._running = True
-            self._execute(head)
-            if head is job:  # done, here: no lock round trip to read that
-                return True
-
-    def _wait_for_worker(self, job: Job, timeout_s: float | None) -> bool:
-        """Under the lock: make sure the worker runs what is queued, then wait
-        for the job."""
-        if not job.woken:
-            for queued in self._queue:
-                queued.woken = True
-            self._work.notify()
-        return self._sleep(lambda: job.done, timeout_s)
-
-    def _wait_done(self, job: Job) -> None:
-        with self._mutex:
-            self._sleep(lambda: job.done)
-
-    def _execute(self, job: Job, retire: bool = False, started: float | None = None) -> None:
-        """Run the job's lookup (an error is kept for its wait), then mark
-        it done (and with ``retire``, its layer and slot free: a waiter
-        running its own lookup) in one lock round trip.  ``started``: the
-        clock's reading just now, when the caller has one."""
-        job.started = perf_counter() if started is None else started
+    def _run(self, job: Job) -> None:
+        """The job's lookup (skipped once dropped); an error is kept for its
+        wait."""
         if not job.cancelled:
             try:
                 if job.counts is None:
@@ -323,18 +237,30 @@ class CPUScheduler(PrefetchScheduler):
             except BaseException as exc:  # surfaces at this layer's wait()
                 job.error = exc
         job.finished = perf_counter()
-        mutex = self._mutex
-        mutex.acquire()
-        try:
-            job.done, self._running = True, False
-            if retire:
-                self._retire_locked(job)
-            if self._sleepers:  # (_wake_all, inline: the decode budget)
-                self._lock.notify_all()
-            if self._stopping or self._queue and self._queue[0].woken:
-                # only when there is work for it: a woken worker that finds
-                # none still takes the GIL from the thread doing the work
-                self._work.notify()
-        finally:
-            mutex.release()
 
+    def _finish(self, job: Job) -> None:
+        """Under the lock: the job is done; whoever waits for it (or for a
+        slot) is woken, and the worker if there is work for it."""
+        job.done, self._running = True, False
+        self._wake_all()
+        if self._stopping or self._queue and self._queue[0].woken:
+            # only then: a woken worker that finds nothing still takes the
+            # GIL from the thread doing the work
+            self._work.notify()
+
+    def _run_worker(self) -> None:
+        """The worker: the oldest queued job it was told to run whenever no
+        lookup runs; after close() it drains the queue (dropped jobs are
+        only marked done)."""
+        while True:
+            with self._work:
+                self._work.wait_for(lambda: not self._running and (
+                    self._stopping or bool(self._queue) and self._queue[0].woken))
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+                self._running = True
+            job.started = perf_counter()
+            self._run(job)
+            with self._mutex:
+                self._finish(job)

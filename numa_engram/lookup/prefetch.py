@@ -63,7 +63,6 @@ class Job:
     cancelled: bool = False
     slot: bool = False  # holds one of the scheduler's `depth` slots
     woken: bool = False  # the worker was told to run it (else its waiter does)
-    retired: bool = False  # its layer and slot are free again (under the lock)
     event: Any = None  # CUDA event: the lookup is done
     start_event: Any = None  # CUDA event: the lookup started (timing)
     counts: Any = None  # what the submit passed on to a callable's lookup
@@ -73,7 +72,7 @@ class Job:
         per step."""
         self.ids, self.out, self.run, self.counts = ids, out, run, counts
         self.submitted = submitted
-        self.done = self.cancelled = self.slot = self.woken = self.retired = False
+        self.done = self.cancelled = self.slot = self.woken = False
         self.started = self.finished = 0.0
         self.error = None
 
@@ -373,7 +372,6 @@ class PrefetchScheduler:
 
     def _retire_locked(self, job: Job) -> None:
         """Under the lock: the job's layer and slot are free again."""
-        job.retired = True
         if self._inflight.get(job.layer) is job:
             del self._inflight[job.layer]
         if job.slot:
