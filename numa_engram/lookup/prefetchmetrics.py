@@ -31,15 +31,15 @@ class LayerStats:
 # Waited-for lookups a layer's metrics hold before they are counted into
 # its totals at the latest (LayerMetrics.unsettled): a scheduler whose
 # stats are never read keeps at most this many, and the wait that counts
-# them pays for all at once (~0.17 us each: 1,024 stalled one decode step
-# 0.17 ms, 64 stall it ~12 us).
+# them pays for all at once (~0.17 us each: 64 stall that decode step
+# ~12 us; 1,024 would stall it 0.17 ms).
 SETTLE_AT = 64
 
 
 @dataclass(slots=True)
 class LayerMetrics:
     """A layer's totals.  A wait only appends its lookup's times to
-    ``unsettled`` (one deque append: counting them there made a 1-token
+    ``unsettled`` (one deque append; counting them there makes a 1-token
     decode step's submit+wait 3-9% slower, A/B in one process); ``settle()``
     counts them, under the scheduler's lock, when the stats are read or
     ``SETTLE_AT`` are waiting, so the totals have one writer at a time.
