@@ -20,6 +20,7 @@ import pytest
 from numa_engram import (
     EngramRuntime,
     EngramSpec,
+    ModelDirectory,
     SharedEngramTable,
     shard_heads,
     write_synthetic_model,
@@ -498,3 +499,36 @@ def test_the_shipped_unit_and_pod_run_commands_this_version_parses():
     assert args.command == "serve" and args.page_size == 2 << 20
     probe = json.loads(pod.split("command: ", 2)[2].split("]", 1)[0] + "]")
     assert build_parser().parse_args(probe[1:]).command == "status"
+
+
+def test_the_service_resolves_the_checkpoint_once_and_a_broken_layer_fails_alone(
+        tmp_path, monkeypatch):
+    """Every table of the model (layers x TP ranks) loads through one
+    resolution of the checkpoint (its index and headers read once); a
+    checkpoint that lacks a layer fails that layer's tables only, each
+    naming it, and the others serve."""
+    from numa_engram.service.tableservice import TableService
+    from numa_engram.sharing import checkpoint
+
+    resolutions = []
+    real = checkpoint.checkpoint_files
+    monkeypatch.setattr(checkpoint, "checkpoint_files",
+                        lambda paths: resolutions.append(paths) or real(paths))
+    whole = write_synthetic_model(tmp_path / "whole", SPEC)
+    service = TableService(ModelDirectory.open(str(whole)), str(tmp_path / "a.sock"), tp=2)
+    service.load_all()
+    assert len(service.tables) == 2 * len(SPEC.layer_ids)
+    assert all(t.state == "ready" for t in service.tables)
+    assert len(resolutions) == 1, resolutions
+    service.stop()
+
+    first, last = SPEC.layer_ids[0], SPEC.layer_ids[-1]
+    broken = write_synthetic_model(tmp_path / "broken", SPEC, layers=[first])
+    service = TableService(ModelDirectory.open(str(broken)), str(tmp_path / "b.sock"), tp=2)
+    service.load_all()
+    states = {(t.layer_id, t.tp_rank): (t.state, t.error) for t in service.tables}
+    assert all(states[(first, r)][0] == "ready" for r in range(2)), states
+    for r in range(2):
+        state, error = states[(last, r)]
+        assert state == "failed" and "CheckpointError" in error and str(last) in error, error
+    service.stop()

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import NumaEngramError, StorageError
+from ..errors import CheckpointError, NumaEngramError, StorageError
 from ..host import hugepages, procfs
 from ..host.topology import Topology
 from ..model.ple import PLESpec
@@ -136,6 +136,7 @@ class TableService:
         self.gid = None if group is None else grp.getgrnam(group).gr_gid
         self.tp = tp
         self.tables = self._plan(tp)
+        self._plans: dict[int, Any] | None = None  # the checkpoint's layers, resolved once
         self._lock = threading.Lock()
         self._listener: Listener | None = None
         self._stopped = threading.Event()
@@ -239,7 +240,7 @@ class TableService:
         else:
             created = SharedEngramTable.create(
                 self.spec, table.layer_id, table.shard, mode="independent",
-                checkpoint=self.model.checkpoint, options=options)
+                checkpoint=self._checkpoint_of(table.layer_id), options=options)
         try:
             report = created.placement_report()
             table.bytes_per_node = {} if report is None else report.bytes_per_node()
@@ -253,6 +254,22 @@ class TableService:
         table.read_only_fd = read_only_descriptor(fd)
         table.done = table.total
         table.state = "ready"
+
+    def _checkpoint_of(self, layer: int) -> Any:
+        """What an Engram table of ``layer`` loads from: its tensors as the
+        whole model's checkpoint resolved once (the index and each file's
+        header read once for every table), or the checkpoint's path where
+        the model's does not resolve whole: each table then resolves its
+        own layer, and only a broken layer's tables fail, naming it."""
+        if self._plans is None:
+            assert isinstance(self.model, ModelDirectory)
+            try:
+                self._plans = self.model.checkpoint_plans()
+            except CheckpointError as exc:
+                log.warning("table service: the checkpoint does not resolve for every layer "
+                            "(%s); each table resolves its own", exc)
+                self._plans = {}
+        return self._plans.get(layer, self.model.checkpoint)
 
     # ----------------------------------------------------------- serve --
     def start(self) -> None:
