@@ -1,5 +1,6 @@
 """Groups (sharing/group.py): sharing groups as the caller separated them (the rule, then one
-real world), the roll call of a collective that timed out."""
+real world).  The roll call of a collective that timed out: test_shared_table.py's
+test_peer_that_never_joins_times_out_everywhere_naming_it."""
 
 import pytest
 
@@ -9,7 +10,7 @@ from numa_engram.sharing.group import RankIdentity, caller_limit, identity_group
 from numa_engram.sharing.identity import HostIdentity
 
 from . import dist_scenarios as scenarios
-from .dist_harness import run_world, same_failure
+from .dist_harness import run_world
 
 
 def _groups(world, gpus_per_host=None, within=None):
@@ -41,10 +42,3 @@ def test_within_must_put_each_rank_in_exactly_one_group():
 def test_sharing_groups_never_merge_what_the_caller_separated():
     results = run_world(4, scenarios.groups_limited, gpus_per_host=2, within=[[0], [1, 2, 3]])
     assert [r["group"] for r in results] == [[0], [1], [2, 3], [2, 3]], results
-
-
-@pytest.mark.multiproc
-def test_a_group_timeout_names_the_members_that_did_not_arrive():
-    results = run_world(3, scenarios.peer_never_joins, timeout_s=60)
-    same_failure(results, "GroupTimeout", "member(s) at world rank(s) [2] did not arrive",
-                  ranks={0, 1})

@@ -80,9 +80,12 @@ def _assert_all_failed(results, error_type, text, ranks=None):
         assert text in r["message"], r["message"]
 
 
-def test_peer_that_never_joins_times_out_everywhere(tmp_path):
+def test_peer_that_never_joins_times_out_everywhere_naming_it(tmp_path):
+    """(the roll call: each member names the one that did not arrive)"""
     results = run_world(4, scenarios.peer_never_joins, timeout_s=40, pg_timeout_s=5)
     _assert_all_failed(results, "GroupTimeout", "step 'join'", ranks={0, 1, 2})
+    _assert_all_failed(results, "GroupTimeout", "member(s) at world rank(s) [3] did not arrive",
+                       ranks={0, 1, 2})
     assert all(r["seconds"] < 3 + 10 for r in results[:3]), "no hang past the timeout"
     assert not shm_files()
 
