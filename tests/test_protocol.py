@@ -58,7 +58,7 @@ def test_fault_matrix(victim, point, action, ckpt):
     meeting in memory): every surviving member ends the same way within
     timeout_s + 5 s, a stopped one resumed later ends like them, and gc then
     leaves /dev/shm clean."""
-    timeout_s, spec = 1.0, make_spec(1000)
+    timeout_s, spec = 0.5, make_spec(1000)
     before = shm_files()
     expected = synthetic_layer(spec, LAYER)[0]
 
