@@ -91,10 +91,10 @@ def _whole_table_on_world(spec, timeout_s, mode="dp_shared", **kwargs):
 
 def peer_never_joins(rank, world):
     if rank == world - 1:
-        time.sleep(7)  # arrives only after the others gave up (3 s), with margin
+        time.sleep(5)  # arrives only after the others gave up (2 s), with margin
         return {}
     try:
-        _whole_table_on_world(make_spec(200), 3)
+        _whole_table_on_world(make_spec(200), 2)
     finally:
         _store_outlives_the_roll_call(rank, world - 1)
     return {}
