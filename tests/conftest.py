@@ -12,6 +12,16 @@ from numa_engram.store.fileformat import PREFIX
 SHM = "/dev/shm"
 
 
+def pytest_configure(config):
+    """A session that may start process worlds starts their forkserver
+    first, so its imports run beside the collection's (in the emulated
+    NUMA guest, ~20 s each)."""
+    if "not multiproc" not in (config.option.markexpr or ""):
+        from .dist_harness import start_forkserver
+
+        start_forkserver()
+
+
 def shm_files() -> set[str]:
     return {n for n in os.listdir(SHM) if n.startswith(PREFIX)}
 

@@ -64,6 +64,16 @@ def _context():
     return ctx
 
 
+def start_forkserver() -> None:
+    """Start the forkserver now, without waiting for its imports: they run
+    beside the caller's (pytest's collection imports torch too; in the
+    emulated NUMA guest each import takes ~20 s)."""
+    from multiprocessing import forkserver
+
+    _context()
+    forkserver.ensure_running()
+
+
 def _caller_state():
     """What a rank takes from its caller: environment, working directory,
     memory cgroups (a test may limit the caller's memory)."""
