@@ -51,6 +51,7 @@ def _whole_table(spec, group, timeout_s, checkpoint):
                                     timeout_s=timeout_s, checkpoint=checkpoint, load_threads=1)
 
 
+@pytest.mark.slow  # (each case waits out a timeout or two: ~1 s)
 @pytest.mark.parametrize("victim, point, action", FAULTS,
                          ids=[f"{'leader' if v == 0 else 'peer'}-{a}-{p}" for v, p, a in FAULTS])
 def test_fault_matrix(victim, point, action, ckpt):
