@@ -3,7 +3,7 @@
 Where a lookup runs: one whose layer's last wait came sooner after its
 submit returned than ``HANDOFF_S`` (running ahead would hide less than the
 hand-off to the worker and back costs) is not handed to an idle worker: a
-table's runs in its ``submit`` when nothing is queued or running, else its
+table's runs in its ``submit`` when no job is in flight, else its
 ``wait`` runs it on the waiting thread (with any such lookups queued before
 it, in order).  Every other lookup runs on the worker, ahead of its wait.
 
