@@ -5,11 +5,32 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-PYTHON="$PY" tools/lint.sh
+# The static checks and the package check make no table and start no
+# guest: they run beside the host suite (one CPU-bound process each, which
+# the suite's waits on processes and timeouts leave room for); their
+# output and status come after it.
+side=$(mktemp -d)
+pids=()
+# each in its own process group (setsid), so a failed run ends all it started
+cleanup() { for p in "${pids[@]}"; do kill -- "-$p" 2>/dev/null || true; done; rm -rf "$side"; }
+trap cleanup EXIT
+beside() {  # beside NAME SCRIPT: run tools/SCRIPT in the background, its output in $side/NAME.*
+  PYTHON="$PY" setsid bash -c "tools/$2 > '$side/$1.log' 2>&1; echo \$? > '$side/$1.rc'" &
+  pids+=($!)
+}
+beside lint lint.sh
+beside package check_package.sh
 # coverage of the test process (spawned ranks and CLI subprocesses are not
 # measured), printed per module that has lines no test ran
 "$PY" -m pytest -q -rs --durations=15 --cov=numa_engram --cov-report=term:skip-covered "$@"
-PYTHON="$PY" tools/check_package.sh
+wait "${pids[@]}" || true
+pids=()
+for step in lint package; do
+  echo "== $step (run beside the host suite) =="
+  cat "$side/$step.log"
+  rc=$(cat "$side/$step.rc")
+  [ "$rc" = 0 ] || { echo "test.sh: $step failed (status $rc)" >&2; exit "$rc"; }
+done
 PYTHON="$PY" tools/check_min_deps.sh  # the dependencies' lower bounds, in a fresh venv
 PYTHON="$PY" tools/sanitize.sh  # the C core's tests under ASan + UBSan
 nodes=$(ls -d /sys/devices/system/node/node[0-9]* 2>/dev/null | wc -l)
