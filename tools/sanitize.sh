@@ -15,9 +15,11 @@ fi
 rebuild() { "$PY" setup.py -q build_ext --inplace --force >/dev/null; }
 trap rebuild EXIT
 NUMA_ENGRAM_STRICT=1 NUMA_ENGRAM_SANITIZE=1 "$PY" setup.py -q build_ext --inplace --force >/dev/null
-# detect_leaks=0: CPython's own allocations at exit are not ours to judge
+# detect_leaks=0: CPython's own allocations at exit are not ours to judge;
+# -m "not multiproc" (none of these files starts a world): no forkserver
+# importing torch under ASan beside the tests
 LD_PRELOAD="$ASAN" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  "$PY" -m pytest -q -p no:cacheprovider tests/test_native.py tests/test_lookup.py \
+  "$PY" -m pytest -q -p no:cacheprovider -m "not multiproc" tests/test_native.py tests/test_lookup.py \
     tests/test_out_guards.py tests/test_ple.py tests/test_hashing.py tests/test_hashstate.py \
     tests/test_fp8.py
