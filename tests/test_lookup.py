@@ -574,7 +574,7 @@ def test_split_and_streaming_thresholds_never_change_the_bits(split_rows, stream
     with SharedEngramTable.create(spec, 1, shard_heads(spec.bucket_sizes(1), 1, 0),
                                   lookup_threads=3) as table:
         table.rows.tuning = lookupkernel.Tuning(split_rows=split_rows, stream_bytes=stream_bytes,
-                                          job_rows=job_rows)
+                                                job_rows=job_rows)
         table.weights[:] = rng.integers(0, 256, table.weights.shape, dtype=np.uint8)
         table.scales[:] = rng.integers(100, 140, table.scales.shape, dtype=np.uint8)
         sizes = spec.bucket_sizes(1)

@@ -125,7 +125,7 @@ def test_a_kernel_tuning_outside_its_bounds_is_refused_naming_them():
         with pytest.raises(ValueError, match="prefetch_ahead in 0..256, prefetch_hint in 0..3"):
             lookupkernel.Tuning(**fields).struct()
     lookupkernel.Tuning(small_rows=native.lib.NE_MAX_SMALL_ROWS, split_rows=1, job_rows=1,
-                  stream_bytes=0, prefetch_ahead=256, prefetch_hint=3).struct()  # the edges
+                        stream_bytes=0, prefetch_ahead=256, prefetch_hint=3).struct()  # the edges
 
 
 def test_hardware_division_and_reciprocals_hash_alike():

@@ -249,8 +249,8 @@ class ShardRows:
             if self._kernel is None:
                 assert self._geometry is not None  # (None only once closed)
                 self._kernel = lookupkernel.ShardKernel(self._geometry, self._lookup_threads,
-                                                  self._lookup_cpus, self.shard.head_start,
-                                                  state=self.state, tuning=self._tuning)
+                                                        self._lookup_cpus, self.shard.head_start,
+                                                        state=self.state, tuning=self._tuning)
             return self._kernel
 
     def _drop_kernel(self, stop: bool = False) -> None:

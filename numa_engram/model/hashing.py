@@ -36,8 +36,8 @@ def ngram_hashes(spec: EngramSpec, compressed_ids: ArrayLike, layer_id: int, *,
     token computing every column, on ``threads`` threads."""
     rows, lead = _as_rows(compressed_ids)
     out = hashkernels.ngram_hashes(rows, spec.pad_id, spec.multipliers(layer_id),
-                              spec.max_ngram_size, np.asarray(spec.bucket_sizes(layer_id)),
-                              spec.n_head_per_ngram, threads)
+                                   spec.max_ngram_size, np.asarray(spec.bucket_sizes(layer_id)),
+                                   spec.n_head_per_ngram, threads)
     return out.reshape(*lead, rows.shape[1], spec.n_hash_cols)
 
 

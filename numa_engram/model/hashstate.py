@@ -104,9 +104,9 @@ class HashState:
                                              dtype=np.int64)
         # cast once: per call the casts would be half of a one-token decode step
         self._native = hashkernels.WindowState(self._hist, self._next, self._scratch,
-                                          self._multipliers, self._primes, self._offsets,
-                                          spec.pad_id, spec.n_head_per_ngram, self.token_map,
-                                          self.dead_ids)
+                                               self._multipliers, self._primes, self._offsets,
+                                               spec.pad_id, spec.n_head_per_ngram, self.token_map,
+                                               self.dead_ids)
         self._n_layers, self._n_cols = len(layers), spec.n_hash_cols
         # hash()'s last result and its buffer, reused once the caller dropped it
         self._last_out: tuple[np.ndarray, object] | None = None
@@ -144,7 +144,7 @@ class HashState:
         out, out_buffer = self._output(n)
         # one kernel call: the token map and dead ids, the windows, the hashes
         bad, why = hashkernels.hash_step(self._native, tokens, mask, slots, positions, commits, out,
-                                    id_format == "global", threads, out_buffer)
+                                         id_format == "global", threads, out_buffer)
         if bad >= 0:
             raise SpecError(self._misuse(bad, why, slots, positions))
         return out

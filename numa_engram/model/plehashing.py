@@ -77,7 +77,7 @@ def ple_ids(spec: PLESpec, layer_ids: Sequence[int], input_ids: ArrayLike,
     if not len(ids):
         return np.empty((0, len(layer_ids), spec.n_heads), dtype=np.int64)
     return hashkernels.ple_ids(ids, qs, ctx, spec.eos_token_id, mult, sizes, offsets,
-                          spec.heads_per_ngram)
+                               spec.heads_per_ngram)
 
 
 def ple_ids_numpy(spec: PLESpec, layer_id: int, input_ids: ArrayLike,

@@ -136,7 +136,7 @@ class EngramRuntime:
         head_part(model.spec.n_hash_cols, tp.size)  # refuses a TP size vLLM refuses
         phases = {"read": time.perf_counter() - started}
         socket_path = service_path(service, sharing, model, tp, page_size, world_group,
-                                    timeout_s)
+                                   timeout_s)
         group, edp = (None, None) if socket_path else runtime_groups(
             sharing, world_group, edp_group, tp.rank, device, directory, timeout_s)
         # what every layer's table needs, found once: the checkpoint's
@@ -151,7 +151,7 @@ class EngramRuntime:
             for layer in model.spec.layer_ids:
                 if socket_path:
                     layers[layer] = attached_layer(model, layer, tp, socket_path, page_size,
-                                                    device)
+                                                   device)
                 else:
                     layers[layer] = make_layer(model, layer, tp, group, edp, sharing,
                                                max_tokens, plans[layer], options)

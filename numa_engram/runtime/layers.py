@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SERVICE_SOCKET = "/run/numa-engram/engram.sock"  # the unit file's
 
+
 @dataclass
 class RuntimeLayer:
     """One Engram layer of this rank: its table, and in the DP-sharded mode
@@ -54,8 +55,9 @@ def world_ranks(group: Any) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def runtime_groups(sharing: str, world_group: Any, edp_group: Any, tp_rank: int, device: int | None,
-            directory: str, timeout_s: float) -> tuple[Group | None, Group | None]:
+def runtime_groups(sharing: str, world_group: Any, edp_group: Any, tp_rank: int,
+                   device: int | None, directory: str,
+                   timeout_s: float) -> tuple[Group | None, Group | None]:
     """(the sharing group of the tables, the EDP group of the exchange)."""
     import torch.distributed as dist
 
@@ -97,7 +99,7 @@ def make_layer(model: ModelDirectory, layer: int, tp: TPGroup, group: Group | No
 
 
 def attached_layer(model: ModelDirectory, layer: int, tp: TPGroup, socket_path: str,
-                    page_size: PageSize | int, device: int | None) -> RuntimeLayer:
+                   page_size: PageSize | int, device: int | None) -> RuntimeLayer:
     """This TP rank's shard of the layer, from the table service."""
     mine = shard_heads(model.spec.bucket_sizes(layer), tp.size, tp.rank)
     table = SharedEngramTable.attach(model.spec, layer, mine, service=socket_path,
@@ -106,8 +108,8 @@ def attached_layer(model: ModelDirectory, layer: int, tp: TPGroup, socket_path: 
 
 
 def service_path(service: str | None, sharing: str, model: ModelDirectory, tp: TPGroup,
-                  page_size: PageSize | int, world_group: Any,
-                  timeout_s: float) -> str | None:
+                 page_size: PageSize | int, world_group: Any,
+                 timeout_s: float) -> str | None:
     """The socket to attach through, or None to build the tables here.
     ``auto`` asks the service whether it holds this rank's shard of every
     layer (waiting while it loads them); the ranks then agree (all attach,
@@ -138,7 +140,7 @@ def service_path(service: str | None, sharing: str, model: ModelDirectory, tp: T
 
 
 def service_holds(path: str, model: ModelDirectory, tp: TPGroup, page_size: PageSize | int,
-                   timeout_s: float) -> bool:
+                  timeout_s: float) -> bool:
     """Whether the service at ``path`` holds this rank's shard of every
     layer, ready: a service still loading some (a sidecar starting beside
     the engine) is waited for, up to ``timeout_s``, its progress logged; one

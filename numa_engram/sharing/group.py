@@ -319,7 +319,7 @@ def local_identity(rank: int, tp_rank: int, directory: str,
 
 
 def caller_limit(rank: int, world_layout: WorldLayout | None, socket_of: Sequence[int] | None,
-                  within: Sequence[Sequence[int]] | None) -> tuple[int, ...] | None:
+                 within: Sequence[Sequence[int]] | None) -> tuple[int, ...] | None:
     """The ranks the caller allows ``rank`` to share with: its layout group
     intersected with its within= group (None: no limit given)."""
     allowed: set[int] | None = None
