@@ -137,17 +137,13 @@ class CPUScheduler(PrefetchScheduler):
             if job.cancelled:  # (reset or close hold it: not reused)
                 raise PrefetchError(f"the lookup of layer {layer!r} was dropped: the scheduler "
                                     "was closed or reset while it was awaited")
-            out, error = job.out, job.error
-            m = self.metrics[layer]
-            m.count(called - job.submitted, called - job.submitted, ready - called,
-                    job.finished - job.started)
-            job.ids = job.error = None  # nothing else refers to it: the next submit's
-            self._spare[layer] = job
-            if error is not None:
-                m.errors += 1
-        if len(m.unsettled) >= SETTLE_AT:
-            self._settle(m)
+        # retired and not dropped: nothing else refers to the job now
+        self._account(job, called, ready, job.finished - job.started)
+        out, error = job.out, job.error
+        job.ids = job.error = None
+        self._spare[layer] = job  # the layer's next submit's
         if error is not None:
+            self.metrics[layer].errors += 1
             raise error
         if check_errors:
             self._check_device_errors(layer)
