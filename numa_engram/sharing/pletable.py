@@ -38,8 +38,6 @@ from ..store.storage import BackingFile
 from . import protocol
 from .checkpoint import Progress
 from .group import SingleProcessGroup, as_group
-from .identity import HostIdentity
-from .membership import MemberInfo
 from .protocol import Built
 from .request import CreateRequest, TableOptions, shard_key, table_layout
 from .tablereports import TableStats, accounted_bytes, service_descriptor
@@ -144,11 +142,9 @@ class SharedPLETable:
                 raise StorageError(f"the service's PLE table layer {layer_id} is not READY")
             if register_device is not None:
                 registration = protocol.register(backing, register_device)
-            me = MemberInfo(0, os.getpid(), here, None, spec.fingerprint,
-                            shard_key(layer_id, shard), "attach", HostIdentity.here(None))
-            return cls(spec, layer_id, shard,
-                       protocol.attached(backing, "service", me, registration, {}),
-                       lookup_threads=lookup_threads)
+            built = protocol.attached(backing, "service", spec.fingerprint,
+                                      shard_key(layer_id, shard), here, registration, {})
+            return cls(spec, layer_id, shard, built, lookup_threads=lookup_threads)
         except BaseException:
             if registration is not None:
                 registration.release()

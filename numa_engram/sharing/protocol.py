@@ -26,11 +26,13 @@ from ..bindings import native
 from ..host.topology import Topology
 from ..model.ple import PLESpec
 from ..model.spec import EngramSpec
+from ..store.fileformat import ShardKey
 from ..store.placement import PlacementPlan, PlacementRange, PlacementReport, verify
 from ..store.storage import BackingFile
 from .checkpoint import CheckpointPlan, Progress
 from .checkpoint import resolve as resolve_checkpoint
 from .group import Group, SingleProcessGroup
+from .identity import HostIdentity
 from .loading import bytes_done, load_part, load_parts, loaders_of, wait_for_parts
 from .membership import MemberInfo, decide, member_info, plan_for
 from .plecheckpoint import PLECheckpointPlan, resolve_ple
@@ -61,10 +63,12 @@ class Built:
     phases: dict[str, float]  # startup seconds: checks, create, populate, map, register, load
 
 
-def attached(backing: BackingFile, mode: str, me: MemberInfo, registration: Any,
-             phases: dict[str, float]) -> Built:
+def attached(backing: BackingFile, mode: str, fingerprint: bytes, key: ShardKey, node: int,
+             registration: Any, phases: dict[str, float]) -> Built:
     """What a table attached outside a group is made of: a READY file this
-    member maps read-only, alone."""
+    process (on ``node``) maps read-only, alone."""
+    me = MemberInfo(0, os.getpid(), node, None, fingerprint, key, "attach",
+                    HostIdentity.here(None))
     return Built(backing, mode, "", [me], False, None, None, registration, (), phases)
 
 
@@ -180,7 +184,7 @@ def create_file(held: _Held, req: CreateRequest, members: list[MemberInfo],
                                  threads=req.load_threads, phases=held.phases)
     held.backing = backing
     held.report = verify(backing.mapping, plan) if plan is not None else None
-    return backing.path, plan, bool(req.options.shared_load)
+    return backing.path, plan, req.shared_load
 
 
 def map_file(held: _Held, leader: bool, path: str, directory: str | None,

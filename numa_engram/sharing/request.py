@@ -139,23 +139,32 @@ class CreateRequest:
         return cls(spec, layer_id, shard, mode, checkpoint,  # type: ignore[arg-type]  # checked
                    checked)
 
-    # the checked options whose type the check narrowed
+    # the checked options whose type of() narrowed (a page size in bytes,
+    # the rest never None), as their types
     @property
     def page_size(self) -> int:
-        return int(self.options.page_size)
+        assert isinstance(self.options.page_size, int)
+        return self.options.page_size
 
     @property
     def topology(self) -> Topology:
-        assert self.options.topology is not None  # detected by of()
+        assert self.options.topology is not None
         return self.options.topology
 
     @property
     def load_threads(self) -> int:
-        return int(self.options.load_threads or 1)
+        assert self.options.load_threads is not None
+        return self.options.load_threads
+
+    @property
+    def shared_load(self) -> bool:
+        assert self.options.shared_load is not None
+        return self.options.shared_load
 
     @property
     def stall_timeout_s(self) -> float:
-        return float(self.options.stall_timeout_s or self.options.timeout_s)
+        assert self.options.stall_timeout_s is not None
+        return self.options.stall_timeout_s
 
     @property
     def layout(self) -> Layout:

@@ -36,8 +36,7 @@ from ..store.storage import BackingFile
 from . import protocol
 from .checkpoint import Progress, TensorNames
 from .group import SingleProcessGroup, as_group
-from .identity import HostIdentity
-from .membership import MemberInfo, identity_key
+from .membership import identity_key
 from .protocol import Built
 from .request import (
     CREATE_MODES,
@@ -195,10 +194,9 @@ class SharedEngramTable:
                 mark = time.perf_counter()
                 registration = protocol.register(backing, register_device)
                 phases["register"] = time.perf_counter() - mark
-            me = MemberInfo(0, os.getpid(), here, None, spec.fingerprint,
-                            shard_key(layer_id, shard), "attach", HostIdentity.here(None))
-            table = cls(spec, layer_id, shard, protocol.attached(backing, mode, me, registration,
-                                                                 phases),
+            built = protocol.attached(backing, mode, spec.fingerprint, shard_key(layer_id, shard),
+                                      here, registration, phases)
+            table = cls(spec, layer_id, shard, built,
                         requested_mode="service" if service is not None else "attach")
             log.info("Engram table attached: layer %d heads [%d, %d) from %s in %s", layer_id,
                      shard.head_start, shard.head_end, service or path or f"fd {fd}",
