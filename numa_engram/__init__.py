@@ -56,6 +56,7 @@ _LAZY = {
     "ShardedHeads": "sharing.dpsharded",
     "sharing_groups": "sharing.group",
     "as_group": "sharing.group",
+    "SocketGroup": "sharing.socketgroup",
     "EngramRuntime": "runtime.engramruntime",
     "ModelDirectory": "runtime.modeldir",
     "write_synthetic_model": "runtime.modeldir",
@@ -75,6 +76,7 @@ if TYPE_CHECKING:  # what _LAZY gives, as the real names for type checkers
     from .sharing.dpsharded import DPShardedLookup, ShardedHeads
     from .sharing.group import as_group, sharing_groups
     from .sharing.request import TableOptions
+    from .sharing.socketgroup import SocketGroup
     from .sharing.synthetic import write_synthetic_checkpoint
     from .sharing.table import SharedEngramTable
 
@@ -98,6 +100,6 @@ __all__ = [
     "WorldLayout", "as_group", "build_token_map", "compress_ids", "dequantize_rows",
     "lookup_rows", "ngram_hashes", "plan_placement", "quantize_rows", "shard_heads", "shard_rows",
     "sharing_groups", "write_synthetic_model", "TensorNames", "write_synthetic_checkpoint",
-    "TableOptions",
+    "TableOptions", "SocketGroup",
 ]
 assert set(_LAZY) <= set(__all__)

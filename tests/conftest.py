@@ -13,13 +13,24 @@ SHM = "/dev/shm"
 
 
 def pytest_configure(config):
-    """A session that may start process worlds starts their forkserver
-    first, so its imports run beside the collection's (in the emulated
-    NUMA guest, ~20 s each)."""
-    if "not multiproc" not in (config.option.markexpr or ""):
+    """A session that may start gloo worlds starts their forkserver first,
+    so its imports (torch's) run beside the collection's.  The NUMA tests
+    start none (their worlds meet through SocketGroup, tests/socketworld.py),
+    so a session of them alone, a guest's, starts no forkserver."""
+    markexpr = config.option.markexpr or ""
+    if "not multiproc" not in markexpr and "numa" not in markexpr:
         from .dist_harness import start_forkserver
 
         start_forkserver()
+
+
+def pytest_sessionfinish(session):
+    """NUMA_ENGRAM_TEST_NO_TORCH=1 (the 4-node guest): a session that
+    imported torch fails, naming the variable."""
+    if os.environ.get("NUMA_ENGRAM_TEST_NO_TORCH") == "1" and "torch" in sys.modules:
+        print("\nconftest: NUMA_ENGRAM_TEST_NO_TORCH=1 but torch was imported (a test that "
+              "needs it must be marked 'torch')", file=sys.stderr)
+        session.exitstatus = 1
 
 
 def shm_files() -> set[str]:

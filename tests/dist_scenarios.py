@@ -18,12 +18,7 @@ from numa_engram.model.sharding import WorldLayout
 from numa_engram.sharing.group import TorchGroup, sharing_groups
 from numa_engram.sharing.synthetic import synthetic_layer
 
-LAYER = 1
-
-
-def make_spec(rows_per_head, seed=0):
-    return EngramSpec.small(rows_per_head=rows_per_head, n_head_per_ngram=4, head_dim=128,
-                            seed=seed)
+from .socket_scenarios import LAYER, make_spec
 
 
 class collectives_forbidden:

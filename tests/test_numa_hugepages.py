@@ -7,22 +7,20 @@ import os
 
 import numpy as np
 import pytest
-import torch
 
 from numa_engram import SharedEngramTable, shard_heads
 from numa_engram.errors import CapacityError
 from numa_engram.host import hugepages
 from numa_engram.host.topology import Topology
 from numa_engram.lookup.cpu import reference_lookup
-from numa_engram.sharing.synthetic import write_synthetic_checkpoint
+from numa_engram.sharing.synthetic import write_raw_checkpoint, write_synthetic_checkpoint
 from numa_engram.store.fileformat import Layout
 from numa_engram.store.placement import PlacementPlan, PlacementRange, verify
 from numa_engram.store.storage import BackingFile
 
-from . import dist_scenarios as scenarios
 from .conftest import run_python
-from .dist_harness import run_world
-from .dist_scenarios import LAYER, make_spec
+from .socket_scenarios import LAYER, make_spec
+from .socketworld import run_socket_world
 
 pytestmark = pytest.mark.numa
 MIB2 = 2 << 20
@@ -33,9 +31,12 @@ def _node_free(node: int) -> int:
     return hugepages.pool_pages(MIB2, node)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("shared", [True, False], ids=["hugetlbfs", "memfd"])
 def test_pages_land_on_the_bound_node_and_lookups_are_exact(tmp_path, numa_nodes, huge_pool,
                                                             shared):
+    import torch
+
     node = numa_nodes[-1]
     for n in numa_nodes:
         huge_pool.reserve(8, n)
@@ -106,11 +107,15 @@ def test_a_group_shares_one_hugetlb_copy_placed_on_the_readers_node(tmp_path, nu
     for n in numa_nodes:
         huge_pool.reserve(8, n)
     spec = make_spec(ROWS_PER_HEAD)
-    ckpt = str(write_synthetic_checkpoint(tmp_path / "engram.safetensors", spec))
-    results = run_world(2, scenarios.share, tp=1, dp=2, mode="dp_shared", checkpoint=ckpt,
-                        rows_per_head=ROWS_PER_HEAD, page_size="2M",
-                        directory=huge_pool.mount)
+    ckpt = str(write_raw_checkpoint(tmp_path / "engram.safetensors", spec))
+    meet = tmp_path / "meet"
+    meet.mkdir()
+    results = run_socket_world(2, "share", meet=str(meet), checkpoint=ckpt,
+                               rows_per_head=ROWS_PER_HEAD, page_size="2M",
+                               directory=huge_pool.mount)
     for r in results:
         assert r["ok"], f"rank {r['rank']}: {r.get('traceback') or r}"
-        assert r["lookup_exact"] and r["placement"]["ok"] and r["kernel_page_size"] == MIB2
+        assert not r["torch_imported"], r
+        assert r["same_as_source"] and r["lookup_exact"] and r["placement"]["ok"], r
+        assert r["kernel_page_size"] == MIB2
     assert len({r["digest"] for r in results}) == 1

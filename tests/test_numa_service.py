@@ -36,11 +36,11 @@ def test_replicate_per_node_hands_every_node_its_own_copy(numa_nodes, tmp_path):
             time.sleep(0.2)
         assert doc and doc["ready"], doc
         copies = {(t["layer"], t["node"]): t for t in doc["tables"]}
-        assert set(copies) == {(layer, node) for layer in spec.layer_ids for node in (0, 1)}
+        assert set(copies) == {(layer, node) for layer in spec.layer_ids for node in numa_nodes}
         for (_, node), t in copies.items():
             assert set(t["bytes_per_node"]) == {str(node)}, t  # all of it on its own node
         shard = shard_heads(spec.bucket_sizes(1), 1, 0)
-        for node in (0, 1):
+        for node in numa_nodes:
             with SharedEngramTable.attach(spec, 1, shard, service=sock, node=node) as table:
                 mapping = table._backing.mapping
                 native.madvise(mapping, native.MADV_POPULATE_READ)

@@ -1,18 +1,20 @@
 """A DP-shared table placed across NUMA nodes, seen from every member
-(runs in the 2-node guest on single-node hosts)."""
+(runs in the NUMA guests on single-node hosts): the members meet through
+SocketGroup and import no torch."""
 
 import pytest
 
-from . import dist_scenarios as scenarios
-from .dist_harness import run_world
+from .socketworld import run_socket_world
 
 pytestmark = [pytest.mark.numa, pytest.mark.multiproc]
 
 
-def test_two_tp_shards_on_two_nodes_report_full_placement_from_every_member(numa_nodes):
-    results = run_world(4, scenarios.share_placed, timeout_s=900, pg_timeout_s=600, tp=2, dp=2)
+def test_two_tp_shards_on_two_nodes_report_full_placement_from_every_member(numa_nodes,
+                                                                            tmp_path):
+    results = run_socket_world(4, "share_placed", timeout_s=900, meet=str(tmp_path), tp=2)
     for r in results:
         assert r["ok"], r.get("traceback") or r
+        assert not r["torch_imported"], r
         node = r["rank"] % 2
         assert r["mode"]["mode"] == "dp_shared" and r["mode"]["sharing_group"] == [node,
                                                                                    node + 2]

@@ -18,7 +18,7 @@ from . import vllm_harness as harness  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'numa_engram[test]')")
 pytest.importorskip("tokenizers", reason="the 'tokenizers' extra is not installed")
-pytestmark = pytest.mark.numa
+pytestmark = [pytest.mark.numa, pytest.mark.torch]
 
 
 def test_each_ranks_table_is_on_its_readers_node(numa_nodes, tmp_path):

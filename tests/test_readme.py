@@ -137,6 +137,39 @@ def test_the_with_vllm_section_runs_as_far_as_it_can_without_vllm():
     assert {k for pair in named for k in pair if k} == set(KEYS)
 
 
+SOCKET_STAND_INS = '''
+import os, sys
+from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+spec = EngramSpec.small(rows_per_head=500, n_head_per_ngram=2, head_dim=64)
+layer, tp_rank, dp = spec.layer_ids[0], 0, 2
+shard = shard_heads(spec.bucket_sizes(layer), 1, 0)
+dp_rank, run_dir, ckpt = int(sys.argv[1]), os.getcwd(), "engram.safetensors"
+'''
+
+
+@pytest.mark.multiproc
+def test_the_readmes_socketgroup_example_runs_as_written(tmp_path):
+    """Two replicas (no torch.distributed) share one copy through the
+    README's SocketGroup lines, and the socket is gone afterwards."""
+    from numa_engram.sharing.synthetic import write_raw_checkpoint
+
+    (program,) = re.findall(r"^```python socketgroup\n(.*?)^```", README.read_text(),
+                            flags=re.M | re.S)
+    spec = EngramSpec.small(rows_per_head=500, n_head_per_ngram=2, head_dim=64)
+    write_raw_checkpoint(tmp_path / "engram.safetensors", spec)
+    script = tmp_path / "readme_socketgroup.py"
+    script.write_text(SOCKET_STAND_INS + program + "\nprint('README-SOCKET', "
+                      "table.mode_report()['mode'], table.mode_report()['sharing_group'], "
+                      "'torch' in sys.modules)\ntable.close()\n")
+    procs = [subprocess.Popen([sys.executable, str(script), str(r)], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0 and "README-SOCKET dp_shared [0, 1] False" in out, out[-3000:]
+    assert sorted(os.listdir(tmp_path)) == ["engram.safetensors", "readme_socketgroup.py"]
+
+
 PLE_STAND_INS = '''
 import numpy as np
 import torch.distributed as dist
