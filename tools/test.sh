@@ -5,34 +5,47 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-# The static checks and the package check make no table and start no
-# guest: they run beside the host suite (one CPU-bound process each, which
-# the suite's waits on processes and timeouts leave room for); their
-# output and status come after it.
+# The static checks, the package check, and (where this user may give them
+# a /dev/shm of their own: root) the lower-bounds check and the sanitizer
+# run beside the host suite, each a process or two that the suite's waits
+# on processes and timeouts leave room for; their output and status come
+# after it.  A private /dev/shm (unshare --mount) keeps the tables their
+# tests make away from the suite's check that /dev/shm is left as found.
 side=$(mktemp -d)
 pids=()
 # each in its own process group (setsid), so a failed run ends all it started
 cleanup() { for p in "${pids[@]}"; do kill -- "-$p" 2>/dev/null || true; done; rm -rf "$side"; }
 trap cleanup EXIT
-beside() {  # beside NAME SCRIPT: run tools/SCRIPT in the background, its output in $side/NAME.*
-  PYTHON="$PY" setsid bash -c "tools/$2 > '$side/$1.log' 2>&1; echo \$? > '$side/$1.rc'" &
+beside() {  # beside NAME CMD...: CMD in the background, its output in $side/NAME.*
+  local name=$1; shift
+  PYTHON="$PY" setsid bash -c '"$@" > "$0.log" 2>&1; echo $? > "$0.rc"' "$side/$name" "$@" &
   pids+=($!)
 }
-beside lint lint.sh
-beside package check_package.sh
+own_shm=(unshare --mount --propagation private bash -c \
+  'mount -t tmpfs -o mode=1777 numa-engram-test /dev/shm && exec "$@"' own_shm)
+steps=(lint package)
+beside lint tools/lint.sh
+beside package tools/check_package.sh
+if "${own_shm[@]}" true 2>/dev/null; then
+  beside min_deps "${own_shm[@]}" tools/check_min_deps.sh
+  beside sanitize "${own_shm[@]}" tools/sanitize.sh
+  steps+=(min_deps sanitize)
+fi
 # coverage of the test process (spawned ranks and CLI subprocesses are not
 # measured), printed per module that has lines no test ran
 "$PY" -m pytest -q -rs --durations=15 --cov=numa_engram --cov-report=term:skip-covered "$@"
 wait "${pids[@]}" || true
 pids=()
-for step in lint package; do
+for step in "${steps[@]}"; do
   echo "== $step (run beside the host suite) =="
   cat "$side/$step.log"
   rc=$(cat "$side/$step.rc")
   [ "$rc" = 0 ] || { echo "test.sh: $step failed (status $rc)" >&2; exit "$rc"; }
 done
-PYTHON="$PY" tools/check_min_deps.sh  # the dependencies' lower bounds, in a fresh venv
-PYTHON="$PY" tools/sanitize.sh  # the C core's tests under ASan + UBSan
+if [ ${#steps[@]} = 2 ]; then  # no private /dev/shm here: after the suite
+  PYTHON="$PY" tools/check_min_deps.sh  # the dependencies' lower bounds, in a fresh venv
+  PYTHON="$PY" tools/sanitize.sh  # the C core's tests under ASan + UBSan
+fi
 nodes=$(ls -d /sys/devices/system/node/node[0-9]* 2>/dev/null | wc -l)
 if [ "${NUMA_ENGRAM_SKIP_VM:-0}" = 1 ]; then
   echo "test.sh: NUMA_ENGRAM_SKIP_VM=1: placement tests in the VM skipped" >&2
