@@ -4,8 +4,13 @@
 VENV ?= .venv
 
 .PHONY: setup demo test check bench
-setup:
+setup: $(VENV)/.numa-engram-installed
+
+# installed again only when what the install reads changed (or a fresh clone)
+$(VENV)/.numa-engram-installed: pyproject.toml setup.py tools/setup.sh $(wildcard cffi_build/*) \
+		$(wildcard cffi_build/src/*)
 	VENV=$(VENV) tools/setup.sh
+	touch $@
 
 demo: setup
 	$(VENV)/bin/numa-engram topo

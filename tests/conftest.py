@@ -33,6 +33,28 @@ def pytest_sessionfinish(session):
         session.exitstatus = 1
 
 
+def cli_in_process(*args, check=True):
+    """``numa-engram ARGS`` through ``main(argv)`` in this process (what the
+    command runs: ``python -m numa_engram`` exits with main's return): its
+    exit code, stdout and stderr."""
+    import contextlib
+    import io
+    from types import SimpleNamespace
+
+    from numa_engram.cli.app import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's refusals and --help
+            code = exc.code if isinstance(exc.code, int) else 2
+    result = SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
 def shm_files() -> set[str]:
     return {n for n in os.listdir(SHM) if n.startswith(PREFIX)}
 

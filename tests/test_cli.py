@@ -2,33 +2,16 @@
 this process (what the command line runs; tests/test_cli_errors.py runs
 the real command for exit codes and signals)."""
 
-import contextlib
 import io
 import json
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 
-from numa_engram.cli.app import main
-
+from .conftest import cli_in_process as cli
 from .conftest import shm_files
-
-
-def cli(*args, check=True):
-    """``numa-engram ARGS``: its exit code, stdout and stderr."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        except SystemExit as exc:  # argparse's refusals and --help
-            code = exc.code if isinstance(exc.code, int) else 2
-    result = SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
-    if check:
-        assert result.returncode == 0, result.stderr
-    return result
 
 
 def test_topo_reads_like_numactl_and_answers_json():
@@ -211,7 +194,6 @@ def test_mem_and_verify_read_like_numastat():
 
 
 def test_progress_off_a_terminal_is_plain_lines_never_carriage_returns():
-    import io
 
     from numa_engram.progress import terminal_bar
 

@@ -1,5 +1,8 @@
 """Every wrong command line: one line on stderr naming the wrong value and
-what to do, exit status 2, never a traceback."""
+what to do, exit status 2, never a traceback.  Through ``main(argv)`` in
+this process (``python -m numa_engram`` exits with what it returns); the
+real command, for what only a process shows: its exit status as the shell
+sees it, signals, a closed pipe, stray output at start-up."""
 
 import os
 import subprocess
@@ -7,10 +10,19 @@ import sys
 
 import pytest
 
+from .conftest import cli_in_process
 
-def cli(*args):
+slow = pytest.mark.slow  # starts the real command
+
+
+def real_command(*args):
+    """The real ``python -m numa_engram ARGS``."""
     return subprocess.run([sys.executable, "-m", "numa_engram", *args], capture_output=True,
                           text=True, timeout=120)
+
+
+def cli(*args):
+    return cli_in_process(*args, check=False)
 
 
 def _a_file_that_is_not_a_table(tmp_path):
@@ -69,6 +81,16 @@ def test_wrong_input_is_one_clear_line_and_status_2(tmp_path, argv, names):
     assert names in lines[0], lines[0]
 
 
+@slow
+def test_the_real_command_says_one_line_and_exits_2():
+    """As the shell sees it: status 2 and one line, nothing else on stderr."""
+    out = real_command("create", "--size", "1X")
+    assert out.returncode == 2 and out.stdout == "", (out.returncode, out.stdout)
+    assert out.stderr.splitlines() == [cli("create", "--size", "1X").stderr.strip()], \
+        out.stderr  # the line main(argv) writes, and only it
+    assert out.stderr.startswith("numa-engram create: argument --size: size '1X' is not a size")
+
+
 def test_version_and_verbose():
     out = cli("--version")
     assert out.returncode == 0 and out.stdout.startswith("numa-engram ")
@@ -93,6 +115,7 @@ def test_every_option_of_every_command_documents_its_default():
                 assert "{" + ",".join(action.choices) + "}" in text
 
 
+@slow
 def test_a_stale_core_is_a_clear_import_error():
     # the package claims another version than the one the core was built for
     child = subprocess.run([sys.executable, "-c",
@@ -137,6 +160,7 @@ def _maps_a_table(pid: int) -> bool:
         return False
 
 
+@slow
 @pytest.mark.parametrize("command", [["create", "--size", "8M", "--hold", "120"],
                                      ["bench", "--size", "64M", "--repeat", "100000",
                                       "--tokens", "1000"]], ids=["create-hold", "bench"])
@@ -190,6 +214,7 @@ def test_json_goes_before_or_after_the_command():
     assert nodes == [[n["id"], n["cpus"]] for n in json.loads(after.stdout)["nodes"]]
 
 
+@slow
 def test_a_reader_that_goes_away_ends_the_output_quietly():
     """`numa-engram topo | head -0`: no 'Broken pipe' message, SIGPIPE's status."""
     proc = subprocess.Popen([sys.executable, "-m", "numa_engram", "topo"],

@@ -784,3 +784,24 @@ def test_a_tables_lookup_threads_are_bound_to_the_rows_nodes_cpus():
                    if _comm(tid) == "numa-engram-lk"]
         assert len(workers) == 2
         assert all(os.sched_getaffinity(int(tid)) == set(node_cpus) for tid in workers)
+
+
+def test_a_pool_bound_to_cpus_this_process_may_not_use_runs_where_it_may():
+    """A node whose CPUs are all outside this process's cpuset (a
+    container's): the threads start unbound instead of failing the table."""
+    import os
+
+    from numa_engram.bindings.lookupkernel import Workers
+
+    allowed = os.sched_getaffinity(0)
+    foreign = 1000  # below CPU_SETSIZE, above any CPU this host has
+    assert foreign not in allowed
+    before = set(os.listdir("/proc/self/task"))
+    pool = Workers(2, [foreign])
+    try:
+        workers = [tid for tid in set(os.listdir("/proc/self/task")) - before
+                   if _comm(tid) == "numa-engram-lk"]
+        assert len(workers) == 2
+        assert all(os.sched_getaffinity(int(tid)) == allowed for tid in workers)
+    finally:
+        pool.close()

@@ -138,15 +138,20 @@ static int run_threads(void *(*fn)(void *), void *jobs, size_t job_size, int n)
  * is).  A set, not one CPU each: the kernel then puts each woken lookup
  * thread on an idle CPU of the rows' node, never beside a caller that
  * happens to run on "its" CPU; the node is what the rows need. */
+static void cpu_set_of(const int *cpus, int n, cpu_set_t *set)
+{
+    CPU_ZERO(set);
+    for (int i = 0; i < n; i++)
+        if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE)
+            CPU_SET(cpus[i], set);
+}
+
 static void pin_to(const int *cpus, int n)
 {
     if (n <= 0)
         return;
     cpu_set_t set;
-    CPU_ZERO(&set);
-    for (int i = 0; i < n; i++)
-        if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE)
-            CPU_SET(cpus[i], &set);
+    cpu_set_of(cpus, n, &set);
     pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
 }
 

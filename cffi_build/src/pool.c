@@ -120,7 +120,6 @@ static void pool_work(struct ne_pool *p, uint64_t generation)
 static void *pool_worker(void *arg)
 {
     struct ne_pool *p = arg;
-    pin_to(p->cpus, p->n_cpus);
     uint64_t seen = 0;
     for (;;) {
         seen = next_call(p, seen);
@@ -150,9 +149,21 @@ struct ne_pool *ne_pool_new(int n, const int *cpus, int n_cpus)
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->go, NULL);
     pthread_cond_init(&p->done, NULL);
+    /* born bound: a thread that pinned itself would run unbound until it
+     * was first scheduled */
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    if (p->n_cpus > 0) {
+        cpu_set_t set;
+        cpu_set_of(p->cpus, p->n_cpus, &set);
+        pthread_attr_setaffinity_np(&attr, sizeof(set), &set);
+    }
     for (int i = 0; i < n; i++) {
-        int err = pthread_create(&p->thread[i], NULL, pool_worker, p);
+        int err = pthread_create(&p->thread[i], &attr, pool_worker, p);
+        if (err == EINVAL && p->n_cpus > 0) /* none of cpus is ours (a cpuset): unbound */
+            err = pthread_create(&p->thread[i], NULL, pool_worker, p);
         if (err) {
+            pthread_attr_destroy(&attr);
             ne_pool_free(p);
             errno = err;
             return NULL;
@@ -161,6 +172,7 @@ struct ne_pool *ne_pool_new(int n, const int *cpus, int n_cpus)
         pthread_setname_np(p->thread[i], NE_POOL_THREAD_NAME);
         p->n = i + 1;
     }
+    pthread_attr_destroy(&attr);
     return p;
 }
 
