@@ -143,6 +143,7 @@ def _on_a_terminal(*args):
     return proc.returncode, b"".join(chunks).decode()
 
 
+@pytest.mark.slow  # starts an interpreter (~1 s)
 def test_progress_bar_only_on_a_terminal_and_never_with_json():
     rc, err = _on_a_terminal("create", "--size", "200M")
     assert rc == 0 and "populate [" in err and "ETA" in err and "/s" in err, err

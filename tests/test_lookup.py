@@ -137,6 +137,7 @@ def test_fuzz_never_crashes(rows, head_start):
     np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
+@pytest.mark.slow  # starts an interpreter (~1 s)
 @pytest.mark.parametrize("disabled", [(), ("NUMA_ENGRAM_NO_VBMI",), ("NUMA_ENGRAM_NO_AVX512",),
                                       ("NUMA_ENGRAM_NO_AVX512", "NUMA_ENGRAM_NO_AVX2")],
                          ids=["best", "avx512bw", "avx2", "portable"])
@@ -327,6 +328,7 @@ def test_pooled_outputs_are_aligned_for_streaming_stores():
         assert tensor.shape == shape and tensor.dtype == torch.bfloat16
 
 
+@pytest.mark.slow  # starts an interpreter (~1 s)
 @pytest.mark.skipif("libasan" in os.environ.get("LD_PRELOAD", ""),
                     reason="AddressSanitizer reserves terabytes of shadow address space: an "
                     "address-space limit cannot be set under it (tools/sanitize.sh)")

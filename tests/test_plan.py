@@ -52,6 +52,7 @@ def _tp_shard_bytes(config):
             * ROW_BYTES for r in range(2)]
 
 
+@pytest.mark.slow  # starts an interpreter (~1 s)
 def test_each_policy_against_hand_arithmetic(config):
     base = ["--spec", config, "--simulate", "2x4", "--tp", "2", "--dp", "4"]
     shards = _tp_shard_bytes(config)

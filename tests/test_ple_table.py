@@ -194,6 +194,7 @@ def test_the_service_serves_a_ple_model_and_an_engine_attaches(ple_model, tmp_pa
         service.stop()
 
 
+@pytest.mark.slow  # starts an interpreter (~1 s)
 def test_serve_and_plan_read_a_ple_model_directory(ple_model, tmp_path):
     """The command line: ``plan --model`` reads the PLE config; ``serve``
     loads every table of it and ``status`` says they are ready."""

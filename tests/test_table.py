@@ -143,6 +143,7 @@ def test_auto_falls_back_only_to_copies_that_fit(tmp_path):
 
 
 
+@pytest.mark.slow  # starts an interpreter (~1 s)
 def test_ids_changed_by_another_thread_never_read_outside_the_table():
     child = run_python("""
         import sys
@@ -182,6 +183,7 @@ def test_ids_changed_by_another_thread_never_read_outside_the_table():
 
 
 
+@pytest.mark.slow  # starts an interpreter (~1 s)
 def test_lookup_threads_and_cpus_changed_while_other_threads_look_up():
     """Setting lookup_threads or lookup_cpus while other threads look up
     binds a new kernel for later calls; the old one's threads stop once no

@@ -229,6 +229,7 @@ print("patched")
 """
 
 
+@pytest.mark.slow  # starts an interpreter (~1 s)
 def test_register_patches_the_qwen4_exp_module_as_vllm_imports_it(vllm, tmp_path):
     """The entry point's path: register() in a fresh interpreter, then vLLM's
     qwen4_exp package imported from a tree laid out as vLLM's wheel lays it

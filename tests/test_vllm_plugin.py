@@ -389,6 +389,7 @@ print("patched")
 """
 
 
+@pytest.mark.slow  # starts an interpreter (~1 s)
 def test_register_patches_vllms_module_as_vllm_imports_it(vllm, tmp_path):
     """The entry point's path: register() in a fresh interpreter, then vLLM's
     package imported as vLLM lays it out (the package __init__ importing
