@@ -218,6 +218,29 @@ def test_a_broken_group_says_so_at_the_next_step(tmp_path):
         leader.barrier("next")
 
 
+def test_a_path_too_long_for_a_unix_socket_is_refused_naming_the_limit(tmp_path):
+    with pytest.raises(ValueError, match="at most 107: choose a shorter directory"):
+        SocketGroup(tmp_path / ("d" * 120) / "g.sock", 0, 2)
+
+
+def test_a_connection_that_says_nothing_does_not_hold_the_group(tmp_path, monkeypatch):
+    from numa_engram.sharing import socketgroup
+
+    monkeypatch.setattr(socketgroup, "_HELLO_S", 0.2)
+    path = tmp_path / "g.sock"
+    leading, led = _join(path, 0, 2)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    while silent.connect_ex(str(path)):  # until the leader listens
+        threading.Event().wait(0.01)
+    member, got = _join(path, 1, 2)
+    for thread in (member, leading):
+        thread.join()
+    silent.close()
+    assert isinstance(led[0], SocketGroup) and isinstance(got[0], SocketGroup), (led, got)
+    led[0].close()
+    got[0].close()
+
+
 def test_a_leader_that_never_comes_is_a_timeout_naming_the_path(tmp_path):
     with pytest.raises(GroupTimeout, match=r"no leader \(world rank 0\) listened at .*g.sock "
                                            r"within 0 s"):

@@ -39,6 +39,8 @@ _LENGTH = struct.Struct("!Q")
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 MAX_MESSAGE = 64 << 20  # the protocol's messages are kilobytes
 _RETRY_S = 0.01
+_HELLO_S = 5.0  # a connection that says nothing holds the leader this long, at most
+_MAX_PATH = 108  # sizeof(sockaddr_un.sun_path), the terminating NUL included
 # a member waits this long past its bound for the leader's word, so that
 # when a third member is missing it hears which one from the leader
 _GRACE_S = 1.0
@@ -60,6 +62,10 @@ class SocketGroup:
         if len(members) != size or len(set(members)) != size:
             raise ValueError(f"ranks {list(members)} must be {size} distinct world ranks")
         self.path, self.timeout_s = os.fspath(path), float(timeout_s)
+        if len(os.fsencode(self.path)) >= _MAX_PATH:
+            raise ValueError(f"the group's path {self.path!r} is {len(os.fsencode(self.path))} "
+                             f"bytes; a Unix socket's path has at most {_MAX_PATH - 1}: "
+                             f"choose a shorter directory")
         self._rank, self._size, self._ranks, self._identity = rank, size, members, identity
         self._peers: dict[int, socket.socket] = {}  # the leader's: group rank -> connection
         self._leader: socket.socket | None = None
@@ -173,7 +179,8 @@ class SocketGroup:
             log.warning("refused pid %d (uid %d) at %s: another user", pid, uid, self.path)
             return _refuse(conn, why)
         try:
-            magic, rank, size = _HELLO.unpack(_recv_exact(conn, _HELLO.size, deadline))
+            hello = _recv_exact(conn, _HELLO.size, min(deadline, time.monotonic() + _HELLO_S))
+            magic, rank, size = _HELLO.unpack(hello)
         except (OSError, GroupTimeout, EOFError):
             conn.close()  # it left, or never said who it is
             return None
