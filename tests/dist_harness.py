@@ -124,7 +124,8 @@ def _worker(rank, world, port, scenario, kwargs, conn, pg_timeout_s, host=None, 
     os._exit(0)  # skip gloo teardown, which can block when a peer is gone
 
 
-def _stopped(pid: int) -> bool:
+def is_stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP): state T in /proc."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] == "T"
@@ -164,7 +165,7 @@ def run_world(world, scenario, timeout_s=180, pg_timeout_s=60, resume_stopped=Fa
         pending = [r for r in range(world) if r not in received and r not in gone]
         if not pending:
             break
-        if not resumed and all(_stopped(procs[r].pid) for r in pending):
+        if not resumed and all(is_stopped(procs[r].pid) for r in pending):
             if not resume_stopped:
                 break  # nothing more will come: killed below
             for r in pending:

@@ -18,6 +18,8 @@ import time
 import traceback
 from pathlib import Path
 
+from .dist_harness import is_stopped
+
 ROOT = Path(__file__).resolve().parent.parent
 _MARK = "SOCKETWORLD-RESULTS "
 
@@ -34,14 +36,6 @@ def run_socket_world(world, scenario, *, timeout_s=120, resume_stopped=False, **
     lines = [line for line in launcher.stdout.splitlines() if line.startswith(_MARK)]
     assert lines, f"the launcher failed ({launcher.returncode}):\n{launcher.stderr[-3000:]}"
     return json.loads(lines[-1][len(_MARK):])
-
-
-def _stopped(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "T"
-    except OSError:
-        return False
 
 
 def _rank(scenario, rank, world, kwargs, fd) -> None:
@@ -105,7 +99,7 @@ def _collect(pids, readers, timeout_s, resume_stopped) -> dict:
                     status[pid] = os.waitstatus_to_exitcode(code)
         running = [p for p in pids if p not in status]
         late = time.monotonic() > deadline
-        if running and (late or (not resumed and all(_stopped(p) for p in running))):
+        if running and (late or (not resumed and all(is_stopped(p) for p in running))):
             resume = resume_stopped and not late and not resumed
             for p in running:
                 os.kill(p, signal.SIGCONT if resume else signal.SIGKILL)

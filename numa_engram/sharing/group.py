@@ -86,7 +86,43 @@ class SingleProcessGroup:
         return None
 
 
-class TorchGroup:
+class Members:
+    """What a group of processes knows of itself (the Group protocol's
+    members but the collectives) and the bound on its collectives, which
+    ``bounded`` changes for a while."""
+
+    def __init__(self, rank: int, size: int, ranks: tuple[int, ...], timeout_s: float,
+                 identity: str) -> None:
+        self._rank, self._size, self._ranks = rank, size, ranks
+        self.timeout_s, self._identity = timeout_s, identity
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self._ranks
+
+    @property
+    def identity(self) -> str:
+        return self._identity
+
+    @contextmanager
+    def bounded(self, timeout_s: float) -> Iterator[None]:
+        """Every collective of the group bounded by ``timeout_s`` while inside."""
+        saved, self.timeout_s = self.timeout_s, timeout_s
+        try:
+            yield
+        finally:
+            self.timeout_s = saved
+
+
+class TorchGroup(Members):
     """A torch.distributed gloo group.  A collective that does not complete
     (a peer that never joins, a leader that died) raises GroupTimeout naming
     the protocol step.  Every collective is started asynchronously and
@@ -102,43 +138,16 @@ class TorchGroup:
                                   "init_process_group('gloo', ...) first")
         self._dist = dist
         self._pg = process_group
-        self.timeout_s = timeout_s
-        self._rank = dist.get_rank(process_group)
-        self._size = dist.get_world_size(process_group)
-        self._ranks = tuple(dist.get_process_group_ranks(process_group)) if process_group \
-            else tuple(range(self._size))
-        self._identity = identity
+        size = dist.get_world_size(process_group)
+        super().__init__(dist.get_rank(process_group), size,
+                         tuple(dist.get_process_group_ranks(process_group)) if process_group
+                         else tuple(range(size)), timeout_s, identity)
         self.leader_global_rank = self._ranks[0]
         self._roll = RollCall(self._ranks, dist.get_rank())
 
     @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        return self._ranks
-
-    @property
     def process_group(self) -> Any:
         return self._pg
-
-    @property
-    def identity(self) -> str:
-        return self._identity
-
-    @contextmanager
-    def bounded(self, timeout_s: float) -> Iterator[None]:
-        """Every collective of the group bounded by ``timeout_s`` while inside."""
-        saved, self.timeout_s = self.timeout_s, timeout_s
-        try:
-            yield
-        finally:
-            self.timeout_s = saved
 
     def _run(self, step: str, start: Callable[[], Any]) -> None:
         """Start an async collective and wait at most timeout_s for it: a

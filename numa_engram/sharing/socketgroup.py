@@ -25,11 +25,11 @@ import socket
 import stat
 import struct
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import GroupTimeout, NumaEngramError
+from .group import Members
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ _MAX_PATH = 108  # sizeof(sockaddr_un.sun_path), the terminating NUL included
 _GRACE_S = 1.0
 
 
-class SocketGroup:
+class SocketGroup(Members):
     """Member ``rank`` of ``size`` processes meeting at the Unix socket
     ``path`` (every member passes the same path; one path per group).
     ``ranks``: the members' world ranks, in group order (default
@@ -61,12 +61,12 @@ class SocketGroup:
         members = tuple(int(r) for r in (range(size) if ranks is None else ranks))
         if len(members) != size or len(set(members)) != size:
             raise ValueError(f"ranks {list(members)} must be {size} distinct world ranks")
-        self.path, self.timeout_s = os.fspath(path), float(timeout_s)
+        super().__init__(rank, size, members, float(timeout_s), identity)
+        self.path = os.fspath(path)
         if len(os.fsencode(self.path)) >= _MAX_PATH:
             raise ValueError(f"the group's path {self.path!r} is {len(os.fsencode(self.path))} "
                              f"bytes; a Unix socket's path has at most {_MAX_PATH - 1}: "
                              f"choose a shorter directory")
-        self._rank, self._size, self._ranks, self._identity = rank, size, members, identity
         self._peers: dict[int, socket.socket] = {}  # the leader's: group rank -> connection
         self._leader: socket.socket | None = None
         self._broken: str | None = None
@@ -77,33 +77,8 @@ class SocketGroup:
 
     # ------------------------------------------------------ Group surface --
     @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        return self._ranks
-
-    @property
     def process_group(self) -> None:
         return None  # no torch ProcessGroup behind it
-
-    @property
-    def identity(self) -> str:
-        return self._identity
-
-    @contextmanager
-    def bounded(self, timeout_s: float) -> Iterator[None]:
-        """Every collective of the group bounded by ``timeout_s`` while inside."""
-        saved, self.timeout_s = self.timeout_s, timeout_s
-        try:
-            yield
-        finally:
-            self.timeout_s = saved
 
     def broadcast(self, obj: Any, step: str) -> Any:
         if self._size == 1:
