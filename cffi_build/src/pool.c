@@ -149,8 +149,8 @@ struct ne_pool *ne_pool_new(int n, const int *cpus, int n_cpus)
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->go, NULL);
     pthread_cond_init(&p->done, NULL);
-    /* born bound: a thread that pinned itself would run unbound until it
-     * was first scheduled */
+    /* born bound: a thread that pins itself runs unbound until it first
+     * runs */
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     if (p->n_cpus > 0) {
