@@ -3,8 +3,10 @@ all-gather small objects and barrier, each bounded by a timeout.
 
 ``TorchGroup`` runs over a torch.distributed CPU process group (gloo); the
 caller passes it in (no global state).  ``SingleProcessGroup`` is the
-one-member group of a private table.  ``sharing_groups`` forms the
-node-local sharing (EDP) groups of a world, per the rule in sharding.py.
+one-member group of a private table; ``socketgroup.SocketGroup`` one that
+needs no torch.  ``Members`` is what a group of processes knows of itself,
+theirs in common.  ``sharing_groups`` forms the node-local sharing (EDP)
+groups of a world, per the rule in sharding.py.
 """
 
 from __future__ import annotations
