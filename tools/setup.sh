@@ -18,16 +18,19 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
+# --no-compile: no bytecode for the ~10,000 files of torch and triton at
+# install (12 s of the setup); an import compiles what it uses, once
+pip=("$VENV/bin/python" -m pip install -q --no-compile)
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 # triton (the test extra's largest wheel, no dependencies) installs beside
 # torch: no package is both's, so the two pips never write the same files
 triton=$(sed -n 's/.*"\(triton>=[0-9.]*\).*/\1/p' pyproject.toml | head -1)
 side=()
 if [ "$(uname -m)" = x86_64 ]; then  # (the extra's marker)
-  "$VENV/bin/python" -m pip install -q --no-deps "$triton" &
+  "${pip[@]}" --no-deps "$triton" &
   side=($!)
 fi
-[ "$TORCH_SPEC" = skip ] || "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
+[ "$TORCH_SPEC" = skip ] || "${pip[@]}" "$TORCH_SPEC"
 [ ${#side[@]} = 0 ] || wait "${side[@]}"
 # strict: the C core must build without a warning (-Wall -Wextra -Werror)
-NUMA_ENGRAM_STRICT=1 "$VENV/bin/python" -m pip install -q -e '.[test]'
+NUMA_ENGRAM_STRICT=1 "${pip[@]}" -e '.[test]'
