@@ -31,7 +31,6 @@ import grp
 import logging
 import os
 import socket
-import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -49,7 +48,7 @@ from ..runtime.plemodeldir import PLEModelDirectory
 from ..sharing.pletable import SharedPLETable
 from ..sharing.request import TableOptions, shard_key, table_layout
 from ..sharing.table import SharedEngramTable
-from ..store import serviceclient
+from ..store import serviceclient, unixsockets
 from ..store.fileformat import STATE_READY, ShardKey
 from ..store.storage import BackingFile, read_only_descriptor, seal_contents
 from . import systemd
@@ -320,7 +319,7 @@ class TableService:
     # --------------------------------------------------------- answers --
     def _answer(self, sock: socket.socket) -> None:
         sock.settimeout(CLIENT_TIMEOUT_S)  # an answer the client does not read is dropped too
-        pid, uid, gid = serviceclient.peer_uid(sock)
+        pid, uid, gid = unixsockets.peer_uid(sock)
         try:
             if not self._allowed(pid, uid, gid):
                 log.warning("table service: refused pid %d uid %d (not uid %d%s)", pid, uid,
@@ -411,19 +410,9 @@ def _prepare_socket_path(path: str, gid: int | None) -> None:
         os.makedirs(directory, mode=0o750 if gid is not None else 0o700)
         if gid is not None:
             os.chown(directory, -1, gid)
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
+    state = unixsockets.free_socket_path(path)
+    if state == "not a socket":
         raise StorageError(f"{path} exists and is not a socket; pass another --socket")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except OSError:
-        os.unlink(path)  # nobody listens: a dead service's socket
-        return
-    finally:
-        probe.close()
-    raise StorageError(f"a table service already listens on {path}; stop it first or pass "
-                       "another --socket")
+    if state == "in use":
+        raise StorageError(f"a table service already listens on {path}; stop it first or "
+                           "pass another --socket")

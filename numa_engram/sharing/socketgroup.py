@@ -22,13 +22,13 @@ import os
 import pickle
 import select
 import socket
-import stat
 import struct
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from ..errors import GroupTimeout, NumaEngramError
+from ..store.unixsockets import free_socket_path, peer_uid
 from .group import Members
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 _HELLO = struct.Struct("!4sII")  # magic, rank, size: read before any pickle
 _MAGIC = b"NEG1"
 _LENGTH = struct.Struct("!Q")
-_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 MAX_MESSAGE = 64 << 20  # the protocol's messages are kilobytes
 _RETRY_S = 0.01
 _HELLO_S = 5.0  # a connection that says nothing holds the leader this long, at most
@@ -147,7 +146,7 @@ class SocketGroup(Members):
 
     def _admit(self, conn: socket.socket, deadline: float) -> None:
         """Take ``conn`` as a member, or refuse it saying why."""
-        pid, uid, _ = _credentials(conn)
+        pid, uid, _ = peer_uid(conn)
         if uid not in (os.getuid(), 0):
             why = (f"the group's leader at {self.path} runs as uid {os.getuid()} and takes no "
                    f"member of uid {uid}: run every member as one user")
@@ -191,7 +190,7 @@ class SocketGroup(Members):
                         f"without this member and the path is gone)") from None
                 time.sleep(_RETRY_S)
         try:
-            _, uid, _ = _credentials(sock)
+            _, uid, _ = peer_uid(sock)
             if uid not in (os.getuid(), 0):
                 raise NumaEngramError(f"the leader at {self.path} runs as uid {uid}, this "
                                       f"member as uid {os.getuid()}: run every member as one "
@@ -351,12 +350,6 @@ def _check_length(length: int) -> None:
         raise NumaEngramError(f"a group message of {length} bytes (at most {MAX_MESSAGE})")
 
 
-def _credentials(sock: socket.socket) -> tuple[int, int, int]:
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)
-    pid, uid, gid = _CREDENTIALS.unpack(raw)
-    return pid, uid, gid
-
-
 def _refuse(conn: socket.socket, why: str, kind: bytes = b"refused") -> None:
     """Tell a joining member why it is not in a group (``kind`` b"timeout":
     the group did not form in time) and close."""
@@ -370,25 +363,16 @@ def _refuse(conn: socket.socket, why: str, kind: bytes = b"refused") -> None:
 def _bind(server: socket.socket, path: str) -> tuple[int, int]:
     """Bind ``path``, replacing a socket no one listens at (a leader that
     died); a live one, or anything else there, is an error naming it."""
+    state = free_socket_path(path)
+    if state == "not a socket":
+        raise NumaEngramError(f"{path} exists and is not a socket: pass a free path for the "
+                              f"group")
+    if state == "in use":
+        raise NumaEngramError(f"{path} is in use by a live group: give each group its own path")
     try:
         server.bind(path)
     except OSError as exc:
-        if not os.path.exists(path):
-            raise NumaEngramError(f"cannot listen at {path}: {exc.strerror}") from exc
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise NumaEngramError(f"{path} exists and is not a socket: pass a free path for "
-                                  f"the group") from exc
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except ConnectionRefusedError:
-            os.unlink(path)  # a dead leader's
-            server.bind(path)
-        else:
-            raise NumaEngramError(f"{path} is in use by a live group: give each group its "
-                                  f"own path") from exc
-        finally:
-            probe.close()
+        raise NumaEngramError(f"cannot listen at {path}: {exc}") from exc
     info = os.stat(path)
     return info.st_dev, info.st_ino
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from ..errors import ServiceRefusal, StorageError
 from .fileformat import ShardKey
+from .unixsockets import peer_uid
 
 MAX_REQUEST = 64 << 10   # a request is a few hundred bytes; more is garbage
 MAX_ANSWER = 16 << 20    # a status of thousands of tables still fits
@@ -206,13 +207,6 @@ def _recv_to(sock: socket.socket, data: bytes, size: int) -> bytes:
 
 
 # ------------------------------------------------------------ client --
-
-def peer_uid(sock: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end (``SO_PEERCRED``)."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", creds)
-    return pid, uid, gid
-
 
 def ask(path: str, doc: dict, timeout_s: float = CLIENT_TIMEOUT_S,
         trust: ServiceTrust | None = None) -> tuple[dict, list[int], tuple[int, int, int]]:
