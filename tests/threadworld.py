@@ -10,10 +10,10 @@ import pickle
 import threading
 import time
 import traceback
-from contextlib import contextmanager
 
 from numa_engram.errors import GroupTimeout
 from numa_engram.sharing import steps
+from numa_engram.sharing.group import Members
 
 
 class ThreadWorld:
@@ -52,34 +52,15 @@ class ThreadWorld:
                                f"'{self.broken}' timed out in another member)")
 
 
-class ThreadGroup:
+class ThreadGroup(Members):
     """One thread member's view of a ThreadWorld (the Group protocol)."""
 
     process_group = None
-    identity = "threads of one process"
 
     def __init__(self, world: ThreadWorld, rank: int, timeout_s: float) -> None:
-        self._world, self._rank, self.timeout_s, self._calls = world, rank, timeout_s, 0
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._world.size
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        return tuple(range(self._world.size))
-
-    @contextmanager
-    def bounded(self, timeout_s: float):
-        saved, self.timeout_s = self.timeout_s, timeout_s
-        try:
-            yield
-        finally:
-            self.timeout_s = saved
+        super().__init__(rank, world.size, tuple(range(world.size)), timeout_s,
+                         "threads of one process")
+        self._world, self._calls = world, 0
 
     def _meet(self, step: str, obj) -> list:
         call, self._calls = self._calls, self._calls + 1
