@@ -12,7 +12,7 @@ from numa_engram.store.gc import gc_stale_files
 
 from . import dist_scenarios as scenarios
 from .conftest import shm_files
-from .dist_harness import run_world
+from .dist_harness import run_world, same_failure
 from .dist_scenarios import make_spec
 
 pytestmark = pytest.mark.multiproc
@@ -71,20 +71,11 @@ def test_per_socket_groups_hold_one_copy_per_socket(checkpoint):
     assert all(r["same_as_source"] and r["lookup_exact"] for r in results)
 
 
-def _assert_all_failed(results, error_type, text, ranks=None):
-    for r in results:
-        if ranks is not None and r["rank"] not in ranks:
-            continue
-        assert not r["ok"], f"rank {r['rank']} should have failed"
-        assert r["error_type"] == error_type, r
-        assert text in r["message"], r["message"]
-
-
 def test_peer_that_never_joins_times_out_everywhere_naming_it(tmp_path):
     """(the roll call: each member names the one that did not arrive)"""
     results = run_world(4, scenarios.peer_never_joins, timeout_s=40, pg_timeout_s=5)
-    _assert_all_failed(results, "GroupTimeout", "step 'join'", ranks={0, 1, 2})
-    _assert_all_failed(results, "GroupTimeout", "member(s) at world rank(s) [3] did not arrive",
+    same_failure(results, "GroupTimeout", "step 'join'", ranks={0, 1, 2})
+    same_failure(results, "GroupTimeout", "member(s) at world rank(s) [3] did not arrive",
                        ranks={0, 1, 2})
     assert all(r["seconds"] < 2 + 10 for r in results[:3]), "no hang past the timeout"
     assert not shm_files()
@@ -94,7 +85,7 @@ def test_leader_killed_before_unlink_leaves_a_file_gc_removes(tmp_path):
     before = shm_files()
     results = run_world(4, scenarios.leader_killed, timeout_s=90, pg_timeout_s=10)
     assert results[0]["exitcode"] == -9
-    _assert_all_failed(results, "GroupTimeout", "did not complete", ranks={1, 2, 3})
+    same_failure(results, "GroupTimeout", "did not complete", ranks={1, 2, 3})
     assert all(r["seconds"] < 10 + 10 for r in results[1:]), "no hang past the timeout"
     left = shm_files() - before
     assert len(left) == 1, "the killed leader's file is still there"
@@ -115,7 +106,7 @@ def small_tmpfs(tmp_path):
 
 def test_tmpfs_too_small_explicit_mode_fails_everywhere(tmp_path, small_tmpfs):
     results = run_world(4, scenarios.small_tmpfs, directory=small_tmpfs, mode="dp_shared")
-    _assert_all_failed(results, "CapacityError", "dp_shared requested but")
+    same_failure(results, "CapacityError", "dp_shared requested but")
     assert not os.listdir(small_tmpfs)
 
 
@@ -131,14 +122,14 @@ def test_tmpfs_too_small_auto_mode_falls_back_and_logs(tmp_path, small_tmpfs):
 
 def test_peer_with_another_spec_fails_everywhere(tmp_path):
     results = run_world(4, scenarios.fingerprint_differs)
-    _assert_all_failed(results, "SpecMismatchError", "members [2] have another Engram spec")
+    same_failure(results, "SpecMismatchError", "members [2] have another Engram spec")
 
 
 def test_peer_of_another_uid_is_refused_at_join(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("needs root to start a member as another uid")
     results = run_world(4, scenarios.other_uid)
-    _assert_all_failed(results, "StorageError", "rank 1 runs as uid 65534, the leader as uid 0")
+    same_failure(results, "StorageError", "rank 1 runs as uid 65534, the leader as uid 0")
 
 
 # ------------------------------------------------- single-process checks --
