@@ -195,7 +195,6 @@ def test_mem_and_verify_read_like_numastat():
 
 
 def test_progress_off_a_terminal_is_plain_lines_never_carriage_returns():
-
     from numa_engram.progress import terminal_bar
 
     log = io.StringIO()

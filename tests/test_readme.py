@@ -143,7 +143,7 @@ from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 spec = EngramSpec.small(rows_per_head=500, n_head_per_ngram=2, head_dim=64)
 layer, tp_rank, dp = spec.layer_ids[0], 0, 2
 shard = shard_heads(spec.bucket_sizes(layer), 1, 0)
-dp_rank, run_dir, ckpt = int(sys.argv[1]), os.getcwd(), "engram.safetensors"
+dp_rank, run_dir, ckpt = int(os.environ["RANK"]), os.getcwd(), "engram.safetensors"
 '''
 
 
@@ -157,17 +157,12 @@ def test_the_readmes_socketgroup_example_runs_as_written(tmp_path):
                             flags=re.M | re.S)
     spec = EngramSpec.small(rows_per_head=500, n_head_per_ngram=2, head_dim=64)
     write_raw_checkpoint(tmp_path / "engram.safetensors", spec)
-    script = tmp_path / "readme_socketgroup.py"
-    script.write_text(SOCKET_STAND_INS + program + "\nprint('README-SOCKET', "
-                      "table.mode_report()['mode'], table.mode_report()['sharing_group'], "
-                      "'torch' in sys.modules)\ntable.close()\n")
-    procs = [subprocess.Popen([sys.executable, str(script), str(r)], cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
-    for p in procs:
-        out, _ = p.communicate(timeout=120)
-        assert p.returncode == 0 and "README-SOCKET dp_shared [0, 1] False" in out, out[-3000:]
-    assert sorted(os.listdir(tmp_path)) == ["engram.safetensors", "readme_socketgroup.py"]
+    outputs = _run_world(tmp_path, SOCKET_STAND_INS + program + "\nprint('README-SOCKET', "
+                         "table.mode_report()['mode'], table.mode_report()['sharing_group'], "
+                         "'torch' in sys.modules)\ntable.close()\n", world=2)
+    for code, out in outputs:
+        assert code == 0 and "README-SOCKET dp_shared [0, 1] False" in out, out[-3000:]
+    assert sorted(os.listdir(tmp_path)) == ["engram.safetensors", "readme_program.py"]
 
 
 PLE_STAND_INS = '''
