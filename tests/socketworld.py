@@ -59,7 +59,7 @@ def _launch() -> None:
     scenario, world, kwargs, timeout_s, resume_stopped = json.loads(sys.argv[1])
     from tests import socket_scenarios  # noqa: F401  (imported once, before the forks)
 
-    pids, readers = [], {}
+    pids, ranks_of = [], {}  # the ranks' pids; each pipe's read end -> its rank
     for rank in range(world):
         read_end, write_end = os.pipe()
         pid = os.fork()
@@ -68,11 +68,11 @@ def _launch() -> None:
             _rank(scenario, rank, world, kwargs, write_end)
         os.close(write_end)
         pids.append(pid)
-        readers[read_end] = (rank, bytearray())
-    status = _collect(pids, readers, timeout_s, resume_stopped)
+        ranks_of[read_end] = rank
+    outputs = [bytearray() for _ in range(world)]
+    status = _collect(pids, ranks_of, outputs, timeout_s, resume_stopped)
     results = []
-    for rank, pid in enumerate(pids):
-        data = next(buf for r, buf in readers.values() if r == rank)
+    for rank, (pid, data) in enumerate(zip(pids, outputs)):
         result = json.loads(data) if data else {"rank": rank, "ok": False,
                                                 "error_type": "NoResult", "message": "no result"}
         result["exitcode"] = status[pid]
@@ -80,15 +80,16 @@ def _launch() -> None:
     print(_MARK + json.dumps(results), flush=True)
 
 
-def _collect(pids, readers, timeout_s, resume_stopped) -> dict:
-    """Read every rank's pipe and reap it; exit codes (-signal when
-    killed) by pid.  Only the processes this launcher forked are signalled."""
-    deadline, resumed, status, open_fds = time.monotonic() + timeout_s, False, {}, set(readers)
-    while len(status) < len(pids):
+def _collect(pids, ranks_of, outputs, timeout_s, resume_stopped) -> dict:
+    """Read every rank's pipe to its end (into ``outputs``) and reap every
+    rank; exit codes (-signal when killed) by pid.  Only the processes this
+    launcher forked are signalled."""
+    deadline, resumed, status, open_fds = time.monotonic() + timeout_s, False, {}, set(ranks_of)
+    while open_fds or len(status) < len(pids):  # (a rank reaped may have output unread)
         for fd in select.select(list(open_fds), [], [], 0.02)[0] if open_fds else []:
             chunk = os.read(fd, 1 << 16)
             if chunk:
-                readers[fd][1].extend(chunk)
+                outputs[ranks_of[fd]].extend(chunk)
             else:
                 open_fds.discard(fd)
                 os.close(fd)
@@ -104,8 +105,6 @@ def _collect(pids, readers, timeout_s, resume_stopped) -> dict:
             for p in running:
                 os.kill(p, signal.SIGCONT if resume else signal.SIGKILL)
             resumed = True  # once: after that only the deadline ends them
-        if not open_fds and not running:
-            break
         if not open_fds:
             time.sleep(0.02)
     return status
