@@ -16,16 +16,7 @@ PY=${PYTHON:-.venv/bin/python}
 # on processes and timeouts leave room for; their output and status come
 # after it.  A private /dev/shm (unshare --mount) keeps the tables their
 # tests make away from the suite's check that /dev/shm is left as found.
-side=$(mktemp -d)
-pids=()
-# each in its own process group (setsid), so a failed run ends all it started
-cleanup() { for p in "${pids[@]}"; do kill -- "-$p" 2>/dev/null || true; done; rm -rf "$side"; }
-trap cleanup EXIT
-beside() {  # beside NAME CMD...: CMD in the background, its output in $side/NAME.*
-  local name=$1; shift
-  PYTHON="$PY" setsid bash -c '"$@" > "$0.log" 2>&1; echo $? > "$0.rc"' "$side/$name" "$@" &
-  pids+=($!)
-}
+source tools/beside.sh
 own_shm=(unshare --mount --propagation private bash -c \
   'mount -t tmpfs -o mode=1777 numa-engram-test /dev/shm && exec "$@"' own_shm)
 steps=(lint package)
@@ -39,14 +30,7 @@ fi
 # coverage of the test process (spawned ranks and CLI subprocesses are not
 # measured), printed per module that has lines no test ran
 "$PY" -m pytest -q -rs --durations=15 --cov=numa_engram --cov-report=term:skip-covered "$@"
-wait "${pids[@]}" || true
-pids=()
-for step in "${steps[@]}"; do
-  echo "== $step (run beside the host suite) =="
-  cat "$side/$step.log"
-  rc=$(cat "$side/$step.rc")
-  [ "$rc" = 0 ] || { echo "test.sh: $step failed (status $rc)" >&2; exit "$rc"; }
-done
+report "${steps[@]}"
 if [ ${#steps[@]} = 2 ]; then  # no private /dev/shm here: after the suite
   PYTHON="$PY" tools/check_min_deps.sh  # the dependencies' lower bounds, in a fresh venv
   PYTHON="$PY" tools/sanitize.sh  # the C core's tests under ASan + UBSan
