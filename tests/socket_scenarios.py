@@ -14,6 +14,7 @@ from numa_engram.host import hugepages
 from numa_engram.host.procfs import smaps
 from numa_engram.lookup.cpu import gather
 from numa_engram.model.hashing import ngram_hashes
+from numa_engram.model.sharding import prefix_offsets
 from numa_engram.sharing.checkpoint import DEFAULT_NAMES
 from numa_engram.sharing.socketgroup import SocketGroup
 
@@ -125,8 +126,7 @@ def _packed_rows_exact(table, ids, sizes):
     scales = np.empty((len(ids), heads, dim // block), np.uint8)
     gather(table.weights, table.scales, ids, head_start=0, bucket_sizes=sizes,
            out=(rows, scales))
-    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    at = np.where(ids >= 0, ids + offsets, 0)
+    at = np.where(ids >= 0, ids + prefix_offsets(sizes), 0)
     want_rows, want_scales = table.weights[at], table.scales[at]
     want_rows[ids < 0], want_scales[ids < 0] = 0, 0
     return bool(np.array_equal(rows, want_rows) and np.array_equal(scales, want_scales))
