@@ -2,18 +2,21 @@
 closed and removed from the fd store (FDSTOREREMOVE=1 + FDNAME), a name
 passed twice keeps one descriptor in the store and one in the service, a
 LISTEN_FDS larger than what was passed is survived, and a notify socket
-that is gone costs a log line, never a table."""
+that is gone, or whose queue is full, costs a log line, never a table."""
 
 import array
 import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads, write_synthetic_model
 from numa_engram.runtime.modeldir import ModelDirectory
+from numa_engram.service import systemd
 from numa_engram.service.tableservice import TableService
 
 SPEC = EngramSpec.small(rows_per_head=300, n_head_per_ngram=2, head_dim=64, max_ngram_size=3)
@@ -121,6 +124,41 @@ def test_a_notify_socket_that_is_gone_costs_a_log_line_not_the_tables(
     finally:
         service.stop()
     assert "sd_notify" in caplog.text and "serving on" in caplog.text
+
+
+def _fill(path):
+    """Send to the datagram socket at ``path`` until its queue is full."""
+    sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sender.setblocking(False)
+    try:
+        while True:
+            sender.sendto(b"X=1", path)
+    except BlockingIOError:
+        pass
+    finally:
+        sender.close()
+
+
+def test_a_manager_that_does_not_read_holds_no_load_up(model, tmp_path, manager, caplog):
+    """A full notify queue (a service manager that does not read): every
+    notify waits NOTIFY_TIMEOUT_S at most, so every table still loads, each
+    dropped notify a warning."""
+    _fill(str(tmp_path / "notify"))
+    service = TableService(model, str(tmp_path / "full.sock"))
+    loading = threading.Thread(target=service.load_all, daemon=True)
+    started = time.monotonic()
+    loading.start()
+    try:
+        loading.join(timeout=10 * systemd.NOTIFY_TIMEOUT_S * (len(service.tables) + 1))
+        assert not loading.is_alive(), "load_all is blocked behind the full notify queue"
+        took = time.monotonic() - started
+    finally:
+        _drain(manager)  # a blocked notify (before the fix) finishes, and the test with it
+        loading.join(timeout=60)
+        service.stop()
+    assert all(t.state == "ready" for t in service.tables)
+    assert took < 5 * systemd.NOTIFY_TIMEOUT_S * (len(service.tables) + 1)
+    assert caplog.text.count("no room in its queue") == len(service.tables) + 1
 
 
 LISTEN = r"""

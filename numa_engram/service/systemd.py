@@ -4,7 +4,9 @@ attached (``FDSTORE=1``, ``FDNAME=``, ``READY=1``), and on start the
 descriptors systemd passes back (``LISTEN_PID``, ``LISTEN_FDS``,
 ``LISTEN_FDNAMES``; descriptors from 3 up), as sd_notify(3) and
 sd_listen_fds(3) describe them.  A notify that fails is logged and
-dropped: the service manager being away never takes the tables down."""
+dropped, and one waits NOTIFY_TIMEOUT_S at most for room in the manager's
+queue: the service manager being away, or too busy to read, never takes
+the tables down nor holds up their load."""
 
 from __future__ import annotations
 
@@ -18,12 +20,15 @@ from collections.abc import Sequence
 log = logging.getLogger(__name__)
 
 LISTEN_FDS_START = 3
+# A full queue (a manager that does not read) blocks a datagram send for
+# good; a notify waits this long for room, then is dropped with a warning.
+NOTIFY_TIMEOUT_S = 1.0
 
 
 def notify(message: str, fds: Sequence[int] = ()) -> bool:
     """Send ``message`` (newline-separated assignments) with ``fds`` to the
     service manager; False when not run under one (no NOTIFY_SOCKET) or
-    when the send failed (logged)."""
+    when the send failed or found no room in NOTIFY_TIMEOUT_S (logged)."""
     address = os.environ.get("NOTIFY_SOCKET")
     if not address:
         return False
@@ -34,11 +39,16 @@ def notify(message: str, fds: Sequence[int] = ()) -> bool:
         ancillary = []
         if fds:
             ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
-        sock.sendmsg([message.encode()], ancillary, 0, address)
+        # Connected, so that waiting for room polls the peer's queue (an
+        # unconnected datagram socket always polls writable).
+        sock.settimeout(NOTIFY_TIMEOUT_S)
+        sock.connect(address)
+        sock.sendmsg([message.encode()], ancillary)
     except OSError as exc:
-        log.warning("sd_notify to %s failed (%s): %r not delivered; serving on",
-                    os.environ.get("NOTIFY_SOCKET"), exc.strerror or exc,
-                    message.replace("\n", " "))
+        why = f"no room in its queue for {NOTIFY_TIMEOUT_S:g} s" \
+            if isinstance(exc, TimeoutError) else exc.strerror or exc
+        log.warning("sd_notify to %r failed (%s): %r not delivered; serving on",
+                    os.environ.get("NOTIFY_SOCKET"), why, message)
         return False
     finally:
         sock.close()
