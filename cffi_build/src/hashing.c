@@ -78,12 +78,11 @@ static void mods_hardware(int64_t x, const int64_t *primes, int64_t n, int64_t *
 }
 
 /* dst[i] = floor_mod(x, column c0 + i) for i < n */
-static void mods_scalar(int64_t x, const struct fastdiv_cols *v, int64_t c0, int64_t n,
-                        int64_t *dst)
+static void
+mods_scalar(int64_t x, const struct fastdiv_cols *v, int64_t c0, int64_t n, int64_t *dst)
 {
     for (int64_t i = 0; i < n; i++) {
-        struct fastdiv f = {v->d[c0 + i], v->m[c0 + i], (int)v->sh1[c0 + i],
-                            (int)v->sh2[c0 + i]};
+        struct fastdiv f = {v->d[c0 + i], v->m[c0 + i], (int)v->sh1[c0 + i], (int)v->sh2[c0 + i]};
         dst[i] = floor_mod(x, &f);
     }
 }
@@ -91,25 +90,23 @@ static void mods_scalar(int64_t x, const struct fastdiv_cols *v, int64_t c0, int
 #if defined(__x86_64__)
 /* High 64 bits of the 64x64-bit products, lane by lane, from four 32x32
  * multiplies (AVX-512 has no 64-bit high multiply). */
-__attribute__((target("avx512f,avx512dq")))
-static inline __m512i mulhi_u64(__m512i a, __m512i b)
+__attribute__((target("avx512f,avx512dq"))) static inline __m512i mulhi_u64(__m512i a, __m512i b)
 {
     const __m512i lo32 = _mm512_set1_epi64(0xffffffffLL);
     __m512i a_hi = _mm512_srli_epi64(a, 32), b_hi = _mm512_srli_epi64(b, 32);
     __m512i ll = _mm512_mul_epu32(a, b), hl = _mm512_mul_epu32(a_hi, b);
     __m512i lh = _mm512_mul_epu32(a, b_hi), hh = _mm512_mul_epu32(a_hi, b_hi);
-    __m512i cross = _mm512_add_epi64(_mm512_add_epi64(_mm512_srli_epi64(ll, 32),
-                                                      _mm512_and_si512(hl, lo32)),
-                                     _mm512_and_si512(lh, lo32));
-    return _mm512_add_epi64(_mm512_add_epi64(hh, _mm512_srli_epi64(hl, 32)),
-                            _mm512_add_epi64(_mm512_srli_epi64(lh, 32),
-                                             _mm512_srli_epi64(cross, 32)));
+    __m512i cross = _mm512_add_epi64(
+        _mm512_add_epi64(_mm512_srli_epi64(ll, 32), _mm512_and_si512(hl, lo32)),
+        _mm512_and_si512(lh, lo32));
+    return _mm512_add_epi64(
+        _mm512_add_epi64(hh, _mm512_srli_epi64(hl, 32)),
+        _mm512_add_epi64(_mm512_srli_epi64(lh, 32), _mm512_srli_epi64(cross, 32)));
 }
 
 /* mods_scalar, 8 columns per step: the same branch-free floor modulo. */
-__attribute__((target("avx512f,avx512dq")))
-static void mods_avx512(int64_t x, const struct fastdiv_cols *v, int64_t c0, int64_t n,
-                        int64_t *dst)
+__attribute__((target("avx512f,avx512dq"))) static void
+mods_avx512(int64_t x, const struct fastdiv_cols *v, int64_t c0, int64_t n, int64_t *dst)
 {
     const uint64_t sign = (uint64_t)(x >> 63);
     const __m512i s = _mm512_set1_epi64((long long)sign);
@@ -148,9 +145,8 @@ static mods_fn pick_mods_fn(void)
  * cols is NULL), plus offsets[c] when global rows are asked for.  The one
  * mix loop of both hash paths. */
 static void hash_window(const int64_t *tok, int64_t n, const int64_t *m, int64_t n_head,
-                        const struct fastdiv_cols *cols, int64_t col_base,
-                        const int64_t *primes, const int64_t *offsets, mods_fn mods,
-                        int64_t *dst)
+                        const struct fastdiv_cols *cols, int64_t col_base, const int64_t *primes,
+                        const int64_t *offsets, mods_fn mods, int64_t *dst)
 {
     uint64_t mix = (uint64_t)tok[0] * (uint64_t)m[0];
     for (int64_t k = 1; k < n; k++) {
@@ -170,7 +166,7 @@ struct hash_job {
     int64_t t, pad_id, max_ngram, n_head, n_cols;
     const int64_t *multipliers, *primes;
     int64_t *out;
-    int64_t begin, end; /* flat (row, position) range */
+    int64_t begin, end;    /* flat (row, position) range */
     int hardware_division; /* the plain % path: the baseline fastdiv is measured against */
 };
 
@@ -178,8 +174,7 @@ struct hash_job {
  * (the pad id before the start), hashed. */
 static void run_hashes(const struct hash_job *j)
 {
-    struct fastdiv_cols *cols = j->hardware_division ? NULL
-                                                     : fastdiv_cols_of(j->primes, j->n_cols);
+    struct fastdiv_cols *cols = j->hardware_division ? NULL : fastdiv_cols_of(j->primes, j->n_cols);
     const mods_fn mods = pick_mods_fn();
     int64_t tok[NE_MAX_NGRAM];
     for (int64_t f = j->begin; f < j->end; f++) {
@@ -187,8 +182,8 @@ static void run_hashes(const struct hash_job *j)
         const int64_t *seq = j->ids + row * j->t;
         for (int64_t k = 0; k < j->max_ngram; k++)
             tok[k] = pos >= k ? seq[pos - k] : j->pad_id;
-        hash_window(tok, j->max_ngram, j->multipliers, j->n_head, cols, 0, j->primes, NULL,
-                    mods, j->out + f * j->n_cols);
+        hash_window(tok, j->max_ngram, j->multipliers, j->n_head, cols, 0, j->primes, NULL, mods,
+                    j->out + f * j->n_cols);
     }
     free(cols);
 }
@@ -214,9 +209,9 @@ int ne_ngram_hashes(const int64_t *ids, int64_t n_rows, int64_t t, int64_t pad_i
     /* under 4096 positions a thread costs more than it saves */
     n_threads = total < 4096 ? 1 : clamp_threads(n_threads, total);
     for (int i = 0; i < n_threads; i++) {
-        jobs[i] = (struct hash_job){ids, t, pad_id, max_ngram, n_head,
-                                    (max_ngram - 1) * n_head, multipliers, primes, out, 0, 0,
-                                    hardware_division};
+        jobs[i] = (struct hash_job){
+            ids,         t,      pad_id, max_ngram, n_head, (max_ngram - 1) * n_head,
+            multipliers, primes, out,    0,         0,      hardware_division};
         split_range(total, n_threads, i, &jobs[i].begin, &jobs[i].end);
     }
     if (n_threads == 1) {
@@ -240,9 +235,9 @@ int ne_ngram_hashes(const int64_t *ids, int64_t n_rows, int64_t t, int64_t pad_i
  * of range), 2 (position not the slot's next) or 3 (position outside
  * 0..NE_MAX_POSITION), and nothing changed. */
 static int64_t ne_hash_windows(const int64_t *ids, const int64_t *slots, const int64_t *positions,
-                        const uint8_t *commit, int64_t n_tokens, int64_t n_slots, int64_t n1,
-                        int64_t *hist, int64_t *next_pos, int64_t *cur, int64_t *cur_next,
-                        int64_t *last, int64_t *win, int64_t *why)
+                               const uint8_t *commit, int64_t n_tokens, int64_t n_slots, int64_t n1,
+                               int64_t *hist, int64_t *next_pos, int64_t *cur, int64_t *cur_next,
+                               int64_t *last, int64_t *win, int64_t *why)
 {
     const int64_t n = n1 + 1;
     memcpy(cur, hist, (size_t)(n_slots * n1) * sizeof(int64_t));
@@ -315,9 +310,8 @@ static void run_window_hashes(const struct window_job *j)
         }
         for (int64_t l = 0; l < j->n_layers; l++)
             hash_window(tok, j->n, j->multipliers + l * j->n, j->n_head, cols, l * j->n_cols,
-                        j->primes + l * j->n_cols,
-                        j->offsets ? j->offsets + l * j->n_cols : NULL, mods,
-                        j->out + (t * j->n_layers + l) * j->n_cols);
+                        j->primes + l * j->n_cols, j->offsets ? j->offsets + l * j->n_cols : NULL,
+                        mods, j->out + (t * j->n_layers + l) * j->n_cols);
     }
     free(cols);
 }
@@ -332,9 +326,8 @@ static void *window_thread(void *arg)
  * out[T][n_layers][n_cols] (bucket ids, or global rows when offsets is not
  * NULL).  n <= 64.  Returns 0, or -1 with errno when a thread cannot start. */
 int ne_hash_window_batch(const int64_t *win, int64_t n_tokens, int64_t n, int64_t pad_id,
-                         const int64_t *multipliers, const int64_t *primes,
-                         const int64_t *offsets, int64_t n_layers, int64_t n_head,
-                         int64_t *out, int n_threads)
+                         const int64_t *multipliers, const int64_t *primes, const int64_t *offsets,
+                         int64_t n_layers, int64_t n_head, int64_t *out, int n_threads)
 {
     struct window_job jobs[NE_MAX_THREADS];
     if (n < 2 || n > NE_MAX_NGRAM) {
@@ -343,8 +336,9 @@ int ne_hash_window_batch(const int64_t *win, int64_t n_tokens, int64_t n, int64_
     }
     n_threads = clamp_threads(n_threads, n_tokens);
     for (int i = 0; i < n_threads; i++) {
-        jobs[i] = (struct window_job){win, n, pad_id, n_layers, n_head, (n - 1) * n_head,
-                                      multipliers, primes, offsets, out, 0, 0};
+        jobs[i] = (struct window_job){
+            win,         n,      pad_id,  n_layers, n_head, (n - 1) * n_head,
+            multipliers, primes, offsets, out,      0,      0};
         split_range(n_tokens, n_threads, i, &jobs[i].begin, &jobs[i].end);
     }
     if (n_threads == 1) {
@@ -391,8 +385,8 @@ static inline int64_t compress_token(const struct ne_hash_state *st, int64_t id,
  * start. */
 int64_t ne_hash_step(const struct ne_hash_state *st, const void *tokens_, const void *mask_,
                      const void *slots_, const void *positions_, const void *commit_,
-                     int commit_all, int64_t n_tokens, int global_rows, void *out_,
-                     int n_threads, int64_t *why)
+                     int commit_all, int64_t n_tokens, int global_rows, void *out_, int n_threads,
+                     int64_t *why)
 {
     /* untyped pointers: the binding passes numpy buffers as they are */
     const int64_t *tokens = tokens_, *slots = slots_, *positions = positions_;
@@ -405,14 +399,13 @@ int64_t ne_hash_step(const struct ne_hash_state *st, const void *tokens_, const 
     for (int64_t i = 0; i < n_tokens; i++)
         st->ids[i] = compress_token(st, tokens[i], mask && !mask[i]);
     const uint8_t *flags = commit ? commit : commit_all ? st->all_commit : st->no_commit;
-    int64_t bad = ne_hash_windows(st->ids, slots, positions, flags, n_tokens, st->n_slots,
-                                  st->n1, st->hist, st->next_pos, st->cur, st->cur_next,
-                                  st->last, st->win, why);
+    int64_t bad = ne_hash_windows(st->ids, slots, positions, flags, n_tokens, st->n_slots, st->n1,
+                                  st->hist, st->next_pos, st->cur, st->cur_next, st->last, st->win,
+                                  why);
     if (bad >= 0)
         return bad;
-    if (n_tokens && ne_hash_window_batch(st->win, n_tokens, st->n1 + 1, st->pad_id,
-                                         st->multipliers, st->primes,
-                                         global_rows ? st->offsets : NULL, st->n_layers,
+    if (n_tokens && ne_hash_window_batch(st->win, n_tokens, st->n1 + 1, st->pad_id, st->multipliers,
+                                         st->primes, global_rows ? st->offsets : NULL, st->n_layers,
                                          st->n_head, out, n_threads) != 0)
         return -2;
     return -1;

@@ -14,9 +14,8 @@ int ne_ngram_hashes(const int64_t *ids, int64_t n_rows, int64_t t, int64_t pad_i
                     const int64_t *multipliers, int64_t max_ngram, const int64_t *primes,
                     int64_t n_head, int64_t *out, int n_threads, int hardware_division);
 int ne_hash_window_batch(const int64_t *win, int64_t n_tokens, int64_t n, int64_t pad_id,
-                         const int64_t *multipliers, const int64_t *primes,
-                         const int64_t *offsets, int64_t n_layers, int64_t n_head,
-                         int64_t *out, int n_threads);
+                         const int64_t *multipliers, const int64_t *primes, const int64_t *offsets,
+                         int64_t n_layers, int64_t n_head, int64_t *out, int n_threads);
 
 /* A HashState's fixed arrays, filled once (the scratch fields again when
  * it grows): the per-slot history and next positions, the window pass's
@@ -37,5 +36,5 @@ struct ne_hash_state {
 };
 int64_t ne_hash_step(const struct ne_hash_state *st, const void *tokens_, const void *mask_,
                      const void *slots_, const void *positions_, const void *commit_,
-                     int commit_all, int64_t n_tokens, int global_rows, void *out_,
-                     int n_threads, int64_t *why);
+                     int commit_all, int64_t n_tokens, int global_rows, void *out_, int n_threads,
+                     int64_t *why);

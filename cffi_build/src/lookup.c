@@ -11,15 +11,15 @@
 /* The bucket of a (not DEAD) id of head h, or -1 when it is outside the
  * head: global rows (id_base = each head's first row in the layer's
  * table) or bucket ids (id_base NULL) are checked alike.  The one check. */
-static inline int64_t bucket_of(int64_t id, int64_t h, const int64_t *bucket_sizes,
-                                const int64_t *id_base)
+static inline int64_t
+bucket_of(int64_t id, int64_t h, const int64_t *bucket_sizes, const int64_t *id_base)
 {
     int64_t bucket = id_base ? id - id_base[h] : id;
     return bucket >= 0 && bucket < bucket_sizes[h] ? bucket : -1;
 }
 
-int64_t ne_first_bad_id(const int64_t *ids, int64_t n_tokens, int64_t stride,
-                        int64_t n_heads, const int64_t *bucket_sizes, const int64_t *id_base)
+int64_t ne_first_bad_id(const int64_t *ids, int64_t n_tokens, int64_t stride, int64_t n_heads,
+                        const int64_t *bucket_sizes, const int64_t *id_base)
 {
     for (int64_t t = 0; t < n_tokens; t++)
         for (int64_t h = 0; h < n_heads; h++) {
@@ -39,7 +39,7 @@ struct lookup_job {
     uint16_t *out;
     uint8_t *raw_w, *raw_s; /* packed output instead of out: the rows as stored */
     int64_t t_begin, t_end;
-    int64_t call_rows; /* the whole call's rows: whether its output is streamed */
+    int64_t call_rows;                /* the whole call's rows: whether its output is streamed */
     int64_t small_rows, stream_bytes; /* the call's tuning (struct ne_tuning) */
     int prefetch_ahead, prefetch_hint;
     const int *cpus; /* a fresh thread's affinity: the rows' node's CPUs */
@@ -58,8 +58,8 @@ struct lookup_job {
  * always_inline: a call to a function whose only effect is
  * __builtin_prefetch is one GCC may drop as having no effect (it did at
  * -O3 without -fwrapv). */
-#define NE_PREFETCH_AHEAD 64 /* rows ahead: bench's best on 2- and 4-node hosts */
-#define NE_PREFETCH_HINT 1   /* PREFETCHT2: rows are read once, not kept in L1 */
+#define NE_PREFETCH_AHEAD 64      /* rows ahead: bench's best on 2- and 4-node hosts */
+#define NE_PREFETCH_HINT 1        /* PREFETCHT2: rows are read once, not kept in L1 */
 #define NE_MAX_PREFETCH_AHEAD 256 /* beyond this the rows are evicted before they are read */
 
 /* __builtin_prefetch takes its hint as a constant */
@@ -85,8 +85,8 @@ struct cursor {
  * id is read exactly once, checked and used from a local: a caller thread
  * that changes the ids meanwhile can get wrong rows, never a read outside
  * the table.  *id_out is the value that was read. */
-static inline int64_t cursor_row(const struct lookup_job *j, const struct cursor *c,
-                                 int64_t *id_out)
+static inline int64_t
+cursor_row(const struct lookup_job *j, const struct cursor *c, int64_t *id_out)
 {
     int64_t id = __atomic_load_n(&j->ids[c->t * j->stride + c->h], __ATOMIC_RELAXED);
     *id_out = id;
@@ -139,12 +139,12 @@ static inline void copy_row(uint8_t *dst, const uint8_t *src, int64_t bytes)
 enum { ORDER_BITS = 12, ORDER_CHUNK = 1 << 18 };
 
 struct order {
-    int64_t *rows;    /* the table row of each id in token order, -1 for none */
-    int64_t *row;     /* valid rows in table order ... */
-    int64_t *pos;     /* ... and their index in the chunk (output place) */
-    int64_t *counts;  /* 1 << ORDER_BITS buckets */
-    int64_t n;        /* valid rows in the chunk */
-    int shift;        /* row >> shift is the bucket */
+    int64_t *rows;   /* the table row of each id in token order, -1 for none */
+    int64_t *row;    /* valid rows in table order ... */
+    int64_t *pos;    /* ... and their index in the chunk (output place) */
+    int64_t *counts; /* 1 << ORDER_BITS buckets */
+    int64_t n;       /* valid rows in the chunk */
+    int shift;       /* row >> shift is the bucket */
 };
 
 static void order_free(struct order *o)
@@ -190,8 +190,8 @@ static void zero_row(const struct lookup_job *j, int64_t k)
 /* Read the n ids from flat index k0 on (the cursor's position), zero the
  * rows of DEAD and bad ids (noting the bad ones in order), and sort the
  * others into o->row / o->pos. */
-static void order_chunk(struct lookup_job *j, struct cursor *cur, int64_t k0, int64_t n,
-                        struct order *o)
+static void
+order_chunk(struct lookup_job *j, struct cursor *cur, int64_t k0, int64_t n, struct order *o)
 {
     int64_t *counts = o->counts;
     memset(counts, 0, sizeof(int64_t) << ORDER_BITS);
@@ -265,9 +265,8 @@ prefetch_first(const struct lookup_job *j, const struct order *o, int ahead_n, i
  * scales.  The scale bytes are read in the same loop as the weights: in
  * table order they are close together (measured: 1.1-1.4x a separate pass
  * over them). */
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-static void dequant_chunk(const struct lookup_job *j, const struct order *o, int64_t k0,
-                          row_fn row_dequant)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) static void
+dequant_chunk(const struct lookup_job *j, const struct order *o, int64_t k0, row_fn row_dequant)
 {
     const int64_t dim = j->dim, n_scales = dim / j->block;
     const uint8_t *const weights = j->weights, *const scales = j->scales;
@@ -318,8 +317,8 @@ static void dequant_chunk(const struct lookup_job *j, const struct order *o, int
 /* Whole cache lines with streaming stores: rows in table order land at
  * scattered output places, where plain stores would first read each line
  * (measured on 2 MiB pages: 1.2x plain copies). */
-__attribute__((target("avx512f")))
-static void stream_lines(uint8_t *dst, const uint8_t *src, int64_t bytes)
+__attribute__((target("avx512f"))) static void
+stream_lines(uint8_t *dst, const uint8_t *src, int64_t bytes)
 {
     for (int64_t off = 0; off < bytes; off += 64)
         _mm512_stream_si512((__m512i *)(dst + off), _mm512_loadu_si512(src + off));
@@ -329,9 +328,8 @@ static void stream_lines(uint8_t *dst, const uint8_t *src, int64_t bytes)
 /* The packed variant: each row's FP8 bytes and scale bytes copied as they
  * are stored, prefetched ahead like the lookup.  No stage here: the plain
  * copies overlap the misses (staged phases run at 0.75-0.8x). */
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-static void gather_chunk(const struct lookup_job *j, const struct order *o, int64_t k0,
-                         int stream)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) static void
+gather_chunk(const struct lookup_job *j, const struct order *o, int64_t k0, int stream)
 {
     const int64_t n_scales = j->dim / j->block;
     const int ahead_n = j->prefetch_ahead;
@@ -358,13 +356,13 @@ static void run_sorted_job(struct lookup_job *j);
  * so tools/bench.py can measure it and tests can run both sides; the
  * default is what bench measured. */
 #define NE_STREAM_BYTES (512 << 10) /* a call's output: bench's crossover of plain and streaming */
-#define NE_SMALL_ROWS 2048 /* rows: bench's crossover of token order and table order */
-#define NE_MAX_SMALL_ROWS 4096 /* the small path's scratch is on the stack (64 KiB) */
+#define NE_SMALL_ROWS 2048          /* rows: bench's crossover of token order and table order */
+#define NE_MAX_SMALL_ROWS 4096      /* the small path's scratch is on the stack (64 KiB) */
 
 /* The n rows from flat index k0 on, in token order: DEAD and bad ids get
  * zero rows (bad ones noted), the others go to o->row / o->pos. */
-static void direct_chunk(struct lookup_job *j, struct cursor *cur, int64_t k0, int64_t n,
-                         struct order *o)
+static void
+direct_chunk(struct lookup_job *j, struct cursor *cur, int64_t k0, int64_t n, struct order *o)
 {
     o->n = 0;
     for (int64_t i = 0; i < n; i++, cursor_next(j, cur)) {
@@ -407,7 +405,7 @@ static row_fn job_row_fn(const struct lookup_job *j, row_fn picked)
         return out_bytes >= stream_bytes ? row_avx512_stream : row_avx512;
     if (picked == row_generic && have_avx2() && j->block == 32 && j->dim % 32 == 0)
         return out_bytes >= stream_bytes && ((uintptr_t)j->out & 31) == 0 ? row_avx2_stream
-                                                                       : row_avx2;
+                                                                          : row_avx2;
 #endif
     (void)j;
     return picked;
@@ -420,8 +418,8 @@ static int use_streaming(const struct lookup_job *j, row_fn row_dequant)
      * there and allowed) and whole 64-byte lines at every output row */
     const int64_t out_bytes = j->call_rows * j->dim;
     const int avx512 = row_dequant == row_avx512 || row_dequant == row_vbmi;
-    return avx512 && out_bytes >= j->stream_bytes && j->dim % 64 == 0
-           && ((uintptr_t)j->raw_w & 63) == 0;
+    return avx512 && out_bytes >= j->stream_bytes && j->dim % 64 == 0 &&
+           ((uintptr_t)j->raw_w & 63) == 0;
 #else
     (void)j;
     (void)row_dequant;
@@ -503,8 +501,8 @@ static void run_job_of(void *job)
  * is set for the call (*saved: what to put back) and 1 returned; a small
  * one runs where the caller is (two syscalls are nothing next to a large
  * gather, much next to a decode step's). */
-static int caller_to_node(const int *cpus, int n_cpus, int64_t rows_each, int64_t small_rows,
-                          cpu_set_t *saved)
+static int
+caller_to_node(const int *cpus, int n_cpus, int64_t rows_each, int64_t small_rows, cpu_set_t *saved)
 {
     cpu_set_t want;
     if (n_cpus <= 0 || rows_each <= small_rows)
@@ -556,8 +554,8 @@ static int pool_jobs(int64_t n_tokens, int64_t n_heads, int n_threads, int64_t j
 /* Threads for a call of n_tokens x n_heads rows: at most n_threads, one
  * per split_rows rows, and no more than the pool serves (its threads and
  * the caller) when a pool is given. */
-static int call_threads(int n_threads, int64_t n_tokens, int64_t n_heads, int pool_threads,
-                        int64_t split_rows)
+static int
+call_threads(int n_threads, int64_t n_tokens, int64_t n_heads, int pool_threads, int64_t split_rows)
 {
     const int64_t by_rows = n_tokens * n_heads / split_rows;
     if (pool_threads > 0 && n_threads > pool_threads + 1)
@@ -614,7 +612,7 @@ static int64_t run_lookup_jobs(const struct lookup_job *proto, int64_t n_tokens,
     } else {
         rc = run_threads(lookup_thread, jobs, sizeof(jobs[0]), n_threads);
     }
-    for (int i = 0; i < n_jobs; i++)   /* jobs are in token order */
+    for (int i = 0; i < n_jobs; i++) /* jobs are in token order */
         if (jobs[i].bad_count) {
             if (bad == 0) {
                 last_bad[0] = jobs[i].first_bad;
@@ -631,10 +629,12 @@ static int64_t run_lookup_jobs(const struct lookup_job *proto, int64_t n_tokens,
 }
 
 /* The measured defaults, for a kernel without a tuning. */
-static const struct ne_tuning default_tuning = {
-    .small_rows = NE_SMALL_ROWS, .split_rows = NE_SPLIT_ROWS, .job_rows = NE_JOB_ROWS,
-    .stream_bytes = NE_STREAM_BYTES, .prefetch_ahead = NE_PREFETCH_AHEAD,
-    .prefetch_hint = NE_PREFETCH_HINT};
+static const struct ne_tuning default_tuning = {.small_rows = NE_SMALL_ROWS,
+                                                .split_rows = NE_SPLIT_ROWS,
+                                                .job_rows = NE_JOB_ROWS,
+                                                .stream_bytes = NE_STREAM_BYTES,
+                                                .prefetch_ahead = NE_PREFETCH_AHEAD,
+                                                .prefetch_hint = NE_PREFETCH_HINT};
 
 int ne_tuning_check(const struct ne_tuning *t)
 {
@@ -714,14 +714,23 @@ int64_t ne_lookup(const struct ne_kernel *k, const void *ids, int64_t n_tokens, 
     if (st && !table_enter(st))
         return -2;
     const int64_t started = st ? now_ns() : 0;
-    struct lookup_job proto = {
-        .weights = g->weights, .scales = g->scales, .dim = g->dim, .block = g->block,
-        .ids = (const int64_t *)ids + k->col0, .stride = stride, .n_heads = g->n_heads,
-        .head_offsets = g->head_offsets, .bucket_sizes = g->bucket_sizes,
-        .id_base = global_ids ? g->id_base : NULL, .call_rows = n_tokens * g->n_heads,
-        .small_rows = tn->small_rows, .stream_bytes = tn->stream_bytes,
-        .prefetch_ahead = tn->prefetch_ahead, .prefetch_hint = tn->prefetch_hint,
-        .first_bad = -1, .first_bad_id = 0};
+    struct lookup_job proto = {.weights = g->weights,
+                               .scales = g->scales,
+                               .dim = g->dim,
+                               .block = g->block,
+                               .ids = (const int64_t *)ids + k->col0,
+                               .stride = stride,
+                               .n_heads = g->n_heads,
+                               .head_offsets = g->head_offsets,
+                               .bucket_sizes = g->bucket_sizes,
+                               .id_base = global_ids ? g->id_base : NULL,
+                               .call_rows = n_tokens * g->n_heads,
+                               .small_rows = tn->small_rows,
+                               .stream_bytes = tn->stream_bytes,
+                               .prefetch_ahead = tn->prefetch_ahead,
+                               .prefetch_hint = tn->prefetch_hint,
+                               .first_bad = -1,
+                               .first_bad_id = 0};
     if (out_scales) {
         proto.raw_w = out;
         proto.raw_s = out_scales;
@@ -729,8 +738,8 @@ int64_t ne_lookup(const struct ne_kernel *k, const void *ids, int64_t n_tokens, 
         rows_ready();
         proto.out = out;
     }
-    const int64_t bad = run_lookup_jobs(&proto, n_tokens, k->n_threads, k->cpus, k->n_cpus,
-                                        k->pool, tn);
+    const int64_t bad = run_lookup_jobs(&proto, n_tokens, k->n_threads, k->cpus, k->n_cpus, k->pool,
+                                        tn);
     if (st)
         table_leave(st, bad == 0 ? n_tokens * g->n_heads : -1, now_ns() - started);
     return bad;

@@ -19,9 +19,8 @@ struct ne_tuning {
     int prefetch_ahead, prefetch_hint;
 };
 int ne_tuning_check(const struct ne_tuning *t);
-int64_t ne_first_bad_id(const int64_t *ids, int64_t n_tokens, int64_t stride,
-                        int64_t n_heads, const int64_t *bucket_sizes,
-                        const int64_t *id_base);
+int64_t ne_first_bad_id(const int64_t *ids, int64_t n_tokens, int64_t stride, int64_t n_heads,
+                        const int64_t *bucket_sizes, const int64_t *id_base);
 /* A shard's fixed lookup arguments, filled once per table (the rows, each
  * head's first shard row and bucket count, each head's first global row or
  * NULL). */
@@ -60,7 +59,7 @@ struct ne_kernel {
     const int *cpus;
     int n_cpus;
     struct ne_pool *pool;
-    struct ne_table_state *state; /* NULL: a one-off call, not a table's */
+    struct ne_table_state *state;   /* NULL: a one-off call, not a table's */
     const struct ne_tuning *tuning; /* NULL: the defaults */
 };
 int64_t ne_lookup(const struct ne_kernel *k, const void *ids, int64_t n_tokens, int64_t stride,

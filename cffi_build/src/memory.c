@@ -16,9 +16,15 @@ void *ne_map_shared(int fd, size_t length, int writable)
     return p == MAP_FAILED ? NULL : p;
 }
 
-int ne_unmap(void *addr, size_t length) { return munmap(addr, length); }
+int ne_unmap(void *addr, size_t length)
+{
+    return munmap(addr, length);
+}
 
-int ne_protect_read(void *addr, size_t length) { return mprotect(addr, length, PROT_READ); }
+int ne_protect_read(void *addr, size_t length)
+{
+    return mprotect(addr, length, PROT_READ);
+}
 
 int ne_madvise(void *addr, size_t length, int advice)
 {
@@ -31,8 +37,8 @@ long ne_mbind(void *addr, size_t length, int mode, const unsigned long *nodemask
     return syscall(SYS_mbind, addr, length, mode, nodemask, maxnode, flags);
 }
 
-long ne_get_mempolicy(int *mode, unsigned long *nodemask, unsigned long maxnode,
-                      void *addr, unsigned long flags)
+long ne_get_mempolicy(int *mode, unsigned long *nodemask, unsigned long maxnode, void *addr,
+                      unsigned long flags)
 {
     return syscall(SYS_get_mempolicy, mode, nodemask, maxnode, addr, flags);
 }
@@ -86,8 +92,13 @@ int ne_statfs_type(const char *path, int64_t *fs_type)
     return 0;
 }
 
-long ne_page_size(void) { return sysconf(_SC_PAGESIZE); }
+long ne_page_size(void)
+{
+    return sysconf(_SC_PAGESIZE);
+}
 
 /* The package version this core was built for (checked at import). */
-const char *ne_core_version(void) { return NE_CORE_VERSION; }
-
+const char *ne_core_version(void)
+{
+    return NE_CORE_VERSION;
+}

@@ -11,8 +11,8 @@ int ne_protect_read(void *addr, size_t length);
 int ne_madvise(void *addr, size_t length, int advice);
 long ne_mbind(void *addr, size_t length, int mode, const unsigned long *nodemask,
               unsigned long maxnode, unsigned int flags);
-long ne_get_mempolicy(int *mode, unsigned long *nodemask, unsigned long maxnode,
-                      void *addr, unsigned long flags);
+long ne_get_mempolicy(int *mode, unsigned long *nodemask, unsigned long maxnode, void *addr,
+                      unsigned long flags);
 long ne_page_nodes(void *addr, size_t length, size_t page_size, int *status);
 int ne_fallocate(int fd, int64_t offset, int64_t length);
 int ne_statvfs(const char *path, uint64_t *free_bytes, uint64_t *total_bytes);

@@ -28,14 +28,13 @@ static inline int64_t ple_mod(int64_t mix, int64_t size)
  * wrapping int64 (cand[0] the token itself); order = head / heads_per_ngram
  * + 2.  Tokens after query_start[n_reqs] belong to the last request, as in
  * vLLM.  query_start is non-decreasing from 0 (checked by the caller). */
-int ne_ple_ids(const int64_t *ids, int64_t n_tokens, const int64_t *query_start,
-               int64_t n_reqs, const int64_t *context, int64_t n1, int64_t eos,
-               const int64_t *multipliers, const int64_t *sizes, const int64_t *offsets,
-               int64_t n_layers, int64_t n_heads, int64_t heads_per_ngram, int64_t *out)
+int ne_ple_ids(const int64_t *ids, int64_t n_tokens, const int64_t *query_start, int64_t n_reqs,
+               const int64_t *context, int64_t n1, int64_t eos, const int64_t *multipliers,
+               const int64_t *sizes, const int64_t *offsets, int64_t n_layers, int64_t n_heads,
+               int64_t heads_per_ngram, int64_t *out)
 {
     int64_t cand[65];
-    if (n1 < 1 || n1 > 64 || n_reqs < 1 || heads_per_ngram < 1 ||
-        n_heads != n1 * heads_per_ngram) {
+    if (n1 < 1 || n1 > 64 || n_reqs < 1 || heads_per_ngram < 1 || n_heads != n1 * heads_per_ngram) {
         errno = EINVAL;
         return -1;
     }
@@ -53,8 +52,7 @@ int ne_ple_ids(const int64_t *ids, int64_t n_tokens, const int64_t *query_start,
                 mix ^= (uint64_t)cand[order - 1] * (uint64_t)m[order - 1];
                 int64_t h0 = (order - 2) * heads_per_ngram;
                 for (int64_t h = h0; h < h0 + heads_per_ngram; h++)
-                    o[h] = offsets[l * n_heads + h] +
-                           ple_mod((int64_t)mix, sizes[l * n_heads + h]);
+                    o[h] = offsets[l * n_heads + h] + ple_mod((int64_t)mix, sizes[l * n_heads + h]);
             }
         }
     }
@@ -71,7 +69,7 @@ static inline uint16_t ple_bf16(uint32_t b, float scale)
     uint32_t normal_bits = ((e + 120) << 23) | (m << 20), sub_bits, bits;
     float sub = (float)m * 0x1p-9f, magnitude, product;
     memcpy(&sub_bits, &sub, 4);
-    uint32_t is_normal = -(uint32_t)(e != 0);  /* masks, not branches: it vectorises */
+    uint32_t is_normal = -(uint32_t)(e != 0); /* masks, not branches: it vectorises */
     bits = (normal_bits & is_normal) | (sub_bits & ~is_normal);
     memcpy(&magnitude, &bits, 4);
     product = magnitude * scale;
@@ -82,9 +80,8 @@ static inline uint16_t ple_bf16(uint32_t b, float scale)
     return (uint16_t)((rounded & ~nan) | (0x7FC0 & nan));
 }
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-static void ple_row_bf16(const uint8_t *restrict src, int64_t n, float scale,
-                         uint16_t *restrict dst)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) static void
+ple_row_bf16(const uint8_t *restrict src, int64_t n, float scale, uint16_t *restrict dst)
 {
     for (int64_t j = 0; j < n; j++)
         dst[j] = ple_bf16(src[j], scale);
@@ -107,7 +104,7 @@ static void ple_rows_run(struct ple_job *j)
     const size_t out_bytes = (size_t)j->row_bytes * (j->scaled ? 2 : 1);
     j->first_bad = -1;
     for (int64_t i = j->begin; i < j->end; i++) {
-        if (i + 4 < j->end) {  /* rows are random: ask for the next ones early */
+        if (i + 4 < j->end) { /* rows are random: ask for the next ones early */
             int64_t ahead = j->ids[i + 4] - j->row_start;
             if (ahead >= 0 && ahead < j->n_rows)
                 for (int64_t off = 0; off < j->row_bytes; off += 64)
@@ -122,8 +119,7 @@ static void ple_rows_run(struct ple_job *j)
         if (local < 0 || local >= j->n_rows)
             memset(dst, 0, out_bytes);
         else if (j->scaled)
-            ple_row_bf16(j->table + local * j->row_bytes, j->row_bytes, j->scale,
-                         (uint16_t *)dst);
+            ple_row_bf16(j->table + local * j->row_bytes, j->row_bytes, j->scale, (uint16_t *)dst);
         else
             memcpy(dst, j->table + local * j->row_bytes, (size_t)j->row_bytes);
     }
@@ -142,21 +138,22 @@ static void ple_job_of(void *job)
  * ids is split into parts its threads and the caller claim.  Returns the
  * position of the first id outside the layer's total_rows (its row zeros
  * too), -1 when there is none, or -2 with errno for a bad shard. */
-int64_t ne_ple_lookup(const struct ne_ple_shard *s, const int64_t *ids, int64_t n_ids,
-                      int scaled, void *out)
+int64_t ne_ple_lookup(const struct ne_ple_shard *s, const int64_t *ids, int64_t n_ids, int scaled,
+                      void *out)
 {
     if (s->row_bytes < 1 || s->n_rows < 0) {
         errno = EINVAL;
         return -2;
     }
     struct ple_job jobs[NE_MAX_THREADS];
-    const struct ple_job proto = {s->table, s->n_rows, s->row_bytes, s->row_start,
-                                  s->total_rows, ids, 0, n_ids, scaled, s->scale, out, -1};
+    const struct ple_job proto = {s->table, s->n_rows, s->row_bytes, s->row_start, s->total_rows,
+                                  ids,      0,         n_ids,        scaled,       s->scale,
+                                  out,      -1};
     int n_jobs = ne_pool_size(s->pool) + 1;
-    if (n_jobs > n_ids / NE_SPLIT_ROWS)  /* (the Engram kernel's default split) */
+    if (n_jobs > n_ids / NE_SPLIT_ROWS) /* (the Engram kernel's default split) */
         n_jobs = (int)(n_ids / NE_SPLIT_ROWS);
     n_jobs = clamp_threads(n_jobs, n_ids);
-    if (n_jobs == 1) {  /* the decode-sized call: no copies of the job */
+    if (n_jobs == 1) { /* the decode-sized call: no copies of the job */
         jobs[0] = proto;
         ple_rows_run(&jobs[0]);
         return jobs[0].first_bad;
@@ -166,7 +163,7 @@ int64_t ne_ple_lookup(const struct ne_ple_shard *s, const int64_t *ids, int64_t 
         split_range(n_ids, n_jobs, i, &jobs[i].begin, &jobs[i].end);
     }
     pool_run(s->pool, ple_job_of, jobs, sizeof(jobs[0]), n_jobs);
-    for (int i = 0; i < n_jobs; i++)  /* jobs are in id order */
+    for (int i = 0; i < n_jobs; i++) /* jobs are in id order */
         if (jobs[i].first_bad >= 0)
             return jobs[i].first_bad;
     return -1;

@@ -5,17 +5,17 @@
  * Plain declarations: cffi reads this header as it is; native.c includes
  * it once, after core.h. */
 
-int ne_ple_ids(const int64_t *ids, int64_t n_tokens, const int64_t *query_start,
-               int64_t n_reqs, const int64_t *context, int64_t n1, int64_t eos,
-               const int64_t *multipliers, const int64_t *sizes, const int64_t *offsets,
-               int64_t n_layers, int64_t n_heads, int64_t heads_per_ngram, int64_t *out);
+int ne_ple_ids(const int64_t *ids, int64_t n_tokens, const int64_t *query_start, int64_t n_reqs,
+               const int64_t *context, int64_t n1, int64_t eos, const int64_t *multipliers,
+               const int64_t *sizes, const int64_t *offsets, int64_t n_layers, int64_t n_heads,
+               int64_t heads_per_ngram, int64_t *out);
 struct ne_pool;
 /* One PLE shard's fixed lookup arguments, made once per table. */
 struct ne_ple_shard {
-    const uint8_t *table;   /* [n_rows, row_bytes] */
+    const uint8_t *table; /* [n_rows, row_bytes] */
     int64_t n_rows, row_bytes, row_start, total_rows;
-    float scale;            /* a BF16 value: the per-tensor scale */
-    struct ne_pool *pool;   /* NULL: the caller alone */
+    float scale;          /* a BF16 value: the per-tensor scale */
+    struct ne_pool *pool; /* NULL: the caller alone */
 };
-int64_t ne_ple_lookup(const struct ne_ple_shard *s, const int64_t *ids, int64_t n_ids,
-                      int scaled, void *out);
+int64_t ne_ple_lookup(const struct ne_ple_shard *s, const int64_t *ids, int64_t n_ids, int scaled,
+                      void *out);

@@ -21,23 +21,23 @@ enum { MAX_POOL = NE_MAX_THREADS };
 struct ne_pool {
     pid_t pid;
     int n;
-    int cpus[CPU_SETSIZE];    /* the rows' node's CPUs, every worker's affinity */
+    int cpus[CPU_SETSIZE]; /* the rows' node's CPUs, every worker's affinity */
     int n_cpus;
     pthread_t thread[MAX_POOL];
-    pthread_mutex_t call;     /* one dispatch at a time */
+    pthread_mutex_t call; /* one dispatch at a time */
     pthread_mutex_t mu;
     pthread_cond_t go, done;
-    uint64_t generation;      /* bumped per dispatch (under mu; read atomically) */
+    uint64_t generation; /* bumped per dispatch (under mu; read atomically) */
     /* The call's claims, one word: the generation's low 32 bits, the next
      * job's index (16 bits), the job count (16 bits).  A claim is a CAS of
      * it, so a worker that wakes after its call ended (or during the next)
      * claims nothing and never reads a finished call's jobs; a successful
      * claim (acquire) sees the fields below, written before the word. */
     uint64_t claim;
-    int finished;             /* jobs of this call done (atomic) */
+    int finished; /* jobs of this call done (atomic) */
     int stop;
-    int sleeping;             /* workers asleep on go (under mu) */
-    int caller_sleeping;      /* the dispatcher asleep on done (under mu) */
+    int sleeping;        /* workers asleep on go (under mu) */
+    int caller_sleeping; /* the dispatcher asleep on done (under mu) */
     void (*fn)(void *job);
     char *jobs;
     size_t job_size;
@@ -66,7 +66,8 @@ static uint64_t spin_while_u64(const uint64_t *word, uint64_t from, const int *s
     uint64_t v;
     for (int i = 1;; i++) {
         v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
-        if (v != from || __atomic_load_n(stop, __ATOMIC_ACQUIRE) || (i % 64 == 0 && now_ns() > until))
+        if (v != from || __atomic_load_n(stop, __ATOMIC_ACQUIRE) ||
+            (i % 64 == 0 && now_ns() > until))
             return v;
         cpu_relax();
     }

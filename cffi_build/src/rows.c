@@ -60,17 +60,16 @@ static void build_exact_lut(void)
  * fp32 with at most 4 significant bits, so its bf16 is exact: the e4m3 bits
  * re-biased plus (s - 127) in the exponent field.  Branch-free with a
  * constant trip count, so GCC vectorises it (16 or 32 lanes). */
-static inline void dequant_fast32(const uint8_t *restrict w, uint16_t shift,
-                                  uint16_t *restrict out)
+static inline void dequant_fast32(const uint8_t *restrict w, uint16_t shift, uint16_t *restrict out)
 {
     for (int i = 0; i < 32; i++) {
         uint16_t v = w[i];
         uint16_t mag = v & 0x7F;
         uint16_t m = v & 7;
         /* subnormal e4m3: m * 2^-9, as bf16 bits before the scale */
-        uint16_t sub = m >= 4 ? (uint16_t)((120 << 7) | ((m & 3) << 5))
-                     : m >= 2 ? (uint16_t)((119 << 7) | ((m & 1) << 6))
-                              : (uint16_t)(118 << 7);
+        uint16_t sub = m >= 4   ? (uint16_t)((120 << 7) | ((m & 3) << 5))
+                       : m >= 2 ? (uint16_t)((119 << 7) | ((m & 1) << 6))
+                                : (uint16_t)(118 << 7);
         uint16_t normal = (uint16_t)((mag << 4) + (120 << 7));
         uint16_t r = (uint16_t)(((mag >> 3) ? normal : sub) + shift);
         r = mag == 0 ? 0 : r;
@@ -86,8 +85,8 @@ static inline int fast_scale(uint8_t s)
     return s >= 10 && s <= 246;
 }
 
-static inline void dequant_block(const uint8_t *restrict w, uint8_t s, int64_t n,
-                                 uint16_t *restrict out)
+static inline void
+dequant_block(const uint8_t *restrict w, uint8_t s, int64_t n, uint16_t *restrict out)
 {
     if (n == 32 && fast_scale(s)) {
         dequant_fast32(w, (uint16_t)(((int)s - 127) << 7), out);
@@ -103,9 +102,8 @@ typedef void (*row_fn)(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t 
 
 /* Portable row: one clone per ISA, picked when the module loads (GCC
  * vectorises dequant_fast32 for each); nothing assumes the build host. */
-__attribute__((target_clones("arch=x86-64-v3", "default")))
-static void row_generic(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block,
-                        uint16_t *out)
+__attribute__((target_clones("arch=x86-64-v3", "default"))) static void
+row_generic(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block, uint16_t *out)
 {
     for (int64_t b = 0; b < dim / block; b++)
         dequant_block(w + b * block, s[b], block, out + b * block);
@@ -127,8 +125,8 @@ static void build_byte_tables(void)
     for (int s = 0; s < 256; s++)
         for (int i = 0; i < 16; i++) {
             byte_tables[s][0][i] = (uint8_t)(exact_lut[s][(i ? i : 1) << 3] >> 8); /* e = i */
-            byte_tables[s][1][i] = (uint8_t)exact_lut[s][i < 8 ? 16 + i : i]; /* e even/odd */
-            byte_tables[s][2][i] = (uint8_t)(exact_lut[s][i & 7] >> 8); /* subnormal m */
+            byte_tables[s][1][i] = (uint8_t)exact_lut[s][i < 8 ? 16 + i : i];      /* e even/odd */
+            byte_tables[s][2][i] = (uint8_t)(exact_lut[s][i & 7] >> 8);            /* subnormal m */
             byte_tables[s][3][i] = (uint8_t)exact_lut[s][i & 7];
         }
 }
@@ -168,9 +166,9 @@ dequant32_avx2(const uint8_t *w, uint8_t s, __m256i *first, __m256i *second)
  * of a 48 MiB output); a small output stays in cache for its reader.
  * Blocks with a scale near the fp32 range edges take the exact table, as
  * everywhere. */
-__attribute__((target("avx2"))) static inline void
-row_avx2_any(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block, uint16_t *out,
-             int stream)
+__attribute__((target("avx2"))) static inline void row_avx2_any(const uint8_t *w, const uint8_t *s,
+                                                                int64_t dim, int64_t block,
+                                                                uint16_t *out, int stream)
 {
     (void)block; /* job_row_fn picks this row for block 32 only */
     for (int64_t b = 0; b < dim / 32; b++) {
@@ -196,16 +194,16 @@ row_avx2_any(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block, uin
 /* An ISA's pair of row functions over its name##_any(..., stream): plain
  * stores, and (name##_stream) streaming stores for a large output; row_fn
  * has no stream argument, job_row_fn picks one of the pair per job. */
-#define ROW_FN_PAIR(name, isa)                                                               \
-    __attribute__((target(isa))) static void name(const uint8_t *w, const uint8_t *s,       \
-                                                  int64_t dim, int64_t block, uint16_t *out) \
-    {                                                                                        \
-        name##_any(w, s, dim, block, out, 0);                                                \
-    }                                                                                        \
-    __attribute__((target(isa))) static void name##_stream(                                  \
-        const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block, uint16_t *out)       \
-    {                                                                                        \
-        name##_any(w, s, dim, block, out, 1);                                                \
+#define ROW_FN_PAIR(name, isa)                                                                     \
+    __attribute__((target(isa))) static void name(const uint8_t *w, const uint8_t *s, int64_t dim, \
+                                                  int64_t block, uint16_t *out)                    \
+    {                                                                                              \
+        name##_any(w, s, dim, block, out, 0);                                                      \
+    }                                                                                              \
+    __attribute__((target(isa))) static void name##_stream(                                        \
+        const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block, uint16_t *out)             \
+    {                                                                                              \
+        name##_any(w, s, dim, block, out, 1);                                                      \
     }
 
 ROW_FN_PAIR(row_avx2, "avx2")
@@ -220,10 +218,8 @@ row_avx512_any(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block, u
                int stream)
 {
     const __m512i sub_table = _mm512_set_epi16(
-        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-        0, 0, 0, 0, 0, 0, 0, 0,
-        (120 << 7) | 0x60, (120 << 7) | 0x40, (120 << 7) | 0x20, 120 << 7,
-        (119 << 7) | 0x40, 119 << 7, 118 << 7, 0);
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, (120 << 7) | 0x60,
+        (120 << 7) | 0x40, (120 << 7) | 0x20, 120 << 7, (119 << 7) | 0x40, 119 << 7, 118 << 7, 0);
     const __m512i k7f = _mm512_set1_epi16(0x7F), k7 = _mm512_set1_epi16(7);
     const __m512i k80 = _mm512_set1_epi16(0x80), bias = _mm512_set1_epi16(120 << 7);
     const __m512i nan = _mm512_set1_epi16(0x7FC0), eight = _mm512_set1_epi16(8);
@@ -271,7 +267,7 @@ ROW_FN_PAIR(row_avx512, "avx512f,avx512bw")
  * broadcasts from memory instead of two compares, a NaN blend and
  * broadcasts from registers, with a stage's rows in one call: 0.84-0.92x
  * that kernel's time, 1-64 tokens in cache). */
-static uint8_t vbmi_tables[2][128] __attribute__((aligned(64))); /* low, high byte */
+static uint8_t vbmi_tables[2][128] __attribute__((aligned(64)));    /* low, high byte */
 static uint8_t vbmi_interleave[2][64] __attribute__((aligned(64))); /* words 0-31, 32-63 */
 /* Each scale byte's exponent shift, (s - 127) << 7, twice in a 32-bit
  * word: a step reads its blocks' with a broadcast from this table (a load:
@@ -357,8 +353,7 @@ vbmi_row(const struct vbmi_consts *c, const uint8_t *w, const uint8_t *s, int64_
         const __mmask64 scaled = _mm512_test_epi8_mask(_mm512_add_epi8(x, c->one), c->k7e);
         __m512i r0 = _mm512_permutex2var_epi8(lo, c->first, hi);
         __m512i r1 = _mm512_permutex2var_epi8(lo, c->second, hi);
-        r0 = _mm512_mask_add_epi16(r0, (__mmask32)scaled, r0,
-                                   _mm512_set1_epi32(vbmi_shift[sa]));
+        r0 = _mm512_mask_add_epi16(r0, (__mmask32)scaled, r0, _mm512_set1_epi32(vbmi_shift[sa]));
         r1 = _mm512_mask_add_epi16(r1, (__mmask32)(scaled >> 32), r1,
                                    _mm512_set1_epi32(vbmi_shift[sb]));
         if (aligned) {
@@ -388,8 +383,8 @@ row_vbmi_any(const uint8_t *w, const uint8_t *s, int64_t dim, int64_t block, uin
  * scale bytes each), row r to out + pos[r] * dim: a lookup's stage in one
  * call, the constants loaded once. */
 __attribute__((target(VBMI_ISA))) static void
-rows_vbmi(const uint8_t *w, const uint8_t *s, int64_t n, int64_t dim, int64_t block,
-          uint16_t *out, const int64_t *pos, int stream)
+rows_vbmi(const uint8_t *w, const uint8_t *s, int64_t n, int64_t dim, int64_t block, uint16_t *out,
+          const int64_t *pos, int stream)
 {
     const int64_t n_scales = dim / block;
     if (!vbmi_fits(dim, block)) {
