@@ -1,10 +1,11 @@
-# make demo  - install into .venv and run the main job on a default table
-# make test  - install into .venv and run every test (NUMA ones in the VM)
-# make check - the fast lane: lint, types and the tests without processes or guests
+# Each target's line in `make help` is its `## ` comment.
 VENV ?= .venv
 
-.PHONY: setup demo test check bench
-setup: $(VENV)/.numa-engram-installed
+.PHONY: help setup demo test check lint fmt bench
+help:  ## this list: every target and what it does
+	@awk -F ':.*## ' '/^[a-z][a-z-]*:.*## / {printf "  make %-7s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+setup: $(VENV)/.numa-engram-installed  ## install into .venv: libnuma, a C compiler, clang-format, torch (CPU), the package and its test tools
 
 # installed again only when what the install reads changed (or a fresh clone)
 $(VENV)/.numa-engram-installed: pyproject.toml setup.py tools/setup.sh $(wildcard cffi_build/*) \
@@ -12,15 +13,21 @@ $(VENV)/.numa-engram-installed: pyproject.toml setup.py tools/setup.sh $(wildcar
 	VENV=$(VENV) tools/setup.sh
 	touch $@
 
-demo: setup
+demo: setup  ## the main job on a default table (numa-engram topo, then numa-engram demo)
 	$(VENV)/bin/numa-engram topo
 	$(VENV)/bin/numa-engram demo
 
-test: setup
+test: setup  ## every test: the host suite with lint and the package, sanitizer and lower-bounds checks beside it, then the NUMA guests
 	PYTHON=$(VENV)/bin/python tools/test.sh
 
-check: setup
+check: setup  ## the fast lane: lint beside the tests that start no process world, no ~1 s interpreter and no guest
 	PYTHON=$(VENV)/bin/python tools/check.sh
 
-bench: setup
+lint: setup  ## the static checks alone: ruff, the C core's format and warnings, mypy, the layer contract
+	PYTHON=$(VENV)/bin/python tools/lint.sh
+
+fmt: setup  ## imports sorted (ruff) and the C core formatted (clang-format) in place
+	PYTHON=$(VENV)/bin/python tools/lint.sh --fix
+
+bench: setup  ## the benchmarks (ratios to a baseline measured in the same run)
 	$(VENV)/bin/python tools/bench.py

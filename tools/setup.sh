@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Install what numa_engram needs on a Debian/Ubuntu host into .venv:
 # libnuma (for py-libnuma), a C compiler (the cffi core is built at install
-# time), torch (the CPU build unless TORCH_SPEC says otherwise; a serving
-# host keeps its own CUDA build: set TORCH_SPEC=skip), then the package.
+# time), clang-format (tools/lint.sh checks the C core's format), torch (the
+# CPU build unless TORCH_SPEC says otherwise; a serving host keeps its own
+# CUDA build: set TORCH_SPEC=skip), then the package and its test tools.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 need=()
 [ -e /usr/lib/x86_64-linux-gnu/libnuma.so.1 ] || ldconfig -p | grep -q libnuma.so.1 || need+=(libnuma1)
 command -v cc >/dev/null || need+=(gcc libc6-dev)
+command -v clang-format >/dev/null || need+=(clang-format)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"
