@@ -1,18 +1,24 @@
 """SocketGroup: members meeting at a Unix socket with no torch, in real
 processes (tests/socketworld.py), and its refusals in this process."""
 
+import math
 import os
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
+import time
 
 import pytest
 
-from numa_engram.errors import GroupTimeout, NumaEngramError
+from numa_engram.errors import GroupTimeout, NumaEngramError, StorageError, TopologyError
 from numa_engram.sharing.group import Group, as_group
 from numa_engram.sharing.socketgroup import SocketGroup
 from numa_engram.sharing.synthetic import write_raw_checkpoint
 
+from .dist_harness import is_stopped
 from .socket_scenarios import make_spec
 from .socketworld import run_socket_world
 
@@ -131,6 +137,119 @@ def test_bad_ranks_are_refused(tmp_path, args, text):
     rank, size, *ranks = args
     with pytest.raises(ValueError, match=text):
         SocketGroup(tmp_path / "g.sock", rank, size, ranks=ranks[0] if ranks else None)
+
+
+@pytest.mark.parametrize("kwargs, text", [
+    (dict(rank="0"), "rank '0' and size 2 must be integers"),
+    (dict(size=None), "rank 0 and size None must be integers"),
+    (dict(ranks=["a", "b"]), r"ranks \['a', 'b'\] must be a sequence"),
+    (dict(ranks=5), "ranks 5 must be a sequence"),
+    (dict(timeout_s=-1), "timeout_s -1 must be a finite number"),
+    (dict(timeout_s=math.nan), "timeout_s nan must be a finite number"),
+    (dict(timeout_s=math.inf), "timeout_s inf must be a finite number"),
+    (dict(timeout_s="5"), "timeout_s '5' must be a finite number"),
+    (dict(identity=3), "identity 3 must be a str"),
+    (dict(path=None), "the group's path None must be a str"),
+    (dict(path=b"/tmp/g.sock"), r"the group's path b'/tmp/g.sock' must be a str"),
+    (dict(path="/tmp/a\0b"), r"path '/tmp/a\\x00b' must be a non-empty path without NUL"),
+    (dict(path=""), "path '' must be a non-empty path"),
+])
+def test_hostile_arguments_are_refused_naming_the_value(tmp_path, kwargs, text):
+    args = dict(path=tmp_path / "g.sock", rank=0, size=2, timeout_s=1.0) | kwargs
+    with pytest.raises(TopologyError, match=text):
+        SocketGroup(args.pop("path"), args.pop("rank"), args.pop("size"), **args)
+    assert os.listdir(tmp_path) == []
+
+
+LEADER = """
+import sys
+from numa_engram.sharing.socketgroup import SocketGroup
+SocketGroup(sys.argv[1], 0, 2, timeout_s=120)
+"""
+
+
+@multiproc
+def test_a_stopped_leader_with_a_full_listen_queue_is_a_timeout_within_the_bound(tmp_path):
+    """The leader's process is stopped (SIGSTOP) and its listen queue full:
+    a joining member's connect() used to wait until the leader ran again;
+    it gives up at its timeout_s, saying why."""
+    path = str(tmp_path / "g.sock")
+    leader = subprocess.Popen([sys.executable, "-c", LEADER, path])
+    fillers, member = [], None
+    try:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        while probe.connect_ex(path):  # until the leader listens
+            assert leader.poll() is None, "the leader exited"
+            time.sleep(0.01)
+        fillers.append(probe)  # silent: the leader waits on its hello, then on nobody
+        os.kill(leader.pid, signal.SIGSTOP)
+        while not is_stopped(leader.pid):
+            time.sleep(0.01)
+        while True:  # fill the stopped leader's listen queue
+            filler = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            filler.setblocking(False)
+            fillers.append(filler)
+            try:
+                filler.connect(path)
+            except BlockingIOError:
+                break
+        member, out = _join(path, 1, 2, timeout_s=1.0)
+        started = time.monotonic()
+        member.join(timeout=15)
+        assert not member.is_alive(), "the member's connect() ignores its timeout_s"
+        assert time.monotonic() - started < 5
+        assert isinstance(out[0], GroupTimeout), out
+        assert "its listen queue is full (it is stopped, hung or slow)" in str(out[0])
+        assert f"at {path!r} took no connection within 1 s" in str(out[0])
+    finally:
+        leader.kill()  # a member still blocked in connect() (before the fix) is refused now
+        leader.wait()
+        for sock in fillers:
+            sock.close()
+        if member is not None:
+            member.join(timeout=30)
+
+
+@pytest.mark.parametrize("mode, text", [
+    (0o000, "is a socket of uid 0 that this user (uid {uid}) may not connect to"),
+    (0o777, "is a dead listener's socket of uid 0, which this user (uid {uid}) may not remove"),
+], ids=["cannot-probe", "cannot-remove"])
+def test_another_users_dead_socket_is_a_library_error_naming_it(mode, text):
+    """A dead socket the joining user may not probe or remove (another
+    user's, in a directory it may not write): a StorageError naming the
+    path and what to do, not a raw PermissionError.  As root the attempt is
+    made as uid 65534 (root may remove anything)."""
+    with tempfile.TemporaryDirectory() as meet:  # (pytest's tmp_path is root's alone)
+        path = os.path.join(meet, "g.sock")
+        stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stale.bind(path)
+        stale.close()
+        os.chmod(path, mode)
+        os.chmod(meet, 0o555)
+        try:
+            read_end, write_end = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the other user, in a child: its uid cannot come back
+                os.close(read_end)
+                try:
+                    if os.getuid() == 0:
+                        os.setuid(65534)
+                    SocketGroup(path, 0, 2, timeout_s=1.0)
+                    said = "joined"
+                except BaseException as exc:
+                    said = f"{type(exc).__name__}|{os.getuid()}|{exc}"
+                os.write(write_end, said.encode())
+                os._exit(0)
+            os.close(write_end)
+            with os.fdopen(read_end, "rb") as f:
+                kind, uid, message = f.read().decode().split("|", 2)
+            os.waitpid(pid, 0)
+        finally:
+            os.chmod(meet, 0o755)
+        assert os.path.exists(path)  # left as it was
+    assert kind == StorageError.__name__, (kind, message)
+    assert repr(path) in message and text.format(uid=uid) in message, message
+    assert "remove it as its owner" in message and "or choose another path" in message
 
 
 def _join(path, rank, size, timeout_s=5.0):

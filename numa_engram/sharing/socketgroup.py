@@ -18,6 +18,9 @@ join a user's group; a user may not join root's.
 from __future__ import annotations
 
 import logging
+import math
+import numbers
+import operator
 import os
 import pickle
 import select
@@ -27,7 +30,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import GroupTimeout, NumaEngramError
+from ..errors import GroupTimeout, NumaEngramError, TopologyError
 from ..store.unixsockets import free_socket_path, peer_uid
 from .group import Members
 
@@ -55,17 +58,9 @@ class SocketGroup(Members):
     def __init__(self, path: str | os.PathLike[str], rank: int, size: int, *,
                  ranks: Sequence[int] | None = None, timeout_s: float = 300.0,
                  identity: str = "") -> None:
-        if size < 1 or not 0 <= rank < size:
-            raise ValueError(f"rank {rank} of size {size}: need size >= 1 and 0 <= rank < size")
-        members = tuple(int(r) for r in (range(size) if ranks is None else ranks))
-        if len(members) != size or len(set(members)) != size:
-            raise ValueError(f"ranks {list(members)} must be {size} distinct world ranks")
-        super().__init__(rank, size, members, float(timeout_s), identity)
-        self.path = os.fspath(path)
-        if len(os.fsencode(self.path)) >= _MAX_PATH:
-            raise ValueError(f"the group's path {self.path!r} is {len(os.fsencode(self.path))} "
-                             f"bytes; a Unix socket's path has at most {_MAX_PATH - 1}: "
-                             f"choose a shorter directory")
+        rank, size, members, timeout_s, self.path = _checked(path, rank, size, ranks, timeout_s,
+                                                             identity)
+        super().__init__(rank, size, members, timeout_s, identity)
         self._peers: dict[int, socket.socket] = {}  # the leader's: group rank -> connection
         self._leader: socket.socket | None = None
         self._broken: str | None = None
@@ -172,6 +167,7 @@ class SocketGroup(Members):
         leader = self._ranks[0]
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)  # a full listen queue: EAGAIN, not a wait past the bound
             try:
                 sock.connect(self.path)
                 break
@@ -181,13 +177,11 @@ class SocketGroup(Members):
                     f"cannot connect to the group's socket {self.path}: permission denied; "
                     f"every member must reach the leader's socket (run them as one user, "
                     f"the path in a directory they share)") from None
-            except (FileNotFoundError, ConnectionRefusedError):
+            except (FileNotFoundError, ConnectionRefusedError, BlockingIOError) as exc:
                 sock.close()
                 if time.monotonic() >= deadline:
-                    raise GroupTimeout(
-                        f"no leader (world rank {leader}) listened at {self.path} within "
-                        f"{self.timeout_s:.0f} s (it has not come, or its group was whole "
-                        f"without this member and the path is gone)") from None
+                    raise GroupTimeout(_no_leader(self.path, leader, self.timeout_s,
+                                                  full=isinstance(exc, BlockingIOError))) from None
                 time.sleep(_RETRY_S)
         try:
             _, uid, _ = peer_uid(sock)
@@ -322,6 +316,49 @@ class SocketGroup(Members):
                     pass  # that one is gone or stopped: its own wait tells it
         self.close()
         self._broken = why
+
+
+def _checked(path: Any, rank: Any, size: Any, ranks: Any, timeout_s: Any, identity: Any
+             ) -> tuple[int, int, tuple[int, ...], float, str]:
+    """The constructor's arguments, each one wrong refused naming it:
+    (rank, size, ranks, timeout_s, path)."""
+    try:
+        rank, size = operator.index(rank), operator.index(size)
+    except TypeError:
+        raise TopologyError(f"rank {rank!r} and size {size!r} must be integers") from None
+    if size < 1 or not 0 <= rank < size:
+        raise TopologyError(f"rank {rank} of size {size}: need size >= 1 and 0 <= rank < size")
+    try:
+        members = tuple(operator.index(r) for r in (range(size) if ranks is None else ranks))
+    except TypeError:
+        raise TopologyError(f"ranks {ranks!r} must be a sequence of {size} distinct integer "
+                            f"world ranks") from None
+    if len(members) != size or len(set(members)) != size:
+        raise TopologyError(f"ranks {list(members)} must be {size} distinct world ranks")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) \
+            or not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise TopologyError(f"timeout_s {timeout_s!r} must be a finite number of seconds above "
+                            f"0: every join and collective of the group is bounded by it")
+    if not isinstance(identity, str):
+        raise TopologyError(f"identity {identity!r} must be a str")
+    if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):
+        raise TopologyError(f"the group's path {path!r} must be a str or a path-like of one")
+    text = os.fspath(path)
+    if not text or "\0" in text:
+        raise TopologyError(f"the group's path {text!r} must be a non-empty path without NUL")
+    if len(os.fsencode(text)) >= _MAX_PATH:
+        raise TopologyError(f"the group's path {text!r} is {len(os.fsencode(text))} "
+                            f"bytes; a Unix socket's path has at most {_MAX_PATH - 1}: "
+                            f"choose a shorter directory")
+    return rank, size, members, float(timeout_s), text
+
+
+def _no_leader(path: str, leader: int, timeout_s: float, full: bool) -> str:
+    if full:
+        return (f"the group's leader (world rank {leader}) at {path!r} took no connection within "
+                f"{timeout_s:.0f} s: its listen queue is full (it is stopped, hung or slow)")
+    return (f"no leader (world rank {leader}) listened at {path} within {timeout_s:.0f} s (it "
+            f"has not come, or its group was whole without this member and the path is gone)")
 
 
 class _FrameReader:

@@ -9,6 +9,8 @@ import stat
 import struct
 from typing import Literal
 
+from ..errors import StorageError
+
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -22,7 +24,9 @@ def peer_uid(sock: socket.socket) -> tuple[int, int, int]:
 def free_socket_path(path: str) -> Literal["free", "not a socket", "in use"]:
     """Whether a listener may bind ``path``: "free" when nothing is there
     or a socket no one answers at (a dead listener's, removed here); "not a
-    socket" or "in use" (a live listener) when it may not."""
+    socket" or "in use" (a live listener) when it may not.  A socket this
+    user may neither probe nor remove (another user's) is a StorageError
+    naming its owner."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -30,11 +34,30 @@ def free_socket_path(path: str) -> Literal["free", "not a socket", "in use"]:
     if not stat.S_ISSOCK(st.st_mode):
         return "not a socket"
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.setblocking(False)  # a live listener with a full queue answers EAGAIN, not a wait
     try:
         probe.connect(path)
+    except PermissionError:
+        raise StorageError(f"{path!r} is a socket of uid {st.st_uid} that this user (uid "
+                           f"{os.getuid()}) may not connect to, so cannot tell whether it is "
+                           f"in use: remove it as its owner, or choose another path") from None
+    except BlockingIOError:
+        return "in use"  # listening, its queue full
     except OSError:
-        os.unlink(path)  # nobody listens: a dead listener's socket
+        _remove_dead(path, st.st_uid)
         return "free"
     finally:
         probe.close()
     return "in use"
+
+
+def _remove_dead(path: str, owner: int) -> None:
+    """Remove a socket nobody listens at (a dead listener's)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass  # another process removed it first
+    except PermissionError:
+        raise StorageError(f"{path!r} is a dead listener's socket of uid {owner}, which this "
+                           f"user (uid {os.getuid()}) may not remove: remove it as its owner "
+                           f"(or root), or choose another path") from None
