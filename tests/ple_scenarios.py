@@ -83,11 +83,11 @@ def write_ple_model(model: Path, spec: PLESpec, seed: int = 5) -> Path:
             "ngram_size": spec.ngram_size, "heads_per_ngram": spec.heads_per_ngram,
             "ngram_vocab_size_base": spec.ngram_vocab_size_base, "seed": spec.seed,
             "make_ngram_vocab_size_divisible_by": spec.make_ngram_vocab_size_divisible_by,
-            "ple_embedding_dtype": spec.dtype, "hidden_size": 160, "num_hidden_layers": 6}
+            "ple_embedding_dtype": spec.dtype, "hidden_size": 160, "num_hidden_layers": 6,
+            "split_ngram_parts": spec.split_ngram_parts}
     model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text(json.dumps({
-        "model_type": "qwen4_exp", "split_ngram_parts": spec.split_ngram_parts,
-        "text_config": text}))
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen4_exp",
+                                                   "text_config": text}))
     write_ple_checkpoint(model / "model.safetensors", spec, seed=seed)
     return model
 

@@ -304,8 +304,11 @@ def test_spec_from_config_reads_as_vllm_does(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"text_config": text,
                                                       "split_ngram_parts": 64}))
     spec = PLESpec.from_config(tmp_path / "config.json")
+    # (Qwen4ExpConfig drops the top-level split_ngram_parts beside a text_config)
     assert (spec.seed, spec.split_ngram_parts, spec.head_dim, spec.rows(2)) == (
-        1234, 64, 160, 320_001_536)
+        1234, 512, 160, 320_001_536)
+    assert PLESpec.from_config({"text_config": {**text, "split_ngram_parts": 64}}
+                               ).split_ngram_parts == 64
     assert spec.dtype == "float8_e4m3fn"
     assert PLESpec.from_config({**text, "seed": 5}).seed == 5
     top = {k: v for k, v in text.items() if k != "ple_embedding_dtype"}

@@ -252,3 +252,57 @@ def test_register_patches_the_qwen4_exp_module_as_vllm_imports_it(vllm, tmp_path
                           str(harness.cache_dir())], capture_output=True, text=True,
                          timeout=300, check=False)
     assert run.returncode == 0 and run.stdout.strip() == "patched", run.stderr[-3000:]
+
+
+def vllms_qwen4_config(root, monkeypatch):
+    """vLLM's Qwen4ExpConfig from the wheel's qwen4_exp/config.py, over
+    stand-ins for the transformers bases it extends (not installed here):
+    a base that keeps every keyword as an attribute, as PreTrainedConfig
+    does with the ones it does not know."""
+    import importlib.util
+    import sys
+    import types
+
+    class PreTrainedConfig:
+        def __init__(self, **kwargs):
+            self.__dict__.update(kwargs)
+
+    class Qwen3NextConfig(PreTrainedConfig):
+        def __init__(self, hidden_size=160, num_hidden_layers=6, layer_types=None, **kwargs):
+            super().__init__(hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+                             layer_types=layer_types, rope_parameters=None, head_dim=16,
+                             partial_rotary_factor=1.0, **kwargs)
+
+    stubs = {"transformers": dict(PreTrainedConfig=PreTrainedConfig),
+             "transformers.models.qwen3_vl.configuration_qwen3_vl": dict(
+                 Qwen3VLVisionConfig=type("Qwen3VLVisionConfig", (PreTrainedConfig,), {})),
+             "vllm.transformers_utils.configs.qwen3_next": dict(Qwen3NextConfig=Qwen3NextConfig)}
+    for name, attrs in stubs.items():
+        module = types.ModuleType(name)
+        module.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, module)
+    spec = importlib.util.spec_from_file_location(
+        "vllm_qwen4_exp_config", root / "vllm/models/qwen4_exp/config.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Qwen4ExpConfig
+
+
+def test_split_ngram_parts_is_read_where_vllms_config_class_reads_it(vllm, monkeypatch):
+    """Qwen4ExpConfig drops a top-level split_ngram_parts beside a
+    text_config; vLLM's PLE module reads the text config's (512 when it has
+    none): PLESpec.from_config gives vLLM's value in each layout."""
+    config_class = vllms_qwen4_config(harness.cache_dir(), monkeypatch)
+    text = {"ple_layer_ids": [2, 5], "ple_embed_dim": 160, "vocab_size": 5000,
+            "eos_token_id": 7, "ngram_vocab_size_base": 3000, "hidden_size": 160,
+            "num_hidden_layers": 6}
+    docs = [{"text_config": text, "split_ngram_parts": 7},
+            {"text_config": {**text, "split_ngram_parts": 64}, "split_ngram_parts": 7},
+            {"text_config": {**text, "split_ngram_parts": 64}},
+            {**text, "split_ngram_parts": 9}]
+    got = []
+    for doc in docs:
+        theirs = int(getattr(config_class(**doc).text_config, "split_ngram_parts", 512))
+        assert PLESpec.from_config(doc).split_ngram_parts == theirs, doc
+        got.append(theirs)
+    assert got == [512, 64, 64, 9]

@@ -36,6 +36,7 @@ FILES = ("vllm/models/deepseek_v41/common/engram.py",
          "vllm/models/qwen4_exp/common/ngram_embedding.py",
          "vllm/models/qwen4_exp/nvidia/ngram_embedding.py",
          "vllm/models/qwen4_exp/nvidia/ops/ple.py",
+         "vllm/models/qwen4_exp/config.py",
          "vllm/model_executor/layers/vocab_parallel_embedding.py")
 NV = "vllm.models.deepseek_v41.nvidia.engram"
 COMMON = "vllm.models.deepseek_v41.common.engram"

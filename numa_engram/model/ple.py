@@ -252,8 +252,8 @@ class PLESpec:
     def from_config(cls, config: dict | str | os.PathLike, *,
                     dtype: PLEDtype | None = None) -> PLESpec:
         """The spec of a Qwen4-Exp ``config.json`` (a dict or its path), read
-        as vLLM reads it: fields under ``text_config`` or at the top level,
-        ``seed`` 1234 and ``split_ngram_parts`` 512 when absent.  ``dtype``
+        as vLLM reads it: fields under ``text_config`` or at the top level
+        (never both), ``seed`` 1234 and ``split_ngram_parts`` 512 when absent.  ``dtype``
         defaults to ``ple_embedding_dtype``, else FP8 when the config has an
         FP8 ``quantization_config``, else BF16."""
         doc = config if isinstance(config, dict) else _read_json(Path(config))
@@ -262,11 +262,11 @@ class PLESpec:
         if "ple_layer_ids" not in fields or not fields["ple_layer_ids"]:
             raise SpecError("the config has no 'ple_layer_ids': is it a Qwen4-Exp config.json "
                             "with PLE layers?")
+        # (Qwen4ExpConfig drops a top-level split_ngram_parts beside a
+        # text_config: vLLM reads the text config's, 512 when it has none)
         known = {"ngram_size": 3, "heads_per_ngram": 8, "ngram_vocab_size_base": 20_000_000,
                  "make_ngram_vocab_size_divisible_by": 128, "seed": DEFAULT_SEED,
-                 "split_ngram_parts": fields.get("split_ngram_parts",
-                                                 doc.get("split_ngram_parts",
-                                                         DEFAULT_SPLIT_PARTS))}
+                 "split_ngram_parts": DEFAULT_SPLIT_PARTS}
         args: dict[str, Any] = {k: fields.get(k, v) for k, v in known.items()}
         for name in ("vocab_size", "eos_token_id"):
             if name not in fields:
