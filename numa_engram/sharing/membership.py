@@ -1,8 +1,8 @@
 """Who the members of a sharing group are and whether they agree: each
 member's ``MemberInfo`` (the join step), the agreement every member's
 request must reach with the leader's, whether the members can map one file
-(same host, user and table directory), and the leader's decision of the
-mode that really runs.
+(same host, user, and hand-over root or hugetlbfs mount), and the
+leader's decision of the mode that really runs.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from ..host import hugepages
 from ..host.accounting import check_memory
 from ..host.topology import Topology, current_node, gpu_node
 from ..literals import DEFAULT_DIRECTORY
+from ..store import fdhandover
 from ..store.directories import check_directory_room
 from ..store.fileformat import Layout, ShardKey
 from ..store.placement import PlacementPlan, Region, plan_placement
@@ -37,7 +38,8 @@ class MemberInfo:
     key: ShardKey = ShardKey()
     mode: str = "auto"
     host: HostIdentity = NOWHERE  # where it is (the identity sharing_groups also gathers)
-    directory: str | None = None  # this member's table directory (None: none usable)
+    # what it shares with the others (meeting_directory; None: none usable)
+    directory: str | None = None
     page_size: int = native.PAGE_SIZE
     directory_problem: str = ""  # why this member has no directory for the table
     placement: str | None = None  # as this member asked for it (None: follow the leader)
@@ -59,8 +61,7 @@ def member_info(grp: Group, req: CreateRequest) -> MemberInfo:
     problem = ""
     directory: str | None
     try:
-        directory = hugepages.resolve_directory(req.options.directory, req.page_size,
-                                                DEFAULT_DIRECTORY)
+        directory = meeting_directory(req)
     except StorageError as exc:
         directory, problem = None, str(exc)
     device = req.options.register_device
@@ -73,6 +74,19 @@ def member_info(grp: Group, req: CreateRequest) -> MemberInfo:
     return MemberInfo(grp.ranks[grp.rank], os.getpid(), node, device, req.spec.fingerprint,
                       req.key, req.mode, HostIdentity.here(directory), directory, req.page_size,
                       problem, placement_text(req.options.placement))
+
+
+def meeting_directory(req: CreateRequest) -> str | None:
+    """The directory this member shares with the others, whose identity the
+    join compares: on 4 KiB pages the root of the table's hand-over sockets
+    (the table is a memfd, never a file: /dev/shm's size does not matter),
+    on huge pages the hugetlbfs mount the table file lives in.  None where
+    ``directory=None`` asks for a private copy."""
+    if req.options.directory is None:
+        return None
+    if not hugepages.is_huge(req.page_size):
+        return fdhandover.root()
+    return hugepages.resolve_directory(req.options.directory, req.page_size, DEFAULT_DIRECTORY)
 
 
 def placement_text(placement: Any) -> str | None:
@@ -128,8 +142,8 @@ def leader_placement(leader: MemberInfo) -> str:
 
 
 def identity_difference(members: list[MemberInfo]) -> str:
-    """Why these members cannot map one file ('' if they can): the same
-    boot (host), user and table directory (device and inode) are needed."""
+    """Why these members cannot map one table ('' if they can): the same
+    boot (host), user and meeting directory (device and inode) are needed."""
     first = members[0]
     for m in members:
         if m.directory_problem:
@@ -153,10 +167,10 @@ def decide(mode: str, members: list[MemberInfo], layout: Layout,
     else:
         reason = identity_difference(members)
         if not reason and directory is None:
-            reason = ("no table directory was given (directory=None asks for private memfd "
-                      "copies); pass a tmpfs or hugetlbfs directory to share")
-        elif not reason and directory is not None:
-            try:
+            reason = ("directory=None asks for private memfd copies; leave directory at its "
+                      "default to share (huge pages: pass a hugetlbfs mount)")
+        elif not reason and directory is not None and hugepages.is_huge(layout.page_size):
+            try:  # (a memfd's room is memory: checked before it is created)
                 check_directory_room(directory, layout)
             except StorageError as exc:
                 reason, error = str(exc), type(exc)

@@ -7,11 +7,18 @@ member end a failed step the same way, and whatever a failed create made
 
     join    every member: who it is, what it asks for (MemberInfo)
     decide  leader: the checkpoint resolved, the mode that really runs
-    create  leader: plan, check, create, size, map, no THP, bind, populate, verify
-    map     every member: map the leader's file (by basename), register it
-    unlink  leader: the path goes (every member holds the mapping)
+    create  leader: plan, check, create, size, map, no THP, bind, populate, verify;
+            on 4 KiB pages a memfd, handed over at the leader's socket
+    map     every member: the leader's memfd from its socket (4 KiB pages) or
+            its file by basename (huge pages); map it, register it; hand it
+            over at a socket of its own from now on
+    unlink  leader: a file's path goes (every member holds the mapping)
     load    the loaders: their parts of the checkpoint; the leader marks READY
     ready   every member: acknowledged, so all end the same way
+
+A memfd's holders each hand it over for as long as they hold it (a late
+process attaches from any of them: ``late_descriptor``); it is freed with
+the last holder's mapping, so nothing can be left behind.
 """
 
 from __future__ import annotations
@@ -23,11 +30,16 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..bindings import native
+from ..host import hugepages
 from ..host.topology import Topology
+from ..model.family import TableFamily
 from ..model.ple import PLESpec
+from ..model.sharding import ShardInfo
 from ..model.spec import EngramSpec
+from ..store import fdhandover
 from ..store.fileformat import ShardKey
 from ..store.placement import PlacementPlan, PlacementRange, PlacementReport, verify
+from ..store.serviceclient import TableRequest
 from ..store.storage import BackingFile
 from .checkpoint import CheckpointPlan, Progress
 from .checkpoint import resolve as resolve_checkpoint
@@ -36,7 +48,7 @@ from .identity import HostIdentity
 from .loading import bytes_done, load_part, load_parts, loaders_of, wait_for_parts
 from .membership import MemberInfo, decide, member_info, plan_for
 from .plecheckpoint import PLECheckpointPlan, resolve_ple
-from .request import CreateRequest
+from .request import CreateRequest, shard_key
 from .steps import attempt, every, lead, raise_failures, raise_unless, step_hook, unless_failed
 
 log = logging.getLogger(__name__)
@@ -140,7 +152,7 @@ def share(grp: Group, req: CreateRequest, members: list[MemberInfo], directory: 
     leader = grp.rank == 0
     held = _Held()
     try:
-        path, plan, cooperative = lead(grp, "create", lambda: create_file(
+        where, plan, cooperative = lead(grp, "create", lambda: create_file(
             held, req, members, directory))
         mark = time.perf_counter()
         cpus = reader_cpus(plan, req.topology)
@@ -150,7 +162,7 @@ def share(grp: Group, req: CreateRequest, members: list[MemberInfo], directory: 
                            cooperative and checkpoint is not None)
         part = parts[grp.rank]
         _, outcomes = every(grp, "map", lambda: map_file(
-            held, leader, path, directory, req, writable=part[1] > part[0]))
+            held, leader, where, directory, req, writable=part[1] > part[0]))
         raise_failures(outcomes, grp.ranks, "map")
         unlink(held, leader)
         held.phases["map"] = time.perf_counter() - mark - held.phases.get("register", 0.0)
@@ -174,25 +186,42 @@ def share(grp: Group, req: CreateRequest, members: list[MemberInfo], directory: 
                  leader, plan, held.report, held.registration, cpus, dict(held.phases))
 
 
+def handed_over(req: CreateRequest, directory: str | None) -> bool:
+    """Whether a group's table is a memfd its members hand over (4 KiB
+    pages: ``directory`` is then the hand-over sockets' root) rather than a
+    file in ``directory`` (huge pages: a hugetlbfs mount)."""
+    return directory is not None and not hugepages.is_huge(req.page_size)
+
+
 def create_file(held: _Held, req: CreateRequest, members: list[MemberInfo],
                 directory: str | None) -> tuple[str, PlacementPlan | None, bool]:
-    """Leader: the file planned, created, sized, mapped, bound, populated,
-    verified; its path, the plan and whether loading is cooperative."""
+    """Leader: the table planned, created, sized, mapped, bound, populated,
+    verified; where the members get it (its hand-over socket, or its path),
+    the plan and whether loading is cooperative."""
     plan = plan_for(req.options.placement, req.layout, members, req.topology)
-    backing = BackingFile.create(req.layout, req.spec.fingerprint, directory=directory,
+    memfd = handed_over(req, directory)
+    backing = BackingFile.create(req.layout, req.spec.fingerprint,
+                                 directory=None if memfd else directory,
                                  placement=plan, topology=req.topology, key=req.key,
                                  threads=req.load_threads, phases=held.phases)
     held.backing = backing
     held.report = verify(backing.mapping, plan) if plan is not None else None
+    if memfd:
+        assert directory is not None  # (handed_over)
+        return backing.hand_over(fdhandover.new_directory(directory)), plan, req.shared_load
     return backing.path, plan, req.shared_load
 
 
-def map_file(held: _Held, leader: bool, path: str, directory: str | None,
+def map_file(held: _Held, leader: bool, where: str, directory: str | None,
              req: CreateRequest, writable: bool) -> None:
-    """Every member maps the leader's file and registers it for its GPU."""
-    if not leader:
+    """Every member maps the leader's table and registers it for its GPU; a
+    memfd's members hand it over too from now on."""
+    if not leader and handed_over(req, directory):
+        held.backing = peer_receive(where, req, writable)
+        held.backing.hand_over(os.path.dirname(where))
+    elif not leader:
         # by basename in our own directory: a container may mount the tmpfs elsewhere
-        mine = os.path.join(directory or "", os.path.basename(path))
+        mine = os.path.join(directory or "", os.path.basename(where))
         held.backing = peer_attach(mine, req, writable)
     if req.options.register_device is not None:
         started = time.perf_counter()
@@ -208,17 +237,43 @@ def unlink(held: _Held, leader: bool) -> None:
     step_hook("after-unlink")
 
 
-def peer_attach(path: str, req: CreateRequest, writable: bool = False) -> BackingFile:
-    """A peer's mapping of the leader's file, after the checks a peer
-    makes; writable only for a member that loads a part (sealed once
-    loaded)."""
+def peer_attach(path: str | None, req: CreateRequest, writable: bool = False,
+                fd: int | None = None, owner_uid: int | None = None) -> BackingFile:
+    """A peer's mapping of the leader's file (by ``path``, or a descriptor
+    of it), after the checks a peer makes; writable only for a member that
+    loads a part (sealed once loaded)."""
     layout = req.layout
-    backing = BackingFile.attach(path, fingerprint=req.spec.fingerprint,
+    backing = BackingFile.attach(path, fd=fd, fingerprint=req.spec.fingerprint,
                                  file_size=layout.file_size, key=req.key, writable=writable,
-                                 layout_for=lambda _page: layout)
+                                 layout_for=lambda _page: layout, owner_uid=owner_uid)
     # map the pages now (cheap, no copy) so reads do not fault one by one
     native.madvise(backing.mapping, native.MADV_POPULATE_READ)
     return backing
+
+
+def peer_receive(socket_path: str, req: CreateRequest, writable: bool) -> BackingFile:
+    """A member's mapping of the leader's memfd, received at the leader's
+    hand-over socket, after the checks a peer makes."""
+    fd, owner = fdhandover.receive(os.path.dirname(socket_path), table_request(req.spec, req.key,
+                                   req.page_size), req.options.timeout_s, only=socket_path)
+    try:
+        return peer_attach(None, req, writable, fd=fd, owner_uid=owner)
+    finally:
+        os.close(fd)  # the backing holds its own duplicate
+
+
+def table_request(spec: TableFamily, key: ShardKey, page_size: int) -> TableRequest:
+    """What a holder is asked for: the table service's request for it."""
+    return TableRequest(spec.fingerprint, key, page_size)
+
+
+def late_descriptor(spec: TableFamily, layer_id: int, shard: ShardInfo, page_size: int,
+                    directory: str, timeout_s: float) -> tuple[int, int]:
+    """(a descriptor of a READY table its group's members hand over at
+    ``directory``, the holder's uid), for a process that was not in the
+    create: from any holder still alive."""
+    return fdhandover.receive(directory, table_request(spec, shard_key(layer_id, shard),
+                                                      page_size), timeout_s)
 
 
 def register(backing: BackingFile, device: int) -> Any:

@@ -23,6 +23,7 @@ from ..errors import (
     StorageError,
 )
 from ..histogram import Histogram
+from ..host.hugepages import parse_page_size
 from ..host.topology import Topology, current_node
 from ..literals import DEFAULT_DIRECTORY, CreateMode, IdFormat, PageSize
 from ..lookup.outputs import PreparedOutput
@@ -76,6 +77,9 @@ class SharedEngramTable:
         self.fallback_reason = built.fallback_reason
         lookup_cpus = built.lookup_cpus
         self.path = backing.path
+        # where a process that was not in the create attaches (peers=): the
+        # hand-over directory of a 4 KiB dp_shared table, else None
+        self.handover = backing.handover_directory
         self.backing_bytes = backing.layout.file_size
         self.weights = backing.region("weights").reshape(shard.num_rows, spec.head_dim)
         self.scales = backing.region("scales").reshape(shard.num_rows, spec.scales_per_row)
@@ -148,9 +152,9 @@ class SharedEngramTable:
     @classmethod
     def attach(cls, spec: EngramSpec, layer_id: int, shard: ShardInfo, *,
                path: str | None = None, fd: int | None = None, service: str | None = None,
-               node: int | None = None, page_size: PageSize | int = "4K",
-               register_device: int | None = None, timeout_s: float = 10.0,
-               service_uids: Sequence[int] | None = None,
+               peers: str | None = None, node: int | None = None,
+               page_size: PageSize | int = "4K", register_device: int | None = None,
+               timeout_s: float = 10.0, service_uids: Sequence[int] | None = None,
                allow_unsealed: bool | None = None) -> SharedEngramTable:
         """Map a READY table handed over outside a group, read-only, after
         the same checks a peer makes (spec, size, layer and shard): by its
@@ -158,7 +162,10 @@ class SharedEngramTable:
         or from the table service listening on ``service`` (its socket
         path: ``numa-engram serve``), which hands over the descriptor of
         this spec, layer, shard and ``page_size`` (its copy on ``node``,
-        default the node this thread runs on, when it holds one per node).
+        default the node this thread runs on, when it holds one per node),
+        or from any process still holding a 4 KiB dp_shared table at its
+        hand-over directory ``peers`` (a member's ``table.handover``): this
+        process then holds it too, and hands it over in turn until close.
         ``register_device``: pin the mapping for zero-copy reads by that GPU.
         No per-byte work but the registration: O(1) in the table's size.
         A service is believed only when it runs as our uid, root or one of
@@ -166,8 +173,8 @@ class SharedEngramTable:
         writes, growth and shrinking unless ``allow_unsealed`` (defaults:
         ``NUMA_ENGRAM_SERVICE_UIDS``, ``NUMA_ENGRAM_ALLOW_UNSEALED``)."""
         check_shard(spec, layer_id, shard)
-        if sum(x is not None for x in (path, fd, service)) != 1:
-            raise ValueError("give exactly one of path=, fd= or service=")
+        if sum(x is not None for x in (path, fd, service, peers)) != 1:
+            raise ValueError("give exactly one of path=, fd=, service= or peers=")
         started = time.perf_counter()
         here = current_node(Topology.detect())  # read once: the service's copy and our record
         received, owner_uid, mode = None, None, "attached"
@@ -177,6 +184,10 @@ class SharedEngramTable:
                                                      here if node is None else node, page_size,
                                                      timeout_s, trust)
             fd, mode = received, "service"
+        elif peers is not None:
+            received, owner_uid = protocol.late_descriptor(
+                spec, layer_id, shard, parse_page_size(page_size), peers, timeout_s)
+            fd, mode = received, "dp_shared"
         try:
             backing = BackingFile.attach(path, fd=fd, fingerprint=spec.fingerprint,
                                          key=shard_key(layer_id, shard), owner_uid=owner_uid,
@@ -189,6 +200,8 @@ class SharedEngramTable:
             if backing.state != STATE_READY:
                 raise StorageError(f"table {backing.path} is not READY (its creator has not "
                                    "finished loading it); attach after create() returned")
+            if peers is not None:
+                backing.hand_over(peers)  # a holder now: the table lives while any does
             phases = {"attach": time.perf_counter() - started}
             if register_device is not None:
                 mark = time.perf_counter()

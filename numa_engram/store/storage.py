@@ -29,6 +29,7 @@ from ..host import hugepages, procfs
 from ..host.accounting import check_memory
 from ..host.topology import Topology
 from ..literals import DEFAULT_DIRECTORY
+from . import fdhandover, serviceclient
 from .chunks import for_each_chunk
 from .directories import check_directory_room, check_shmem_thp
 from .fileformat import (
@@ -82,6 +83,7 @@ class BackingFile:
         self.mapping = mapping
         self.owner = owner
         self.unlinked = False
+        self._holder: fdhandover.Holder | None = None
 
     # ---------------------------------------------------------- create --
     @classmethod
@@ -225,6 +227,45 @@ class BackingFile:
         r = self.layout.region(name)
         return self.mapping.array(r.offset, r.length)
 
+    # -------------------------------------------------------- hand-over --
+    def hand_over(self, directory: str) -> str:
+        """Hand this table's descriptor to whoever of our uid (or root) asks
+        at a socket of this process's in ``directory`` (fdhandover), until
+        close; the socket's path."""
+        if self._holder is None:
+            answer = weakref.WeakMethod(self._hand_out)  # the socket keeps no table alive
+
+            def hand_out(request: serviceclient.TableRequest) -> tuple[dict, int | None]:
+                method = answer()
+                if method is None:
+                    return fdhandover.refusal("no_such_table", "the table was closed"), None
+                return method(request)
+            self._holder = fdhandover.Holder(directory, hand_out)
+            weakref.finalize(self, self._holder.close)
+        return self._holder.path
+
+    @property
+    def handover_directory(self) -> str | None:
+        """Where a late process gets this table (``hand_over``), or None."""
+        return None if self._holder is None else self._holder.directory
+
+    def _hand_out(self, request: serviceclient.TableRequest) -> tuple[dict, int | None]:
+        """A new descriptor for a request naming this table: read-write
+        while it loads (the members' loaders map it writable), read-only
+        once READY."""
+        header = self.read_header()
+        asked = (request.fingerprint, request.key, request.page_size)
+        if asked != (header.fingerprint, header.key, self.layout.page_size):
+            return fdhandover.refusal(
+                "mismatch", f"this socket hands over {header.key} of spec "
+                f"{header.fingerprint.hex()[:16]} on {self.layout.page_size}-byte pages; asked "
+                f"for {request.key} of spec {request.fingerprint.hex()[:16]} on "
+                f"{request.page_size}-byte pages"), None
+        ready = header.state == STATE_READY
+        fd = read_only_descriptor(self.fd) if ready else os.dup(self.fd)
+        return {"ok": True, "table": {"state": header.state,
+                                      "bytes": self.layout.file_size}}, fd
+
     # ------------------------------------------------------------- end --
     def unlink(self) -> None:
         """Remove the path; the mappings keep the memory alive."""
@@ -239,7 +280,10 @@ class BackingFile:
         native.madvise(self.mapping, native.MADV_POPULATE_WRITE, offset + start, length)
 
     def close(self) -> None:
-        """Unmap and close (idempotent).  The creator also unlinks."""
+        """Stop handing over, unmap and close (idempotent).  The creator
+        also unlinks."""
+        if self._holder is not None:
+            self._holder.close()
         if self.owner:
             self.unlink()
         self.mapping.close()  # idempotent; the object stays, closed

@@ -1,0 +1,265 @@
+"""dp_shared on 4 KiB pages without /dev/shm: the table is a memfd its
+holders hand over at Unix sockets in a 0700 directory (store/fdhandover.py),
+so a container's 64 MiB /dev/shm shares a table of any size, a late process
+gets it from any holder still alive, and it dies with its last holder."""
+
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+
+import numpy as np
+import pytest
+
+from numa_engram import SharedEngramTable, shard_heads
+from numa_engram.errors import ServiceRefusal, StorageError
+from numa_engram.sharing.synthetic import synthetic_layer, write_synthetic_checkpoint
+from numa_engram.store import fdhandover, serviceclient
+
+from . import memfd_scenarios as scenarios
+from .conftest import shm_files
+from .dist_harness import run_world
+from .dist_scenarios import LAYER, make_spec
+from .threadworld import run_threads
+
+ROOT = os.geteuid() == 0
+SHM_MIB = 64
+# 8 heads x ~96k rows x 132 B: a ~97 MiB table, above a 64 MiB /dev/shm
+BIG_ROWS_PER_HEAD = 96_000
+
+
+@pytest.fixture
+def runtime_dir(monkeypatch):
+    """A hand-over root of this test's own (ranks take the environment):
+    what is left in it is this test's.  Short: a socket's path is at most
+    107 bytes, and pytest's tmp_path is long."""
+    root = tempfile.mkdtemp(prefix="ne-run-", dir="/tmp")
+    monkeypatch.setenv(fdhandover.ROOT_ENV, root)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def small_shm(tmp_path):
+    """A 64 MiB tmpfs, Docker's default /dev/shm, for the ranks to mount there."""
+    if not ROOT:
+        pytest.skip("needs root to mount a 64 MiB tmpfs and give each rank a mount namespace "
+                    "with it at /dev/shm")
+    mnt = tmp_path / "shm64"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SHM_MIB}m,mode=1777", "tmpfs",
+                           str(mnt)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    yield str(mnt)
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "engram.safetensors"
+    return str(write_synthetic_checkpoint(path, make_spec(1000)))
+
+
+def _ok(results):
+    for r in results:
+        assert r["ok"], f"rank {r['rank']}: {r.get('traceback') or r}"
+
+
+@pytest.mark.multiproc
+def test_a_table_above_a_64_mib_dev_shm_is_one_copy_by_pss(small_shm, runtime_dir):
+    """Four processes, each with a 64 MiB tmpfs at /dev/shm (a container's
+    default), share one ~97 MiB table: the sum of their PSS is one copy,
+    every member reads the leader's rows, and /dev/shm holds nothing."""
+    world = 4
+    results = run_world(world, scenarios.one_copy, rows_per_head=BIG_ROWS_PER_HEAD,
+                        hosts=[(small_shm, "container", "/dev/shm")] * world, timeout_s=240)
+    _ok(results)
+    one = results[0]["backing_bytes"]
+    assert one > SHM_MIB << 20
+    pss = sum(r["pss"] for r in results)
+    print(f"\n{world} members, /dev/shm {SHM_MIB} MiB: one copy {one / 2**20:.1f} MiB, sum of "
+          f"PSS {pss / 2**20:.1f} MiB ({pss / one:.3f} copies)")
+    assert abs(pss - one) <= 0.05 * one, (pss, one)
+    for r in results:
+        assert r["mode"] == "dp_shared" and r["shm_total"] == SHM_MIB << 20, r
+        assert not r["shm_names"], "nothing may be made in /dev/shm"
+    assert len({r["digest"] for r in results}) == 1
+    assert not os.listdir(runtime_dir), "the last holder removes the hand-over directory"
+
+
+@pytest.mark.multiproc
+def test_a_late_member_joins_and_the_killed_creator_leaves_nothing(small_shm, runtime_dir,
+                                                                    checkpoint):
+    """World ranks 1-3 share a table (rank 1 creates it) with a 64 MiB
+    /dev/shm; rank 1 is SIGKILLed: ranks 2 and 3 go on serving exact rows,
+    rank 0 joins late from the hand-over directory (past the dead creator's
+    socket) and, the last holder, leaves no directory, socket or file."""
+    before = shm_files()
+    results = run_world(4, scenarios.late_member_and_killed_creator, checkpoint=checkpoint,
+                        hosts=[(small_shm, "container", "/dev/shm")] * 4, timeout_s=120)
+    assert results[1]["exitcode"] == -9, results[1]
+    for r in (results[0], results[2], results[3]):
+        assert r["ok"], f"rank {r['rank']}: {r.get('traceback') or r}"
+    for r in results[2:]:
+        assert r["creator_dead"] and r["serving_exact"], r
+    late = results[0]
+    assert late["creator_dead_before_join"] and late["late_exact"], late
+    assert late["late_mode"] == "dp_shared" and late["late_serves"], late
+    assert late["dir_kept_by_last_holder"] and late["dir_gone_after_last"], late
+    assert not os.listdir(runtime_dir), "no hand-over directory or socket is left"
+    assert shm_files() == before and not os.listdir(small_shm)
+
+
+# ------------------------------------------------ in one process (threads) --
+
+def _shared(world_size, runtime_dir, checkpoint=None):
+    """A 4 KiB dp_shared table of ``world_size`` thread members; their
+    tables (the caller closes them)."""
+    spec = make_spec(1000)
+    shard = shard_heads(spec.bucket_sizes(LAYER), 1, 0)
+    tables = {}
+
+    def member(rank, world):
+        tables[rank] = SharedEngramTable.create(spec, LAYER, shard, mode="dp_shared",
+                                                group=world.group(rank, 10),
+                                                checkpoint=checkpoint)
+        return {}
+    for r in run_threads(world_size, member):
+        assert r["ok"], r
+    return spec, shard, [tables[r] for r in range(world_size)]
+
+
+def test_members_hold_a_memfd_and_each_hands_it_over_at_a_0600_socket_in_a_0700_directory(
+        runtime_dir, checkpoint):
+    before = shm_files()
+    spec, shard, tables = _shared(3, runtime_dir, checkpoint)
+    try:
+        directory = tables[0].handover
+        assert os.path.dirname(directory) == runtime_dir
+        assert {t.handover for t in tables} == {directory}
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+        sockets = fdhandover.holders(directory)
+        assert len(sockets) == 3  # one per holder
+        assert all(stat.S_IMODE(os.stat(s).st_mode) == 0o600 for s in sockets)
+        assert tables[0].path.startswith("memfd:") and shm_files() == before
+        w, s = synthetic_layer(spec, LAYER)
+        assert all(np.array_equal(t.weights, w) and np.array_equal(t.scales, s) for t in tables)
+    finally:
+        for t in tables:
+            t.close()
+    assert not os.listdir(runtime_dir), "the last holder removes the directory"
+
+
+def test_a_late_attach_gets_a_read_only_descriptor_and_holds_the_table_after_the_group(
+        runtime_dir, checkpoint):
+    spec, shard, tables = _shared(2, runtime_dir, checkpoint)
+    directory = tables[0].handover
+    late = SharedEngramTable.attach(spec, LAYER, shard, peers=directory)
+    for t in tables:
+        t.close()
+    try:
+        assert late.mode == "dp_shared" and late.handover == directory
+        assert fdhandover.holders(directory) and os.path.isdir(directory)
+        assert os.fstat(late._backing.fd) and \
+            (os.readlink(f"/proc/self/fd/{late._backing.fd}").startswith("/memfd:"))
+        flags = int(open(f"/proc/self/fdinfo/{late._backing.fd}").read().split("flags:")[1]
+                    .split()[0], 8)
+        assert flags & os.O_ACCMODE == os.O_RDONLY, "a READY table is handed over read-only"
+        assert np.array_equal(late.weights, synthetic_layer(spec, LAYER)[0])
+        # and a second late process gets it from the first, the group gone
+        again = SharedEngramTable.attach(spec, LAYER, shard, peers=directory)
+        assert np.array_equal(again.weights, late.weights)
+        again.close()
+    finally:
+        late.close()
+    assert not os.path.exists(directory)
+    with pytest.raises(StorageError, match="does not exist: no process holds the table"):
+        SharedEngramTable.attach(spec, LAYER, shard, peers=directory)
+
+
+def test_a_late_attach_for_another_shard_is_refused_naming_both(runtime_dir):
+    spec, shard, tables = _shared(2, runtime_dir)
+    other = shard_heads(spec.bucket_sizes(LAYER), 2, 1)
+    try:
+        with pytest.raises(ServiceRefusal, match="heads \\[0, 8\\).*asked for.*heads \\[4, 8\\)") \
+                as exc:
+            SharedEngramTable.attach(spec, LAYER, other, peers=tables[0].handover)
+        assert exc.value.reason == "mismatch"
+    finally:
+        for t in tables:
+            t.close()
+
+
+def test_a_hand_over_directory_others_may_enter_is_refused(runtime_dir):
+    spec, shard, tables = _shared(2, runtime_dir)
+    directory = tables[0].handover
+    try:
+        os.chmod(directory, 0o711)
+        with pytest.raises(StorageError, match="mode 0711; a hand-over directory must be ours"):
+            SharedEngramTable.attach(spec, LAYER, shard, peers=directory)
+    finally:
+        os.chmod(directory, 0o700)
+        for t in tables:
+            t.close()
+
+
+def _as_nobody(sock, request):
+    """Connect to ``sock`` as uid 65534 in a forked child and ask for the
+    table: what it got (a refusal's reason and how many descriptors), or
+    the error it met."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: plain sockets, no torch
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            answer, fds, _ = serviceclient.ask(sock, request.to_dict())
+            os.write(write, f"{answer.get('reason', 'answered')} fds={len(fds)}".encode())
+        except BaseException as exc:
+            os.write(write, f"error {exc}".encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as fh:
+        return fh.read()
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root to connect as another uid (65534)")
+def test_a_stranger_uid_gets_nothing_even_where_the_modes_let_it_connect(monkeypatch):
+    walkable = tempfile.mkdtemp(prefix="engram-uid-", dir="/tmp")  # uid 65534 walks to it
+    os.chmod(walkable, 0o755)
+    monkeypatch.setenv(fdhandover.ROOT_ENV, walkable)
+    spec, shard, tables = _shared(2, walkable)
+    directory = tables[0].handover
+    sock = fdhandover.holders(directory)[0]
+    request = serviceclient.TableRequest(spec.fingerprint, tables[0]._backing.header.key, 4096)
+    try:
+        got = _as_nobody(sock, request)
+        assert got.startswith("error") and "permission denied" in got, got  # 0700 keeps it out
+        os.chmod(directory, 0o711)
+        os.chmod(sock, 0o666)  # opened up: the peer's credentials still refuse it
+        assert _as_nobody(sock, request) == "refused fds=0"
+    finally:
+        os.chmod(directory, 0o700)
+        for t in tables:
+            t.close()
+        os.rmdir(walkable)  # (empty: the last holder removed its directory)
+
+
+def test_directory_none_still_asks_for_private_copies(runtime_dir):
+    spec = make_spec(200)
+    shard = shard_heads(spec.bucket_sizes(LAYER), 1, 0)
+
+    def member(rank, world):
+        t = SharedEngramTable.create(spec, LAYER, shard, mode="auto", directory=None,
+                                     group=world.group(rank, 10))
+        try:
+            return {"mode": t.mode, "handover": t.handover, "why": t.fallback_reason}
+        finally:
+            t.close()
+    for r in run_threads(2, member):
+        assert r["ok"] and r["mode"] == "independent" and r["handover"] is None, r
+        assert "directory=None asks for private memfd copies" in r["why"]
+    assert not os.listdir(runtime_dir)
