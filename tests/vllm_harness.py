@@ -1,19 +1,24 @@
-"""vLLM 0.31.0's DeepSeek V4.1 Engram modules, loaded from vLLM's own wheel
-under stub modules for the ``vllm.*`` names they import, so that every line
-of vLLM's that runs is vLLM's (its lookup kernel under Triton's interpreter
-on CPU tensors).
+"""vLLM's DeepSeek V4.1 Engram and Qwen4-Exp PLE modules, loaded from vLLM's
+own wheel (0.31.0 by default, or any release in ``RELEASES``) under stub
+modules for the ``vllm.*`` names they import, so that every line of vLLM's
+that runs is vLLM's (its lookup kernel under Triton's interpreter on CPU
+tensors).
 
-The wheel is fetched once (``pip download --no-deps vllm==0.31.0``) and the
-few files used are kept in ``$NUMA_ENGRAM_VLLM_CACHE`` (default
-``~/.cache/numa_engram/vllm-0.31.0``); a test that cannot have it is skipped
+A release's wheel is fetched once (``pip download --no-deps vllm==X``) and
+the few files used are kept in ``$NUMA_ENGRAM_VLLM_CACHE`` (the default
+release's directory, default ``~/.cache/numa_engram/vllm-0.31.0``; other
+releases beside it as ``vllm-X``); a test that cannot have it is skipped
 with the reason.  The stubs stand in for what this machine lacks (a GPU: a
-device's SM count, UVA views as the CPU tensors themselves) and for vLLM's
-process-group plumbing, which they back with real torch.distributed gloo
-groups; the config is a plain namespace with the fields the modules read.
+device's SM count, UVA views as the CPU tensors themselves, no NVLink
+peers) and for vLLM's process-group plumbing, which they back with real
+torch.distributed gloo groups; the config is a plain namespace with the
+fields the modules read.  ``release(version)`` loads one release's modules
+in a process that may have loaded another (``sys.modules`` restored after).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -22,49 +27,68 @@ import sys
 import tempfile
 import types
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 
-VERSION = "0.31.0"
-FILES = ("vllm/models/deepseek_v41/common/engram.py",
-         "vllm/models/deepseek_v41/nvidia/engram.py",
-         "vllm/models/deepseek_v41/nvidia/vl_model.py",
-         "vllm/model_executor/models/utils.py",
-         "vllm/models/qwen4_exp/common/ple.py",
-         "vllm/models/qwen4_exp/common/ngram_embedding.py",
-         "vllm/models/qwen4_exp/nvidia/ngram_embedding.py",
-         "vllm/models/qwen4_exp/nvidia/ops/ple.py",
-         "vllm/models/qwen4_exp/config.py",
-         "vllm/model_executor/layers/vocab_parallel_embedding.py")
+VERSION = "0.31.0"  # the default release (the plugin's tests)
+_V41 = "vllm/models/deepseek_v41/"
+_QWEN = "vllm/models/qwen4_exp/"
+_SHARED = (_V41 + "nvidia/vl_model.py",
+           "vllm/model_executor/models/utils.py",
+           _QWEN + "common/ple.py",
+           _QWEN + "common/ngram_embedding.py",
+           _QWEN + "nvidia/ngram_embedding.py",
+           "vllm/model_executor/layers/vocab_parallel_embedding.py")
+# each release's files the harness loads (0.32 merged nvidia/engram.py into
+# common/engram.py and moved the PLE kernels to common/ops/; 0.34 added the
+# host-NUMA table module, imported on CUDA only: kept for reading)
+RELEASES = {
+    "0.31.0": (_V41 + "common/engram.py", _V41 + "nvidia/engram.py",
+               _QWEN + "nvidia/ops/ple.py", _QWEN + "config.py", *_SHARED),
+    "0.32.0": (_V41 + "common/engram.py", _QWEN + "common/ops/ple.py", *_SHARED),
+    "0.33.0": (_V41 + "common/engram.py", _QWEN + "common/ops/ple.py", *_SHARED),
+    "0.34.0": (_V41 + "common/engram.py", _QWEN + "common/ops/ple.py",
+               _V41 + "nvidia/ops/engram_host_table.py", *_SHARED),
+}
+FILES = RELEASES[VERSION]
 NV = "vllm.models.deepseek_v41.nvidia.engram"
 COMMON = "vllm.models.deepseek_v41.common.engram"
 
 
-def cache_dir() -> Path:
+def merged(version: str) -> bool:
+    """Whether the release keeps V4.1's NVIDIA Engram code in common/engram.py."""
+    return _V41 + "nvidia/engram.py" not in RELEASES[version]
+
+
+def cache_dir(version: str = VERSION) -> Path:
     default = Path.home() / ".cache" / "numa_engram" / f"vllm-{VERSION}"
-    return Path(os.environ.get("NUMA_ENGRAM_VLLM_CACHE", default))
+    base = Path(os.environ.get("NUMA_ENGRAM_VLLM_CACHE", default))
+    return base if version == VERSION else base.parent / f"vllm-{version}"
 
 
-def wheel_sources() -> tuple[Path | None, str]:
-    """(the directory holding vLLM's files, "") or (None, why not)."""
-    root = cache_dir()
-    if all((root / f).is_file() for f in FILES):
+def wheel_sources(version: str = VERSION) -> tuple[Path | None, str]:
+    """(the directory holding the release's files, "") or (None, why not)."""
+    if version not in RELEASES:
+        return None, f"vLLM {version} is not a release the harness knows ({', '.join(RELEASES)})"
+    root = cache_dir(version)
+    if all((root / f).is_file() for f in RELEASES[version]):
         return root, ""
     with tempfile.TemporaryDirectory() as tmp:
         try:
             got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                                  f"vllm=={VERSION}", "-d", tmp], capture_output=True,
+                                  f"vllm=={version}", "-d", tmp], capture_output=True,
                                  text=True, timeout=900, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
-            return None, f"vLLM {VERSION}'s wheel cannot be had here ({exc})"
+            return None, f"vLLM {version}'s wheel cannot be had here ({exc})"
         wheels = list(Path(tmp).glob("vllm-*.whl"))
         if got.returncode or not wheels:
-            return None, (f"vLLM {VERSION}'s wheel cannot be had here (pip download: "
+            return None, (f"vLLM {version}'s wheel cannot be had here (pip download: "
                           f"{(got.stderr or got.stdout).strip()[-300:]})")
         with zipfile.ZipFile(wheels[0]) as wheel:
-            for name in FILES:
+            for name in RELEASES[version]:
                 (root / name).parent.mkdir(parents=True, exist_ok=True)
                 (root / name).write_bytes(wheel.read(name))
     return root, ""
@@ -141,7 +165,7 @@ def _module(name: str, **attrs: object) -> types.ModuleType:
     return module
 
 
-def install_stubs() -> None:
+def install_stubs(version: str = VERSION) -> None:
     import torch
     import triton
     import triton.language as tl
@@ -149,7 +173,7 @@ def install_stubs() -> None:
     def tp_all_gather(tensor, dim=-1):
         return State.tp.all_gather(tensor, dim=dim) if State.tp else tensor
 
-    _module("vllm", __version__=VERSION)
+    _module("vllm", __version__=version)
     _module("vllm.config", get_current_vllm_config=lambda: State.config, VllmConfig=object)
     _module("vllm.distributed",
             get_tensor_model_parallel_rank=lambda: State.tp.rank_in_group if State.tp else 0,
@@ -159,20 +183,35 @@ def install_stubs() -> None:
             get_dp_group=lambda: State.dp, get_engram_dp_group=lambda: State.edp,
             get_engram_dp_size=lambda: State.edp.world_size if State.edp else 1)
     _module("vllm.distributed.device_communicators.shm_broadcast", SHM_PATH="/dev/shm",
-            check_shm_free_space=lambda n: None)
-    _module("vllm.distributed.parallel_state", GroupCoordinator=Coordinator)
-    _module("vllm.forward_context", get_forward_context=lambda: State.forward)
+            check_shm_free_space=check_shm_free_space)
+    _module("vllm.distributed.parallel_state", GroupCoordinator=Coordinator,
+            in_the_same_node_as=in_the_same_node_as)
+    _module("vllm.forward_context", get_forward_context=lambda: State.forward,
+            is_forward_context_available=lambda: False)
     _module("vllm.logger", init_logger=_init_logger)
-    _module("vllm.model_executor.utils", set_weight_attrs=set_weight_attrs)
+    _module("vllm.model_executor.utils", set_weight_attrs=set_weight_attrs,
+            copy_weight_=copy_weight_)
     _module("vllm.model_executor.layers.linear", ColumnParallelLinear=object)
     _module("vllm.model_executor.layers.quantization", QuantizationConfig=object)
     _module("vllm.triton_utils", tl=tl, triton=triton)
     _module("vllm.compilation.breakable_cudagraph", eager_break_during_capture=lambda f: f)
     _module("vllm.utils.platform_utils", is_uva_available=lambda: True)
     _module("vllm.utils.torch_utils", get_accelerator_view_from_cpu_tensor=lambda t: t)
+    _module("vllm.utils.cpu_resource_utils", get_available_memory=available_memory)
     _module("vllm.platforms", current_platform=SimpleNamespace(
         is_rocm=lambda: False, is_cuda_alike=lambda: True, is_arch_support_pdl=lambda: False,
-        simple_compile_backend="eager"))
+        simple_compile_backend="eager",
+        # the CUDA-only steps of 0.32+ (GB200 lookup thresholds, cuMem host
+        # tables, NVLink peer rows, integrated-GPU copies) are not this machine
+        is_cuda=lambda: False, is_device_capability_family=lambda *a, **k: False,
+        is_integrated_gpu=lambda *a, **k: False, is_fully_connected=lambda ids: False,
+        visible_device_id_to_physical_device_id=lambda index: index))
+    # names 0.32+'s common/engram.py imports for code the harness never runs
+    # (the packed-FP8 staging's quantised activations)
+    for name in ("vllm.model_executor.layers.fusion.quant_activation",
+                 "vllm.model_executor.layers.quantization.utils.quant_utils",
+                 "vllm.models.deepseek_v41.common.ops.query_quant"):
+        _open(name)
     for package in ("vllm.models", "vllm.models.deepseek_v41",
                     "vllm.models.deepseek_v41.common", "vllm.models.deepseek_v41.nvidia"):
         _module(package)
@@ -180,6 +219,47 @@ def install_stubs() -> None:
         torch.cuda.get_device_properties = lambda *a, **k: SimpleNamespace(
             multi_processor_count=4)
         torch.accelerator.current_device_index = lambda: 0
+
+
+def check_shm_free_space(num_bytes: int, allocation_name: str = "shared memory") -> None:
+    """vLLM's check that /dev/shm has room for an allocation."""
+    st = os.statvfs("/dev/shm")
+    free = st.f_bavail * st.f_frsize
+    if free < num_bytes:
+        raise ValueError(f"{allocation_name} need {num_bytes} bytes of /dev/shm, "
+                         f"{free} are free")
+
+
+def in_the_same_node_as(pg: object, source_rank: int = 0) -> list[bool]:
+    """vLLM's per-rank "same node as source_rank": every rank of the harness
+    is a process of this machine."""
+    import torch.distributed as dist
+
+    del source_rank
+    return [True] * dist.get_world_size(pg)
+
+
+def available_memory() -> int:
+    """Host memory available (MemAvailable), as vLLM 0.34's check reads it."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/meminfo has no MemAvailable")
+
+
+def copy_weight_(dst, src):
+    """vLLM 0.34's copy for weight loaders: off integrated GPUs, ``copy_``."""
+    return dst.copy_(src)
+
+
+def is_fp8(x) -> bool:
+    """vLLM's fp8_utils.is_fp8."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        x = x.dtype
+    return x in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
 def load(root: Path, name: str, relative: str) -> types.ModuleType:
@@ -194,21 +274,49 @@ def load(root: Path, name: str, relative: str) -> types.ModuleType:
     return module
 
 
-def vllm_modules(root: Path) -> tuple[types.ModuleType, types.ModuleType]:
-    """(nvidia/engram.py, common/engram.py) of the wheel, under the stubs."""
-    install_stubs()
-    common = load(root, COMMON, "vllm/models/deepseek_v41/common/engram.py")
-    nv = load(root, NV, "vllm/models/deepseek_v41/nvidia/engram.py")
-    return nv, common
+def vllm_modules(root: Path, version: str = VERSION) -> tuple[types.ModuleType,
+                                                                 types.ModuleType]:
+    """(nvidia/engram.py, common/engram.py) of the release, under the stubs;
+    from 0.32 on, one module (common/engram.py) twice."""
+    install_stubs(version)
+    common = load(root, COMMON, _V41 + "common/engram.py")
+    if merged(version):
+        return common, common
+    return load(root, NV, _V41 + "nvidia/engram.py"), common
+
+
+@contextlib.contextmanager
+def isolated() -> Iterator[None]:
+    """Load a release in a process that may hold another's modules: the
+    ``vllm`` (and stand-in ``transformers``) modules and the stubs' State as
+    they were before, once the block ends."""
+    def ours(name: str) -> bool:
+        return name.split(".")[0] in ("vllm", "transformers")
+
+    saved = {name: module for name, module in sys.modules.items() if ours(name)}
+    state = dict(vars(State))
+    for name in saved:
+        del sys.modules[name]
+    try:
+        yield
+    finally:
+        for name in [name for name in sys.modules if ours(name)]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+        for key, value in state.items():
+            if not key.startswith("__"):
+                setattr(State, key, value)
 
 
 def config(model_dir: str, *, dp_shared: bool = False, additional: dict | None = None,
            load_format: str = "auto", use_thp: bool = False, cpu_offload: bool = True,
-           max_tokens: int = 64) -> SimpleNamespace:
-    """The fields of vLLM's config the Engram modules and the plugin read."""
+           max_tokens: int = 64, disk_offload: bool = False) -> SimpleNamespace:
+    """The fields of vLLM's config the Engram modules and the plugin read
+    (``disk_offload``: 0.34's, read by its Qwen4-Exp PLE code only)."""
     return SimpleNamespace(
         engram_config=SimpleNamespace(cpu_offload=cpu_offload, dp_shared_memory=dp_shared,
-                                      use_thp=use_thp, embedding_across_dp=False),
+                                      use_thp=use_thp, embedding_across_dp=False,
+                                      disk_offload=disk_offload),
         additional_config={"numa_engram": additional or {}},
         model_config=SimpleNamespace(model=model_dir),
         load_config=SimpleNamespace(load_format=load_format, download_dir=None),
@@ -390,10 +498,28 @@ def _divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-def ple_stubs(root: Path) -> types.ModuleType:
+def _round_up(x: int, y: int) -> int:
+    """vllm.utils.math_utils.round_up."""
+    return ((x + y - 1) // y) * y
+
+
+def _transformers(*names: str) -> None:
+    """Classes vLLM 0.32+ imports from ``transformers`` (Qwen4-Exp's config,
+    used as an annotation): transformers' own where it has them, else
+    stand-ins (a ``transformers`` stub where it is not installed)."""
+    try:
+        import transformers
+    except ImportError:
+        transformers = _module("transformers")
+    for name in names:
+        if not hasattr(transformers, name):
+            setattr(transformers, name, type(name, (), {}))
+
+
+def ple_stubs(root: Path, version: str = VERSION) -> types.ModuleType:
     """The stubs vLLM's qwen4_exp files import, and vLLM's own
     vocab_parallel_embedding.py (returned) that they build on."""
-    install_stubs()
+    install_stubs(version)
     distributed = sys.modules["vllm.distributed"]
     distributed.__dict__.update(
         divide=_divide, GroupCoordinator=Coordinator, get_etp_group=lambda: State.tp,
@@ -406,14 +532,23 @@ def ple_stubs(root: Path) -> types.ModuleType:
                  "vllm.model_executor.layers.quantization.utils.quant_utils",
                  "vllm.model_executor.layers.utils", "vllm.model_executor.parameter",
                  "vllm.model_executor.models.utils", "vllm.transformers_utils.configs.qwen4_exp",
-                 "vllm.v1.attention.backends.utils"):
+                 "vllm.v1.attention.backends.utils",
+                 # 0.32+: other quantisation configs (never this checkpoint's),
+                 # sequence parallelism, NVFP4 rows, GPU sync checks
+                 "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
+                 "vllm.model_executor.layers.quantization.inc",
+                 "vllm.model_executor.layers.quantization.quark.quark",
+                 "vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils",
+                 "vllm.models.common.ops.sequence_parallel", "vllm.utils.gpu_sync_debug"):
         _open(name)
+    _transformers("Qwen4ExpTextConfig")
+    _module("vllm.utils.math_utils", round_up=_round_up)
     _module("vllm.model_executor.custom_op", PluggableLayer=_pluggable_layer())
     _module("vllm.model_executor.layers.quantization.base_config",
             method_has_implemented_embedding=lambda cls: hasattr(cls, "embedding"))
     _module("vllm.model_executor.parameter", **_parameters())
     _module("vllm.model_executor.layers.quantization.utils.fp8_utils",
-            create_fp8_scale_parameter=_create_fp8_scale_parameter)
+            create_fp8_scale_parameter=_create_fp8_scale_parameter, is_fp8=is_fp8)
     platform = sys.modules["vllm.platforms"].current_platform
     platform.is_cuda = lambda: False
     _module("vllm.forward_context", DPMetadata=object)
@@ -424,21 +559,22 @@ def ple_stubs(root: Path) -> types.ModuleType:
     return vocab
 
 
-def ple_modules(root: Path) -> SimpleNamespace:
-    """vLLM 0.31.0's Qwen4-Exp PLE code under the stubs: ``nv``
+def ple_modules(root: Path, version: str = VERSION) -> SimpleNamespace:
+    """A release's Qwen4-Exp PLE code under the stubs: ``nv``
     (nvidia/ngram_embedding.py), ``common`` (common/ngram_embedding.py),
-    ``ple`` (common/ple.py),
-    ``ops`` (nvidia/ops/ple.py, its Triton kernels under the interpreter),
+    ``ple`` (common/ple.py), ``ops`` (the n-gram id kernels, under the
+    interpreter: nvidia/ops/ple.py in 0.31, common/ops/ple.py from 0.32),
     ``vocab`` (vocab_parallel_embedding.py)."""
-    vocab = ple_stubs(root)
+    vocab = ple_stubs(root, version)
+    ops_package = "common" if merged(version) else "nvidia"
     for package in ("vllm.models.qwen4_exp", "vllm.models.qwen4_exp.common",
-                    "vllm.models.qwen4_exp.nvidia", "vllm.models.qwen4_exp.nvidia.ops"):
+                    "vllm.models.qwen4_exp.nvidia", f"vllm.models.qwen4_exp.{ops_package}.ops"):
         _module(package)
-    ple = load(root, "vllm.models.qwen4_exp.common.ple", "vllm/models/qwen4_exp/common/ple.py")
+    ple = load(root, "vllm.models.qwen4_exp.common.ple", _QWEN + "common/ple.py")
     common = load(root, "vllm.models.qwen4_exp.common.ngram_embedding",
-                  "vllm/models/qwen4_exp/common/ngram_embedding.py")
-    ops = load(root, "vllm.models.qwen4_exp.nvidia.ops.ple",
-               "vllm/models/qwen4_exp/nvidia/ops/ple.py")
+                  _QWEN + "common/ngram_embedding.py")
+    ops = load(root, f"vllm.models.qwen4_exp.{ops_package}.ops.ple",
+               f"{_QWEN}{ops_package}/ops/ple.py")
     nv = load(root, "vllm.models.qwen4_exp.nvidia.ngram_embedding",
-              "vllm/models/qwen4_exp/nvidia/ngram_embedding.py")
+              _QWEN + "nvidia/ngram_embedding.py")
     return SimpleNamespace(nv=nv, common=common, ops=ops, vocab=vocab, ple=ple)
