@@ -8,12 +8,14 @@ import pytest
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 from numa_engram.errors import SpecMismatchError, StorageError, TopologyError
 from numa_engram.sharing.synthetic import synthetic_layer, write_synthetic_checkpoint
+from numa_engram.store import fdhandover
 from numa_engram.store.gc import gc_stale_files
 
 from . import dist_scenarios as scenarios
 from .conftest import shm_files
 from .dist_harness import run_world, same_failure
 from .dist_scenarios import make_spec
+from .test_memfd_sharing import runtime_dir  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.multiproc
 ROWS_PER_HEAD = 4000  # 8 heads x ~4000 rows x 132 B = ~4 MiB per layer
@@ -81,17 +83,19 @@ def test_peer_that_never_joins_times_out_everywhere_naming_it(tmp_path):
     assert not shm_files()
 
 
-def test_leader_killed_before_unlink_leaves_a_file_gc_removes(tmp_path):
+@pytest.mark.usefixtures("runtime_dir")
+def test_leader_killed_after_create_leaves_nothing_behind():
+    """The leader SIGKILLed once its memfd is made: the members fail alike,
+    no file is in /dev/shm for gc, and the members removed the dead leader's
+    socket and the hand-over directory."""
     before = shm_files()
     results = run_world(4, scenarios.leader_killed, timeout_s=90, pg_timeout_s=10)
     assert results[0]["exitcode"] == -9
     same_failure(results, "GroupTimeout", "did not complete", ranks={1, 2, 3})
     assert all(r["seconds"] < 10 + 10 for r in results[1:]), "no hang past the timeout"
-    left = shm_files() - before
-    assert len(left) == 1, "the killed leader's file is still there"
-    removed = [e for e in gc_stale_files() if e.removed]
-    assert [os.path.basename(e.path) for e in removed] == list(left)
     assert not shm_files() - before
+    assert not [e for e in gc_stale_files() if e.removed]
+    assert not os.listdir(os.environ[fdhandover.ROOT_ENV])
 
 
 @pytest.fixture
@@ -104,20 +108,15 @@ def small_tmpfs(tmp_path):
     os.system(f"umount {mnt}")
 
 
-def test_tmpfs_too_small_explicit_mode_fails_everywhere(tmp_path, small_tmpfs):
+@pytest.mark.usefixtures("runtime_dir")
+def test_a_tmpfs_too_small_no_longer_limits_a_4k_dp_shared_table(small_tmpfs):
+    """On 4 KiB pages the table is a memfd: a 512 KiB tmpfs given as the
+    directory holds nothing of a ~1 MiB shared table."""
     results = run_world(4, scenarios.small_tmpfs, directory=small_tmpfs, mode="dp_shared")
-    same_failure(results, "CapacityError", "dp_shared requested but")
-    assert not os.listdir(small_tmpfs)
-
-
-def test_tmpfs_too_small_auto_mode_falls_back_and_logs(tmp_path, small_tmpfs):
-    results = run_world(4, scenarios.small_tmpfs, directory=small_tmpfs, mode="auto")
     _all_ok(results)
-    for r in results:
-        assert r["report"]["mode"] == "independent" and "GiB free" in r["report"][
-            "fallback_reason"]
-        assert any("falls back to independent" in line for line in r["logs"])
-    assert not os.listdir(small_tmpfs)
+    assert all(r["report"]["mode"] == "dp_shared" and r["report"]["backing_bytes"] > 512 << 10
+               for r in results)
+    assert not os.listdir(small_tmpfs) and not os.listdir(os.environ[fdhandover.ROOT_ENV])
 
 
 def test_peer_with_another_spec_fails_everywhere(tmp_path):

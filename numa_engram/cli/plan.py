@@ -8,7 +8,7 @@ import json
 import os
 
 from ..errors import TopologyError
-from ..literals import DEFAULT_DIRECTORY, SHARING_MODES
+from ..literals import SHARING_MODES
 from .args import (
     MAX_PLAN_WORLD,
     POLICY_HELP,
@@ -104,18 +104,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _check_this_host(d, page_size: int) -> None:
-    """On the host itself: /dev/shm's size for shared tables on 4 KiB pages,
-    each node's free huge pages for the others."""
+    """On the host itself: each node's free huge pages for tables on huge
+    pages.  Tables on 4 KiB pages are memfds, shared ones too (handed over
+    at a socket), so /dev/shm's size does not matter: their memory is the
+    nodes', checked per node."""
     from ..host import hugepages
-    from ..host.accounting import tmpfs_usage
     from ..units import fmt_bytes
 
     if page_size == hugepages.SIZES["4K"]:
-        if d.chosen.mode == "dp_shared":
-            _, total = tmpfs_usage(DEFAULT_DIRECTORY)
-            if d.chosen.host_bytes > total:
-                d.shortfalls.append(f"/dev/shm holds {fmt_bytes(total)}, the shared tables "
-                                    f"need {fmt_bytes(d.chosen.host_bytes)}")
         return
     for node, need in d.chosen.bytes_per_node.items():
         free = hugepages.pool_pages(page_size, node) * page_size

@@ -168,7 +168,7 @@ def recommendation(d: Deployment) -> str:
 
 def _check_capacity(d: Deployment, topo: Topology, page_size: int) -> None:
     """Every node's memory against what the plan puts on it; the commands
-    that fix a shortfall (huge-page pools per node, tmpfs sizes)."""
+    that fix a shortfall (huge-page pools per node)."""
     huge = page_size != SIZES["4K"]
     for node in topo.nodes:
         need = d.chosen.bytes_per_node.get(node.id, 0)
@@ -184,12 +184,6 @@ def _check_capacity(d: Deployment, topo: Topology, page_size: int) -> None:
         d.fixes.insert(0, "the tables do not fit these nodes: add nodes or memory, use "
                           "dp_sharded (a slice per rank), fewer copies (no replicate-per-node), "
                           "or more hosts (fewer replicas per host)")
-    if not huge and d.chosen.mode == "dp_shared":
-        size = d.chosen.host_bytes
-        d.fixes.append(f"/dev/shm must hold {fmt_bytes(size)}: mount -o remount,size="
-                       f"{-(-size // 2**30) + 1}G /dev/shm; Docker --shm-size="
-                       f"{-(-size // 2**30) + 1}g; Kubernetes emptyDir medium Memory, "
-                       f"sizeLimit {-(-size // 2**30) + 1}Gi")
 
 
 # ------------------------------------------------- memory per mode --

@@ -9,8 +9,10 @@ after) connects to any live holder, which checks the peer's credentials
 (our uid or root, as the table service does) and answers the table
 service's attach request (``serviceclient``: one wire protocol) with the
 descriptor.  The memory goes with the last holder's mapping; the last
-holder to leave removes the directory, and the socket of a holder that was
-killed is removed by whoever finds it dead.  No torch here.
+holder to leave removes the directory, the socket of a holder that was
+killed is removed by whoever finds it dead, and a directory whose holders
+were all killed by the next table made under the same root.  No torch
+here.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 SUFFIX = ".sock"
 ROOT_ENV = "XDG_RUNTIME_DIR"
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the NUL
+STALE_S = 60.0  # a directory (or staging socket) untouched this long is no table's in the making
 # a holder of our uid or root: the members' loaders write the table, so it
 # is not sealed (a holder of our uid could write it anyway)
 TRUST = serviceclient.ServiceTrust(allow_unsealed=True)
@@ -62,7 +65,9 @@ def _ours(directory: str) -> bool:
 
 
 def new_directory(under: str) -> str:
-    """A fresh hand-over directory under ``under``, mode 0700."""
+    """A fresh hand-over directory under ``under``, mode 0700 (the ones
+    every holder of which was killed are removed first)."""
+    sweep_root(under)
     try:
         directory = tempfile.mkdtemp(prefix=PREFIX, dir=under)
     except OSError as exc:
@@ -191,18 +196,43 @@ class Holder:
 
 
 def sweep(directory: str) -> None:
-    """Remove the sockets no one answers at (holders that were killed) and
-    the directory once it is empty."""
+    """Remove the sockets no one answers at (holders that were killed), a
+    socket a holder was killed before it listened at, and the directory
+    once it is empty."""
     try:
         names = os.listdir(directory)
     except OSError:
         return
     for name in names:
-        if name.endswith(SUFFIX):
-            with contextlib.suppress(OSError):  # another sweeper may remove it first
-                free_socket_path(os.path.join(directory, name))
+        path = os.path.join(directory, name)
+        with contextlib.suppress(OSError):  # another sweeper may remove it first
+            if name.endswith(SUFFIX):
+                free_socket_path(path)
+            elif name.startswith(".") and _older_than(path, STALE_S):
+                os.unlink(path)
     with contextlib.suppress(OSError):  # not empty: a holder is still there
         os.rmdir(directory)
+
+
+def sweep_root(under: str) -> None:
+    """Sweep the hand-over directories of ours under ``under`` that no
+    holder has touched for ``STALE_S``: where every holder was killed, no
+    one was left to remove them (a directory being made is younger)."""
+    try:
+        names = [n for n in os.listdir(under) if n.startswith(PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(under, name)
+        if _ours(path) and _older_than(path, STALE_S):
+            sweep(path)
+
+
+def _older_than(path: str, seconds: float) -> bool:
+    try:
+        return time.time() - os.lstat(path).st_mtime > seconds
+    except OSError:
+        return False
 
 
 # ------------------------------------------------------------ client --
