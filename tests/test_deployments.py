@@ -180,8 +180,10 @@ def checkpoint_in_tmp(spec):
 # ------------------------------------------------- simulated hosts --
 
 @pytest.fixture
-def hosts(tmp_path):
-    """Two simulated hosts' tmpfs mounts (each host its own /dev/shm)."""
+def hosts(tmp_path, monkeypatch):
+    """Two simulated hosts' tmpfs mounts (each host its own /dev/shm, where
+    its ranks also meet to hand 4 KiB tables over: real hosts' /tmp differ)."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/dev/shm")
     if subprocess.run(["unshare", "--mount", "--uts", "true"], capture_output=True).returncode:
         pytest.skip("unshare --mount --uts is not permitted here (needs root)")
     dirs = {}
