@@ -101,10 +101,18 @@ def test_settings_are_checked_naming_the_key_and_what_it_accepts():
              ({"pages": "2M"}, r"unknown key\(s\) \['pages'\]"),
              ({"service": ""}, "service is ''; accepted: a table service's socket path"),
              ({"service_uids": [-1]}, "service_uids must be a list of uids"),
-             ({"copies": "rack"}, "copies is 'rack'; accepted: node, socket")]
+             ({"copies": "rack"}, "copies is 'rack'; accepted: node, socket"),
+             ({"directory": ["/dev/shm"]}, r"directory is \['/dev/shm'\]; accepted: one "),
+             ({"directory": {"a": 1}}, r"directory is \{'a': 1\}; accepted: one ")]
     for doc, text in cases:
         with pytest.raises(PluginError, match=text):
             PluginSettings.of({"numa_engram": doc})
+    # each worker serves metrics_port + its rank: all of them must be ports
+    top = PluginSettings.of({"numa_engram": {"metrics_port": 65535}})
+    top.check_metrics_port(1)
+    with pytest.raises(PluginError, match="metrics_port is 65535; the 2 workers serve "
+                                          r"metrics_port \+ their rank, up to 65536"):
+        top.check_metrics_port(2)
     assert PluginSettings.of({"numa_engram": {"page_size": "2M", "placement": "node:1"}}) \
         .page_size == "2M"
     assert PluginSettings.of(None) == PluginSettings()

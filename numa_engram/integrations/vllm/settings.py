@@ -59,6 +59,11 @@ class PluginSettings:
         if self.service is not None and not (isinstance(self.service, str) and self.service):
             raise PluginError(f"additional_config numa_engram.service is {self.service!r}; "
                               "accepted: a table service's socket path, \"auto\", or null")
+        if self.directory is not None and not (isinstance(self.directory, str)
+                                               and self.directory):
+            raise PluginError(f"additional_config numa_engram.directory is {self.directory!r}; "
+                              "accepted: one directory's path (a tmpfs or hugetlbfs mount), "
+                              "or null")
         for key in ("load_threads", "metrics_port"):
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -73,6 +78,27 @@ class PluginSettings:
                 for u in self.service_uids):
             raise PluginError("additional_config numa_engram.service_uids must be a list of "
                               "uids")
+
+
+    def check_metrics_port(self, ranks: int) -> None:
+        """Each of ``ranks`` workers serves ``metrics_port`` + its global
+        rank: every one of those ports must be a port."""
+        port = self.metrics_port
+        if port is not None and port + ranks - 1 > 65535:
+            raise PluginError(f"additional_config numa_engram.metrics_port is {port}; the "
+                              f"{ranks} workers serve metrics_port + their rank, up to "
+                              f"{port + ranks - 1}, past 65535: choose a port from 1 to "
+                              f"{65536 - ranks}")
+
+
+def settings_of(config: Any) -> PluginSettings:
+    """The settings of vLLM's ``config``, checked (the metrics ports
+    against this world's size)."""
+    import torch.distributed as dist
+
+    settings = PluginSettings.of(getattr(config, "additional_config", None))
+    settings.check_metrics_port(dist.get_world_size() if dist.is_initialized() else 1)
+    return settings
 
 
 def _one_of(key: str, value: Any, accepted: tuple[str, ...]) -> None:
