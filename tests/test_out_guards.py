@@ -172,3 +172,121 @@ def test_the_schedulers_staging_buffers_take_a_steps_rows_and_nothing_past_them(
                 assert (past == GUARD).all(), f"a step of {n} wrote past row 17"
     finally:
         sched.close()
+
+
+# ------------------------------------------------ buffers sharing bytes --
+
+@pytest.fixture(scope="module")
+def attached(table):
+    """The module's table mapped again read-only, as a service's client maps it."""
+    import os
+
+    spec, t = table
+    fd = t.dup_descriptor()
+    try:
+        view = SharedEngramTable.attach(spec, 14, t.shard, fd=fd)
+    finally:
+        os.close(fd)
+    with view:
+        yield spec, view
+
+
+def _over(array, shape, dtype):
+    """A tensor of ``shape`` over the first bytes of numpy ``array``'s memory."""
+    n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(array.reshape(-1)[:n].view(np.uint8))
+    return raw.view(dtype).view(shape)
+
+
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
+@pytest.mark.parametrize("which", ["attached", "table"])
+@pytest.mark.parametrize("path", ["lookup", "prepare_out", "prepared alone", "bind_lookup",
+                                  "packed"])
+def test_out_over_the_tables_own_rows_is_refused_not_written(table, attached, which, path):
+    """Issue 49, item 3: a view of the table's rows as ``out=`` (a read-only
+    mapping: the kernel's write was a SIGSEGV; a writable one: the table
+    overwritten) is refused naming the table."""
+    spec, t = attached if which == "attached" else table
+    ids = _ids(spec, 4)
+    shape = (4, t.shard.num_heads, spec.head_dim)
+    before = (t.weights.copy(), t.scales.copy())
+    with pytest.raises(ValueError, match="the table's mapping") as err:
+        if path == "packed":
+            pair = (_over(t.weights, shape, torch.uint8),
+                    torch.empty(_packed_shapes(spec, t, 4)[1], dtype=torch.uint8))
+            t.lookup(ids, packed=True, out=pair)
+        else:
+            out = _over(t.scales if path == "bind_lookup" else t.weights, shape, torch.bfloat16)
+            if path == "lookup":
+                t.lookup(ids, out=out)
+            elif path == "prepare_out":
+                t.lookup(ids, out=t.prepare_out(out))
+            elif path == "prepared alone":  # by the module's prepare_out: for no table
+                from numa_engram.lookup.outputs import prepare_out
+
+                t.lookup(ids, out=prepare_out(out, shape))
+            else:
+                t.bind_lookup(out)(ids)
+    from numa_engram.errors import NumaEngramError
+
+    assert isinstance(err.value, NumaEngramError)
+    assert np.array_equal(t.weights, before[0]) and np.array_equal(t.scales, before[1])
+
+
+def _shared(spec, t, tokens, packed=False):
+    """(ids, out) over one buffer: the ids' bytes are the start of out's."""
+    rows_shape, scales_shape = _packed_shapes(spec, t, tokens)
+    n_rows = int(np.prod(rows_shape)) * (1 if packed else 2)
+    whole = torch.zeros(n_rows + int(np.prod(scales_shape)), dtype=torch.uint8)
+    ids_n = tokens * spec.n_hash_cols * 8
+    ids = whole[:ids_n].view(torch.int64).view(tokens, spec.n_hash_cols).numpy()
+    ids[:] = _ids(spec, tokens)
+    if not packed:
+        return ids, whole[:n_rows].view(torch.bfloat16).view(rows_shape)
+    return ids, (whole[:n_rows].view(rows_shape), torch.empty(scales_shape, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("path", ["lookup", "prepare_out", "bind_lookup", "packed rows",
+                                  "packed scales"])
+def test_out_sharing_bytes_with_the_ids_is_refused(table, path):
+    """Issue 49, item 4: ids whose bytes are out's (the kernel overwrote ids it
+    had not read yet: wrong rows, or a LookupIdError naming ids never
+    passed) are refused before the kernel runs."""
+    spec, t = table
+    tokens = 8
+    ids, out = _shared(spec, t, tokens, packed=path.startswith("packed"))
+    if path == "packed scales":  # the scales over the ids instead
+        scales = torch.from_numpy(ids).view(torch.uint8).view(-1)[:out[1].numel()]
+        out = (out[1].new_empty(out[0].shape), scales.view(out[1].shape))
+    with pytest.raises(ValueError, match="the ids") as err:
+        if path == "lookup":
+            t.lookup(ids, out=out)
+        elif path == "prepare_out":
+            t.lookup(ids, out=t.prepare_out(out))
+        elif path == "bind_lookup":
+            t.bind_lookup(out)(ids)
+        else:
+            t.lookup(ids, packed=True, out=out)
+    from numa_engram.errors import NumaEngramError
+
+    assert isinstance(err.value, NumaEngramError) and "share" in str(err.value)
+    assert np.array_equal(ids, _ids(spec, tokens)), "the ids were written"
+
+
+def test_lookup_rows_refuses_an_out_over_its_ids_or_rows(table):
+    """The table-less ``lookup_rows`` checks its ``out=`` as a table does."""
+    from numa_engram.errors import SpecError
+    from numa_engram.lookup.cpu import lookup_rows
+
+    spec, t = table
+    sizes = spec.bucket_sizes(14)[t.shard.head_start:t.shard.head_end]
+    ids, out = _shared(spec, t, 8)
+    kwargs = dict(head_start=t.shard.head_start, bucket_sizes=sizes, block=spec.block)
+    with pytest.raises(SpecError, match="out and the ids share bytes"):
+        lookup_rows(t.weights, t.scales, ids, out=out, **kwargs)
+    assert np.array_equal(ids, _ids(spec, 8))
+    rows = np.zeros_like(t.weights)
+    over = _over(rows, out.shape, torch.bfloat16)
+    with pytest.raises(SpecError, match="out and the weights share bytes"):
+        lookup_rows(rows, t.scales, _ids(spec, 8), out=over, **kwargs)
+    assert not rows.any()

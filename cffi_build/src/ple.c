@@ -27,7 +27,8 @@ static inline int64_t ple_mod(int64_t mix, int64_t size)
  * with mix = XOR over s < order of cand[s] * multipliers[layer][s] in
  * wrapping int64 (cand[0] the token itself); order = head / heads_per_ngram
  * + 2.  Tokens after query_start[n_reqs] belong to the last request, as in
- * vLLM.  query_start is non-decreasing from 0 (checked by the caller). */
+ * vLLM.  query_start is non-decreasing from 0 (checked by the caller); a
+ * size below 1 is refused (EINVAL). */
 int ne_ple_ids(const int64_t *ids, int64_t n_tokens, const int64_t *query_start, int64_t n_reqs,
                const int64_t *context, int64_t n1, int64_t eos, const int64_t *multipliers,
                const int64_t *sizes, const int64_t *offsets, int64_t n_layers, int64_t n_heads,
@@ -37,6 +38,12 @@ int ne_ple_ids(const int64_t *ids, int64_t n_tokens, const int64_t *query_start,
     if (n1 < 1 || n1 > 64 || n_reqs < 1 || heads_per_ngram < 1 || n_heads != n1 * heads_per_ngram) {
         errno = EINVAL;
         return -1;
+    }
+    for (int64_t i = 0; i < n_layers * n_heads; i++) {
+        if (sizes[i] < 1) { /* ple_mod divides by it: SIGFPE at 0 (and INT64_MIN % -1) */
+            errno = EINVAL;
+            return -1;
+        }
     }
     int64_t req = 0;
     for (int64_t t = 0; t < n_tokens; t++) {

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import SpecError
 from .native import ffi, lib, ptr, raise_errno
 
 
@@ -141,7 +142,8 @@ def ple_ids(ids: np.ndarray, query_start: np.ndarray, context: np.ndarray, eos: 
     """int64 ``[T, n_layers, n_heads]`` PLE rows (model/plehashing.py has
     the rule) of int64 ``ids [T]`` in requests ``query_start [R + 1]``
     with ``context [R, n1]``; multipliers ``[n_layers, n1 + 1]``, sizes and
-    offsets ``[n_layers, n_heads]``.  The caller checks every shape."""
+    offsets ``[n_layers, n_heads]``.  The caller checks every shape; the
+    kernel refuses a size below 1 (a division by it), named here."""
     n_layers, n_heads = sizes.shape
     out = np.empty((ids.shape[0], n_layers, n_heads), dtype=np.int64)
     if out.size and lib.ne_ple_ids(
@@ -150,5 +152,16 @@ def ple_ids(ids: np.ndarray, query_start: np.ndarray, context: np.ndarray, eos: 
             ptr(multipliers, "int64_t *"), ptr(sizes, "int64_t *"),
             ptr(offsets, "int64_t *"), n_layers, n_heads, heads_per_ngram,
             ptr(out, "int64_t *")) != 0:
+        _raise_bad_size(sizes)
         raise_errno("ne_ple_ids", "arguments the caller should have refused")
     return out
+
+
+def _raise_bad_size(sizes: np.ndarray) -> None:
+    """SpecError naming the first bucket size below 1, if one is."""
+    bad = np.flatnonzero(sizes.reshape(-1) < 1)
+    if len(bad):
+        layer, head = divmod(int(bad[0]), sizes.shape[1])
+        raise SpecError(f"bucket size {int(sizes.reshape(-1)[bad[0]])} of layer {layer}, head "
+                        f"{head}: a bucket count must be at least 1 (PLESpec.bucket_sizes "
+                        "gives them)")

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import StorageError
+from ..errors import SpecError, StorageError
 from .native import ffi, lib, ptr, raise_errno
 
 
@@ -194,15 +194,29 @@ class Tuning:
     prefetch_hint: int = lib.NE_PREFETCH_HINT
 
     def struct(self) -> Any:
-        """The ``struct ne_tuning *`` of these values; ValueError naming
-        the bounds when one is outside them."""
-        made = ffi.new("struct ne_tuning *", vars(self))
+        """The ``struct ne_tuning *`` of these values; SpecError naming the
+        value and the bounds when one is not an integer or is outside them."""
+        made = ffi.new("struct ne_tuning *")
+        for name, value in vars(self).items():
+            fits = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+            try:
+                if fits:
+                    setattr(made, name, int(value))
+            except OverflowError:  # wider than its C field
+                fits = False
+            if not fits:
+                raise SpecError(f"tuning {name}={value!r} is not an integer in range: "
+                                f"{self.bounds()}")
         if lib.ne_tuning_check(made) != 0:
-            raise ValueError(f"tuning {self}: small_rows must be in 0..{lib.NE_MAX_SMALL_ROWS}, "
-                             f"split_rows >= 1, job_rows in 1..{lib.NE_SHARE_ROWS}, "
-                             f"stream_bytes >= 0, prefetch_ahead in "
-                             f"0..{lib.NE_MAX_PREFETCH_AHEAD}, prefetch_hint in 0..3")
+            raise SpecError(f"tuning {self}: {self.bounds()}")
         return made
+
+    @staticmethod
+    def bounds() -> str:
+        """What each field may be (``ne_tuning_check``'s rule)."""
+        return (f"small_rows must be in 0..{lib.NE_MAX_SMALL_ROWS}, split_rows >= 1, "
+                f"job_rows in 1..{lib.NE_SHARE_ROWS}, stream_bytes >= 0, prefetch_ahead in "
+                f"0..{lib.NE_MAX_PREFETCH_AHEAD}, prefetch_hint in 0..3")
 
 
 def run_geometry_lookup(geom: Geometry, ids: np.ndarray, col0: int, global_ids: bool, out: Any,

@@ -23,7 +23,7 @@ from ..literals import IdFormat, check_id_format
 from ..model.fp8 import dequantize_rows
 from ..model.sharding import prefix_offsets
 from ..model.spec import EngramSpec
-from .outputs import bf16_out, scales_shape
+from .outputs import array_span, bf16_out, check_apart, scales_shape, tensor_span
 
 if TYPE_CHECKING:
     import torch
@@ -58,6 +58,10 @@ def lookup_rows(weights: np.ndarray, scales: np.ndarray, hash_ids: Any, *, head_
     ``tuning``: the kernel's thresholds (benchmarks and tests)."""
     ids = check_hash_ids(hash_ids)
     result, bits = bf16_out(out, (ids.shape[0], len(bucket_sizes), weights.shape[1]))
+    if out is not None:
+        check_apart((("out", tensor_span(out)),), (
+            ("the ids", array_span(ids)), ("the weights", array_span(weights)),
+            ("the scales", array_span(scales))))
     gather(weights, scales, ids, head_start=head_start, bucket_sizes=bucket_sizes,
            head_offsets=head_offsets, out=bits, threads=threads, cpus=cpus, block=block,
            tuning=tuning)

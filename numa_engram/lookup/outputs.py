@@ -4,6 +4,8 @@
 a caller's pair of FP8 rows and scales (or makes them), and ``OutputPool``
 reuses BF16 buffers across calls; all hand the kernel numpy views of the
 bytes it writes.  ``aligned_empty`` is the memory under the pool.
+``check_apart`` keeps a caller's outputs apart from each other, from the
+ids the kernel reads and from the table's mapping (spans of bytes).
 """
 
 from __future__ import annotations
@@ -11,16 +13,74 @@ from __future__ import annotations
 import math
 import sys
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.lib.array_utils import byte_bounds
 
-from ..errors import CapacityError
+from ..bindings import native
+from ..errors import CapacityError, SpecError
 
 if TYPE_CHECKING:
     import torch
 
 _getrefcount = sys.getrefcount  # (a global, not an attribute: idle checks run every call)
+
+#: A buffer's bytes as addresses ``[start, end)``.
+Span = tuple[int, int]
+#: (what the message calls the buffer, its span)
+Named = tuple[str, Span]
+
+_cast = native.ffi.cast
+
+
+def tensor_span(tensor: Any) -> Span:
+    """The bytes of a contiguous tensor (CPU or device addresses)."""
+    start = tensor.data_ptr()
+    return start, start + tensor.nbytes
+
+
+def array_span(array: np.ndarray) -> Span:
+    """The bytes a numpy array's elements lie in, strides and all."""
+    return byte_bounds(array) if array.size else (0, 0)
+
+
+def ids_span(address: Any, tokens: int, stride: int, n_cols: int) -> Span:
+    """The bytes the kernel reads of int64 ids at ``address`` (a cffi
+    pointer or buffer): ``tokens`` rows ``stride`` ids apart, ``n_cols``
+    each."""
+    if not tokens:
+        return 0, 0
+    start = int(_cast("uintptr_t", address))
+    return start, start + ((tokens - 1) * stride + n_cols) * 8
+
+
+def check_apart(written: Sequence[Named], read: Sequence[Named] = ()) -> None:
+    """No buffer a lookup writes (``written``) shares a byte with another it
+    writes or with one it reads (``read``: the ids, the table's mapping):
+    the kernel would write rows over ids it has not read yet, over the
+    other output, or into the table (a read-only mapping: a SIGSEGV)."""
+    for i, (name, (start, end)) in enumerate(written):
+        if start == end:
+            continue
+        for other, (o_start, o_end) in (*written[i + 1:], *read):
+            if o_start < end and start < o_end:
+                raise SpecError(
+                    f"{name} and {other} share bytes (they overlap in memory at "
+                    f"[{max(start, o_start):#x}, {min(end, o_end):#x})); a lookup writes every "
+                    f"byte of {name}: pass a buffer of its own (e.g. torch.empty)")
+
+
+def check_apart_from(written: Sequence[Named], ids: Span, mapped: Span) -> None:
+    """``check_apart(written, (ids, mapped))`` for outputs already apart
+    from each other: a call's share, in integer compares (the decode
+    budget, docs/design.md)."""
+    i_start, i_end = ids
+    m_start, m_end = mapped
+    for _, (start, end) in written:
+        if start < i_end and i_start < end or start < m_end and m_start < end:
+            check_apart(written, (("the ids", ids), ("the table's mapping", mapped)))
 
 
 def aligned_empty(n: int, dtype: Any = np.uint16) -> np.ndarray:
@@ -63,8 +123,8 @@ def check_bf16_out(out: Any, shape: tuple[int, ...]) -> None:
             and out.is_cpu and out.is_contiguous()):
         described = f"{out.dtype} {list(out.shape)} on {out.device}" if torch.is_tensor(out) \
             else type(out).__name__
-        raise ValueError(f"out must be a contiguous CPU bfloat16 tensor of shape {list(shape)}, "
-                         f"got {described}")
+        raise SpecError(f"out must be a contiguous CPU bfloat16 tensor of shape {list(shape)}, "
+                        f"got {described}")
 
 
 def scales_shape(shape: tuple[int, ...], block: int) -> tuple[int, ...]:
@@ -81,8 +141,8 @@ def packed_out(out: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, ...],
     its shape, and the two must not overlap: the kernel writes every byte
     of both, so anything less would be a write past the caller's buffer."""
     if not (isinstance(out, tuple) and len(out) == 2):
-        raise ValueError("out must be a (rows, scales) pair of uint8 CPU tensors for "
-                         f"packed=True, got {type(out).__name__}")
+        raise SpecError("out must be a (rows, scales) pair of uint8 CPU tensors for "
+                        f"packed=True, got {type(out).__name__}")
     check_packed_pair(out[0], out[1], tuple(shape), block)
     return out, (out[0].numpy(), out[1].numpy())
 
@@ -96,8 +156,12 @@ def check_packed_pair(rows: Any, scales: Any, shape: tuple[int, ...], block: int
     buffer (or one part over the other)."""
     _check_packed_part("rows", rows, shape, device)
     _check_packed_part("scales", scales, scales_shape(shape, block), device)
-    if rows.numel() and scales.numel() and _overlap(rows, scales):
-        raise ValueError("out's rows and scales overlap in memory; pass two separate buffers")
+    check_apart(packed_spans(rows, scales))
+
+
+def packed_spans(rows: Any, scales: Any) -> tuple[Named, Named]:
+    """A checked packed pair's spans, named as messages name them."""
+    return ("out's rows", tensor_span(rows)), ("out's scales", tensor_span(scales))
 
 
 def _check_packed_part(name: str, part: Any, shape: tuple[int, ...], device: Any) -> None:
@@ -111,13 +175,8 @@ def _check_packed_part(name: str, part: Any, shape: tuple[int, ...], device: Any
         if torch.is_tensor(part):
             described = f"{part.dtype} {list(part.shape)} on {part.device}" + (
                 "" if part.is_contiguous() else ", not contiguous")
-        raise ValueError(f"out's {name} must be a contiguous uint8 tensor of shape "
-                         f"{list(shape)} on {where} for packed=True, got {described}")
-
-
-def _overlap(a: Any, b: Any) -> bool:
-    start_a, start_b = a.data_ptr(), b.data_ptr()
-    return start_a < start_b + b.numel() and start_b < start_a + a.numel()
+        raise SpecError(f"out's {name} must be a contiguous uint8 tensor of shape "
+                        f"{list(shape)} on {where} for packed=True, got {described}")
 
 
 class PreparedOutput:
@@ -125,27 +184,52 @@ class PreparedOutput:
     as ``out=`` call after call (a static staging buffer): the per-call
     dtype, shape and device checks and the numpy and buffer casts are
     skipped (~6 us, a third of a decode step's lookup).  Made by
-    ``prepare_out``; ``result`` is what the lookup returns."""
+    ``prepare_out``; ``result`` is what the lookup returns; ``spans`` the
+    bytes it writes (a call checks only ``check_apart``'s share:
+    ``check_ids``)."""
 
-    __slots__ = ("result", "bits", "buffer", "shape", "packed")
+    __slots__ = ("result", "bits", "buffer", "shape", "packed", "spans", "_ranges", "_table")
 
     def __init__(self, result: Any, bits: Any, buffer: Any, shape: tuple[int, ...],
-                 packed: bool) -> None:
+                 packed: bool, spans: tuple[Named, ...]) -> None:
         self.result, self.bits, self.buffer = result, bits, buffer
-        self.shape, self.packed = shape, packed
+        self.shape, self.packed, self.spans = shape, packed, spans
+        # the spans as C pointers: compared with the ids' address as the
+        # kernel takes it, no int conversion (the decode budget)
+        self._ranges = [(_cast("char *", low), _cast("char *", high)) for _, (low, high) in spans]
+        self._table: Span | None = None  # the table's mapping it was last found apart from
+
+    def check_ids(self, address: Any, end: Any, mapped: Span) -> None:
+        """``check_apart`` of these spans, the ids the kernel reads
+        (``address`` .. ``end``, C pointers) and the table's ``mapped``
+        bytes (checked once per table: the same span object each call)."""
+        if self._table is not mapped:
+            self.check_table(mapped)
+        for low, high in self._ranges:
+            if low < end and address < high:
+                ids = (int(_cast("uintptr_t", address)), int(_cast("uintptr_t", end)))
+                check_apart(self.spans, (("the ids", ids),))
+
+    def check_table(self, mapped: Span) -> None:
+        """``check_apart`` of these spans and a table's ``mapped`` bytes."""
+        check_apart(self.spans, (("the table's mapping", mapped),))
+        self._table = mapped
 
 
 def prepare_out(out: Any, shape: tuple[int, ...], packed: bool = False,
-                block: int = 32) -> PreparedOutput:
+                block: int = 32, read: Sequence[Named] = ()) -> PreparedOutput:
     """``out`` (a BF16 tensor of ``shape``, or for ``packed`` a (rows,
-    scales) pair) checked once for lookups into it."""
-    from ..bindings.native import ffi
-
+    scales) pair) checked once for lookups into it, apart from ``read``
+    (the table's mapping)."""
     if packed:
         pair, pair_bits = packed_out(out, tuple(shape), block)
-        return PreparedOutput(pair, pair_bits, None, tuple(shape), True)
+        spans: tuple[Named, ...] = packed_spans(*pair)
+        check_apart(spans, read)
+        return PreparedOutput(pair, pair_bits, None, tuple(shape), True, spans)
     rows, bits = bf16_out(out, shape)
-    return PreparedOutput(rows, bits, ffi.from_buffer(bits), tuple(shape), False)
+    spans = (("out", tensor_span(rows)),)
+    check_apart(spans, read)
+    return PreparedOutput(rows, bits, native.ffi.from_buffer(bits), tuple(shape), False, spans)
 
 
 class OutputPool:
@@ -219,13 +303,11 @@ class _Pooled:
     of it, and the tensor (and bits) of the shape it last served."""
 
     def __init__(self, n: int, packed: bool = False) -> None:
-        from ..bindings.native import ffi
-
         self.packed = packed
         self.memory = aligned_empty(n, np.uint8 if packed else np.uint16)
         self.size = n
         self.owner = self.memory.base if self.memory.base is not None else self.memory
-        self.pointer = ffi.from_buffer(self.memory)  # the bits start where the memory does
+        self.pointer = native.ffi.from_buffer(self.memory)  # the bits start where the memory does
         self.shape: tuple[int, ...] | None = None
         self.tensor: Any = None
         self.bits: Any = None

@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 
 from ..bindings import lookupkernel
-from ..errors import LookupIdError
+from ..errors import LookupIdError, SpecError
 from ..model.ple import PLEDtype
+from .outputs import Span, array_span, check_apart
 
 BF16_NAN_BITS = 0x7FC0
 
@@ -62,15 +63,26 @@ def bf16_lut(scale: float) -> np.ndarray:
 
 
 _INT64 = np.dtype(np.int64)
+_INT64_MAX = np.iinfo(np.int64).max
 
 
 def _ids(ids: Any) -> np.ndarray:
+    """int64 C-contiguous ids of the shape given (a 0-d id stays 0-d)."""
     if type(ids) is np.ndarray and ids.dtype == _INT64 and ids.flags.c_contiguous:
         return ids  # the serving case, checked in three attribute reads
-    arr = np.asarray(ids)
+    try:
+        arr = np.asarray(ids)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise LookupIdError(f"PLE row ids must be integers in an array of one shape: "
+                            f"{str(exc).splitlines()[0][:120]}") from None
     if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
         raise LookupIdError(f"PLE row ids must be integers, got {arr.dtype}")
-    return np.ascontiguousarray(arr, dtype=np.int64)
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > _INT64_MAX:
+        # named as given: as int64 its bits read as a negative id
+        where = int(np.argmax(arr.reshape(-1) > _INT64_MAX))
+        raise LookupIdError(f"PLE row id {int(arr.reshape(-1)[where])} (position {where}) is "
+                            "outside every layer's rows (above int64)")
+    return arr.astype(np.int64, order="C", copy=False)
 
 
 class PLERows:
@@ -78,22 +90,25 @@ class PLERows:
     ``[rows, row_bytes]`` (C-contiguous; a mapping's view), the layer's rows
     ``row_start ..``, ``total_rows`` the layer's (ids at or beyond it, or
     negative, are refused); ``workers``: threads a large call is split
-    over (the caller runs a part too)."""
+    over (the caller runs a part too); ``mapped``: the bytes of the
+    mapping ``table`` lies in (None: its own), which no ``out`` may share."""
 
     def __init__(self, table: np.ndarray, *, dtype: PLEDtype, row_start: int, total_rows: int,
-                 scale: float | None = None, workers: lookupkernel.Workers | None = None) -> None:
+                 scale: float | None = None, workers: lookupkernel.Workers | None = None,
+                 mapped: Span | None = None) -> None:
         if table.dtype != np.uint8 or table.ndim != 2 or not table.flags.c_contiguous:
-            raise ValueError(f"a PLE shard is C-contiguous uint8 [rows, row_bytes], got "
-                             f"{table.dtype} {table.shape}")
+            raise SpecError(f"a PLE shard is C-contiguous uint8 [rows, row_bytes], got "
+                            f"{table.dtype} {table.shape}")
         if dtype == "float8_e4m3fn" and scale is None:
-            raise ValueError("an FP8 PLE table needs its per-tensor scale (weight_scale)")
+            raise SpecError("an FP8 PLE table needs its per-tensor scale (weight_scale)")
         if dtype == "bfloat16" and table.shape[1] % 2:
-            raise ValueError(f"BF16 rows of {table.shape[1]} bytes: not whole values")
+            raise SpecError(f"BF16 rows of {table.shape[1]} bytes: not whole values")
         if not 0 <= row_start <= row_start + table.shape[0] <= total_rows:
-            raise ValueError(f"rows {row_start}..{row_start + table.shape[0]} are not inside "
-                             f"the layer's {total_rows}")
+            raise SpecError(f"rows {row_start}..{row_start + table.shape[0]} are not inside "
+                            f"the layer's {total_rows}")
         self.table, self.dtype, self.scale, self.workers = table, dtype, scale, workers
         self.row_start, self.total_rows = row_start, total_rows
+        self._mapped = (("the table's mapping", array_span(table) if mapped is None else mapped),)
         self.head_dim = table.shape[1] if dtype == "float8_e4m3fn" else table.shape[1] // 2
         self.scale_bf16 = None if scale is None else float(bf16_scale(scale))
         self._shard = lookupkernel.PLEShard(table, row_start, total_rows, self.scale_bf16, workers)
@@ -106,12 +121,22 @@ class PLERows:
         shape = (*flat.shape, self.head_dim)
         if out is None:
             out = np.empty(shape, dtype=np.uint16)
-        elif out.dtype != np.uint16 or out.shape != shape or not out.flags.c_contiguous or \
-                not out.flags.writeable:
-            raise ValueError(f"out must be writable C-contiguous BF16 bits (uint16) {list(shape)}, "
-                             f"got {out.dtype} {list(out.shape)}")
+        else:
+            self._check_out(out, shape, flat)
         self._raise_bad(flat, self._shard.rows(flat.reshape(-1), out, self._scaled))
         return out
+
+    def _check_out(self, out: Any, shape: tuple[int, ...], flat: np.ndarray) -> None:
+        """``out`` as the kernel writes it, sharing no byte with the ids or
+        the table."""
+        if not isinstance(out, np.ndarray) or out.dtype != np.uint16 or out.shape != shape or \
+                not out.flags.c_contiguous or not out.flags.writeable:
+            described = f"{out.dtype} {list(out.shape)}" + (
+                "" if out.flags.writeable else ", read-only") \
+                if isinstance(out, np.ndarray) else type(out).__name__
+            raise SpecError(f"out must be writable C-contiguous BF16 bits (uint16) {list(shape)}, "
+                            f"got {described}")
+        check_apart((("out", array_span(out)),), (("the ids", array_span(flat)), *self._mapped))
 
     def rows_packed(self, ids: Any) -> np.ndarray:
         """The stored bytes ``[*ids.shape, row_bytes]`` (FP8 rows to scale

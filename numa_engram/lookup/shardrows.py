@@ -19,17 +19,23 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import numpy as np
 
 from ..bindings import lookupkernel, native
-from ..errors import LookupIdError, StorageError
+from ..errors import LookupIdError, SpecError, StorageError
 from ..histogram import LOOKUP_BUCKETS
 from ..literals import IdFormat, check_id_format
 from ..model.sharding import ShardInfo, prefix_offsets
 from ..model.spec import EngramSpec
 from .cpu import bad_id_text, default_lookup_threads, id_base, ids_for_kernel
 from .outputs import (
+    Named,
     OutputPool,
     PreparedOutput,
+    Span,
+    array_span,
+    check_apart_from,
     check_bf16_out,
+    ids_span,
     packed_out,
+    packed_spans,
     prepare_out,
     scales_shape,
 )
@@ -48,13 +54,19 @@ class ShardRows:
     """Lookups of ``shard``'s rows of ``layer_id`` (``weights`` uint8
     ``[rows, head_dim]``, ``scales`` ``[rows, scales_per_row]``, views the
     owner keeps mapped until ``close()``).  ``registration``: the CUDA
-    registration of those rows, for ``lookup_cuda``."""
+    registration of those rows, for ``lookup_cuda``; ``mapped``: the bytes
+    of the mapping they lie in (None: theirs), which no ``out=`` may share."""
 
     def __init__(self, spec: EngramSpec, layer_id: int, shard: ShardInfo, weights: np.ndarray,
                  scales: np.ndarray, *, lookup_threads: int | None = None,
                  lookup_cpus: Sequence[int] = (), registration: Any = None,
-                 tuning: lookupkernel.Tuning | None = None) -> None:
+                 tuning: lookupkernel.Tuning | None = None, mapped: Span | None = None) -> None:
         self.spec, self.layer_id, self.shard = spec, layer_id, shard
+        if mapped is None:
+            (w_start, w_end), (s_start, s_end) = array_span(weights), array_span(scales)
+            mapped = min(w_start, s_start), max(w_end, s_end)
+        self._mapped_span = mapped
+        self._mapped: tuple[Named] = (("the table's mapping", mapped),)
         self.registration = registration
         self._weights: np.ndarray | None = weights
         self._scales: np.ndarray | None = scales
@@ -99,27 +111,38 @@ class ShardRows:
                 result, _, rows = self._outputs.take_with_buffer((tokens, *self._row_shape))
                 scales = _NULL
             else:
-                result, rows, scales = self._outputs_for(out, tokens, packed)
+                result, rows, scales = self._outputs_for(out, tokens, packed, address, stride)
         except Exception as exc:
             self._count_refused(exc)
             raise
         self._run(address, tokens, stride, global_ids, rows, scales)
         return result
 
-    def _outputs_for(self, out: Any, tokens: int, packed: bool) -> tuple[Any, Any, Any]:
+    def _outputs_for(self, out: Any, tokens: int, packed: bool, address: Any,
+                     stride: int) -> tuple[Any, Any, Any]:
         """(what the lookup returns, the kernel's rows and scales outputs)
         for ``out`` (a caller's tensor or pair, a PreparedOutput, or None
-        with ``packed``)."""
+        with ``packed``), a caller's checked apart from the ids the kernel
+        reads (at ``address``, ``stride`` apart) and from the table."""
         shape = (tokens, *self._row_shape)
         if isinstance(out, PreparedOutput):
             result, bits, buffer = _prepared(out, shape, packed)
-        elif packed:
-            result, bits = self._packed_outputs(shape) if out is None else \
-                packed_out(out, shape, self.spec.block)
+            end = address + ((tokens - 1) * stride + self._n_cols) * 8 if tokens else address
+            out.check_ids(address, end, self._mapped_span)
+            return (result, *lookupkernel.kernel_outputs(bits, buffer))
+        ids = ids_span(address, tokens, stride, self._n_cols)
+        if packed:
+            if out is None:
+                result, bits = self._packed_outputs(shape)
+            else:
+                result, bits = packed_out(out, shape, self.spec.block)
+                check_apart_from(packed_spans(*result), ids, self._mapped_span)
             buffer = None
         else:  # a caller's tensor: its address, not a numpy view (~3 us a call)
             check_bf16_out(out, shape)
-            result, bits, buffer = out, None, native.ffi.cast("uint16_t *", out.data_ptr())
+            start = out.data_ptr()
+            check_apart_from((("out", (start, start + out.nbytes)),), ids, self._mapped_span)
+            result, bits, buffer = out, None, native.ffi.cast("uint16_t *", start)
         return (result, *lookupkernel.kernel_outputs(bits, buffer))
 
     def bind_lookup(self, out: Any, *, packed: bool = False,
@@ -133,6 +156,9 @@ class ShardRows:
         check_id_format(id_format)
         prepared = out if isinstance(out, PreparedOutput) else self.prepare_out(out, packed=packed)
         result, bits, buffer = _prepared(prepared, prepared.shape, packed)  # (packed checked)
+        mapped = self._mapped_span
+        prepared.check_table(mapped)  # now, not at the first call
+        check_ids = prepared.check_ids
         rows, scales = lookupkernel.kernel_outputs(bits, buffer)
         tokens, n_cols, run = prepared.shape[0], self._n_cols, self._run
         global_ids = id_format == "global"
@@ -141,8 +167,10 @@ class ShardRows:
             try:
                 ids, address, stride, given = ids_for_kernel(hash_ids, n_cols)
                 if given != tokens:
-                    raise ValueError(f"{given} tokens of ids for a lookup bound to an "
-                                     f"output of {tokens}; bind one for this many tokens")
+                    raise SpecError(f"{given} tokens of ids for a lookup bound to an "
+                                    f"output of {tokens}; bind one for this many tokens")
+                check_ids(address, address + ((given - 1) * stride + n_cols) * 8 if given
+                          else address, mapped)
             except Exception as exc:
                 self._count_refused(exc)
                 raise
@@ -157,11 +185,12 @@ class ShardRows:
         buffer), and the per-call checks are skipped."""
         rows = out[0] if packed and isinstance(out, tuple) and out else out
         if not hasattr(rows, "shape") or len(rows.shape) == 0:
-            raise ValueError("out must be " + ("a (rows, scales) pair of uint8 CPU tensors"
+            raise SpecError("out must be " + ("a (rows, scales) pair of uint8 CPU tensors"
                                                if packed else "a CPU bfloat16 tensor") +
                              f" [tokens, {', '.join(map(str, self._row_shape))}], got "
                              f"{type(out).__name__}")
-        return prepare_out(out, (int(rows.shape[0]), *self._row_shape), packed, self.spec.block)
+        return prepare_out(out, (int(rows.shape[0]), *self._row_shape), packed, self.spec.block,
+                           self._mapped)
 
     def _run(self, address: Any, tokens: int, stride: int, global_ids: bool, rows: Any,
              scales: Any) -> None:
@@ -372,7 +401,7 @@ class ShardRows:
 def _prepared(out: PreparedOutput, shape: tuple[int, ...], packed: bool) -> tuple[Any, Any, Any]:
     """A prepared output's (result, bits, buffer), if it fits the call."""
     if out.shape != shape or out.packed != packed:
-        raise ValueError(f"a prepared output of shape {list(out.shape)} (packed={out.packed}) "
-                         f"for a lookup of shape {list(shape)} (packed={packed}); prepare one "
-                         "for this many tokens")
+        raise SpecError(f"a prepared output of shape {list(out.shape)} (packed={out.packed}) "
+                        f"for a lookup of shape {list(shape)} (packed={packed}); prepare one "
+                        "for this many tokens")
     return out.result, out.bits, out.buffer

@@ -28,10 +28,24 @@ from ..bindings import hashkernels
 from ..errors import SpecError
 from .hashstate import integer_array
 from .ple import PLESpec
+from .spec import _check_range, strict_int
+
+#: PLEHistory's most request slots (vLLM's max_num_seqs is far below): a
+#: typo's 2**40 would ask for terabytes
+MAX_REQUESTS = 1 << 20
 
 
 def _layer_arrays(spec: PLESpec, layer_ids: Sequence[int]) -> tuple[np.ndarray, ...]:
-    return _layer_arrays_of(spec, tuple(int(layer) for layer in layer_ids))
+    if isinstance(layer_ids, (str, bytes)) or not hasattr(layer_ids, "__iter__"):
+        raise SpecError(f"layer_ids must be a sequence of PLE layer numbers, got "
+                        f"{type(layer_ids).__name__} {layer_ids!r}")
+    # (checked before the cache: 2.0 == 2 would find 2's arrays there)
+    layers = tuple(layer if type(layer) is int else strict_int(layer, "layer_ids entry")
+                   for layer in layer_ids)
+    if not layers:
+        raise SpecError(f"layer_ids must name at least one PLE layer (of {spec.layer_ids}), "
+                        "got none")
+    return _layer_arrays_of(spec, layers)
 
 
 @functools.lru_cache(maxsize=64)
@@ -84,6 +98,7 @@ def ple_ids_numpy(spec: PLESpec, layer_id: int, input_ids: ArrayLike,
                   query_start: ArrayLike | None = None, context: ArrayLike | None = None
                   ) -> np.ndarray:
     """int64 ``[T, n_heads]``: the same rule in plain numpy, one layer."""
+    layer_id = strict_int(layer_id, "layer_id")
     ids, qs, ctx = _batch(spec, input_ids, query_start, context)
     n1, eos, t = spec.ngram_size - 1, spec.eos_token_id, len(ids)
     req = np.clip(np.searchsorted(qs, np.arange(t), side="right") - 1, 0, len(qs) - 2)
@@ -118,8 +133,8 @@ class PLEHistory:
     thread-safe: one caller per step."""
 
     def __init__(self, spec: PLESpec, max_requests: int) -> None:
-        if max_requests < 1:
-            raise SpecError(f"max_requests must be at least 1, got {max_requests}")
+        max_requests = strict_int(max_requests, "max_requests")
+        _check_range("max_requests", max_requests, 1, MAX_REQUESTS)
         self.spec = spec
         self._ctx = np.full((max_requests, spec.ngram_size - 1), spec.eos_token_id,
                             dtype=np.int64)
@@ -137,12 +152,23 @@ class PLEHistory:
             raise SpecError(f"slots must be {len(qs) - 1} distinct slots in "
                             f"0..{len(self._ctx) - 1}, got {where.tolist()[:8]}")
         if restart is not None:
-            fresh = np.asarray(restart, dtype=bool).reshape(-1)
-            self._ctx[where[fresh]] = self.spec.eos_token_id
+            self._ctx[where[self._restart_flags(restart, len(where))]] = self.spec.eos_token_id
         context = self._ctx[where]
         out = ple_ids(self.spec, layer_ids, ids, qs, context)
         self._advance(where, ids, qs, context)
         return out
+
+    @staticmethod
+    def _restart_flags(restart: ArrayLike, requests: int) -> np.ndarray:
+        try:
+            fresh = np.asarray(restart, dtype=bool).reshape(-1)
+        except (ValueError, TypeError) as exc:
+            raise SpecError(f"restart must hold one flag per request ({requests}): "
+                            f"{str(exc).splitlines()[0][:120]}") from None
+        if len(fresh) != requests:
+            raise SpecError(f"restart must hold one flag per request ({requests}), got "
+                            f"{len(fresh)}: {fresh.tolist()[:8]}")
+        return fresh
 
     def _advance(self, slots: np.ndarray, ids: np.ndarray, qs: np.ndarray,
                  context: np.ndarray) -> None:

@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..bindings import lookupkernel
-from ..errors import LookupIdError, StorageError
+from ..errors import LookupIdError, SpecError, StorageError
 from ..host.topology import Topology, current_node
 from ..literals import DEFAULT_DIRECTORY, CreateMode, PageSize
 from ..lookup.cpu import default_lookup_threads
 from ..lookup.ple import PLERows
 from ..model.ple import PLESpec
 from ..model.sharding import ShardInfo
+from ..model.spec import strict_int
 from ..store import serviceclient
 from ..store.fileformat import STATE_READY
 from ..store.placement import PlacementPlan, PlacementReport, verify
@@ -99,7 +100,8 @@ class SharedPLETable:
         CUDA device (``lookup_cuda``).  ``lookup_threads``: at most this
         many threads per CPU lookup (None: one per CPU of the table's node,
         at most 4; a call splits only where each thread gets enough rows)."""
-        shard = spec.shard(layer_id, etp_rank, etp_size)
+        shard = spec.shard(layer_id, strict_int(etp_rank, "etp_rank"),
+                           strict_int(etp_size, "etp_size"))
         asked = TableOptions(
             placement=placement, directory=directory, page_size=page_size,
             register_device=register_device, timeout_s=timeout_s, topology=topology,
@@ -125,7 +127,8 @@ class SharedPLETable:
         ``service`` holds (its copy on ``node``, default this thread's),
         read-only, after the checks a peer makes; the service is believed
         under the same rules as for Engram tables (``SharedEngramTable.attach``)."""
-        shard = spec.shard(layer_id, etp_rank, etp_size)
+        shard = spec.shard(layer_id, strict_int(etp_rank, "etp_rank"),
+                           strict_int(etp_size, "etp_size"))
         here = current_node(Topology.detect()) if node is None else node
         trust = serviceclient.ServiceTrust.of(service_uids, allow_unsealed)
         fd, uid = service_descriptor(spec, layer_id, shard, service, here, page_size, timeout_s,
@@ -168,9 +171,11 @@ class SharedPLETable:
         self.rows = self._rows()
 
     def _rows(self) -> PLERows:
+        mapping = self.backing.mapping  # no out= may share its bytes (read-only: a SIGSEGV)
         return PLERows(self.weights, dtype=self.spec.dtype, row_start=self.shard.row_start,
                        total_rows=self.spec.rows(self.layer_id), scale=self.scale,
-                       workers=self._workers)
+                       workers=self._workers,
+                       mapped=(mapping.address, mapping.address + mapping.length))
 
     def dup_descriptor(self) -> int:
         """A new descriptor of the table's file (the caller closes it): what
@@ -206,11 +211,14 @@ class SharedPLETable:
 
     def _counted(self, look: Any, ids: Any) -> Any:
         started = time.perf_counter()
-        slot = None
+        slot: int | None = None
         try:
             out = look(ids)
         except LookupIdError:
             slot = 3
+            if self._closed:  # close() ran since the open check: it left no rows
+                slot = -1  # (not a lookup, as for an Engram table)
+                raise self._closed_error() from None
             raise
         except Exception:
             slot = 4
@@ -221,7 +229,7 @@ class SharedPLETable:
                     self._counts[0] += 1
                     self._counts[1] += int(np.size(ids))
                     self._counts[2] += time.perf_counter() - started
-                else:
+                elif slot > 0:
                     self._counts[slot] += 1
         return out
 
@@ -235,9 +243,10 @@ class SharedPLETable:
         if out is None:
             bits = self._counted(self.rows.rows_bf16, ids)
             return torch.from_numpy(bits).view(torch.bfloat16)
-        if out.dtype != torch.bfloat16 or out.device.type != "cpu":
-            raise ValueError(f"out must be a CPU bfloat16 tensor, got {out.dtype} on "
-                             f"{out.device}")
+        if not torch.is_tensor(out) or out.dtype != torch.bfloat16 or out.device.type != "cpu":
+            described = f"{out.dtype} on {out.device}" if torch.is_tensor(out) \
+                else type(out).__name__
+            raise SpecError(f"out must be a CPU bfloat16 tensor, got {described}")
         target = out.view(torch.int16).numpy().view(np.uint16)
         self._counted(lambda i: self.rows.rows_bf16(i, target), ids)
         return out
@@ -272,8 +281,11 @@ class SharedPLETable:
 
     def _check_open(self) -> None:
         if self.backing is None:
-            raise StorageError(f"PLE table layer {self.layer_id} is closed; create or attach "
-                               "it again")
+            raise self._closed_error()
+
+    def _closed_error(self) -> StorageError:
+        return StorageError(f"PLE table layer {self.layer_id} is closed; create or attach it "
+                            "again")
 
     def close(self) -> None:
         """Unmap (idempotent); later lookups fail."""

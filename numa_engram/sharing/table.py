@@ -84,9 +84,11 @@ class SharedEngramTable:
         self.weights = backing.region("weights").reshape(shard.num_rows, spec.head_dim)
         self.scales = backing.region("scales").reshape(shard.num_rows, spec.scales_per_row)
         # the lookups (CPU and GPU), their kernel, outputs and counters
+        mapping = backing.mapping  # no out= may share its bytes (a read-only one: a SIGSEGV)
         self.rows = ShardRows(spec, layer_id, shard, self.weights, self.scales,
                               lookup_threads=lookup_threads, lookup_cpus=lookup_cpus,
-                              registration=registration)
+                              registration=registration,
+                              mapped=(mapping.address, mapping.address + mapping.length))
         self._closed = False
         self._close_lock = threading.Lock()
 
