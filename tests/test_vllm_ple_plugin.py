@@ -18,6 +18,7 @@ from numa_engram.model.ple import PLESpec  # noqa: E402
 
 from . import ple_scenarios  # noqa: E402
 from . import vllm_harness as harness  # noqa: E402
+from .test_deployments import hosts as simulated_hosts  # noqa: E402, F401 (a fixture)
 
 pytest.importorskip("safetensors", reason="safetensors is not installed")
 
@@ -306,3 +307,26 @@ def test_split_ngram_parts_is_read_where_vllms_config_class_reads_it(vllm, monke
         assert PLESpec.from_config(doc).split_ngram_parts == theirs, doc
         got.append(theirs)
     assert got == [512, 64, 64, 9]
+
+
+@pytest.mark.multiproc
+def test_dp_replicas_on_two_hosts_fall_back_to_private_tables_saying_so(vllm, model_dir,
+                                                                       request):
+    """Issue 49.9: TP 2 x DP 2 with dp_shared asked, each DP replica on its
+    own host (its own /dev/shm): the plugin asks where the peers are, finds
+    no peer that can map this rank's copy, and makes a private table with
+    the line the Engram part logs (a StorageError "the sharing group has
+    one member" before); bytes and rows still vLLM's."""
+    from .dist_harness import run_world
+    from .test_deployments import _on
+
+    simulated = request.getfixturevalue("simulated_hosts")  # (skips where it cannot be had)
+    results = run_world(4, ple_scenarios.vllm_plugin_dp_shared, timeout_s=300,
+                        hosts=_on(simulated, "AABB"), model_dir=model_dir,
+                        root=str(harness.cache_dir()), spec=SPEC.to_dict(), additional={})
+    for r in results:
+        assert r["ok"], r.get("traceback", r)
+        assert r["mismatches"] == [] and set(r["modes"]) == {"independent"}, r
+        assert any("the DP peers cannot share one copy (no DP peer of this rank can map its "
+                   "copy" in line and "one table per rank" in line for line in r["logs"]), \
+            r["logs"]

@@ -15,9 +15,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from numa_engram import EngramSpec, write_synthetic_model  # noqa: E402
+from numa_engram.integrations.vllm.patching import patch_vl  # noqa: E402
 from numa_engram.integrations.vllm.settings import PluginError, PluginSettings  # noqa: E402
 
 from . import vllm_harness as harness  # noqa: E402
+from .vllm_scenarios import load_through_mapper, vl_module  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'numa_engram[test]')")
 pytest.importorskip("safetensors", reason="safetensors is not installed")
@@ -144,6 +146,7 @@ def test_rocm_is_refused_and_replaced_storage_is_an_error(vllm, model_dir, monke
     monkeypatch.undo()
     ours = nv.Engram._create_embedding(harness.thin_engram(nv), layout, 0)
     try:
+        harness.load_checkpoint(ours, model_dir, layout.layer_ids[0])
         other = torch.empty_like(ours.weight)
         with pytest.raises(RuntimeError, match="storage was replaced"):
             ours._shared_memory.get_views(other, ours.weight_scale_inv)
@@ -204,30 +207,36 @@ def test_tp2_dp2_dp_shared_tables_give_vllms_rows_with_one_copy(vllm, model_dir,
 
 # ------------------------------------------------- the table service --
 
-@pytest.fixture
-def service(model_dir, tmp_path):
+def start_service(model_dir, socket_path, tp=1):
     from numa_engram.runtime.modeldir import ModelDirectory
     from numa_engram.service.tableservice import TableService
 
-    held = TableService(ModelDirectory.open(model_dir), str(tmp_path / "engram.sock"), tp=1)
+    held = TableService(ModelDirectory.open(model_dir), str(socket_path), tp=tp)
     held.start()
     held.load_all()
+    return held
+
+
+@pytest.fixture
+def service(model_dir, tmp_path):
+    held = start_service(model_dir, tmp_path / "engram.sock")
     yield held.socket_path
     held.stop()
 
 
 def test_with_a_table_service_each_layer_attaches_and_vllms_loader_copies_nothing(
         vllm, model_dir, service):
-    from numa_engram.integrations.vllm import layers
+    from numa_engram.integrations.vllm import placement
 
     nv, common = vllm
-    harness.State.config = harness.config(model_dir, additional={"service": service})
     layout = harness.layout_of(common, model_dir)
     for restart in range(2):  # a restarted engine attaches again
+        harness.State.config = harness.config(model_dir, additional={"service": service})
         for index, layer in enumerate(layout.layer_ids):
             ours = nv.Engram._create_embedding(harness.thin_engram(nv, index), layout, index)
             table = ours.numa_table
-            assert table.mode == "service" and layers.ATTACHED
+            assert table.mode == "service"
+            assert layer in placement.engine(harness.State.config).attached
             before = bytes(table.weights[:4].tobytes())
             harness.load_checkpoint(ours, model_dir, layer)  # (the mapper drops these)
             assert table.weights[:4].tobytes() == before  # checked, not copied
@@ -241,39 +250,6 @@ def test_with_a_table_service_each_layer_attaches_and_vllms_loader_copies_nothin
                                           load_format="dummy")
     with pytest.raises(PluginError, match="load_format=dummy writes every weight"):
         nv.Engram._create_embedding(harness.thin_engram(nv), layout, 0)
-    layers.ATTACHED = False
-
-
-def _vl_module(root):
-    """vLLM's WeightsMapper and its V4.1 VL mapper factory, as vLLM wrote them
-    (taken from the wheel's sources; the text checkpoint's own rules, which
-    touch no Engram name, left empty)."""
-    import ast
-    import re
-    import types
-    from collections.abc import Iterable, Mapping
-    from dataclasses import dataclass, field
-    from typing import Any, Literal, TypeAlias
-
-    def source_of(path, name):
-        text = path.read_text()
-        for node in ast.parse(text).body:
-            if getattr(node, "name", None) == name:
-                lines = text.splitlines()[node.lineno - 1 - len(node.decorator_list):
-                                          node.end_lineno]
-                return "\n".join(lines)
-        raise AssertionError(f"{name} is not in {path}")
-    namespace = dict(dataclass=dataclass, field=field, Mapping=Mapping, Iterable=Iterable,
-                     re=re, torch=torch, Any=Any, Literal=Literal, TypeAlias=TypeAlias,
-                     ShardIds=Any, WeightRenaming=Any, logger=harness._init_logger("utils"))
-    exec(source_of(root / "vllm/model_executor/models/utils.py", "WeightsMapper"), namespace)
-    namespace["_make_deepseek_v4_weights_mapper"] = lambda *a: namespace["WeightsMapper"]()
-    exec(source_of(root / "vllm/models/deepseek_v41/nvidia/vl_model.py",
-                   "_make_deepseek_v4_vl_weights_mapper"), namespace)
-    module = types.ModuleType("vl_model")
-    module._make_deepseek_v4_vl_weights_mapper = namespace[
-        "_make_deepseek_v4_vl_weights_mapper"]
-    return module
 
 
 V41_NAMES = ["embed.weight", "head.weight", "norm.weight", "hc_head_fn",
@@ -284,27 +260,29 @@ V41_NAMES = ["embed.weight", "head.weight", "norm.weight", "hc_head_fn",
              "layers.14.ffn.experts.3.w1.weight", "mtp.0.embed.weight"]
 
 
-def test_the_weights_mapper_drops_exactly_the_engram_tables_while_attached(vllm):
-    from numa_engram.integrations.vllm import layers
-    from numa_engram.integrations.vllm.patching import _patch_vl
+def test_the_weights_mapper_drops_exactly_the_tables_its_engine_attached(vllm):
+    """Per engine and per layer: the mapper made while an engine is
+    constructed drops the Engram tensors of the layers that engine
+    attached, and of no other layer or engine."""
+    from numa_engram.integrations.vllm import placement
 
-    vl = _vl_module(harness.cache_dir())
+    vl = vl_module(harness.cache_dir())
     original = vl._make_deepseek_v4_vl_weights_mapper
-    _patch_vl(vl)
+    patch_vl(vl)
     weights = [(name, None) for name in V41_NAMES]
     unpatched = dict(original("fp4", "scale").apply(weights))
-    layers.ATTACHED = False
+    attached_engine, other_engine = harness.config("m"), harness.config("m")
+    placement.engine(attached_engine).attached.add(14)
+    harness.State.config = other_engine
     assert dict(vl._make_deepseek_v4_vl_weights_mapper("fp4", "scale").apply(weights)) == \
         unpatched
-    layers.ATTACHED = True
-    try:
-        mapped = dict(vl._make_deepseek_v4_vl_weights_mapper("fp4", "scale").apply(weights))
-    finally:
-        layers.ATTACHED = False
-    dropped = {n for n in V41_NAMES if ".engram.embed." in n}
-    assert len(dropped) == 4
+    harness.State.config = attached_engine
+    mapped = dict(vl._make_deepseek_v4_vl_weights_mapper("fp4", "scale").apply(weights))
+    dropped = {n for n in V41_NAMES if n.startswith("layers.14.engram.embed.")}
+    assert len(dropped) == 2
     assert mapped == {k: v for k, v in unpatched.items()
                       if k not in {original("fp4", "scale").map_name(n) for n in dropped}}
+    assert any("layers.1.engram.embed" in k for k in mapped)  # layer 1 was not attached
     assert any("engram.wkv" in k for k in mapped)  # the layer's other weights stay
 
 
@@ -446,4 +424,209 @@ def test_one_member_failing_fails_every_member_of_its_group_naming_it(vllm, mode
     assert by_rank[0]["raised"] is None and by_rank[2]["raised"] is None  # the other group
     # TP rank 1's group: both members fail alike, naming rank 3 and what it asked
     assert by_rank[1]["raised"] == by_rank[3]["raised"]
-    assert "rank 3 asked for 2M pages" in by_rank[3]["raised"]
+    assert "page_size: rank 1 '4K', rank 3 '2M'" in by_rank[3]["raised"]
+
+
+# ------------------------------------- per engine, per layer, never zeros --
+
+def _engine(nv, common, model_dir, **config):
+    """One engine's Engram layers built through the plugin (a fresh config:
+    a new engine, as a restart or an RL loop builds one)."""
+    harness.State.config = harness.config(model_dir, **config)
+    layout = harness.layout_of(common, model_dir)
+    return {layer: nv.Engram._create_embedding(harness.thin_engram(nv, index), layout, index)
+            for index, layer in enumerate(layout.layer_ids)}
+
+
+def _rows_are_vllms(nv, common, model_dir, embs):
+    layout = harness.layout_of(common, model_dir)
+    for index, (layer, emb) in enumerate(embs.items()):
+        theirs = _vllms_own(nv, common, layout, index, model_dir, layer)
+        ids = global_ids(SPEC, layer, 48, seed=layer)
+        assert torch.equal(_bits(emb(ids)), _bits(theirs(ids))), layer
+
+
+def test_an_engine_built_after_an_attached_one_loads_its_own_tables(vllm, model_dir, service):
+    """Issue 49.1: an engine whose tables came from the service, then a
+    second engine in the same process building its own: the second's
+    mapper drops nothing, its loader fills every table, its rows are
+    vLLM's (a process-wide "attached" flag dropped them: zero rows)."""
+    nv, common = vllm
+    vl = vl_module(harness.cache_dir())
+    patch_vl(vl)
+    attached = _engine(nv, common, model_dir, additional={"service": service})
+    assert {e.numa_table.mode for e in attached.values()} == {"service"}
+    assert load_through_mapper(vl, attached, model_dir) == 0
+    built = _engine(nv, common, model_dir)
+    assert {e.numa_table.mode for e in built.values()} == {"independent"}
+    assert load_through_mapper(vl, built, model_dir) == 2 * len(built)
+    _rows_are_vllms(nv, common, model_dir, built)
+    _rows_are_vllms(nv, common, model_dir, attached)
+    for emb in [*attached.values(), *built.values()]:
+        emb.numa_table.close()
+
+
+def test_a_service_appearing_between_two_layers_changes_nothing_in_that_engine(
+        vllm, model_dir, tmp_path, monkeypatch):
+    """Issue 49.1: "service": "auto", the service starts after the first
+    layer is built: the engine's decision holds for all its layers (built
+    here), the mapper drops nothing and every row is vLLM's; the next
+    engine attaches."""
+    nv, common = vllm
+    vl = vl_module(harness.cache_dir())
+    patch_vl(vl)
+    sock = tmp_path / "auto.sock"
+    monkeypatch.setenv("NUMA_ENGRAM_SOCKET", str(sock))
+    harness.State.config = harness.config(model_dir, additional={"service": "auto"})
+    layout = harness.layout_of(common, model_dir)
+    embs = {layout.layer_ids[0]: nv.Engram._create_embedding(harness.thin_engram(nv, 0),
+                                                             layout, 0)}
+    held = start_service(model_dir, sock)
+    try:
+        embs[layout.layer_ids[1]] = nv.Engram._create_embedding(harness.thin_engram(nv, 1),
+                                                                layout, 1)
+        assert {e.numa_table.mode for e in embs.values()} == {"independent"}
+        assert load_through_mapper(vl, embs, model_dir) == 2 * len(embs)
+        _rows_are_vllms(nv, common, model_dir, embs)
+        later = _engine(nv, common, model_dir, additional={"service": "auto"})
+        assert {e.numa_table.mode for e in later.values()} == {"service"}
+        for emb in [*embs.values(), *later.values()]:
+            emb.numa_table.close()
+    finally:
+        held.stop()
+
+
+def test_a_table_neither_loaded_nor_attached_is_an_error_naming_its_layer(vllm, model_dir):
+    """Issue 49.1: a table vLLM's loader never filled (its tensors skipped
+    or absent) is a PluginError naming the layer at the first forward,
+    before any row is read, never zero rows."""
+    nv, common = vllm
+    embs = _engine(nv, common, model_dir)
+    layer = next(iter(embs))
+    try:
+        with pytest.raises(PluginError, match=f"Engram layer {layer}: its table was neither "
+                                              "loaded"):
+            embs[layer](global_ids(SPEC, layer, 8, seed=1))
+        harness.load_checkpoint(embs[layer], model_dir, layer)
+        _rows_are_vllms(nv, common, model_dir, {layer: embs[layer]})
+    finally:
+        for emb in embs.values():
+            emb.numa_table.close()
+
+
+def test_auto_with_a_dead_service_builds_the_tables_and_says_so(vllm, model_dir, tmp_path,
+                                                              monkeypatch, caplog):
+    """Issue 49.7: "auto" where the socket file is there but nobody listens
+    (a stopped service's): the tables are built, with a log line, not a
+    StorageError."""
+    import logging
+    import socket
+
+    nv, common = vllm
+    sock = tmp_path / "dead.sock"
+    with socket.socket(socket.AF_UNIX) as dead:
+        dead.bind(str(sock))  # bound, never listening, then closed: the file stays
+    monkeypatch.setenv("NUMA_ENGRAM_SOCKET", str(sock))
+    with caplog.at_level(logging.WARNING, logger="numa_engram"):
+        embs = _engine(nv, common, model_dir, additional={"service": "auto"})
+    try:
+        assert {e.numa_table.mode for e in embs.values()} == {"independent"}
+        assert f"nobody listens at {sock}" in caplog.text
+    finally:
+        for emb in embs.values():
+            emb.numa_table.close()
+
+
+def test_a_patched_file_lacking_a_symbol_is_a_plugin_error_naming_it(vllm, monkeypatch):
+    """Issue 49.11: the import hook on a vLLM whose Engram module lacks
+    what the patch replaces: a PluginError naming the file, the symbol and
+    what to do (an AttributeError inside vLLM's import before)."""
+    import sys
+    import types
+
+    from numa_engram.integrations.vllm import hook
+
+    nv, common = vllm
+    other = types.ModuleType(hook.NV)
+    other.__file__ = nv.__file__
+    other.Engram = type("Engram", (), {})  # no ParallelEngramEmbedding, no _create_embedding
+    monkeypatch.setitem(sys.modules, hook.NV, other)
+    with pytest.raises(PluginError, match="nvidia/engram.py has no ParallelEngramEmbedding.*"
+                                          "install vllm==0.31.0"):
+        hook.patch_loaded()
+
+
+# ------------------------------------------ worlds: restarts, settings --
+
+@pytest.mark.multiproc
+def test_warm_restart_tp2_dp2_service_attaches_bit_exact_with_no_engram_loader_call(
+        vllm, model_dir, tmp_path):
+    """Issue 49.6, the README's warm-restart setup: ``numa-engram serve --tp
+    2`` and four ranks as vLLM's TP 2 x DP 2 on one host, dp_shared asked
+    (vLLM's default), "service" given: every rank attaches its TP slice
+    (the service's), two engines in a row, rows bit-exact with the whole
+    table and vLLM's own storage, and vLLM's loader makes zero calls for
+    Engram tensors (the EDP group shrank each rank's slice below the
+    service's before: every attach refused)."""
+    from .dist_harness import run_world
+    from .vllm_scenarios import warm_restart
+
+    held = start_service(model_dir, tmp_path / "engram.sock", tp=2)
+    try:
+        results = run_world(4, warm_restart, timeout_s=300, model_dir=model_dir,
+                            root=str(harness.cache_dir()), spec=SPEC.to_dict(),
+                            service=held.socket_path)
+    finally:
+        held.stop()
+    part = -(-SPEC.n_hash_cols // 2)
+    for r in results:
+        assert r["ok"], r.get("traceback", r)
+        for restart, engine in enumerate(r["engines"]):
+            print(f"rank {r['rank']} engine {restart}: modes {engine['modes']}, heads "
+                  f"{engine['heads']}, Engram loader calls {engine['loader_calls']}, "
+                  f"{engine['compared']} bytes of rows compared, mismatches "
+                  f"{engine['mismatches']}, ready in {engine['ready_s']} s")
+            assert engine["shareable"] is True and set(engine["modes"]) == {"service"}
+            assert engine["loader_calls"] == 0 and engine["mismatches"] == [], engine
+            tp_rank = r["rank"] % 2
+            assert all(h == [tp_rank * part, min((tp_rank + 1) * part, SPEC.n_hash_cols)]
+                       for h in engine["heads"]), engine["heads"]
+
+
+@pytest.mark.multiproc
+def test_dp_replicas_given_different_settings_all_fail_naming_them(vllm, model_dir, tmp_path):
+    """Issue 49.8: the first DP replica given a table service, the second
+    none: every rank raises the same PluginError naming the setting and
+    each rank's value, within the bound (one returned early and the other
+    hung in all_gather before)."""
+    from .dist_harness import run_world
+    from .vllm_scenarios import differing_settings
+
+    sock = str(tmp_path / "engram.sock")
+    results = run_world(4, differing_settings, timeout_s=120, model_dir=model_dir,
+                        root=str(harness.cache_dir()), service=sock)
+    by_rank = {r["rank"]: r for r in results}
+    assert all(r["ok"] for r in results), results
+    for tp_rank in (0, 1):
+        raised = by_rank[tp_rank]["raised"]
+        assert raised == by_rank[tp_rank + 2]["raised"], results
+        assert raised.startswith("PluginError: the DP replicas were given different "
+                                 "numa_engram settings (service: "), raised
+        assert f"rank {tp_rank} '{sock}', rank {tp_rank + 2} None" in raised, raised
+
+
+@pytest.mark.multiproc
+def test_auto_without_a_service_shares_one_copy(vllm, model_dir, tmp_path, monkeypatch):
+    """Issue 49.7: "service": "auto" where no service runs gives what no
+    service gives: one DP-shared copy (a private copy per replica before)."""
+    from .dist_harness import run_world
+    from .vllm_scenarios import serve
+
+    monkeypatch.setenv("NUMA_ENGRAM_SOCKET", str(tmp_path / "none.sock"))
+    results = run_world(4, serve, timeout_s=300, model_dir=model_dir, mode="dp_shared",
+                        root=str(harness.cache_dir()), spec=SPEC.to_dict(),
+                        additional={"service": "auto"})
+    for r in results:
+        assert r["ok"], r.get("traceback", r)
+        assert r["shareable"] is True and r["mismatches"] == [], r
+        assert set(r["modes"]) == {"dp_shared"}

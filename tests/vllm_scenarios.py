@@ -2,6 +2,7 @@
 vLLM's own Engram modules (tests/vllm_harness.py) over the plugin's tables,
 with real gloo groups as vLLM's TP and Engram-DP groups (TP-minor ranks)."""
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 from numa_engram.bindings import native
 from numa_engram.host.procfs import smaps
 from numa_engram.integrations.vllm import patch
+from numa_engram.integrations.vllm.patching import patch_vl
 
 from . import vllm_harness as harness
 
@@ -137,3 +139,145 @@ def _global_ids(spec, layer, tokens, seed):
     ids = base + (rng.integers(0, 1 << 40, (tokens, len(sizes))) % sizes)
     ids[rng.random(ids.shape) < 0.1] = -1
     return torch.from_numpy(ids.astype(np.int64))
+
+
+def vl_module(root):
+    """vLLM's WeightsMapper and its V4.1 VL mapper factory, as vLLM wrote them
+    (taken from the wheel's sources; the text checkpoint's own rules, which
+    touch no Engram name, left empty)."""
+    import ast
+    import re
+    import types
+    from collections.abc import Iterable, Mapping
+    from dataclasses import dataclass, field
+    from typing import Any, Literal, TypeAlias
+
+    def source_of(path, name):
+        text = path.read_text()
+        for node in ast.parse(text).body:
+            if getattr(node, "name", None) == name:
+                lines = text.splitlines()[node.lineno - 1 - len(node.decorator_list):
+                                          node.end_lineno]
+                return "\n".join(lines)
+        raise AssertionError(f"{name} is not in {path}")
+    namespace = dict(dataclass=dataclass, field=field, Mapping=Mapping, Iterable=Iterable,
+                     re=re, torch=torch, Any=Any, Literal=Literal, TypeAlias=TypeAlias,
+                     ShardIds=Any, WeightRenaming=Any, logger=harness._init_logger("utils"))
+    exec(source_of(Path(root) / "vllm/model_executor/models/utils.py", "WeightsMapper"),
+         namespace)
+    namespace["_make_deepseek_v4_weights_mapper"] = lambda *a: namespace["WeightsMapper"]()
+    exec(source_of(Path(root) / "vllm/models/deepseek_v41/nvidia/vl_model.py",
+                   "_make_deepseek_v4_vl_weights_mapper"), namespace)
+    module = types.ModuleType("vl_model")
+    module._make_deepseek_v4_vl_weights_mapper = namespace[
+        "_make_deepseek_v4_vl_weights_mapper"]
+    return module
+
+
+def load_through_mapper(vl, embs, model_dir):
+    """vLLM's VL loading of the Engram tensors: every checkpoint name through
+    the VL model's weights mapper (made now, as the model makes it after
+    its language model), each Engram tensor that survives handed to its
+    parameter's weight_loader; how many such loader calls were made."""
+    from safetensors import safe_open
+
+    from numa_engram.sharing.checkpoint import checkpoint_files, find_names
+
+    files = checkpoint_files(model_dir)
+    params = {}
+    for layer, emb in embs.items():
+        w_name, s_name = find_names(files, layer).of(layer)
+        params[w_name], params[s_name] = emb.weight, emb.weight_scale_inv
+    mapper = vl._make_deepseek_v4_vl_weights_mapper("fp4", "scale")
+    calls = 0
+    for _new, name in mapper.apply((name, name) for name in sorted(files)):
+        param = params.get(name)
+        if param is None:
+            continue
+        with safe_open(files[name], framework="pt") as f:
+            tensor = f.get_tensor(name)
+        if tensor.dtype == torch.uint8 and name.endswith("scale"):
+            tensor = tensor.view(torch.float8_e8m0fnu)
+        param.weight_loader(param, tensor)
+        calls += 1
+    return calls
+
+
+def warm_restart(rank, world, *, model_dir, root, spec, service, tp=2, restarts=2):
+    """The README's warm-restart setup: a table service holding each TP
+    shard (``serve --tp 2``) and the DP replicas of vLLM's TP 2 x DP 2 on
+    one host, dp_shared asked (vLLM's default).  Each engine (``restarts``
+    in a row, as a restart or an RL loop builds them): vLLM's model asks
+    can_share_engram_tables, builds every Engram layer through the plugin,
+    loads through the VL model's weights mapper (loader calls for Engram
+    tensors counted) and looks up through vLLM's forward; rows against the
+    whole table's lookup(id_format="global") and vLLM's own storage."""
+    spec = EngramSpec.from_dict(spec)
+    nv, common = harness.vllm_modules(Path(root))
+    patch(nv, common)
+    vl = vl_module(root)
+    patch_vl(vl)
+    harness.State.tp, harness.State.edp = _groups(rank, world, tp)
+    harness.State.dp = harness.State.edp
+    replica = rank // tp
+    counts = torch.tensor([40 + d for d in range(world // tp)])
+    harness.State.forward = harness.SimpleNamespace(
+        dp_metadata=harness.SimpleNamespace(num_tokens_across_dp_cpu=counts))
+    engines = []
+    for restart in range(restarts):
+        t0 = time.monotonic()
+        config = harness.config(model_dir, dp_shared=True, additional={"service": service})
+        harness.State.config = config
+        layout = harness.layout_of(common, model_dir)
+        # as vLLM's DeepseekV4Model does before it builds its layers
+        config.engram_config.dp_shared_memory = nv.can_share_engram_tables(layout)
+        embs = {layer: nv.Engram._create_embedding(harness.thin_engram(nv, index), layout,
+                                                   index)
+                for index, layer in enumerate(layout.layer_ids)}
+        calls = load_through_mapper(vl, embs, model_dir)
+        ready_s = time.monotonic() - t0
+        out = {"shareable": config.engram_config.dp_shared_memory, "loader_calls": calls,
+               "modes": [], "heads": [], "mismatches": [], "ready_s": round(ready_s, 3),
+               "compared": 0}
+        for index, (layer, emb) in enumerate(embs.items()):
+            table = emb.numa_table
+            out["modes"].append(table.mode)
+            out["heads"].append([table.shard.head_start, table.shard.head_end])
+            ids = _global_ids(spec, layer, 40 + replica, seed=100 * replica + layer + restart)
+            got = emb(ids)
+            with SharedEngramTable.create(spec, layer,
+                                          shard_heads(spec.bucket_sizes(layer), 1, 0),
+                                          checkpoint=model_dir, mode="independent",
+                                          directory=None) as whole:
+                want = whole.lookup(ids.numpy(), id_format="global")
+            if not torch.equal(got.contiguous().view(torch.int16), want.view(torch.int16)):
+                out["mismatches"].append(layer)
+            theirs = _vllms_own(nv, layout, index, model_dir, layer, "dp_shared")(ids)
+            if not torch.equal(got.contiguous().view(torch.int16),
+                               theirs.contiguous().view(torch.int16)):
+                out["mismatches"].append(f"{layer} vs vLLM's own storage")
+            out["compared"] += got.numel() * got.element_size()
+        dist.barrier()
+        for emb in embs.values():
+            emb.numa_table.close()
+        engines.append(out)
+    return {"engines": engines}
+
+
+def differing_settings(rank, world, *, model_dir, root, service, tp=2):
+    """DP replicas given different plugin settings (the first replica a
+    table service, the second none): what vLLM's can_share_engram_tables
+    raised on each rank."""
+    nv, common = harness.vllm_modules(Path(root))
+    patch(nv, common)
+    harness.State.tp, harness.State.edp = _groups(rank, world, tp)
+    harness.State.dp = harness.State.edp
+    additional = {"service": service} if rank < tp else {}
+    harness.State.config = harness.config(model_dir, dp_shared=True, additional=additional)
+    layout = harness.layout_of(common, model_dir)
+    try:
+        nv.can_share_engram_tables(layout)
+    except Exception as exc:
+        return {"raised": f"{type(exc).__name__}: {exc}"}
+    return {"raised": None}
+

@@ -18,11 +18,11 @@ from ...model.sharding import ShardInfo, shard_heads
 from ...model.spec import EngramSpec
 from ...sharing.request import TableOptions
 from ...sharing.table import SharedEngramTable
-from .settings import PluginError, PluginSettings
+from . import placement
+from .settings import PluginError, PluginSettings, settings_of
 
 log = logging.getLogger(__name__)
 
-ATTACHED = False  # this process's tables come from a table service (the mapper drops them)
 REFUSED_LOADS = ("dummy", "sharded_state", "ipc_cache")
 _SPECS: dict[tuple[str, str], Any] = {}  # by model directory and family
 # this process's tables (Engram and PLE), for its metrics endpoint: vLLM's
@@ -30,7 +30,6 @@ _SPECS: dict[tuple[str, str], Any] = {}  # by model directory and family
 # serves its own registry on metrics_port + its global rank
 TABLES: list[Any] = []
 _METRICS: list[Any] = []
-_GROUPS: dict[Any, Any] = {}  # this process's sharing groups, by EDP group and copies
 
 
 def build_embedding(nv: ModuleType, common: ModuleType, embedding: type, layout: Any,
@@ -40,7 +39,7 @@ def build_embedding(nv: ModuleType, common: ModuleType, embedding: type, layout:
     config = nv.get_current_vllm_config()
     engram = config.engram_config
     refuse_config(config)
-    settings = PluginSettings.of(getattr(config, "additional_config", None))
+    settings = settings_of(config)
     layer = LayerTables(nv, common, config, settings, layout.layer_ids[layer_hash_index])
     return embedding(layout.num_embeddings[layer_hash_index], layout.head_dim,
                      tuple(size for order in layout.primes[layer_hash_index] for size in order),
@@ -129,55 +128,54 @@ class LayerTables:
         return storage
 
     def _tables(self, emb: Any) -> TableStorage:
-        global ATTACHED
-
         spec = model_spec(self.config)
         shard = vllm_shard(spec, self.layer_id, emb)
-        device = _device()
-        service = self._service_path()
-        if service is not None:
-            refuse_load(self.config, read_only=True)
-            table = SharedEngramTable.attach(
-                spec, self.layer_id, shard, service=service, page_size=self.settings.page_size,
-                register_device=device, service_uids=self.settings.service_uids or None,
-                allow_unsealed=self.settings.allow_unsealed or None)
-            ATTACHED = True
-            return TableStorage(self.nv, self.common, table, writer=False, group=None,
-                                filled=True)
+        device = placement.device()
+        edp = self.nv.get_engram_dp_group()
+        decision = placement.decide(self.config, self.settings, edp,
+                                    shared_asked=bool(emb.dp_shared_memory))
+        if decision.source == "service":
+            return self._attach(spec, shard, emb, decision.service, device)
         options = TableOptions(placement=self.settings.placement,
                                page_size=self.settings.page_size, register_device=device,
                                load_threads=self.settings.load_threads)
-        if emb.dp_shared_memory:
-            edp = self.nv.get_engram_dp_group()
-            refuse_load(self.config, read_only=True)
-            table = SharedEngramTable.create(
-                spec, self.layer_id, shard, group=self._sharing_group(edp, device),
-                mode="dp_shared", options=replace(options, directory=self._shared_directory()))
-            return TableStorage(self.nv, self.common, table, writer=table.leader,
-                                group=edp.cpu_group, filled=False)
+        if decision.source == "dp_shared" and emb.dp_shared_memory:
+            tp_rank = self.nv.get_tensor_model_parallel_rank()
+            group = placement.sharing_group(self.config, self.settings, edp, tp_rank=tp_rank,
+                                            device=device)
+            if group is not None:
+                refuse_load(self.config, read_only=True)
+                table = SharedEngramTable.create(
+                    spec, self.layer_id, shard, group=group, mode="dp_shared",
+                    options=replace(options, directory=self.settings.directory
+                                    or DEFAULT_DIRECTORY))
+                return TableStorage(self.nv, self.common, table, writer=table.leader,
+                                    group=group, filled=False, config=self.config)
         table = SharedEngramTable.create(spec, self.layer_id, shard, mode="independent",
                                          options=replace(options, directory=None))
-        return TableStorage(self.nv, self.common, table, writer=True, group=None, filled=False)
+        return TableStorage(self.nv, self.common, table, writer=True, group=None, filled=False,
+                            config=self.config)
 
-    def _sharing_group(self, edp: Any, device: int | None) -> Any:
-        """Who shares this layer's copy: the members of vLLM's EDP group that
-        can map one file (measured: host, uid, directory), split by their
-        GPU's socket with copies="socket"; formed once per process."""
-        from ...sharing.group import sharing_groups
-
-        key = (tuple(edp.ranks) if hasattr(edp, "ranks") else id(edp), self.settings.copies)
-        if key not in _GROUPS:
-            tp_rank = self.nv.get_tensor_model_parallel_rank()
-            _GROUPS[key] = sharing_groups(edp, tp_rank=tp_rank, device=device,
-                                          per_socket=self.settings.copies == "socket",
-                                          directory=self._shared_directory())
-        return _GROUPS[key]
-
-    def _service_path(self) -> str | None:
-        return service_path(self.settings)
-
-    def _shared_directory(self) -> str:
-        return self.settings.directory or DEFAULT_DIRECTORY
+    def _attach(self, spec: EngramSpec, shard: ShardInfo, emb: Any, service: str | None,
+                device: int | None) -> TableStorage:
+        """The layer's TP slice from the table service (it holds TP slices:
+        vLLM must not shard the heads across its Engram DP group too)."""
+        edp_size = self.nv.get_engram_dp_size()
+        if edp_size > 1 and not emb.dp_shared_memory:
+            raise PluginError(f"Engram layer {self.layer_id}: the table service holds each TP "
+                              f"rank's heads, but with engram_config.dp_shared_memory=False "
+                              f"vLLM splits them across its {edp_size} Engram DP replicas: "
+                              "set dp_shared_memory=True (the replicas attach one copy), or "
+                              "run without numa_engram.service")
+        refuse_load(self.config, read_only=True)
+        assert service is not None
+        table = SharedEngramTable.attach(
+            spec, self.layer_id, shard, service=service, page_size=self.settings.page_size,
+            register_device=device, service_uids=self.settings.service_uids or None,
+            allow_unsealed=self.settings.allow_unsealed or None)
+        placement.engine(self.config).attached.add(self.layer_id)
+        return TableStorage(self.nv, self.common, table, writer=False, group=None, filled=True,
+                            config=self.config)
 
 
 def serve_metrics(settings: PluginSettings) -> None:
@@ -196,16 +194,6 @@ def serve_metrics(settings: PluginSettings) -> None:
     collector.tables = TABLES  # the same list: later layers' tables are scraped too
     _METRICS.append(serve(collector, port + rank))
     log.info("numa_engram: Engram table metrics of rank %d on 127.0.0.1:%d", rank, port + rank)
-
-
-def service_path(settings: PluginSettings) -> str | None:
-    """The table service's socket the settings name ("auto": the default
-    one, where it exists), or None."""
-    service = settings.service
-    if service == "auto":
-        path = os.environ.get("NUMA_ENGRAM_SOCKET", "/run/numa-engram/engram.sock")
-        return path if os.path.exists(path) else None
-    return service
 
 
 def vllm_shard(spec: EngramSpec, layer_id: int, emb: Any) -> ShardInfo:
@@ -229,15 +217,6 @@ def vllm_shard(spec: EngramSpec, layer_id: int, emb: Any) -> ShardInfo:
     return theirs
 
 
-def _device() -> int | None:
-    """The rank's CUDA device for registration, None without one."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.current_device()
-
-
 class TableStorage:
     """vLLM's ``DPSharedEngramStorage`` contract over one of our tables:
     ``weight`` (``float8_e4m3fn [rows, dim]``) and ``scales`` (``uint8
@@ -246,10 +225,11 @@ class TableStorage:
     registered); ``load_weight`` what vLLM's loader calls per tensor."""
 
     def __init__(self, nv: ModuleType, common: ModuleType, table: SharedEngramTable, *,
-                 writer: bool, group: Any, filled: bool) -> None:
+                 writer: bool, group: Any, filled: bool, config: Any) -> None:
         import torch
 
-        self._nv, self._common = nv, common
+        self._nv, self._common, self._config = nv, common, config
+        # (group: the sharing group, a Group whose collectives are bounded)
         self.table, self.writer, self.group, self.filled = table, writer, group, filled
         with warnings.catch_warnings():  # a read-only mapping: vLLM never writes it here
             warnings.simplefilter("ignore", UserWarning)
@@ -263,8 +243,6 @@ class TableStorage:
         (through vLLM's own head-shard loader: the scale arrives as
         float8_e8m0fnu and must keep its bytes), then the group's members
         meet at a barrier; a table already filled (attached) checks shapes."""
-        import torch
-
         if self.filled:
             if self._loads >= 2:  # past the checkpoint's two tensors: an update
                 raise PluginError("a weight update would write into an Engram table attached "
@@ -281,7 +259,7 @@ class TableStorage:
         if self.writer:
             self._common._engram_head_shard_weight_loader(param, loaded_weight)
         if self.group is not None:
-            torch.distributed.barrier(group=self.group)
+            self.group.barrier(f"numa_engram: layer {self.table.layer_id} loaded")
         self._loads += 1
         if self._loads == 2:  # weights and scales: the table is loaded
             self.report()
@@ -290,36 +268,49 @@ class TableStorage:
         """What a deployment log needs, logged once per table: mode, sharing
         group, pages, placement per node (measured), startup phases, and the
         PSS of the group's members as copies of the table."""
-        import torch.distributed as dist
-
         from ...host.hugepages import name_of
         from ...host.procfs import smaps
 
         doc = dict(self.table.mode_report())
         name = os.path.basename(self.table.path).removeprefix("memfd:")
+        if self.group is not None:  # a member holding a handed-over memfd: the leader's name
+            names = self.group.all_gather(name, "numa_engram: the table's name")
+            name = next((n for n in names if n.startswith("numa-engram-")), name)
         # (PSS counts no hugetlb page: a huge-page table's copies show in its pool)
         huge = self.table._backing.layout.page_size > 4096
         pss = smaps("self", name).pss if name.startswith("numa-engram-") and not huge \
             else None
-        if self.group is not None and pss is not None:
-            every: list[Any] = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(every, pss, group=self.group)
-            pss = sum(every)
+        if self.group is not None:  # (every member gathers: a collective)
+            every = self.group.all_gather(pss, "numa_engram: the copies' PSS")
+            pss = None if None in every else sum(every)
         doc["pss_copies"] = None if pss is None else round(pss / self.table.backing_bytes, 3)
-        placement: Any = doc["placement"] or {}
+        placed: Any = doc["placement"] or {}
         log.info("numa_engram: Engram layer %d heads [%d, %d): %s, group %s, %s pages, "
                  "placement %s, %s copies by PSS, startup %s", doc["layer_id"],
                  doc["head_start"], doc["head_end"], doc["mode"], doc["sharing_group"],
                  name_of(self.table._backing.layout.page_size),
-                 placement.get("pages_per_node"),
+                 placed.get("pages_per_node"),
                  doc["pss_copies"], doc["startup_s"])
         return doc
+
+    @property
+    def ready(self) -> bool:
+        """The rows are the checkpoint's: attached, loaded (both tensors),
+        or written by vLLM's dummy load into a table this rank writes."""
+        load_format = str(getattr(self._config.load_config, "load_format", "auto"))
+        return self.filled or self._loads >= 2 or (self.writer and load_format == "dummy")
 
     def get_views(self, weight: Any, scales: Any) -> tuple[Any, Any]:
         if (weight.data_ptr(), scales.data_ptr()) != (self.weight.data_ptr(),
                                                        self.scales.data_ptr()):
             raise RuntimeError("the Engram parameters' storage was replaced; numa_engram's "
                                "tables must stay under them")
+        if not self.ready:
+            raise PluginError(f"Engram layer {self.table.layer_id}: its table was neither "
+                              "loaded by vLLM's loader nor attached from a table service, so "
+                              "it holds zeros: the checkpoint lacks this layer's engram.embed "
+                              "tensors, or the loader skipped them (check --load-format and "
+                              "numa_engram.service)")
         if self._views is None:
             self._views = self._device_views()
         return self._views
@@ -336,47 +327,16 @@ class TableStorage:
 
 
 def can_share(nv: ModuleType, layout: Any, block_size: int) -> bool:
-    """The EDP peers share one copy when there are any, every member can map
-    one file of the settings' directory (same host, uid and directory:
-    measured) and the directory has room; the same answer on every rank."""
-    import torch.distributed as dist
-
+    """vLLM's ``can_share_engram_tables`` from this engine's decision (made
+    alike on every EDP peer): the tables of a table service (each rank's
+    TP slice, so vLLM's EDP must not split them further) or one shared copy
+    per host (the peers on one host, the directory with room)."""
     if nv.get_engram_dp_size() <= 1:
         log.warning("numa_engram: Engram DP replicas are not co-located on one node; one "
                     "table per rank")
         return False
     config = nv.get_current_vllm_config()
-    settings = PluginSettings.of(getattr(config, "additional_config", None))
-    if settings.service is not None:
-        return False  # attached from the service: one copy per host already
     need = sum(layout.num_embeddings) * (layout.head_dim + layout.head_dim // block_size)
-    here = _share_here(settings, need)
-    edp = nv.get_engram_dp_group()
-    answers: list[Any] = [None] * edp.world_size
-    dist.all_gather_object(answers, here, group=edp.cpu_group)
-    places = {a[1] for a in answers}
-    problems = [a[2] for a in answers if a[2]]
-    if problems or len(places) > 1:
-        log.warning("numa_engram: the EDP peers cannot share one copy (%s); one table per "
-                    "rank", "; ".join(problems) or "they do not see the same directory")
-        return False
-    return True
-
-
-def _share_here(settings: PluginSettings, need: int) -> tuple[bool, tuple[Any, ...], str]:
-    """(ok, where: boot id, uid, directory identity, why not)."""
-    from ...host import procfs
-
-    directory = settings.directory or DEFAULT_DIRECTORY
-    try:
-        st = os.stat(directory)
-        free = os.statvfs(directory)
-    except OSError as exc:
-        return False, (), f"{directory}: {exc.strerror}"
-    place = (procfs.boot_id(), os.geteuid(), st.st_dev, st.st_ino)
-    room = free.f_bavail * free.f_frsize
-    if settings.page_size == "4K" and room < need:
-        return False, place, (f"{directory} has {room} bytes free, the tables need {need} "
-                              "(raise --shm-size, or set numa_engram.page_size 2M with a "
-                              "hugetlbfs directory)")
-    return True, place, ""
+    decision = placement.decide(config, settings_of(config), nv.get_engram_dp_group(),
+                                shared_asked=True, need_bytes=need)
+    return decision.source != "independent"

@@ -11,10 +11,12 @@ tensors when the tables come from a table service (vLLM's "maps to None:
 dropped" rule), so a restart reads none of them.
 
 Refused at model construction, naming what to change (vLLM skips a
-plugin that fails to import without a word, so nothing is refused here at
-import): another vLLM version or a patched file whose source we have not
-checked, ``use_thp``, ROCm, tables kept on the GPU (``cpu_offload=False``),
-and any load that would write into a table the engine only reads.
+plugin that fails to import without a word, so nothing is refused at the
+plugin's import): another vLLM version or a patched file whose source we
+have not checked, ``use_thp``, ROCm, tables kept on the GPU
+(``cpu_offload=False``), and any load that would write into a table the
+engine only reads.  A patched module that lacks a symbol the patch
+replaces is a PluginError naming it when vLLM imports that module.
 """
 
 from __future__ import annotations
@@ -40,21 +42,40 @@ CHECKED_SOURCES = {
 }
 PATCHED = "_numa_engram_patched"
 MODEL_MODULE = "vllm.models.deepseek_v41.nvidia.model"
-# V4.1's index names of the Engram tensors (with or without "model."): what
-# the mapper drops when the tables are attached
-ENGRAM_TENSORS = re.compile(r"^(model\.)?layers\.\d+\.engram\.embed\.(weight|scale)$")
+
+
+def engram_tensors(layers: Iterable[int]) -> re.Pattern[str]:
+    """V4.1's index names of the Engram tensors of ``layers`` (with or
+    without "model."): what the mapper drops for the layers attached."""
+    ids = "|".join(str(layer) for layer in sorted(layers))
+    return re.compile(rf"^(model\.)?layers\.({ids})\.engram\.embed\.(weight|scale)$")
+
+
+def symbol(module: Any, name: str, file: str) -> Any:
+    """``module.name`` (``name`` may be dotted), or a PluginError naming
+    vLLM's file and the symbol it lacks."""
+    value = module
+    for part in name.split("."):
+        value = getattr(value, part, None)
+        if value is None:
+            version = getattr(sys.modules.get("vllm"), "__version__", None)
+            raise PluginError(f"vLLM {version}'s {file} has no {name}, which the numa_engram "
+                              f"plugin replaces: this is not the vLLM {VLLM_VERSION} code it "
+                              f"was written against; install vllm=={VLLM_VERSION}, or unset "
+                              "VLLM_PLUGINS=numa_engram")
+    return value
 
 
 def patch(nv: Any, common: Any, vl: Any = None) -> None:
     """Patch ``nv`` (and ``vl``) in place; idempotent.  A version or source
     we have not checked is recorded and refused at model construction."""
     if vl is not None and not getattr(vl, PATCHED, False):
-        _patch_vl(vl)
+        patch_vl(vl)
     if getattr(nv, PATCHED, False):
         return
     problem = source_problem(nv, common, vl)
-    embedding = _embedding_class(nv)
-    original = nv.Engram._create_embedding
+    embedding = _embedding_class(symbol(nv, "ParallelEngramEmbedding", "nvidia/engram.py"))
+    original = symbol(nv, "Engram._create_embedding", "nvidia/engram.py")
 
     def _create_embedding(self: Any, layout: Any,  # noqa: ARG001 (a method of vLLM's)
                           layer_hash_index: int) -> Any:
@@ -101,10 +122,11 @@ def sources_problem(modules: Iterable[tuple[str, Any]], checked: dict[str, str])
     return None
 
 
-def _embedding_class(nv: Any) -> type:
-    """vLLM's NVIDIA ``ParallelEngramEmbedding`` with its weights in a table."""
+def _embedding_class(base: type) -> type:
+    """vLLM's NVIDIA ``ParallelEngramEmbedding`` (``base``) with its weights
+    in a table."""
 
-    class NumaEngramEmbedding(nv.ParallelEngramEmbedding):
+    class NumaEngramEmbedding(base):
         """Weights and scales are views of ``numa_table``; ``_shared_memory``
         serves vLLM's kernel its views and loads the checkpoint into it."""
 
@@ -138,18 +160,20 @@ def _can_share(nv: Any, problem: str | None) -> Any:
     return can_share_engram_tables
 
 
-def _patch_vl(vl: Any) -> None:
-    """The VL model's weights mapper drops the Engram tensors while the
-    tables come from a table service (``layers.ATTACHED``)."""
-    make = vl._make_deepseek_v4_vl_weights_mapper
+def patch_vl(vl: Any) -> None:
+    """The VL model's weights mapper drops the Engram tensors of the layers
+    the engine being constructed attached from a table service (the
+    mapper is made after the language model, so they are known)."""
+    make = symbol(vl, "_make_deepseek_v4_vl_weights_mapper", "nvidia/vl_model.py")
 
     def mapper(*args: Any, **kwargs: Any) -> Any:
-        from .layers import ATTACHED
+        from .placement import current_attached
 
         base = make(*args, **kwargs)
-        if not ATTACHED:
+        attached = current_attached()
+        if not attached:
             return base
-        return type(base)(orig_to_new_regex={ENGRAM_TENSORS: None}) | base
+        return type(base)(orig_to_new_regex={engram_tensors(attached): None}) | base
 
     mapper.__wrapped__ = make  # type: ignore[attr-defined]
     vl._make_deepseek_v4_vl_weights_mapper = mapper

@@ -25,9 +25,10 @@ from ...literals import DEFAULT_DIRECTORY
 from ...model.ple import PLESpec
 from ...sharing.pletable import SharedPLETable
 from ...sharing.request import TableOptions
+from . import placement
 from .layers import TABLES, directory_spec, refuse_config, refuse_load, serve_metrics
-from .patching import sources_problem
-from .settings import PluginError, PluginSettings
+from .patching import sources_problem, symbol
+from .settings import PluginError, PluginSettings, settings_of
 
 log = logging.getLogger(__name__)
 
@@ -41,18 +42,19 @@ PLE_PATCHED = "_numa_engram_ple_patched"
 # vLLM's prefix of a PLE table: the 0-based decoder layer, one less than
 # the 1-based ple_layer_ids entry
 LAYER_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_GROUPS: dict[Any, Any] = {}
 
 
 def patch_ple(common: Any, ple: Any = None) -> None:
     """Patch vLLM's ``common/ngram_embedding.py`` (``common``; ``ple``: its
     ``common/ple.py``) in place; idempotent.  A version or source we have
     not checked is recorded and refused when a table is allocated."""
-    pinned = common.Qwen4ExpPLEPinnedHostEmbedding
+    file = "qwen4_exp/common/ngram_embedding.py"
+    pinned = symbol(common, "Qwen4ExpPLEPinnedHostEmbedding", file)
     if getattr(pinned, PLE_PATCHED, False):
         return
     problem = source_problem(common, ple)
-    allocate, load = pinned.allocate_embedding_weight, pinned.weight_loader
+    allocate = symbol(pinned, "allocate_embedding_weight", file)
+    load = symbol(pinned, "weight_loader", file)
 
     def allocate_embedding_weight(self: Any, num_embeddings: int, embedding_dim: int,
                                   dtype: Any) -> Any:
@@ -155,47 +157,57 @@ class PLEStorage:
     @classmethod
     def allocate(cls, common: Any, emb: Any, rows: int, dim: int, dtype: Any) -> PLEStorage:
         """Make or attach the table of ``emb``'s layer and ETP shard
-        (``common``: vLLM's module, for its DP group)."""
+        (``common``: vLLM's module, for its DP group), where this engine's
+        placement decision says."""
         from vllm.config import get_current_vllm_config  # type: ignore[import-not-found]
-
-        from .layers import _device, service_path
 
         config = get_current_vllm_config()
         refuse_config(config)
-        settings = PluginSettings.of(getattr(config, "additional_config", None))
+        settings = settings_of(config)
         spec = model_spec(config)
         layer = layer_of(emb.prefix)
         check_layer(spec, layer, emb, rows, dim, dtype)
-        device, service = _device(), service_path(settings)
-        shard_args = dict(etp_rank=emb.tp_rank, etp_size=emb.tp_size)
-        options = TableOptions(placement=settings.placement, page_size=settings.page_size,
-                               register_device=device, load_threads=settings.load_threads)
-        if service is not None:
-            refuse_load(config, read_only=True)
-            table = SharedPLETable.attach(spec, layer, service=service, register_device=device,
-                                          page_size=settings.page_size,
-                                          service_uids=settings.service_uids or None,
-                                          allow_unsealed=settings.allow_unsealed or None,
-                                          **shard_args)
-            storage = cls(table, dtype, writer=False, group=None, filled=True)
-        elif _shares(config, emb, common.get_dp_group(), common.get_tp_group()):
-            refuse_load(config, read_only=True)
-            dp = common.get_dp_group()
-            group = _sharing_group(dp, emb, settings, device)
-            table = SharedPLETable.create(
-                spec, layer, group=group, mode="dp_shared", **shard_args,
-                options=replace(options, directory=settings.directory or DEFAULT_DIRECTORY))
-            storage = cls(table, dtype, writer=table.leader, group=dp.cpu_group, filled=False)
-        else:
-            table = SharedPLETable.create(spec, layer, mode="independent", **shard_args,
-                                          options=replace(options, directory=None))
-            storage = cls(table, dtype, writer=True, group=None, filled=False)
+        storage = cls._tables(config, settings, spec, layer, common.get_dp_group(), emb, dtype,
+                              shared_asked=_shared_asked(config, emb, common.get_tp_group()))
+        table = storage.table
         TABLES.append(table)
         serve_metrics(settings)
         log.info("numa_engram: PLE layer %d rows [%d, %d) of ETP rank %d/%d: %s", layer,
                  table.shard.row_start, table.shard.row_end, emb.tp_rank, emb.tp_size,
                  table.mode)
         return storage
+
+    @classmethod
+    def _tables(cls, config: Any, settings: PluginSettings, spec: PLESpec, layer: int, dp: Any,
+                emb: Any, dtype: Any, *, shared_asked: bool) -> PLEStorage:
+        device = placement.device()
+        need = sum(spec.shard_bytes(i, emb.tp_size, emb.tp_rank) for i in spec.layer_ids)
+        decision = placement.decide(config, settings, dp, shared_asked=shared_asked,
+                                    need_bytes=need, one_place=False)
+        shard_args = dict(etp_rank=emb.tp_rank, etp_size=emb.tp_size)
+        options = TableOptions(placement=settings.placement, page_size=settings.page_size,
+                               register_device=device, load_threads=settings.load_threads)
+        if decision.source == "service":
+            refuse_load(config, read_only=True)
+            assert decision.service is not None
+            table = SharedPLETable.attach(spec, layer, service=decision.service,
+                                          register_device=device, page_size=settings.page_size,
+                                          service_uids=settings.service_uids or None,
+                                          allow_unsealed=settings.allow_unsealed or None,
+                                          **shard_args)
+            return cls(table, dtype, writer=False, group=None, filled=True)
+        if decision.source == "dp_shared":
+            group = placement.sharing_group(config, settings, dp, tp_rank=emb.tp_rank,
+                                            device=device)
+            if group is not None:
+                refuse_load(config, read_only=True)
+                table = SharedPLETable.create(
+                    spec, layer, group=group, mode="dp_shared", **shard_args,
+                    options=replace(options, directory=settings.directory or DEFAULT_DIRECTORY))
+                return cls(table, dtype, writer=table.leader, group=group, filled=False)
+        table = SharedPLETable.create(spec, layer, mode="independent", **shard_args,
+                                      options=replace(options, directory=None))
+        return cls(table, dtype, writer=True, group=None, filled=False)
 
     def load_rows(self, write: Any, loaded_weight: Any, checkpoint_start: int | None) -> None:
         """One checkpoint part from vLLM's loader: written by ``write``
@@ -217,9 +229,7 @@ class PLEStorage:
             return
         self.parts_loaded += 1
         if self.parts_loaded == self.parts_expected and self.group is not None:
-            import torch.distributed as dist
-
-            dist.barrier(group=self.group)
+            self.group.barrier(f"numa_engram: PLE layer {self.table.layer_id} loaded")
 
     def load_scale(self, param: Any) -> None:
         """vLLM loaded the per-tensor scale into its parameter: the writer
@@ -242,26 +252,9 @@ class PLEStorage:
                               f"have the served table's row width {list(self.weight.shape[1:])}")
 
 
-def _shares(config: Any, emb: Any, dp: Any, tp: Any) -> bool:
-    """DP-shared when vLLM is asked to share tables, there are DP peers,
-    and each holds the same ETP shard (ETP is TP: it does not span DP; the
-    constructor sets etp_data_parallel_size only after allocating)."""
+def _shared_asked(config: Any, emb: Any, tp: Any) -> bool:
+    """vLLM asks its DP replicas to share the tables and each holds one ETP
+    shard (ETP is TP: it does not span DP; the constructor sets
+    etp_data_parallel_size only after allocating)."""
     engram = config.engram_config
-    if not getattr(engram, "dp_shared_memory", False) or emb.tp_size != tp.world_size:
-        return False
-    return dp is not None and dp.world_size > 1
-
-
-def _sharing_group(dp: Any, emb: Any, settings: PluginSettings, device: int | None) -> Any:
-    """The DP peers of this ETP rank that can map one file (as the Engram
-    part forms them), split per socket with copies="socket"; once per process."""
-    from ...sharing.group import sharing_groups
-
-    key = (tuple(dp.ranks) if hasattr(dp, "ranks") else id(dp), settings.copies)
-    if key not in _GROUPS:
-        _GROUPS[key] = sharing_groups(dp, tp_rank=emb.tp_rank, device=device,
-                                      per_socket=settings.copies == "socket",
-                                      directory=settings.directory or DEFAULT_DIRECTORY)
-    return _GROUPS[key]
-
-
+    return bool(getattr(engram, "dp_shared_memory", False)) and emb.tp_size == tp.world_size
