@@ -6,6 +6,7 @@ gets it from any holder still alive, and it dies with its last holder."""
 import json
 import os
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -239,6 +240,46 @@ def test_a_directory_whose_holders_were_all_killed_goes_at_the_next_create(runti
     for t in tables:
         t.close()
     assert os.listdir(runtime_dir) == ["numa-engram-young"]
+
+
+_KILLED_HOLDER = """
+import os, signal, sys, time
+from tests.test_memfd_sharing import _shared
+_, _, tables = _shared(2, sys.argv[1])
+child = os.fork()
+if child == 0:  # outlives its parent, the holders' listening sockets inherited
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # (not the test's pipes: it reads them to their end)
+        os.dup2(null, fd)
+    time.sleep(60)
+    os._exit(0)
+print(tables[0].handover, child, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.slow  # starts an interpreter (~1 s)
+def test_a_holders_forked_child_keeps_no_dead_holders_socket_answering(runtime_dir):
+    """Every holder SIGKILLed, a child it forked still alive: the child
+    closed its copies of the listening sockets, so a late attach is refused
+    at once (nothing waits on a socket no thread answers) and the dead
+    sockets and their directory are swept."""
+    done = subprocess.run([sys.executable, "-c", _KILLED_HOLDER, runtime_dir],
+                          capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == -9, done.stderr
+    directory, child = done.stdout.split()
+    spec = make_spec(1000)
+    shard = shard_heads(spec.bucket_sizes(LAYER), 1, 0)
+    try:
+        assert len(fdhandover.holders(directory)) == 2  # the killed holders' sockets
+        started = time.monotonic()
+        with pytest.raises(StorageError, match="no process holding the table answered"):
+            SharedEngramTable.attach(spec, LAYER, shard, peers=directory, timeout_s=10)
+        assert time.monotonic() - started < 2
+        assert not os.path.exists(directory)
+    finally:
+        os.kill(int(child), signal.SIGKILL)
 
 
 def test_a_late_attach_for_another_shard_is_refused_naming_both(runtime_dir):

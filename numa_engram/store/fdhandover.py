@@ -27,6 +27,7 @@ import stat
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 from ..errors import ServiceRefusal, StorageError
@@ -142,6 +143,14 @@ class Holder:
             raise StorageError(f"cannot listen at {self.path} to hand the table over: "
                                f"{exc.strerror}") from exc
         threading.Thread(target=self._serve, name="numa-engram-handover", daemon=True).start()
+        _LIVE.add(self)
+
+    def _forget_in_child(self) -> None:
+        """A forked child has the socket but no thread answering at it: it
+        closes its copy, so a peer never waits on a child that outlives us
+        (the socket's path stays: it is the parent's)."""
+        self._closed = True
+        self._sock.close()
 
     def _serve(self) -> None:
         while True:
@@ -193,6 +202,17 @@ class Holder:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         sweep(self.directory)
+
+
+_LIVE: weakref.WeakSet[Holder] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    for holder in list(_LIVE):
+        holder._forget_in_child()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def sweep(directory: str) -> None:

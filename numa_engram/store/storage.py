@@ -157,7 +157,7 @@ class BackingFile:
         table service of another uid that this process trusts)."""
         if (path is None) == (fd is None):
             raise ValueError("give exactly one of path= or fd=")
-        where = path if path is not None else f"fd {fd}"
+        where = path if path is not None else _name_of(int(fd or 0))
         fd = _open_existing(path, writable) if path is not None else os.dup(int(fd or 0))
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
@@ -415,6 +415,18 @@ def _new_header(layout: Layout, fingerprint: bytes, key: ShardKey,
     return Header(FORMAT_VERSION, STATE_CREATING, pid, os.geteuid(),
                   procfs.start_time(pid) or 0, procfs.boot_id(), fingerprint, layout, key,
                   plan)
+
+
+def _name_of(fd: int) -> str:
+    """What a descriptor is called in reports: a memfd's name (as its
+    creator's ``path``), else 'fd N'."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return f"fd {fd}"
+    if target.startswith("/memfd:"):
+        return target[1:].removesuffix(" (deleted)")
+    return f"fd {fd}"
 
 
 def _remove(path: str, fd: int) -> None:
