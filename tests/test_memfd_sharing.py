@@ -119,10 +119,6 @@ def test_a_late_member_joins_and_the_killed_creator_leaves_nothing(small_shm, ru
 
 
 @pytest.mark.multiproc
-@pytest.mark.xfail(strict=True, reason="the plugin still refuses a 4 KiB shared copy where "
-                   "/dev/shm has less room than the tables (integrations/vllm/placement.py, "
-                   "share_here); the tables are memfds now: with that check dropped this passes "
-                   "(100.9 MiB, 1.000 copies by PSS)")
 def test_the_vllm_plugins_dp_shared_tables_above_a_64_mib_dev_shm(small_shm, runtime_dir,
                                                                    tmp_path):
     """vLLM's DP-shared branch through the plugin, unchanged: TP 2 x DP 2
@@ -349,6 +345,35 @@ def test_a_stranger_uid_gets_nothing_even_where_the_modes_let_it_connect(monkeyp
         for t in tables:
             t.close()
         os.rmdir(walkable)  # (empty: the last holder removed its directory)
+
+
+def test_a_root_too_deep_for_a_socket_falls_back_in_auto_and_fails_dp_shared_at_join(
+        runtime_dir, monkeypatch):
+    """A group whose hand-over root cannot hold a socket path knows it at
+    the join, before anything is allocated: auto makes private copies,
+    saying why; dp_shared fails in every member naming the limit."""
+    deep = os.path.join(runtime_dir, "d" * 90)
+    os.mkdir(deep, 0o700)
+    monkeypatch.setenv(fdhandover.ROOT_ENV, deep)
+    spec = make_spec(200)
+    shard = shard_heads(spec.bucket_sizes(LAYER), 1, 0)
+
+    def member(mode):
+        def run(rank, world):
+            t = SharedEngramTable.create(spec, LAYER, shard, mode=mode,
+                                         group=world.group(rank, 10))
+            try:
+                return {"mode": t.mode, "why": t.fallback_reason}
+            finally:
+                t.close()
+        return run
+    for r in run_threads(2, member("auto")):
+        assert r["ok"] and r["mode"] == "independent", r
+        assert "above the 107 a Unix socket allows" in r["why"], r["why"]
+    for r in run_threads(2, member("dp_shared")):
+        assert not r["ok"] and r["error_type"] == "StorageError", r
+        assert "dp_shared requested but rank 0: " in r["message"], r["message"]
+    assert os.listdir(deep) == []
 
 
 def test_directory_none_still_asks_for_private_copies(runtime_dir):

@@ -85,7 +85,9 @@ def meeting_directory(req: CreateRequest) -> str | None:
     if req.options.directory is None:
         return None
     if not hugepages.is_huge(req.page_size):
-        return fdhandover.root()
+        root = fdhandover.root()
+        fdhandover.check_root(root)
+        return root
     return hugepages.resolve_directory(req.options.directory, req.page_size, DEFAULT_DIRECTORY)
 
 

@@ -65,18 +65,28 @@ def _ours(directory: str) -> bool:
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
 
 
+def check_root(under: str) -> None:
+    """Hand-over directories can be made under ``under`` (a member's join
+    checks it, so a group that cannot meet there falls back or fails as
+    one, before anything is allocated)."""
+    if not os.access(under, os.W_OK | os.X_OK):
+        raise StorageError(f"cannot make the table's hand-over directory under {under}: not "
+                           f"writable by uid {os.geteuid()}; set {ROOT_ENV} or TMPDIR to a "
+                           "directory this user may write")
+    _socket_path(os.path.join(under, PREFIX + "x" * 8), "x" * 16 + SUFFIX)
+
+
 def new_directory(under: str) -> str:
     """A fresh hand-over directory under ``under``, mode 0700 (the ones
     every holder of which was killed are removed first)."""
+    check_root(under)
     sweep_root(under)
     try:
-        directory = tempfile.mkdtemp(prefix=PREFIX, dir=under)
+        return tempfile.mkdtemp(prefix=PREFIX, dir=under)
     except OSError as exc:
         raise StorageError(f"cannot make a hand-over directory for the table's sockets under "
                            f"{under}: {exc.strerror}; set {ROOT_ENV} or TMPDIR to a directory "
                            "this user may write") from exc
-    _socket_path(directory, "x" * 16)  # refuse a root too deep before any member is told
-    return directory
 
 
 def check_directory(directory: str) -> None:
@@ -121,8 +131,13 @@ class Holder:
     connection, so a client that says nothing holds up only itself."""
 
     def __init__(self, directory: str, answer: Answer) -> None:
-        with contextlib.suppress(FileExistsError):  # its last holder left meanwhile
-            os.mkdir(directory, 0o700)
+        try:
+            os.mkdir(directory, 0o700)  # its last holder left meanwhile
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise StorageError(f"cannot make the hand-over directory {directory}: "
+                               f"{exc.strerror}") from exc
         check_directory(directory)
         self.directory, self._answer, self._closed = directory, answer, False
         name = secrets.token_hex(8)
