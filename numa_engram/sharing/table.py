@@ -109,7 +109,10 @@ class SharedEngramTable:
         The table options below may come as keywords or, for many tables
         made alike, as one ``options=TableOptions(...)`` (not both).
 
-        page_size: ``4K`` (shmem: /dev/shm or a memfd), ``2M`` or ``1G``
+        page_size: ``4K`` (a memfd, never a file: a group's members hand it
+        over at sockets under $XDG_RUNTIME_DIR or the temporary directory,
+        so /dev/shm's size does not matter; ``directory=None`` asks for
+        private copies), ``2M`` or ``1G``
         (hugetlb: a hugetlbfs mount of that size, found in /proc/self/mounts
         when ``directory`` is left at its default, or an MFD_HUGETLB memfd;
         each planned node's pool must have the pages free).
@@ -129,8 +132,9 @@ class SharedEngramTable:
 
         mode: ``dp_shared`` (one copy for the group; fails loudly when it
         cannot share), ``independent`` (each member its own copy) or ``auto``
-        (shares when the group has > 1 member, its members can map one file
-        and the tmpfs has room, else falls back to independent copies, when
+        (shares when the group has > 1 member, its members can map one
+        table (host, user, the hand-over root or hugetlbfs mount) and there
+        is room, else falls back to independent copies, when
         those fit in memory, with a warning).  Every member must pass the
         same layer, shard and mode.  Every collective is bounded by
         ``timeout_s``; a load waits as long as some loader makes progress
