@@ -326,17 +326,18 @@ class TableStorage:
         return accelerator_view(self.weight), accelerator_view(self.scales)
 
 
-def can_share(nv: ModuleType, layout: Any, block_size: int) -> bool:
+def can_share(nv: ModuleType, layout: Any,  # noqa: ARG001 (vLLM's signature)
+              block_size: int) -> bool:  # noqa: ARG001
     """vLLM's ``can_share_engram_tables`` from this engine's decision (made
     alike on every EDP peer): the tables of a table service (each rank's
     TP slice, so vLLM's EDP must not split them further) or one shared copy
-    per host (the peers on one host, the directory with room)."""
+    per host (the peers on one host and user, one table directory; the
+    copy's memory is checked by the table's create, every member alike)."""
     if nv.get_engram_dp_size() <= 1:
         log.warning("numa_engram: Engram DP replicas are not co-located on one node; one "
                     "table per rank")
         return False
     config = nv.get_current_vllm_config()
-    need = sum(layout.num_embeddings) * (layout.head_dim + layout.head_dim // block_size)
     decision = placement.decide(config, settings_of(config), nv.get_engram_dp_group(),
-                                shared_asked=True, need_bytes=need)
+                                shared_asked=True)
     return decision.source != "independent"

@@ -120,24 +120,23 @@ def listening(path: str) -> bool:
 
 
 def decide(config: Any, settings: PluginSettings, dp: Any, *, shared_asked: bool,
-           need_bytes: int = 0, one_place: bool = True) -> Decision:
+           one_place: bool = True) -> Decision:
     """This engine's decision for the DP group ``dp`` (vLLM's coordinator,
     None: no peers), once per engine and group; a collective over ``dp``.
     ``shared_asked``: vLLM asks its DP replicas to share the tables;
-    ``need_bytes``: what one copy takes in the table directory;
     ``one_place``: sharing needs every peer on one host (Engram: vLLM's
     forward then skips its DP exchange), else the sharing groups say."""
     state = engine(config)
     key = tuple(dp.ranks) if dp is not None and hasattr(dp, "ranks") else (id(dp),)
     if key not in state.decisions:
-        state.decisions[key] = _decide(settings, dp, shared_asked, need_bytes, one_place)
+        state.decisions[key] = _decide(settings, dp, shared_asked, one_place)
     return state.decisions[key]
 
 
-def _decide(settings: PluginSettings, dp: Any, shared_asked: bool, need_bytes: int,
+def _decide(settings: PluginSettings, dp: Any, shared_asked: bool,
             one_place: bool) -> Decision:
     service = service_path(settings)
-    here = share_here(settings, need_bytes) if shared_asked else (True, (), "")
+    here = share_here(settings) if shared_asked else (True, (), "")
     answers = agree(dp, {"settings": asdict(settings), "service": service, "here": here})
     if all(a["service"] is not None for a in answers):
         return Decision("service", service)
@@ -176,24 +175,20 @@ def agree(dp: Any, mine: dict) -> list[dict]:
     return answers
 
 
-def share_here(settings: PluginSettings, need: int) -> tuple[bool, tuple[Any, ...], str]:
+def share_here(settings: PluginSettings) -> tuple[bool, tuple[Any, ...], str]:
     """(ok, where: boot id, uid, directory identity, why not) of this rank
-    for one shared copy of ``need`` bytes in the settings' directory."""
+    for one shared copy.  No room is asked of the directory: a 4 KiB copy
+    is a memfd its members hand over (the directory holds only the
+    hand-over sockets) and the table's create checks memory and huge-page
+    pools itself, failing every member alike."""
     from ...host import procfs
 
     directory = settings.directory or DEFAULT_DIRECTORY
     try:
         st = os.stat(directory)
-        free = os.statvfs(directory)
     except OSError as exc:
         return False, (), f"{directory}: {exc.strerror}"
-    place = (procfs.boot_id(), os.geteuid(), st.st_dev, st.st_ino)
-    room = free.f_bavail * free.f_frsize
-    if settings.page_size == "4K" and room < need:
-        return False, place, (f"{directory} has {room} bytes free, the tables need {need} "
-                              "(raise --shm-size, or set numa_engram.page_size 2M with a "
-                              "hugetlbfs directory)")
-    return True, place, ""
+    return True, (procfs.boot_id(), os.geteuid(), st.st_dev, st.st_ino), ""
 
 
 def sharing_group(config: Any, settings: PluginSettings, dp: Any, *, tp_rank: int,

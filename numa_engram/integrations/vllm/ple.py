@@ -181,9 +181,8 @@ class PLEStorage:
     def _tables(cls, config: Any, settings: PluginSettings, spec: PLESpec, layer: int, dp: Any,
                 emb: Any, dtype: Any, *, shared_asked: bool) -> PLEStorage:
         device = placement.device()
-        need = sum(spec.shard_bytes(i, emb.tp_size, emb.tp_rank) for i in spec.layer_ids)
         decision = placement.decide(config, settings, dp, shared_asked=shared_asked,
-                                    need_bytes=need, one_place=False)
+                                    one_place=False)
         shard_args = dict(etp_rank=emb.tp_rank, etp_size=emb.tp_size)
         options = TableOptions(placement=settings.placement, page_size=settings.page_size,
                                register_device=device, load_threads=settings.load_threads)
