@@ -1,6 +1,7 @@
 """The create protocol across real processes (sharing/protocol.py, steps.py, membership.py): every
 member ends the same way whatever fails where, within the timeout, errors named as themselves."""
 
+import os
 import signal
 
 import numpy as np
@@ -8,12 +9,14 @@ import pytest
 
 from numa_engram import SharedEngramTable, shard_heads
 from numa_engram.sharing.synthetic import synthetic_layer, write_synthetic_checkpoint
+from numa_engram.store import fdhandover
 from numa_engram.store.gc import gc_stale_files
 
 from . import dist_scenarios as scenarios
 from .conftest import shm_files
 from .dist_harness import run_world, same_failure
 from .dist_scenarios import LAYER, make_spec
+from .test_memfd_sharing import runtime_dir  # noqa: F401  (a fixture)
 from .threadworld import Fault, run_threads
 
 
@@ -54,11 +57,12 @@ def _whole_table(spec, group, timeout_s, checkpoint):
 @pytest.mark.slow  # (each case waits out a timeout or two: ~1 s)
 @pytest.mark.parametrize("victim, point, action", FAULTS,
                          ids=[f"{'leader' if v == 0 else 'peer'}-{a}-{p}" for v, p, a in FAULTS])
+@pytest.mark.usefixtures("runtime_dir")
 def test_fault_matrix(victim, point, action, ckpt):
     """A member killed or stopped at each protocol step (members are threads
     meeting in memory): every surviving member ends the same way within
-    timeout_s + 5 s, a stopped one resumed later ends like them, and gc then
-    leaves /dev/shm clean."""
+    timeout_s + 5 s, a stopped one resumed later ends like them, gc then
+    leaves /dev/shm clean, and no hand-over directory is left."""
     timeout_s, spec = 0.5, make_spec(1000)
     before = shm_files()
     expected = synthetic_layer(spec, LAYER)[0]
@@ -77,6 +81,7 @@ def test_fault_matrix(victim, point, action, ckpt):
         assert results[victim]["error_type"] == "Vanished", results[victim]
     gc_stale_files()
     assert not shm_files() - before
+    assert not os.listdir(os.environ[fdhandover.ROOT_ENV])
 
 
 def _ended_alike(results, victim, action, bound_s):
@@ -105,9 +110,11 @@ PROCESS_FAULTS = [(0, "after-create", "kill"), (0, "after-map", "kill"),
 @pytest.mark.parametrize("victim, point, action", PROCESS_FAULTS,
                          ids=[f"{'leader' if v == 0 else 'peer'}-{a}-{p}"
                               for v, p, a in PROCESS_FAULTS])
+@pytest.mark.usefixtures("runtime_dir")
 def test_fault_in_a_real_process(victim, point, action, ckpt):
     """As the matrix, with processes: every surviving member ends the same
-    way within timeout_s + 10 s, a killed one leaves what gc removes."""
+    way within timeout_s + 10 s; a killed one leaves nothing in /dev/shm
+    (a memfd), and its socket goes with the survivors' hand-over directory."""
     timeout_s = 2
     before = shm_files()
     results = run_world(3, scenarios.fault, timeout_s=90, pg_timeout_s=120, resume_stopped=True,
@@ -120,6 +127,7 @@ def test_fault_in_a_real_process(victim, point, action, ckpt):
         assert results[victim]["resumed"]
     gc_stale_files()
     assert not shm_files() - before
+    assert not os.listdir(os.environ[fdhandover.ROOT_ENV])
 
 
 
