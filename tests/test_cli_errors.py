@@ -238,3 +238,116 @@ def test_messages_write_node_sets_and_page_sizes_as_the_tools_take_them():
     text = str(exc.value)
     assert "check_pool" not in text and "page_size=" not in text and "4K pages" in text
     assert "nr_hugepages" in text
+
+
+# ------------------------------------- files that block or never end --
+
+def _bounded_command(*args, timeout=60):
+    """The real command under a time and a memory bound: a regression that
+    blocks on a FIFO (ignoring SIGTERM inside a native open) or reads a
+    device without end fails here, never hangs the run or eats the host."""
+    def limit():
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+    try:
+        return subprocess.run([sys.executable, "-m", "numa_engram", *args], capture_output=True,
+                              text=True, timeout=timeout, preexec_fn=limit)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"numa-engram {' '.join(args)} still running after {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory):
+    from numa_engram import EngramSpec, write_synthetic_model
+
+    spec = EngramSpec.small(rows_per_head=100, n_head_per_ngram=2, head_dim=64, max_ngram_size=3)
+    return write_synthetic_model(tmp_path_factory.mktemp("good"), spec)
+
+
+def _spoiled(model_files, tmp_path, name, how):
+    """A copy of the model directory whose ``name`` is a FIFO or a symlink
+    to /dev/zero."""
+    import shutil
+
+    root = tmp_path / "model"
+    shutil.copytree(model_files, root)
+    (root / name).unlink()
+    if how == "fifo":
+        os.mkfifo(root / name)
+    else:
+        (root / name).symlink_to("/dev/zero")
+    return root
+
+
+HOSTILE = [("config.json", "fifo", "the model's config {path} is a FIFO"),
+           ("config.json", "zero", "the model's config {path} is a character device"),
+           ("tokenizer.json", "fifo", "the tokenizer {path} is a FIFO"),
+           ("tokenizer.json", "zero", "the tokenizer {path} is a character device")]
+
+
+@slow
+@pytest.mark.parametrize("name, how, text", HOSTILE, ids=[f"{n}-{h}" for n, h, _ in HOSTILE])
+def test_plan_model_refuses_a_fifo_or_device_by_name(model_files, tmp_path, name, how, text):
+    root = _spoiled(model_files, tmp_path, name, how)
+    r = _bounded_command("plan", "--model", str(root), "--tp", "1")
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, (r.returncode, r.stderr)
+    assert text.format(path=root / name) in r.stderr, r.stderr
+
+
+@slow
+@pytest.mark.parametrize("how, kind", [("fifo", "a FIFO"), ("zero", "a character device")])
+def test_plan_spec_refuses_a_fifo_or_device_by_name(tmp_path, how, kind):
+    path = tmp_path / "spec.json"
+    if how == "fifo":
+        os.mkfifo(path)
+    r = _bounded_command("plan", "--spec", str(path) if how == "fifo" else "/dev/zero")
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, (r.returncode, r.stderr)
+    assert f"the spec file {path if how == 'fifo' else '/dev/zero'} is {kind}" in r.stderr
+
+
+def test_plan_model_of_a_missing_path_names_that_path(tmp_path):
+    missing = tmp_path / "no-such-model"
+    r = cli("plan", "--model", str(missing))
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert f"--model '{missing}' does not exist or is not a directory" in r.stderr, r.stderr
+
+
+@slow
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_serve_refuses_a_fifo_config_or_index_by_name(model_files, tmp_path, name):
+    """serve with config.json a FIFO exits naming it; with the checkpoint
+    index a FIFO it starts, and every table fails naming the index."""
+    import signal
+    import threading
+    import time
+
+    root = _spoiled(model_files, tmp_path, name, "fifo")
+    sock = tmp_path / "s" / "engram.sock"
+    if name == "config.json":
+        r = _bounded_command("serve", str(root), "--socket", str(sock))
+        assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, (r.returncode, r.stderr)
+        assert f"the model's config {root / name} is a FIFO" in r.stderr, r.stderr
+        return
+    child = subprocess.Popen([sys.executable, "-m", "numa_engram", "serve", str(root),
+                              "--socket", str(sock)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(child.stdout.readline, "")),
+                              daemon=True)  # (a blocked serve prints nothing: no read blocks us)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any("tables ready" in x for x in lines):
+            time.sleep(0.1)
+        assert any("0 of 2 tables ready" in x for x in lines), lines
+    finally:
+        child.send_signal(signal.SIGTERM)  # the process this test started
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        reader.join(timeout=10)
+        err = child.stderr.read()
+    assert f"the checkpoint index {root / name} is a FIFO" in err, err

@@ -119,3 +119,18 @@ def test_root_gc_leaves_other_users_files_unless_asked():
     assert not entry.removed and "owned by uid 65534" in entry.reason
     entry = {e.path: e for e in gc_stale_files(all_users=True)}[path]
     assert entry.removed
+
+
+def test_gc_escapes_a_name_that_would_forge_a_line(tmp_path):
+    """A file named with a newline (and what looks like a verdict after it)
+    is one row of gc's table, its newline escaped, and no row is forged."""
+    from .conftest import cli_in_process
+
+    forged = f"{PREFIX}x\nremoved  {PREFIX}forged  0.00  stale: no process holds it"
+    (tmp_path / forged).write_bytes(b"NUMAENGR\x02\x00\x00\x00")  # ours by name, too short
+    r = cli_in_process("gc", "--directory", str(tmp_path), check=False)
+    assert r.returncode == 0, r.stderr
+    rows = r.stdout.strip().splitlines()
+    assert len(rows) == 2 and not rows[1].startswith("removed"), rows  # the header, one row
+    assert f"{PREFIX}x\\nremoved  {PREFIX}forged" in rows[1], rows
+    assert (tmp_path / forged).exists()

@@ -100,3 +100,36 @@ def test_runtime_sizes_of_wrong_types_or_sizes_are_refused_by_name(good, name, v
     with pytest.raises(NumaEngramError, match=f"{name} must be an integer from 1 to"):
         EngramRuntime.from_pretrained(good, **{name: value})
     assert os.path.isdir(good)
+
+
+@pytest.mark.parametrize("opener, name", [("ModelDirectory", CONFIG_FILE),
+                                          ("ModelDirectory", TOKENIZER_FILE),
+                                          ("PLEModelDirectory", CONFIG_FILE)])  # (no tokenizer)
+def test_a_fifo_in_the_directory_is_refused_by_name_without_blocking(model, opener, name):
+    """config.json or tokenizer.json a FIFO: an error naming it, at once
+    (the open used to block until a writer came; tokenizers' own open
+    blocked in native code, deaf to SIGTERM).  In a thread joined with a
+    timeout, so a regression fails instead of hanging the run."""
+    import threading
+
+    from numa_engram.runtime.plemodeldir import PLEModelDirectory
+
+    (model / name).unlink()
+    os.mkfifo(model / name)
+    cls = ModelDirectory if opener == "ModelDirectory" else PLEModelDirectory
+    out = []
+
+    def run():
+        try:
+            cls.open(model)
+        except BaseException as exc:
+            out.append(exc)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(20)
+    blocked = thread.is_alive()
+    if blocked:  # give the blocked open a writer, then EOF, so the thread ends
+        os.close(os.open(model / name, os.O_WRONLY | os.O_NONBLOCK))
+    assert not blocked, f"{opener}.open blocked on {name}, a FIFO"
+    assert isinstance(out[0], NumaEngramError), out
+    assert f"{model / name} is a FIFO, not a regular file" in str(out[0]), out[0]

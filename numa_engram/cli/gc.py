@@ -11,6 +11,7 @@ from .args import emit
 def cmd_gc(args: argparse.Namespace) -> int:
     from ..store.gc import gc_stale_files
     from ..units import text_table, unit_for
+    from ..userfiles import printable
 
     entries = gc_stale_files(args.directory, dry_run=args.dry_run, all_users=args.all_users)
 
@@ -24,9 +25,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
         return text.replace(f"{e.path} ", "").replace(e.path, "the file")
 
     unit = unit_for(*(e.size for e in entries))
+    # every cell escaped: a file's name (or an error quoting it) holding a
+    # newline must not forge a row
     table = text_table(["verdict", "file", unit[0], "why"],
-                       [[verdict(e), e.path, f"{e.size / unit[1]:.2f}", why(e)]
-                        for e in entries], left=2, text_last=True)
+                       [[printable(verdict(e)), printable(e.path), f"{e.size / unit[1]:.2f}",
+                         printable(why(e))] for e in entries], left=2, text_last=True)
     emit(args, [vars(e) for e in entries], table if entries else "no numa_engram files")
     return 0
 

@@ -7,8 +7,9 @@ import argparse
 import json
 import os
 
-from ..errors import TopologyError
+from ..errors import CheckpointError, SpecError, TopologyError
 from ..literals import SHARING_MODES
+from ..userfiles import printable, read_regular
 from .args import (
     MAX_PLAN_WORLD,
     POLICY_HELP,
@@ -26,58 +27,55 @@ def plan_spec(args: argparse.Namespace):
     """The spec: ``--model DIR`` (its config.json, and tokenizer when there),
     ``--spec`` a config.json or a named/JSON spec."""
     from ..model.spec import EngramSpec
-
-    source = args.model or args.spec
-    ple = _ple_config(source)
-    if ple is not None:
-        from ..model.ple import PLESpec
-
-        return PLESpec.from_config(ple)
-    if args.model or (os.path.isfile(source) and _is_model_config(source)):
-        from ..model.spec import strict_int
-        from ..runtime.modeldir import (
-            CONFIG_FILE,
-            ModelDirectory,
-            engram_fields,
-            read_config_file,
-        )
-
-        root = source if os.path.isdir(source) else os.path.dirname(os.path.abspath(source))
-        if os.path.isdir(source) and os.path.exists(os.path.join(root, "tokenizer.json")):
-            return ModelDirectory.open(root).spec
-        path = os.path.join(source, CONFIG_FILE) if os.path.isdir(source) else source
-        doc = engram_fields(read_config_file(path))
-        # the sizes need no tokenizer: the compressed ids as their own map
-        size = strict_int(doc.get("engram_compressed_vocab_size"),
-                          f"{path}: engram_compressed_vocab_size")
-        import numpy as np
-
-        return EngramSpec.from_config(doc, (np.arange(size), size))
-    return EngramSpec.named(source)
-
-
-def _ple_config(source: str) -> dict | None:
-    """A Qwen4-Exp config.json (the file, or in the directory) with PLE
-    layers, else None."""
-    path = os.path.join(source, "config.json") if os.path.isdir(source) else source
-    try:
-        with open(path) as fh:
-            doc = json.load(fh)
-    except (OSError, ValueError):
-        return None
     from ..runtime.plemodeldir import is_ple_config
 
-    return doc if is_ple_config(doc) else None
+    source = args.model or args.spec
+    config = _config_doc(source, model=bool(args.model))
+    if config is None:
+        return EngramSpec.named(source)
+    path, doc = config
+    if is_ple_config(doc):
+        from ..model.ple import PLESpec
+
+        return PLESpec.from_config(doc)
+    from ..model.spec import strict_int
+    from ..runtime.modeldir import ModelDirectory, engram_fields
+
+    if os.path.isdir(source) and os.path.lexists(os.path.join(source, "tokenizer.json")):
+        return ModelDirectory.open(source).spec
+    fields = engram_fields(doc)
+    # the sizes need no tokenizer: the compressed ids as their own map
+    size = strict_int(fields.get("engram_compressed_vocab_size"),
+                      f"{printable(path)}: engram_compressed_vocab_size")
+    import numpy as np
+
+    return EngramSpec.from_config(fields, (np.arange(size), size))
 
 
-def _is_model_config(path: str) -> bool:
+def _config_doc(source: str, model: bool) -> tuple[str, dict] | None:
+    """(path, document) of a model's config.json: the one in the directory
+    ``source``, or the file ``--spec`` names when it is one (each read as a
+    regular file under a bound: a FIFO or device is refused by name); None
+    for a named or JSON spec."""
+    from ..runtime.modeldir import CONFIG_FILE, read_config_file
+    from ..runtime.plemodeldir import is_ple_config
+
+    if os.path.isdir(source):
+        path = os.path.join(source, CONFIG_FILE)
+        return path, read_config_file(path)
+    if model:
+        raise CheckpointError(f"--model {printable(source)!r} does not exist or is not a "
+                              "directory; pass the model directory holding config.json")
+    if not os.path.lexists(source):
+        return None  # a spec's name
+    data = read_regular(source, "the spec file", error=SpecError)
     try:
-        with open(path) as fh:
-            doc = json.load(fh)
-    except (OSError, ValueError):
-        return False
-    return isinstance(doc, dict) and ("engram_layer_ids" in doc or isinstance(
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        return None  # EngramSpec.named says it is not JSON
+    engram = isinstance(doc, dict) and ("engram_layer_ids" in doc or isinstance(
         doc.get("text_config"), dict) and "engram_layer_ids" in doc["text_config"])
+    return (source, doc) if engram or is_ple_config(doc) else None
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -148,7 +146,8 @@ def _report(args: argparse.Namespace, d, topo) -> tuple[dict, str]:
               else f"{chosen.remote_fraction:.1%}")
     per_node = ", ".join(f"node {n} {b / unit[1]:.2f} {unit[0]}"
                          for n, b in chosen.bytes_per_node.items()) or "decided by first touch"
-    lines = [f"{args.model or args.spec}: {len(spec.layer_ids)} layers, {spec.n_hash_cols} heads, "
+    source = printable(args.model or args.spec)
+    lines = [f"{source}: {len(spec.layer_ids)} layers, {spec.n_hash_cols} heads, "
              f"{fmt_bytes(spec.table_bytes())} in all; TP{world.tp} x DP{world.dp}, "
              f"{world.gpus_per_host} GPUs per host, mode {chosen.mode}, policy {chosen.policy}",
              text_table(["region", unit[0], "readers on nodes", "placed"], rows),

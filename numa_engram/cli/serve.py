@@ -84,17 +84,16 @@ def _table_line(t: dict, fmt_bytes, unit_for) -> str:
 
 
 def _has_ple_config(model_dir: str) -> bool:
-    """Whether the directory's config.json describes Qwen4-Exp PLE layers."""
-    import json
+    """Whether the directory's config.json describes Qwen4-Exp PLE layers
+    (read as a regular file under a bound: a FIFO or device is refused)."""
     import os
 
+    from ..runtime.modeldir import read_config
     from ..runtime.plemodeldir import is_ple_config
 
-    try:
-        with open(os.path.join(model_dir, "config.json")) as fh:
-            return is_ple_config(json.load(fh))
-    except (OSError, ValueError):
+    if not os.path.isdir(model_dir):
         return False  # ModelDirectory.open names what is wrong
+    return is_ple_config(read_config(os.path.abspath(model_dir)))
 
 
 HELP = ("hold a model's tables for this host: load once, seal, hand "

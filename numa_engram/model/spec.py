@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SpecError, SpecMismatchError, TopologyError
+from ..userfiles import read_regular
 from .sharding import ShardInfo, prefix_offsets
 
 LAYER_SEED_PRIME = 10007
@@ -162,12 +163,13 @@ class EngramSpec:
         }
         if name in named:
             return named[name]()
-        try:
-            with open(name) as fh:
-                doc = json.load(fh)
-        except OSError as exc:
+        if not os.path.lexists(name):
             raise SpecError(f"{name!r} is neither one of {sorted(named)} nor a readable JSON "
-                            f"spec file ({exc.strerror})") from exc
+                            f"spec file (no such file)")
+        # a regular file under a bound: a FIFO or /dev/zero is refused by name
+        data = read_regular(name, "the spec file", error=SpecError)
+        try:
+            doc = json.loads(data)
         except (ValueError, RecursionError):
             raise SpecError(f"spec file {name!r} is not JSON; write the spec as a JSON object "
                             "(EngramSpec.to_dict()) or name one of "

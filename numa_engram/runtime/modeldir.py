@@ -26,6 +26,7 @@ from ..errors import CheckpointError, SpecError
 from ..model.spec import EngramSpec, strict_int
 from ..model.tokenmap import build_token_map
 from ..sharing.checkpoint import CheckpointPlan, resolve_layers
+from ..userfiles import printable, read_regular
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -104,20 +105,19 @@ def read_config(root: str) -> dict:
 
 
 def read_config_file(path: str) -> dict:
+    """A config.json as a JSON object: a regular file (never a FIFO or a
+    device) of at most MAX_DOCUMENT_BYTES."""
     root = os.path.dirname(path)
+    if not os.path.lexists(path):
+        raise CheckpointError(f"{printable(root)} has no {CONFIG_FILE}: a model directory "
+                              "holds the model's config.json, tokenizer and checkpoint")
+    data = read_regular(path, "the model's config", error=CheckpointError)
     try:
-        with open(path) as fh:
-            doc = json.load(fh)
-    except FileNotFoundError:
-        raise CheckpointError(f"{root} has no {CONFIG_FILE}: a model directory holds the "
-                              "model's config.json, tokenizer and checkpoint") from None
+        doc = json.loads(data)
     except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError is a ValueError)
-        raise SpecError(f"{path} is not JSON: {str(exc)[:200]}") from None
-    except OSError as exc:
-        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc} (it must be the "
-                              "model's config.json file)") from None
+        raise SpecError(f"{printable(path)} is not JSON: {str(exc)[:200]}") from None
     if not isinstance(doc, dict):
-        raise SpecError(f"{path} holds a {type(doc).__name__}, not a JSON object")
+        raise SpecError(f"{printable(path)} holds a {type(doc).__name__}, not a JSON object")
     return doc
 
 
@@ -137,14 +137,17 @@ def _token_map(root: str, doc: dict, tokenizer: Any) -> tuple[np.ndarray, int]:
     if tokenizer is not None:
         return build_token_map(tokenizer)
     path = os.path.join(root, TOKENIZER_FILE)
-    if os.path.exists(path):
+    if os.path.lexists(path):
         try:
             from tokenizers import Tokenizer
         except ImportError as exc:
             raise SpecError("reading tokenizer.json needs the 'tokenizers' package: pip "
                             "install 'numa_engram[tokenizer]', or pass tokenizer=") from exc
+        # read here, not by Tokenizer.from_file: its open of a FIFO blocks in
+        # native code, where no signal ends it
+        data = read_regular(path, "the tokenizer", error=SpecError)
         try:
-            loaded = Tokenizer.from_file(path)
+            loaded = Tokenizer.from_str(data.decode())
         except Exception as exc:  # tokenizers raises a bare Exception for any bad file
             raise SpecError(f"{path} is not a tokenizer the 'tokenizers' package can read: "
                             f"{str(exc)[:200]}; pass the model's own tokenizer.json, or "

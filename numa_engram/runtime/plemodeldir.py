@@ -5,14 +5,12 @@ token ids."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
-from ..errors import CheckpointError, SpecError
+from ..errors import SpecError
 from ..model.ple import PLESpec
-
-CONFIG_FILE = "config.json"
+from .modeldir import CONFIG_FILE, read_config_file
 
 
 def is_ple_config(doc: object) -> bool:
@@ -37,12 +35,7 @@ class PLEModelDirectory:
     def open(cls, path: str | os.PathLike) -> PLEModelDirectory:
         root = os.path.abspath(os.fspath(path))
         config = os.path.join(root, CONFIG_FILE)
-        try:
-            with open(config) as fh:
-                doc = json.load(fh)
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{config}: cannot read it ({exc}); pass the directory "
-                                  "holding the model's config.json") from None
+        doc = read_config_file(config)  # a regular file under a bound, or an error naming it
         try:
             return cls(root, PLESpec.from_config(doc))
         except SpecError as exc:

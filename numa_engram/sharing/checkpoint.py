@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import stat
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import numpy as np
 from ..errors import CheckpointError, NumaEngramError, SpecMismatchError
 from ..model.spec import EngramSpec
 from ..store.chunks import for_each_chunk
+from ..userfiles import open_regular, read_regular
 
 log = logging.getLogger(__name__)
 
@@ -105,23 +105,13 @@ class CheckpointPlan:
 
 def _check_regular(path: str) -> None:
     """A regular file (symlinks followed: the Hugging Face cache is made of
-    them); a FIFO or device is refused before any open could block."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as exc:
-        raise CheckpointError(f"checkpoint {path}: {exc.strerror}") from exc
-    if not stat.S_ISREG(mode):
-        raise CheckpointError(f"checkpoint {path} is not a regular file (a FIFO, device or "
-                              "directory); pass the safetensors file itself")
+    them); a FIFO or device is refused without blocking."""
+    os.close(_open_regular(path))
 
 
 def _open_regular(path: str) -> int:
-    """An fd of a regular file (``_check_regular`` first)."""
-    _check_regular(path)
-    try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        raise CheckpointError(f"checkpoint {path}: {exc.strerror}") from exc
+    """An fd of a regular file (symlinks followed), opened without blocking."""
+    return open_regular(path, "checkpoint", error=CheckpointError)
 
 
 def _read_index(index: str) -> dict[str, str]:
@@ -136,10 +126,9 @@ def _read_index(index: str) -> dict[str, str]:
                                       "file")
             seen[key] = value
         return seen
+    data = read_regular(index, "the checkpoint index", error=CheckpointError)
     try:
-        doc = json.loads(Path(index).read_text(), object_pairs_hook=no_duplicates)
-    except OSError as exc:
-        raise CheckpointError(f"{index}: cannot read it ({exc.strerror})") from exc
+        doc = json.loads(data, object_pairs_hook=no_duplicates)
     except (ValueError, RecursionError):
         raise CheckpointError(f"{index}: not a safetensors index (not JSON, or nested too "
                               "deeply)") from None
@@ -172,7 +161,7 @@ def checkpoint_files(paths) -> dict[str, str]:
     if isinstance(paths, (str, os.PathLike)) and os.path.isdir(paths):
         root = os.path.abspath(paths)
         index = os.path.join(root, INDEX_FILE)
-        if os.path.exists(index):
+        if os.path.lexists(index):
             files = {name: _inside(root, index, name, f)
                      for name, f in _read_index(index).items()}
             checkpoint_paths(sorted(set(files.values())))  # each a regular file

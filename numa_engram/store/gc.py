@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ..errors import StorageError
 from ..host import procfs
 from ..literals import DEFAULT_DIRECTORY
+from ..userfiles import file_kind
 from .fileformat import PREFIX, OldFormatError
 from .storage import read_header
 
@@ -68,7 +69,7 @@ def _gc_one(path: str, dry_run: bool, all_users: bool) -> GcEntry:
     except OSError as exc:
         return GcEntry(path, 0, 0, f"skipped: {exc.strerror}", False)
     if not stat.S_ISREG(st.st_mode):
-        return GcEntry(path, 0, 0, f"skipped: not a regular file ({_file_kind(st.st_mode)})",
+        return GcEntry(path, 0, 0, f"skipped: not a regular file ({file_kind(st.st_mode)})",
                        False)
     if st.st_uid != os.geteuid() and not all_users:
         return GcEntry(path, st.st_size, 0, f"kept: owned by uid {st.st_uid} (root may pass "
@@ -108,10 +109,3 @@ def _gc_one(path: str, dry_run: bool, all_users: bool) -> GcEntry:
     finally:
         os.close(fd)
     return GcEntry(path, st.st_size, pid, reason, not dry_run)
-
-
-def _file_kind(mode: int) -> str:
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-             (stat.S_ISLNK, "a symlink"), (stat.S_ISSOCK, "a socket"),
-             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-    return next((name for test, name in kinds if test(mode)), "not a file")
