@@ -322,3 +322,155 @@ def test_a_plan_refuses_a_file_replaced_since_it_was_resolved(tmp_path):
     os.replace(write_synthetic_checkpoint(tmp_path / "v2.safetensors", SPEC, seed=1), path)
     with pytest.raises(CheckpointError, match="changed since the checkpoint was resolved"):
         load_rows(plan, SPEC, 1, 0, 10, *_dest())
+
+
+# ---------------------------------- one contract, both families' readers --
+
+class _Family:
+    """What a checkpoint contract needs of a table family: write a
+    checkpoint, resolve a layer in it, load the layer's rows through a
+    progress callback (called between chunks)."""
+
+    def __init__(self, name):
+        from numa_engram.model.ple import PLESpec
+
+        self.name = name
+        self.spec = SPEC if name == "engram" else PLESpec(
+            layer_ids=[2, 5], ple_embed_dim=160, vocab_size=5000, eos_token_id=7,
+            ngram_vocab_size_base=3000, split_ngram_parts=7)
+        self.layer = 1 if name == "engram" else 5
+
+    def write(self, path, seed=0):
+        from numa_engram.sharing.synthetic import write_ple_checkpoint
+
+        if self.name == "engram":
+            return write_synthetic_checkpoint(path, self.spec, seed=seed, raw=True)
+        return write_ple_checkpoint(path, self.spec, seed=seed)
+
+    def resolve(self, path):
+        from numa_engram.sharing.checkpoint import resolve
+        from numa_engram.sharing.plecheckpoint import resolve_ple
+
+        if self.name == "engram":
+            return resolve(str(path), self.spec, self.layer)
+        return resolve_ple(str(path), self.spec, self.layer)
+
+    def load(self, plan, progress=None):
+        from numa_engram.sharing.plecheckpoint import load_ple_rows, read_scale
+
+        n = self.spec.rows(self.layer)
+        if self.name == "engram":
+            w, s = _dest(n)
+            load_rows(plan, self.spec, self.layer, 0, n, w, s, chunk_bytes=4096,
+                      progress=progress)
+            return [w, s]
+        scale = np.float32(read_scale(plan))  # (read apart, before the rows)
+        out = np.zeros((n, self.spec.row_bytes), np.uint8)
+        load_ple_rows(plan, self.spec, 0, n, out, progress=progress)
+        return [out, scale]
+
+
+FAMILIES = ["engram", "ple"]
+
+
+def _cut(path):
+    """A progress hook that truncates ``path`` to half at its first call."""
+    done = []
+
+    def hook(d, t):
+        if not done and d < t:
+            os.truncate(path, os.path.getsize(path) // 2)
+            done.append(d)
+    return hook, done
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_checkpoint_truncated_during_the_load_is_refused_naming_it(tmp_path, family):
+    fam = _Family(family)
+    path = fam.write(tmp_path / "c.safetensors")
+    hook, cut = _cut(path)
+    with pytest.raises(CheckpointError) as err:
+        fam.load(fam.resolve(path), hook)
+    assert cut and str(path) in str(err.value), str(err.value)
+    assert "truncated checkpoint" in str(err.value) or "changed while the table loaded" in \
+        str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_checkpoint_rewritten_during_the_load_is_refused(tmp_path, family):
+    """In place (same inode, new size and mtime), after the first chunk:
+    the rows read may be of two versions, so the load fails naming the
+    file (PLE used to check only before its load)."""
+    fam = _Family(family)
+    path = fam.write(tmp_path / "c.safetensors")
+    grown = []
+
+    def rewrite(d, t):
+        if not grown and d < t:
+            with open(path, "ab") as f:
+                f.write(b"\0" * 8)
+            grown.append(d)
+    with pytest.raises(CheckpointError, match="changed while the table loaded") as err:
+        fam.load(fam.resolve(path), rewrite)
+    assert grown and str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_checkpoint_replaced_since_it_was_resolved_is_refused(tmp_path, family):
+    fam = _Family(family)
+    path = fam.write(tmp_path / "c.safetensors")
+    plan = fam.resolve(path)
+    os.replace(fam.write(tmp_path / "v2.safetensors", seed=1), path)
+    with pytest.raises(CheckpointError, match="changed since the checkpoint was resolved") as err:
+        fam.load(plan)
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_checkpoint_replaced_during_the_load_gives_rows_of_one_version(tmp_path, family):
+    """os.replace mid-load: the descriptors opened at the start read the
+    old file to the end, never a mix of the two versions."""
+    fam = _Family(family)
+    path = fam.write(tmp_path / "c.safetensors", seed=0)
+    want = fam.load(fam.resolve(fam.write(tmp_path / "same.safetensors", seed=0)))
+    other = fam.write(tmp_path / "v2.safetensors", seed=1)
+    swapped = []
+
+    def swap(d, t):
+        if not swapped:
+            os.replace(other, path)
+            swapped.append(d)
+    got = fam.load(fam.resolve(path), swap)
+    assert swapped
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_checkpoint_swapped_for_a_fifo_after_resolving_is_refused_without_blocking(
+        tmp_path, family):
+    """The load opens the files again: a FIFO there now is refused naming
+    it, never an open that waits for a writer (PLE's plain open did)."""
+    import threading
+
+    fam = _Family(family)
+    path = fam.write(tmp_path / "c.safetensors")
+    plan = fam.resolve(path)
+    os.unlink(path)
+    os.mkfifo(path)
+    out = []
+
+    def run():
+        try:
+            fam.load(plan)
+        except BaseException as exc:
+            out.append(exc)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(20)
+    blocked = thread.is_alive()
+    if blocked:  # a writer, then EOF: the blocked open returns and the thread ends
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    assert not blocked, f"the {family} load blocked opening a FIFO"
+    assert isinstance(out[0], CheckpointError), out
+    assert f"checkpoint {path} is a FIFO, not a regular file" in str(out[0]), out[0]

@@ -37,7 +37,7 @@ def test_fifo_checkpoint_is_refused_up_front(tmp_path):
     fifo = tmp_path / "ckpt.safetensors"
     os.mkfifo(fifo)
     results = run_world(3, scenarios.load_from, timeout_s=60, checkpoint=str(fifo))
-    same_failure(results, "CheckpointError", "is not a regular file")
+    same_failure(results, "CheckpointError", "is a FIFO, not a regular file")
     assert all(r["seconds"] < 10 for r in results)
 
 
@@ -135,3 +135,38 @@ def test_the_leaders_progress_is_the_groups_to_the_end(ckpt):
     assert seen[-1][0] == total and own < total
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)  # never goes back
     assert any(own < d < total for d, _ in seen)  # reported while the others loaded
+
+
+def _family_checkpoint(family, path, seed):
+    from numa_engram.sharing.synthetic import write_ple_checkpoint
+
+    from .checkpoint_scenarios import ENGRAM_ROWS_PER_HEAD, PLE_SPEC
+
+    if family == "engram":
+        return str(write_synthetic_checkpoint(path, make_spec(ENGRAM_ROWS_PER_HEAD), seed=seed))
+    return str(write_ple_checkpoint(path, PLE_SPEC, seed=seed))
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("damager", [0, 2], ids=["leader", "peer-loader"])
+@pytest.mark.parametrize("damage", ["truncate", "replace"])
+@pytest.mark.parametrize("family", ["engram", "ple"])
+def test_a_checkpoint_damaged_during_a_shared_load_fails_every_member_alike(
+        tmp_path, family, damage, damager):
+    """One member truncates or replaces the checkpoint just before its part
+    of the load: every member fails with a CheckpointError naming the file,
+    and no table file is left behind."""
+    from . import checkpoint_scenarios
+    from .conftest import shm_files
+
+    path = _family_checkpoint(family, tmp_path / "c.safetensors", seed=0)
+    other = _family_checkpoint(family, tmp_path / "c-v2.safetensors", seed=1)
+    before = shm_files()
+    results = run_world(3, checkpoint_scenarios.damaged_during_load, family=family,
+                        checkpoint=path, other=other, damage=damage, damager=damager)
+    for r in results:
+        assert r["ok"] and r["raised"] == "CheckpointError", r
+        assert path in r["text"], r["text"]
+    if damage == "replace":
+        assert all("changed since the checkpoint was resolved" in r["text"] for r in results)
+    assert shm_files() == before

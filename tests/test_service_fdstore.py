@@ -185,3 +185,62 @@ def test_listen_fds_larger_than_what_was_passed_is_survived(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == '[["a", 3]]'
     assert "LISTEN_FDS=6 names fd 4, which is not open" in run.stderr
+
+
+def _family_model(family, root, seed):
+    from .checkpoint_scenarios import PLE_SPEC
+    from .ple_scenarios import write_ple_model
+
+    if family == "engram":
+        return write_synthetic_model(root, SPEC, seed=seed)
+    return write_ple_model(root, PLE_SPEC, seed=seed)
+
+
+def _open_model(family, root):
+    from numa_engram.runtime.plemodeldir import PLEModelDirectory
+
+    return ModelDirectory.open(str(root)) if family == "engram" else \
+        PLEModelDirectory.open(str(root))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "replace"])
+@pytest.mark.parametrize("family", ["engram", "ple"])
+def test_a_checkpoint_damaged_while_the_service_loads_fails_its_tables_naming_the_file(
+        tmp_path, monkeypatch, family, damage):
+    """The checkpoint truncated, or replaced with another version, as the
+    service starts its first load: every table not loaded is failed with a
+    CheckpointError naming the file (never rows of two versions), the
+    service answers, and no table is left anywhere."""
+    import numa_engram.sharing.steps as steps
+
+    from .conftest import shm_files
+
+    root = _family_model(family, tmp_path / "model", seed=0)
+    other = _family_model(family, tmp_path / "v2", seed=1)
+    files = sorted(p.name for p in root.glob("*.safetensors"))
+
+    def hook(step):
+        if step == "before-load" and not damaged:
+            for name in files:
+                if damage == "truncate":
+                    os.truncate(root / name, os.path.getsize(root / name) // 2)
+                else:
+                    os.replace(other / name, root / name)
+            damaged.append(step)
+    damaged: list[str] = []
+    monkeypatch.setattr(steps, "STEP_HOOK", hook)
+    before = shm_files()
+    service = TableService(_open_model(family, root), str(tmp_path / "run" / "s.sock"))
+    service.start()
+    try:
+        service.load_all()
+        assert damaged and service.tables
+        for table in service.tables:
+            assert table.state == "failed" and table.error.startswith("CheckpointError"), \
+                (table.state, table.error)
+            assert str(root) in table.error, table.error
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.connect(service.socket_path)  # still answering
+    finally:
+        service.stop()
+    assert shm_files() == before

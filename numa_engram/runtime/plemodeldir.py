@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from ..errors import SpecError
 from ..model.ple import PLESpec
+from ..sharing.plecheckpoint import PLECheckpointPlan, resolve_ple_layers
 from .modeldir import CONFIG_FILE, read_config_file
 
 
@@ -30,6 +31,14 @@ class PLEModelDirectory:
     def checkpoint(self) -> str:
         """The safetensors files: the directory itself."""
         return self.path
+
+    def checkpoint_plans(self) -> dict[int, PLECheckpointPlan]:
+        """Every PLE layer's parts and scale in the checkpoint, resolved once
+        (the index and each file's header read once; a missing or misshapen
+        layer is a CheckpointError naming it before any table is made);
+        ``create(checkpoint=plans[layer])`` reads through them and refuses a
+        file that changed since."""
+        return resolve_ple_layers(self.path, self.spec, self.spec.layer_ids)
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> PLEModelDirectory:

@@ -235,7 +235,8 @@ class TableService:
         if isinstance(self.spec, PLESpec):
             created = SharedPLETable.create(
                 self.spec, table.layer_id, etp_rank=table.tp_rank, etp_size=self.tp,
-                mode="independent", checkpoint=self.model.checkpoint, options=options)
+                mode="independent", checkpoint=self._checkpoint_of(table.layer_id),
+                options=options)
         else:
             created = SharedEngramTable.create(
                 self.spec, table.layer_id, table.shard, mode="independent",
@@ -255,13 +256,13 @@ class TableService:
         table.state = "ready"
 
     def _checkpoint_of(self, layer: int) -> Any:
-        """What an Engram table of ``layer`` loads from: its tensors as the
-        whole model's checkpoint resolved once (the index and each file's
-        header read once for every table), or the checkpoint's path where
-        the model's does not resolve whole: each table then resolves its
-        own layer, and only a broken layer's tables fail, naming it."""
+        """What a table of ``layer`` loads from: its tensors as the whole
+        model's checkpoint resolved once (the index and each file's header
+        read once for every table, each file then checked unchanged by every
+        load), or the checkpoint's path where the model's does not resolve
+        whole: each table then resolves its own layer, and only a broken
+        layer's tables fail, naming it."""
         if self._plans is None:
-            assert isinstance(self.model, ModelDirectory)
             try:
                 self._plans = self.model.checkpoint_plans()
             except CheckpointError as exc:

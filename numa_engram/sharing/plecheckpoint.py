@@ -2,12 +2,13 @@
 into ``split_ngram_parts`` row ranges (``...ngram_embedding.shard_{i}.weight``,
 part i holding ``PLESpec.part_rows``) and, for FP8, one fp32
 ``...ngram_embedding.weight_scale``; vLLM's loader copies the parts into
-each rank's row range by overlap, and so does ``load_ple_rows``.  (The
-synthetic writer: ``sharing.synthetic``.)"""
+each rank's row range by overlap, and so does ``load_ple_rows``.  The
+files themselves (regular files only, headers read once, each file checked
+unchanged before and after the load) are ``safetensorsfiles``'s, as for
+Engram.  (The synthetic writer: ``sharing.synthetic``.)"""
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ..model.ple import PLESpec
 from ..store.chunks import for_each_chunk
-from .checkpoint import FileIdentity, TensorLocation, checkpoint_files, locate
+from .safetensorsfiles import Header, OpenFiles, TensorLocation, checkpoint_files, locate
 
 # vLLM's module path of a PLE layer's table (``layers.{index}``: the
 # 0-based decoder layer, one less than the 1-based ple_layer_ids entry)
@@ -39,9 +40,8 @@ class PLECheckpointPlan:
     scale: TensorLocation | None
 
     @property
-    def identities(self) -> dict[str, FileIdentity | None]:
-        locs = [*self.parts, *([self.scale] if self.scale else [])]
-        return {loc.path: loc.identity for loc in locs}
+    def locations(self) -> list[TensorLocation]:
+        return [*self.parts, *([self.scale] if self.scale else [])]
 
 
 def _name(files: dict[str, str], layer_id: int, leaf: str) -> str | None:
@@ -57,8 +57,20 @@ def resolve_ple(paths: Any, spec: PLESpec, layer_id: int) -> PLECheckpointPlan:
     directory), each name, dtype and shape checked; headers only."""
     if isinstance(paths, PLECheckpointPlan):
         return paths
+    return resolve_ple_layers(paths, spec, [layer_id])[layer_id]
+
+
+def resolve_ple_layers(paths: Any, spec: PLESpec, layer_ids: Sequence[int]
+                       ) -> dict[int, PLECheckpointPlan]:
+    """``resolve_ple`` for several layers, the index read and each file's
+    header parsed once for all of them."""
     files = checkpoint_files(paths)
-    headers: dict[str, Any] = {}
+    headers: dict[str, Header] = {}
+    return {layer_id: _resolve_layer(files, headers, spec, layer_id) for layer_id in layer_ids}
+
+
+def _resolve_layer(files: dict[str, str], headers: dict[str, Header], spec: PLESpec,
+                   layer_id: int) -> PLECheckpointPlan:
     parts, starts = [], []
     for part in range(spec.split_ngram_parts):
         start, end = spec.part_rows(layer_id, part)
@@ -93,20 +105,15 @@ def _check(loc: TensorLocation, dtypes: tuple[str, ...], shape: tuple[int, int])
 
 
 def read_scale(plan: PLECheckpointPlan) -> float | None:
+    """The FP8 table's per-tensor scale (None for BF16), read from the file
+    resolved, checked unchanged before and after."""
     if plan.scale is None:
         return None
-    with open(plan.scale.path, "rb") as fh:
-        _check_identity(fh.fileno(), plan.scale)
-        data = os.pread(fh.fileno(), 4, plan.scale.data_offset)
-    if len(data) != 4:
-        raise CheckpointError(f"{plan.scale.path} ends inside {plan.scale.name}")
+    data = bytearray(4)
+    with OpenFiles([plan.scale]) as files:
+        files.read_into(plan.scale, 0, memoryview(data))
+        files.check_unchanged("while the scale was read")
     return float(struct.unpack("<f", data)[0])
-
-
-def _check_identity(fd: int, loc: TensorLocation) -> None:
-    if loc.identity is not None and FileIdentity.of(os.fstat(fd)) != loc.identity:
-        raise CheckpointError(f"{loc.path} changed since the checkpoint was resolved; a "
-                              "checkpoint must not be rewritten while tables load from it")
 
 
 def load_ple_rows(plan: PLECheckpointPlan, spec: PLESpec, row_start: int, row_end: int,
@@ -115,7 +122,10 @@ def load_ple_rows(plan: PLECheckpointPlan, spec: PLESpec, row_start: int, row_en
                   cpus: Sequence[int] = ()) -> None:
     """Copy layer rows ``[row_start, row_end)`` into uint8 ``out [n,
     row_bytes]`` from the parts that overlap them, in chunks on
-    ``threads`` threads (pinned to ``cpus``)."""
+    ``threads`` threads (pinned to ``cpus``).  Each file is opened once and
+    every row read through that descriptor; a file that is not what was
+    resolved (replaced, truncated or rewritten), before or during the copy,
+    is a CheckpointError naming it."""
     width = spec.row_bytes
     if out.shape != (row_end - row_start, width):
         raise CheckpointError(f"destination {out.shape} does not hold rows {row_start}.."
@@ -126,24 +136,12 @@ def load_ple_rows(plan: PLECheckpointPlan, spec: PLESpec, row_start: int, row_en
         a, b = max(row_start, start), min(row_end, start + loc.shape[0])
         chunks += [(loc, r - start, min(b, r + per_chunk) - start, r - row_start)
                    for r in range(a, b, per_chunk)]
-    fds = {path: os.open(path, os.O_RDONLY | os.O_CLOEXEC) for path in plan.identities}
-    try:
-        for loc in plan.parts:
-            _check_identity(fds[loc.path], loc)
-
+    with OpenFiles(plan.locations) as files:
         def one(chunk: tuple[TensorLocation, int, int, int]) -> int:
             loc, a, b, at = chunk
-            view = memoryview(out[at:at + b - a].reshape(-1).data)
-            got = 0
-            while got < len(view):
-                n = os.preadv(fds[loc.path], [view[got:]], loc.data_offset + a * width + got)
-                if n == 0:
-                    raise CheckpointError(f"{loc.path} ends inside {loc.name}: truncated")
-                got += n
+            files.read_into(loc, a * width, memoryview(out[at:at + b - a].reshape(-1).data))
             return (b - a) * width
 
         for_each_chunk(chunks, one, threads=threads, total=out.size, progress=progress,
                        pin_cpus=cpus, name="numa-engram-load")
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+        files.check_unchanged("while the table loaded")
