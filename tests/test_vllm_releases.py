@@ -15,6 +15,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 
+from pathlib import Path  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -133,6 +134,52 @@ def _compare(label: str, got: torch.Tensor, want: torch.Tensor) -> int:
     print(f"{label}: {want.numel()} values compared, {mismatches} mismatches")
     assert got.shape == want.shape and mismatches == 0, label
     return want.numel()
+
+
+def _assigned(path, scope: str, name: str):
+    """The literal a release's file assigns to ``name`` (in class ``scope``,
+    or at module level for ""), read without importing the file."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    body = tree.body if not scope else next(
+        node.body for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and
+        node.name == scope)
+    for node in body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                return ast.literal_eval(node.value)
+    raise LookupError(f"{path} assigns no {scope}.{name}")
+
+
+def test_the_synthetic_model_is_v41_to_each_release(release, model_dir):
+    """config.json names the model type of the release's V4.1 config class
+    and an architecture its EngramConfig serves (by its Engram field), and
+    carries the text model's fields in the ranges V4.1's attention accepts:
+    compress ratios 0, 1 or 2, one per layer; a KV and an index source at or
+    before each compressed layer (0.32+ reads max(kv_source_layer_ids))."""
+    import json
+
+    root = harness.cache_dir(release.version)
+    doc = json.loads(Path(model_dir, "config.json").read_text())
+    text = doc["text_config"]
+    assert doc["model_type"] == _assigned(
+        root / "vllm/transformers_utils/configs/deepseek_v41.py", "DeepseekV41Config",
+        "model_type")
+    fields = _assigned(root / "vllm/config/engram.py", "", "_NGRAM_LAYER_FIELDS")
+    assert doc["architectures"] == ["DeepseekV41ForCausalLM"]
+    assert text[fields[doc["architectures"][0]]] == list(SPEC.layer_ids)
+    ratios = text["compress_ratios"]
+    assert len(ratios) == text["num_hidden_layers"] > max(SPEC.layer_ids)
+    assert set(ratios) <= {0, 1, 2} and any(ratios)
+    for layer, ratio in enumerate(ratios):
+        if ratio:
+            assert min(text["kv_source_layer_ids"]) <= layer
+            assert min(text["index_source_layer_ids"]) <= layer
+    assert ratios[max(text["kv_source_layer_ids"])] > 0
+    assert text["head_dim"] == 512 and text["qk_rope_head_dim"] == 64  # a compressed layer's
+    assert text["num_attention_heads"] % text["o_groups"] == 0
 
 
 def test_hbm_tables_hold_the_checkpoint_and_vllms_kernel_returns_its_rows(release, model_dir):

@@ -37,6 +37,7 @@ VERSION = "0.31.0"  # the default release (the plugin's tests)
 _V41 = "vllm/models/deepseek_v41/"
 _QWEN = "vllm/models/qwen4_exp/"
 _SHARED = (_V41 + "nvidia/vl_model.py",
+           "vllm/transformers_utils/configs/deepseek_v41.py", "vllm/config/engram.py",
            "vllm/model_executor/models/utils.py",
            _QWEN + "common/ple.py",
            _QWEN + "common/ngram_embedding.py",

@@ -190,17 +190,23 @@ def synthetic_tokenizer(compressed_vocab_size: int, aliases: int = 0,
     return Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
 
 
-def model_config(spec: EngramSpec, image_token_id: int | None) -> dict:
-    """config.json as V4.1 ships it: the Engram fields under text_config."""
+def model_config(spec: EngramSpec, image_token_id: int | None,
+                 vocab_size: int | None = None) -> dict:
+    """config.json as V4.1 ships it: the Engram fields under text_config,
+    beside the text model's fields vLLM needs to build V4.1 (``vocab_size``:
+    the tokenizer's; None: the compressed vocabulary's)."""
+    from ..sharing.synthetic import V41_ARCHITECTURE, V41_MODEL_TYPE, v41_text_model
+
     vocab = list(spec.engram_vocab_sizes)
-    text = {"engram_layer_ids": list(spec.layer_ids),
+    text = {**v41_text_model(spec, vocab_size or spec.compressed_vocab_size),
+            "engram_layer_ids": list(spec.layer_ids),
             "engram_vocab_size": vocab[0] if len(set(vocab)) == 1 else vocab,
             "engram_max_ngram_size": spec.max_ngram_size,
             "engram_n_heads": spec.n_head_per_ngram, "engram_head_dim": spec.head_dim,
             "engram_compressed_vocab_size": spec.compressed_vocab_size,
             "engram_pad_token_id": spec.pad_id,  # tokenizer id = compressed id here
             "engram_num_embeddings": [spec.rows(layer) for layer in spec.layer_ids]}
-    doc: dict[str, Any] = {"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"],
+    doc: dict[str, Any] = {"model_type": V41_MODEL_TYPE, "architectures": [V41_ARCHITECTURE],
                            "text_config": text}
     if image_token_id is not None:
         doc[IMAGE_FIELD] = image_token_id
@@ -233,7 +239,8 @@ def write_synthetic_model(path: str | os.PathLike, spec: EngramSpec, *, seed: in
     tok = synthetic_tokenizer(spec.compressed_vocab_size, aliases,
                               "<|image|>" if image_token else None)
     tok.save(str(root / TOKENIZER_FILE))
-    (root / CONFIG_FILE).write_text(json.dumps(model_config(spec, image_id), indent=2))
+    (root / CONFIG_FILE).write_text(json.dumps(
+        model_config(spec, image_id, tok.get_vocab_size()), indent=2))
     if raw:
         write_raw_checkpoint(root / "model.safetensors", spec, seed=seed, layers=layers)
     elif shards == 1:

@@ -26,6 +26,42 @@ RAW_CHUNK = 64 << 20  # bytes written at a time by the streaming writers
 # (name, safetensors dtype, shape, bytes, the bytes themselves or None: random)
 Streamed = tuple[str, str, list[int], int, bytes | None]
 
+# what vLLM routes to DeepSeek V4.1 (deepseek_v4 / DeepseekV4ForCausalLM is
+# V4, which has no Engram layers)
+V41_MODEL_TYPE = "deepseek_v41"
+V41_ARCHITECTURE = "DeepseekV41ForCausalLM"
+
+
+def v41_text_model(spec: EngramSpec, vocab_size: int) -> dict[str, Any]:
+    """The text model's fields of a V4.1 ``text_config`` that vLLM 0.31-0.34
+    read (without a default) to build the model around the Engram layers,
+    sized tiny: hidden size 64, 4 heads, 4 experts (2 routed per token, 1
+    shared).  ``num_hidden_layers`` covers the last Engram layer.  Even
+    layers are sliding-window only (compress ratio 0), odd ones compressed
+    2x (vLLM accepts only 0, 1 or 2; a compressed layer needs attention
+    heads of 512 with a rope part of 64, and a KV and index source among
+    the compressed layers at or before it: layer 1).  ``vocab_size``: the
+    tokenizer's."""
+    layers = max(spec.layer_ids) + 1
+    return {
+        "vocab_size": vocab_size, "hidden_size": 64, "num_hidden_layers": layers,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        # attention (MLA with low-rank q and grouped o projections)
+        "num_attention_heads": 4, "head_dim": 512, "qk_rope_head_dim": 64,
+        "q_lora_rank": 32, "o_lora_rank": 32, "o_groups": 2, "sliding_window": 16,
+        "rope_theta": 10000.0, "compress_rope_theta": 10000.0,
+        "compress_ratios": [i % 2 * 2 for i in range(layers)],
+        "kv_source_layer_ids": [1], "index_source_layer_ids": [1],
+        # the compressed layers' sparse indexer
+        "index_topk": 16, "index_n_heads": 2, "index_head_dim": 32,
+        # hyper-connections
+        "hc_mult": 2, "hc_eps": 1e-6, "hc_sinkhorn_iters": 2,
+        # mixture of experts
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "moe_intermediate_size": 32, "num_hash_layers": 0, "norm_topk_prob": True,
+        "hidden_act": "silu", "swiglu_limit": 10.0,
+    }
+
 
 def synthetic_layer(spec: EngramSpec, layer_id: int, seed: int = 0,
                     raw: bool = False) -> tuple[np.ndarray, np.ndarray]:
