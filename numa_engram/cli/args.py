@@ -9,6 +9,7 @@ import os
 import re
 
 from ..errors import NumaEngramError
+from ..userfiles import read_regular
 
 SIMULATE = re.compile(r"^(\d+)x(\d+)$", re.IGNORECASE)
 
@@ -109,9 +110,8 @@ def load_topology(simulate: str | None):
 
     if not simulate:
         return Topology.detect()
-    if os.path.exists(simulate):
-        with open(simulate) as fh:
-            return Topology.from_dict(json.load(fh))
+    if os.path.lexists(simulate):  # a regular file under a bound: never a FIFO or device
+        return Topology.from_dict(json.loads(read_regular(simulate, "the topology file")))
     sockets, _, gpus = simulate.lower().partition("x")
     return Topology.from_dict({"sockets": int(sockets), "gpus_per_socket": int(gpus or 0)})
 

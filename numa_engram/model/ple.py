@@ -26,6 +26,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ..errors import SpecError, TopologyError
+from ..userfiles import read_regular
 from .sharding import ShardInfo
 from .spec import _check_range, _int_tuple, is_prime, strict_int
 
@@ -283,9 +284,10 @@ class PLESpec:
 
 
 def _read_json(path: Path) -> dict:
+    data = read_regular(path, "the model's config", error=SpecError)  # never a FIFO or device
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        doc = json.loads(data)
+    except (ValueError, RecursionError) as exc:
         raise SpecError(f"cannot read {path}: {exc}") from None
     if not isinstance(doc, dict):
         raise SpecError(f"{path} is not a JSON object")

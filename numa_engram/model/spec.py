@@ -13,7 +13,6 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -276,7 +275,7 @@ class EngramSpec:
         layer's ``engram_num_embeddings`` must equal the sum of its primes
         (else SpecMismatchError: the vocab size is wrong and every hash
         would be)."""
-        doc = config if isinstance(config, dict) else json.loads(Path(config).read_text())
+        doc = config if isinstance(config, dict) else _read_config(config)
         if "engram_layer_ids" not in doc and isinstance(doc.get("text_config"), dict):
             doc = doc["text_config"]
         if token_map is None:
@@ -367,3 +366,12 @@ def _int_tuple(values: Any, name: str) -> tuple[int, ...]:
 def _check_range(name: str, value: int, low: int, high: int) -> None:
     if not low <= value <= high:
         raise SpecError(f"{name} must be in {low}..{high}, got {value}")
+
+
+def _read_config(path: str | os.PathLike) -> Any:
+    """A config.json's document, read as a regular file under a bound."""
+    data = read_regular(path, "the model's config", error=SpecError)
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        raise SpecError(f"{os.fspath(path)!r} is not JSON; pass the model's config.json") from None
