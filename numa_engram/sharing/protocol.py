@@ -208,7 +208,12 @@ def create_file(held: _Held, req: CreateRequest, members: list[MemberInfo],
     held.report = verify(backing.mapping, plan) if plan is not None else None
     if memfd:
         assert directory is not None  # (handed_over)
-        return backing.hand_over(fdhandover.new_directory(directory)), plan, req.shared_load
+        made = fdhandover.new_directory(directory)
+        try:
+            return backing.hand_over(made), plan, req.shared_load
+        except BaseException:
+            fdhandover.sweep(made)  # (empty: no holder got to it)
+            raise
     return backing.path, plan, req.shared_load
 
 
