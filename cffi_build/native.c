@@ -8,6 +8,7 @@
  *   src/memory.c   mappings, memory policies, page nodes, file systems
  *   src/rows.c     FP8 + ue8m0 -> BF16 rows, one row function per ISA
  *   src/pool.c     persistent worker threads
+ *   src/filemap.c  mapped checkpoint tensors, their pages, the SIGBUS guard
  *   src/lookup.c   gathering rows for hash ids (BF16 or packed)
  *   src/hashing.c  DeepSeek's n-gram hashes, batch and serving windows
  *   src/ple.c      Qwen4-Exp's PLE ids and per-tensor-scale rows
@@ -19,12 +20,14 @@
 #include "src/core.h"
 #include "src/memory.h"
 #include "src/pool.h"
+#include "src/filemap.h"
 #include "src/lookup.h"
 #include "src/hashing.h"
 #include "src/ple.h"
 #include "src/memory.c"
 #include "src/rows.c"
 #include "src/pool.c"
+#include "src/filemap.c"
 #include "src/lookup.c"
 #include "src/hashing.c"
 #include "src/ple.c"

@@ -30,6 +30,15 @@ int64_t ne_first_bad_id(const int64_t *ids, int64_t n_tokens, int64_t stride, in
     return -1;
 }
 
+struct order {
+    int64_t *rows;   /* the table row of each id in token order, -1 for none */
+    int64_t *row;    /* valid rows in table order ... */
+    int64_t *pos;    /* ... and their index in the chunk (output place) */
+    int64_t *counts; /* 1 << ORDER_BITS buckets */
+    int64_t n;       /* valid rows in the chunk */
+    int shift;       /* row >> shift is the bucket */
+};
+
 struct lookup_job {
     const uint8_t *weights, *scales;
     int64_t dim, block;
@@ -47,7 +56,9 @@ struct lookup_job {
     /* ids outside their head's buckets (neither DEAD nor valid): written
      * as zero rows, counted, the first one (flat index, value) kept */
     int64_t bad_count, first_bad, first_bad_id;
-    int error; /* errno of a job that could not run (ENOMEM for its scratch) */
+    int error;            /* errno of a job that could not run (ENOMEM for its scratch) */
+    struct order scratch; /* a sorted job's, freed by the guard if it faults */
+    uint64_t fault;       /* the address a SIGBUS stopped the job at, or 0 */
 };
 
 /* Rows some lookups ahead are prefetched: random 264-byte rows are
@@ -138,21 +149,13 @@ static inline void copy_row(uint8_t *dst, const uint8_t *src, int64_t bytes)
  * 2^18 rows (scratch up to 8 MiB per thread). */
 enum { ORDER_BITS = 12, ORDER_CHUNK = 1 << 18 };
 
-struct order {
-    int64_t *rows;   /* the table row of each id in token order, -1 for none */
-    int64_t *row;    /* valid rows in table order ... */
-    int64_t *pos;    /* ... and their index in the chunk (output place) */
-    int64_t *counts; /* 1 << ORDER_BITS buckets */
-    int64_t n;       /* valid rows in the chunk */
-    int shift;       /* row >> shift is the bucket */
-};
-
 static void order_free(struct order *o)
 {
     free(o->rows);
     free(o->row);
     free(o->pos);
     free(o->counts);
+    o->rows = o->row = o->pos = o->counts = NULL;
 }
 
 /* Scratch for chunks of up to `cap` rows; 0, or -1 when out of memory. */
@@ -464,36 +467,53 @@ static void run_sorted_job(struct lookup_job *j)
     const int64_t cap = k_end - k_begin < ORDER_CHUNK ? k_end - k_begin : ORDER_CHUNK;
     const int stream = use_streaming(j, row_dequant);
     struct cursor cur = {j->t_begin, 0};
-    struct order o;
+    struct order *o = &j->scratch;
     if (cap <= 0)
         return;
-    if (order_alloc(&o, j, cap) != 0) {
+    if (order_alloc(o, j, cap) != 0) {
         j->error = ENOMEM;
         return;
     }
     for (int64_t k0 = k_begin; k0 < k_end; k0 += cap) {
-        order_chunk(j, &cur, k0, k_end - k0 < cap ? k_end - k0 : cap, &o);
+        order_chunk(j, &cur, k0, k_end - k0 < cap ? k_end - k0 : cap, o);
         if (j->raw_w)
-            gather_chunk(j, &o, k0, stream);
+            gather_chunk(j, o, k0, stream);
         else
-            dequant_chunk(j, &o, k0, job_row_fn(j, row_dequant));
+            dequant_chunk(j, o, k0, job_row_fn(j, row_dequant));
     }
-    order_free(&o);
+    order_free(o);
     finish_stores();
+}
+
+static void run_job_of(void *job)
+{
+    run_job(job);
+}
+
+/* run_job with a SIGBUS of its reads caught (filemap.c: a mapped
+ * checkpoint's page gone): the job stops there, its scratch freed, the
+ * address kept in j->fault.  Every job runs so. */
+static void run_guarded_job(struct lookup_job *j)
+{
+    uint64_t fault;
+    if (guarded(run_job_of, j, &fault) != 0) {
+        order_free(&j->scratch);
+        j->fault = fault ? fault : 1;
+    }
 }
 
 static void *lookup_thread(void *arg)
 {
     struct lookup_job *j = arg;
     pin_to(j->cpus, j->n_cpus);
-    run_job(j);
+    run_guarded_job(j);
     return NULL;
 }
 
-/* run_job as the pool's job function. */
-static void run_job_of(void *job)
+/* run_guarded_job as the pool's job function. */
+static void run_guarded_job_of(void *job)
 {
-    run_job(job);
+    run_guarded_job(job);
 }
 
 /* A large job (more than small_rows rows) runs on a CPU of the rows' node
@@ -605,13 +625,18 @@ static int64_t run_lookup_jobs(const struct lookup_job *proto, int64_t n_tokens,
         int moved = caller_to_node(cpus, n_cpus, n_tokens * proto->n_heads / n_threads,
                                    tn->small_rows, &saved);
         if (n_threads == 1)
-            run_job(&jobs[0]);
+            run_guarded_job(&jobs[0]);
         else
-            pool_run(pool, run_job_of, jobs, sizeof(jobs[0]), n_jobs);
+            pool_run(pool, run_guarded_job_of, jobs, sizeof(jobs[0]), n_jobs);
         caller_back(moved, &saved);
     } else {
         rc = run_threads(lookup_thread, jobs, sizeof(jobs[0]), n_threads);
     }
+    for (int i = 0; i < n_jobs; i++)
+        if (jobs[i].fault) {
+            last_fault = jobs[i].fault;
+            return NE_FAULTED;
+        }
     for (int i = 0; i < n_jobs; i++) /* jobs are in token order */
         if (jobs[i].bad_count) {
             if (bad == 0) {
@@ -703,8 +728,9 @@ void ne_table_close(struct ne_table_state *st)
  * (the caller and the pool's, or fresh ones bound to k->cpus).  Counted in
  * k->state when there is one.  Returns the number of bad ids (ne_last_bad
  * gives the first), -1 with errno when a thread cannot be started (EAGAIN)
- * or its scratch (ENOMEM) allocated, or -2 when the table is closed
- * (nothing read). */
+ * or its scratch (ENOMEM) allocated, -2 when the table is closed
+ * (nothing read), or NE_FAULTED when a row's page could not be read
+ * (SIGBUS: a mapped file truncated; ne_last_fault gives the address). */
 int64_t ne_lookup(const struct ne_kernel *k, const void *ids, int64_t n_tokens, int64_t stride,
                   int global_ids, void *out, void *out_scales)
 {

@@ -104,6 +104,7 @@ struct ple_job {
     float scale;
     uint8_t *out;
     int64_t first_bad;
+    uint64_t fault; /* the address a SIGBUS stopped the job at, or 0 */
 };
 
 static void ple_rows_run(struct ple_job *j)
@@ -132,9 +133,29 @@ static void ple_rows_run(struct ple_job *j)
     }
 }
 
-static void ple_job_of(void *job)
+static void ple_run_of(void *job)
 {
     ple_rows_run(job);
+}
+
+/* ple_rows_run with a SIGBUS of its reads caught (filemap.c). */
+static void ple_job_of(void *job)
+{
+    struct ple_job *j = job;
+    uint64_t fault;
+    if (guarded(ple_run_of, j, &fault) != 0)
+        j->fault = fault ? fault : 1;
+}
+
+/* The first job's fault, kept for ne_last_fault; 0 when none faulted. */
+static int ple_faulted(const struct ple_job *jobs, int n_jobs)
+{
+    for (int i = 0; i < n_jobs; i++)
+        if (jobs[i].fault) {
+            last_fault = jobs[i].fault;
+            return 1;
+        }
+    return 0;
 }
 
 /* out[i] = the row ids[i] - row_start of shard s (row_start <= id <
@@ -144,7 +165,8 @@ static void ple_job_of(void *job)
  * rows).  With a pool of this process, a call of at least 2 x split_rows
  * ids is split into parts its threads and the caller claim.  Returns the
  * position of the first id outside the layer's total_rows (its row zeros
- * too), -1 when there is none, or -2 with errno for a bad shard. */
+ * too), -1 when there is none, -2 with errno for a bad shard, or
+ * NE_FAULTED when a row's page could not be read (ne_last_fault). */
 int64_t ne_ple_lookup(const struct ne_ple_shard *s, const int64_t *ids, int64_t n_ids, int scaled,
                       void *out)
 {
@@ -153,23 +175,34 @@ int64_t ne_ple_lookup(const struct ne_ple_shard *s, const int64_t *ids, int64_t 
         return -2;
     }
     struct ple_job jobs[NE_MAX_THREADS];
-    const struct ple_job proto = {s->table, s->n_rows, s->row_bytes, s->row_start, s->total_rows,
-                                  ids,      0,         n_ids,        scaled,       s->scale,
-                                  out,      -1};
+    const struct ple_job proto = {.table = s->table,
+                                  .n_rows = s->n_rows,
+                                  .row_bytes = s->row_bytes,
+                                  .row_start = s->row_start,
+                                  .total_rows = s->total_rows,
+                                  .ids = ids,
+                                  .begin = 0,
+                                  .end = n_ids,
+                                  .scaled = scaled,
+                                  .scale = s->scale,
+                                  .out = out,
+                                  .first_bad = -1};
     int n_jobs = ne_pool_size(s->pool) + 1;
     if (n_jobs > n_ids / NE_SPLIT_ROWS) /* (the Engram kernel's default split) */
         n_jobs = (int)(n_ids / NE_SPLIT_ROWS);
     n_jobs = clamp_threads(n_jobs, n_ids);
     if (n_jobs == 1) { /* the decode-sized call: no copies of the job */
         jobs[0] = proto;
-        ple_rows_run(&jobs[0]);
-        return jobs[0].first_bad;
+        ple_job_of(&jobs[0]);
+        return ple_faulted(jobs, 1) ? NE_FAULTED : jobs[0].first_bad;
     }
     for (int i = 0; i < n_jobs; i++) {
         jobs[i] = proto;
         split_range(n_ids, n_jobs, i, &jobs[i].begin, &jobs[i].end);
     }
     pool_run(s->pool, ple_job_of, jobs, sizeof(jobs[0]), n_jobs);
+    if (ple_faulted(jobs, n_jobs))
+        return NE_FAULTED;
     for (int i = 0; i < n_jobs; i++) /* jobs are in id order */
         if (jobs[i].first_bad >= 0)
             return jobs[i].first_bad;

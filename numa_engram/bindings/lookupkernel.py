@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SpecError, StorageError
+from . import native
 from .native import ffi, lib, ptr, raise_errno
 
 
@@ -312,6 +313,8 @@ class ShardKernel:
         call failed (-1: no thread or no scratch; -2: the table is closed)."""
         if bad == -2:
             raise StorageError("the table is closed")
+        if bad == native.NE_FAULTED:
+            raise native.fault_error("an Engram lookup")
         if bad < 0:
             _check_lookup_rc(bad, tokens, self.geometry.n_heads, self.threads)
         first = ffi.new("int64_t[2]")
@@ -403,6 +406,8 @@ class PLEShard:
             return -1
         found = lib.ne_ple_lookup(self.struct, ffi.from_buffer("int64_t[]", ids), ids.shape[0],
                                   scaled, ffi.from_buffer(out))
+        if found == native.NE_FAULTED:
+            raise native.fault_error("a PLE lookup")
         if found < -1:
             raise_errno("ne_ple_lookup", "a row of no bytes")
         return found

@@ -11,13 +11,14 @@ ever looks at errno.  No torch here: the placement tools import this.
 from __future__ import annotations
 
 import errno
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from .._version import __version__
-from ..errors import CapacityError, SyscallError
+from ..errors import CapacityError, CheckpointError, SyscallError
 
 try:
     from .._native import ffi, lib
@@ -48,12 +49,15 @@ MPOL_INTERLEAVE = lib.MPOL_INTERLEAVE
 MPOL_F_NODE, MPOL_F_ADDR = lib.MPOL_F_NODE, lib.MPOL_F_ADDR
 MADV_DONTNEED, MADV_NOHUGEPAGE = lib.MADV_DONTNEED, lib.MADV_NOHUGEPAGE
 MADV_POPULATE_READ, MADV_POPULATE_WRITE = lib.MADV_POPULATE_READ, lib.MADV_POPULATE_WRITE
+MADV_RANDOM, MADV_WILLNEED = lib.MADV_RANDOM, lib.MADV_WILLNEED
 MFD_CLOEXEC, MFD_HUGETLB, MFD_HUGE_SHIFT = lib.MFD_CLOEXEC, lib.MFD_HUGETLB, lib.MFD_HUGE_SHIFT
 _MADV_NAMES = {
     MADV_DONTNEED: "MADV_DONTNEED",
     MADV_NOHUGEPAGE: "MADV_NOHUGEPAGE",
     MADV_POPULATE_READ: "MADV_POPULATE_READ",
     MADV_POPULATE_WRITE: "MADV_POPULATE_WRITE",
+    MADV_RANDOM: "MADV_RANDOM",
+    MADV_WILLNEED: "MADV_WILLNEED",
 }
 _MPOL_NAMES = {MPOL_DEFAULT: "MPOL_DEFAULT", MPOL_PREFERRED: "MPOL_PREFERRED",
                MPOL_BIND: "MPOL_BIND", MPOL_INTERLEAVE: "MPOL_INTERLEAVE"}
@@ -275,3 +279,89 @@ def statfs_type(path: str) -> int:
     if lib.ne_statfs_type(path.encode(), fs_type) != 0:
         raise_errno("statfs", f"path={path}")
     return int(fs_type[0]) & 0xFFFFFFFF
+
+
+# ------------------------------------------------- mapped checkpoint files --
+NE_FAULTED: int = lib.NE_FAULTED  # a lookup kernel's result: a SIGBUS stopped it
+
+
+class FileMapping(Mapping):
+    """Page-aligned spans of files, each ``(fd, offset, length)``, mapped
+    read-only (PROT_READ, MAP_SHARED, MADV_RANDOM) side by side in one
+    reserved range: the page cache's own pages, evictable, nothing copied.
+    ``describe_fault(offset)``: what a SIGBUS at that offset of the range
+    means (a truncated file, named), for ``fault_error``.  Unmapped, like a
+    ``Mapping``, when the last view of it is gone."""
+
+    def __init__(self, spans: Sequence[tuple[int, int, int]],
+                 describe_fault: Callable[[int], str] = str) -> None:
+        length = sum(n for _, _, n in spans)
+        if not spans or length <= 0 or any(o % PAGE_SIZE or n <= 0 or n % PAGE_SIZE
+                                           for _, o, n in spans):
+            raise ValueError(f"file spans must be page-aligned and not empty: {list(spans)}")
+        base = lib.ne_reserve(length)
+        if base == ffi.NULL:
+            raise_errno("mmap", f"a reservation of {length} bytes")
+        at = 0
+        for fd, offset, n in spans:
+            if lib.ne_map_file_at(ffi.cast("char *", base) + at, fd, offset, n) != 0:
+                err = ffi.errno
+                lib.ne_unmap(base, length)
+                raise SyscallError("mmap", err, f"fd={fd} offset={offset} length={n} "
+                                   "PROT_READ MAP_SHARED")
+            at += n
+        self.length, self.writable, self.page_size = length, False, PAGE_SIZE
+        self.address = int(ffi.cast("uintptr_t", base))
+        self._state = {"mapped": True}
+        state = self._state
+
+        def unmap(p: object) -> None:
+            lib.ne_unmap(p, length)
+            state["mapped"] = False
+
+        self._ptr = ffi.gc(base, unmap, size=length)
+        self._buffer = ffi.buffer(self._ptr, length)
+        self.describe_fault = describe_fault
+        _file_mappings.add(self)
+        if lib.ne_guard_install() != 0:
+            raise_errno("sigaction", "SIGBUS")
+
+
+_file_mappings: weakref.WeakSet[FileMapping] = weakref.WeakSet()
+
+
+def fault_error(kernel: str) -> CheckpointError:
+    """The error of a lookup that ``kernel`` ended with NE_FAULTED: the
+    mapped file under the faulting address named by its mapping."""
+    address = int(lib.ne_last_fault())
+    for mapping in list(_file_mappings):
+        if mapping.mapped and mapping.address <= address < mapping.address + mapping.length:
+            return CheckpointError(mapping.describe_fault(address - mapping.address))
+    return CheckpointError(f"{kernel}: a page of a mapped file could not be read (SIGBUS at "
+                           f"{address:#x}): its file was truncated under the table")
+
+
+def rows_readahead(mapping: Mapping, offset: int, row_bytes: int, rows: np.ndarray,
+                   advise: bool = True) -> tuple[int, int]:
+    """(pages resident, pages) of rows ``rows`` (ascending int64) of the
+    ``[.., row_bytes]`` array at ``offset`` of ``mapping``, counted with
+    mincore before, and with ``advise`` those not resident asked for
+    (MADV_WILLNEED over each run of pages)."""
+    pages = ffi.new("int64_t *")
+    if rows.shape[0] == 0:
+        return 0, 0
+    resident = lib.ne_rows_readahead(ffi.cast("uint8_t *", mapping.pointer(offset)), row_bytes,
+                                     ptr(rows, "int64_t *"), rows.shape[0], int(advise), pages)
+    if resident < 0:
+        raise_errno("madvise", f"MADV_WILLNEED over {rows.shape[0]} rows of {row_bytes} bytes")
+    return int(resident), int(pages[0])
+
+
+def pages_resident(mapping: Mapping, offset: int = 0, length: int | None = None) -> int:
+    """Pages of ``[offset, offset + length)`` of ``mapping`` in memory (mincore)."""
+    length = mapping.length - offset if length is None else length
+    _check_range(mapping, offset, length, "mincore")
+    n = lib.ne_pages_resident(mapping.pointer(offset), length)
+    if n < 0:
+        raise_errno("mincore", f"length={length}")
+    return int(n)

@@ -36,9 +36,10 @@ from ..store import serviceclient
 from ..store.fileformat import STATE_READY
 from ..store.placement import PlacementPlan, PlacementReport, verify
 from ..store.storage import BackingFile
-from . import protocol
+from . import mappedtier, protocol
 from .checkpoint import Progress
 from .group import SingleProcessGroup, as_group
+from .mappedtier import check_tier
 from .protocol import Built
 from .request import CreateRequest, TableOptions, shard_key, table_layout
 from .tablereports import TableStats, accounted_bytes, service_descriptor
@@ -55,8 +56,9 @@ class SharedPLETable:
     """Rows ``shard.row_start .. shard.row_end`` of a PLE layer's table."""
 
     def __init__(self, spec: PLESpec, layer_id: int, shard: ShardInfo, built: Built, *,
-                 lookup_threads: int | None = None) -> None:
-        """A table from what the protocol (or an attach) made: ``built``."""
+                 lookup_threads: int | None = None, built_scale: float | None = None) -> None:
+        """A table from what the protocol (or an attach) made: ``built``
+        (``built_scale``: a mapped table's scale, read from the checkpoint)."""
         self.spec, self.layer_id, self.shard = spec, layer_id, shard
         self.lookup_cpus = built.lookup_cpus
         self.lookup_threads = default_lookup_threads(self.lookup_cpus) \
@@ -75,9 +77,12 @@ class SharedPLETable:
         self.mode, self.members, self.leader = built.mode, built.members, built.leader
         self.plan = built.plan
         self.backing = backing = built.backing
+        # "resident" (a table file) or "mapped" (the checkpoint's pages: mappedtier)
+        self.tier: str = getattr(backing, "tier", "resident")
         self.backing_bytes = backing.layout.file_size
         self.weights = backing.region("weights").reshape(shard.num_rows, spec.row_bytes)
-        self.scale = float(backing.region("scale")[:4].view(np.float32)[0]) \
+        self.scale = built_scale if self.tier == "mapped" else \
+            float(backing.region("scale")[:4].view(np.float32)[0]) \
             if spec.dtype == "float8_e4m3fn" else None
         self.rows = self._rows()
 
@@ -90,7 +95,7 @@ class SharedPLETable:
                timeout_s: float = 300.0, load_threads: int | None = None,
                topology: Topology | None = None, progress: Progress | None = None,
                register_device: int | None = None,
-               lookup_threads: int | None = None) -> SharedPLETable:
+               lookup_threads: int | None = None, tier: str = "resident") -> SharedPLETable:
         """Collective over ``group`` (the members holding the same ETP
         shard; its rank 0 leads; None: a private table), with the same
         modes, placements, page sizes, options (keywords or ``options=``)
@@ -99,7 +104,10 @@ class SharedPLETable:
         ``register_device``: pin the mapping for zero-copy reads by that
         CUDA device (``lookup_cuda``).  ``lookup_threads``: at most this
         many threads per CPU lookup (None: one per CPU of the table's node,
-        at most 4; a call splits only where each thread gets enough rows)."""
+        at most 4; a call splits only where each thread gets enough rows).
+        ``tier="mapped"``: the rows read in place from the checkpoint's parts
+        (as ``SharedEngramTable.create``'s; the parts a shard spans must lie
+        end to end in one file or meet at page boundaries)."""
         shard = spec.shard(layer_id, strict_int(etp_rank, "etp_rank"),
                            strict_int(etp_size, "etp_size"))
         asked = TableOptions(
@@ -107,11 +115,18 @@ class SharedPLETable:
             register_device=register_device, timeout_s=timeout_s, topology=topology,
             progress=progress, lookup_threads=lookup_threads,
             load_threads=load_threads).given_once(options)
+        check_tier(tier)
         req = CreateRequest.of(spec, layer_id, shard, mode, checkpoint, asked)
-        grp = SingleProcessGroup() if group is None else as_group(group)
-        with grp.bounded(req.options.timeout_s):
-            built = protocol.create(grp, req)
-        table = cls(spec, layer_id, shard, built, lookup_threads=req.options.lookup_threads)
+        scale = None
+        if tier == "mapped":
+            built, scale = mappedtier.ple_mapped(spec, layer_id, shard, mode, checkpoint,
+                                                 req.options)
+        else:
+            grp = SingleProcessGroup() if group is None else as_group(group)
+            with grp.bounded(req.options.timeout_s):
+                built = protocol.create(grp, req)
+        table = cls(spec, layer_id, shard, built, lookup_threads=req.options.lookup_threads,
+                    built_scale=scale)
         log.info("PLE table: layer %d rows [%d, %d) %s, %d member(s)", layer_id,
                  shard.row_start, shard.row_end, built.mode, len(built.members))
         return table
@@ -182,6 +197,27 @@ class SharedPLETable:
         the table service keeps and hands over."""
         self._check_open()
         return os.dup(self.backing.fd)
+
+    def readahead(self, ids: Any, *, advise: bool = True) -> tuple[int, int]:
+        """A mapped table: the pages of this shard's rows among ``ids``
+        (layer row ids, as ``lookup`` takes them) counted, those not in
+        memory asked for (MADV_WILLNEED) unless ``advise`` is False;
+        returns (pages resident before, pages).  (0, 0) when resident."""
+        self._check_open()
+        arrays = mappedtier.mapped_arrays(self.backing)
+        if arrays is None:
+            return 0, 0
+        local = np.asarray(ids, dtype=np.int64).reshape(-1) - self.shard.row_start
+        rows = np.unique(local[(local >= 0) & (local < self.shard.num_rows)])
+        return arrays.readahead("weights", rows, self.spec.row_bytes, advise=advise)
+
+    def check_checkpoint(self) -> None:
+        """A mapped table: CheckpointError naming a checkpoint file
+        truncated, rewritten or replaced since it was mapped."""
+        self._check_open()
+        arrays = mappedtier.mapped_arrays(self.backing)
+        if arrays is not None:
+            arrays.check_unchanged()
 
     def placement_report(self, refresh: bool = True) -> PlacementReport | None:
         """Where the table's pages are now against its plan, page by page

@@ -34,9 +34,10 @@ from ..store import serviceclient
 from ..store.fileformat import STATE_READY
 from ..store.placement import PlacementPlan, PlacementReport, verify
 from ..store.storage import BackingFile
-from . import protocol
+from . import mappedtier, protocol
 from .checkpoint import Progress, TensorNames
 from .group import SingleProcessGroup, as_group
+from .mappedtier import check_tier
 from .membership import identity_key
 from .protocol import Built
 from .request import (
@@ -71,6 +72,8 @@ class SharedEngramTable:
         self.startup_phases = dict(built.phases)
         self._backing = backing
         self.mode, self.requested_mode = built.mode, requested_mode
+        # "resident" (a table file) or "mapped" (the checkpoint's pages: mappedtier)
+        self.tier: str = getattr(backing, "tier", "resident")
         self.members, self.leader = built.members, built.leader
         self.plan, self._report = built.plan, built.report
         self.registration = registration = built.registration
@@ -103,7 +106,7 @@ class SharedEngramTable:
                names: TensorNames | None = None, progress: Progress | None = None,
                lookup_threads: int | None = None, page_size: PageSize | int = "4K",
                load_threads: int | None = None, shared_load: bool | None = None,
-               stall_timeout_s: float | None = None) -> SharedEngramTable:
+               stall_timeout_s: float | None = None, tier: str = "resident") -> SharedEngramTable:
         """Collective over ``group`` (its rank 0 leads; None: a private table).
 
         The table options below may come as keywords or, for many tables
@@ -140,16 +143,28 @@ class SharedEngramTable:
         ``timeout_s``; a load waits as long as some loader makes progress
         (at most ``stall_timeout_s`` without any).
         Every member ends the same way: all return a table, or all raise the
-        same class (our own, or MemberFailure) naming every failing member."""
+        same class (our own, or MemberFailure) naming every failing member.
+
+        tier: ``resident`` (the above: a table file loaded from the
+        checkpoint) or ``mapped`` (the checkpoint's own bytes mapped
+        read-only, nothing copied, one page-cache copy per host, evictable;
+        not collective: each process maps the files itself, so ``group``,
+        ``dp_shared``, placement, huge pages and ``register_device`` do not
+        apply and are refused naming why; ``mappedtier``)."""
         asked = TableOptions(
             placement=placement, directory=directory, page_size=page_size,
             register_device=register_device, timeout_s=timeout_s, topology=topology, names=names,
             progress=progress, lookup_threads=lookup_threads, load_threads=load_threads,
             shared_load=shared_load, stall_timeout_s=stall_timeout_s).given_once(options)
+        check_tier(tier)
         req = CreateRequest.of(spec, layer_id, shard, mode, checkpoint, asked)
-        grp = SingleProcessGroup() if group is None else as_group(group)
-        with grp.bounded(req.options.timeout_s):
-            built = protocol.create(grp, req)
+        if tier == "mapped":
+            built = mappedtier.engram_mapped(spec, layer_id, shard, mode, checkpoint,
+                                             req.options)
+        else:
+            grp = SingleProcessGroup() if group is None else as_group(group)
+            with grp.bounded(req.options.timeout_s):
+                built = protocol.create(grp, req)
         table = cls(spec, layer_id, shard, built, requested_mode=mode,
                     lookup_threads=req.options.lookup_threads)
         log.info("Engram table: %s", table.mode_report())
@@ -232,6 +247,33 @@ class SharedEngramTable:
         the table service keeps and hands over."""
         self._check_open()
         return os.dup(self._backing.fd)
+
+    def readahead(self, hash_ids: Any, *, id_format: IdFormat = "bucket",
+                  advise: bool = True) -> tuple[int, int]:
+        """A mapped table: the pages of the rows ``hash_ids`` names (as
+        ``lookup`` takes them) counted, those not in memory asked for
+        (MADV_WILLNEED: the kernel reads exactly them) unless ``advise`` is
+        False; returns (pages resident before, pages).  (0, 0) for a
+        resident table, whose rows are always in memory."""
+        self._check_open()
+        arrays = mappedtier.mapped_arrays(self._backing)
+        if arrays is None:
+            return 0, 0
+        rows = mappedtier.engram_rows(self.spec, self.layer_id, self.shard, hash_ids,
+                                      self.id_base(id_format))
+        w_hit, w_pages = arrays.readahead("weights", rows, self.spec.head_dim, advise=advise)
+        s_hit, s_pages = arrays.readahead("scales", rows, self.spec.scales_per_row,
+                                          advise=advise)
+        return w_hit + s_hit, w_pages + s_pages
+
+    def check_checkpoint(self) -> None:
+        """A mapped table: CheckpointError naming a checkpoint file
+        truncated, rewritten or replaced since it was mapped (an fstat and a
+        stat per file; a lookup of a truncated page raises by itself)."""
+        self._check_open()
+        arrays = mappedtier.mapped_arrays(self._backing)
+        if arrays is not None:
+            arrays.check_unchanged()
 
     # ------------------------------------------------------------ lookup --
     @overload
