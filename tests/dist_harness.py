@@ -103,8 +103,9 @@ def _worker(rank, world, port, scenario, kwargs, conn, pg_timeout_s, host=None, 
     import torch.distributed as dist
 
     logs = _Collect()
-    logging.getLogger("numa_engram").addHandler(logs)
-    logging.getLogger("numa_engram").setLevel(logging.INFO)
+    for name in ("numa_engram", "vllm.numa_engram"):  # the library's, the vLLM plugin's
+        logging.getLogger(name).addHandler(logs)
+        logging.getLogger(name).setLevel(logging.INFO)
     result = {"rank": rank}
     t0 = time.monotonic()
     try:

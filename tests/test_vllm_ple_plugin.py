@@ -171,18 +171,23 @@ def test_another_model_directory_or_rocm_is_refused_naming_it(vllm, model_dir, t
         harness.ple_layer(vllm.nv, SPEC.to_dict(), SPEC.layer_ids[0])
 
 
-def test_another_version_or_source_is_refused_when_a_table_is_allocated(vllm, monkeypatch):
+def test_another_version_or_source_is_named_with_what_to_install(vllm, monkeypatch):
     import sys
     import types
 
-    from numa_engram.integrations.vllm.ple import source_problem
+    from numa_engram.integrations.vllm.manifest import PLE_COMMON, PLE_HELPERS, module_problem
 
-    assert source_problem(vllm.common, vllm.ple) is None
+    assert module_problem(vllm.common, PLE_COMMON) is None
+    assert module_problem(vllm.ple, PLE_HELPERS) is None
     fake = types.ModuleType("fake")
+    assert "qwen4_exp/common/ple.py lacks PLEVocabParallelEmbedding" in \
+        module_problem(fake, PLE_HELPERS)
+    fake.__dict__.update(vars(vllm.ple))
     fake.__file__ = __file__  # another file under the same name
-    assert "qwen4_exp/common/ple.py" in source_problem(vllm.common, fake)
-    monkeypatch.setattr(sys.modules["vllm"], "__version__", "0.32.0")
-    assert "supports vLLM 0.31.0, this is 0.32.0" in source_problem(vllm.common, vllm.ple)
+    assert "qwen4_exp/common/ple.py (" + __file__ + ") is not the file" in \
+        module_problem(fake, PLE_HELPERS)
+    monkeypatch.setattr(sys.modules["vllm"], "__version__", "0.30.0")
+    assert "vLLM 0.30.0 is not a release" in module_problem(vllm.common, PLE_COMMON)
 
 
 @pytest.mark.multiproc
@@ -221,11 +226,11 @@ from numa_engram.integrations.vllm import register
 register()
 register()  # idempotent
 import vllm.models.qwen4_exp.common.ngram_embedding as common
-from numa_engram.integrations.vllm.ple import source_problem
+from numa_engram.integrations.vllm.patches import FIRED
 pinned = common.Qwen4ExpPLEPinnedHostEmbedding
-assert pinned._numa_engram_ple_patched
+assert common._numa_engram_ple_patched
 assert pinned.allocate_embedding_weight.__module__.startswith("numa_engram")
-assert source_problem(common, sys.modules["vllm.models.qwen4_exp.common.ple"]) is None
+assert FIRED[common.__name__] is None, FIRED
 print("patched")
 """
 

@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from numa_engram import EngramSpec, write_synthetic_model  # noqa: E402
-from numa_engram.integrations.vllm.patching import patch_vl  # noqa: E402
+from numa_engram.integrations.vllm.patch_vl_model import patch as patch_vl  # noqa: E402
 from numa_engram.integrations.vllm.settings import PluginError, PluginSettings  # noqa: E402
 
 from . import vllm_harness as harness  # noqa: E402
@@ -122,7 +122,6 @@ def test_settings_are_checked_naming_the_key_and_what_it_accepts():
 
 @pytest.mark.parametrize("change, text", [
     (dict(use_thp=True), "use_thp=True"),
-    (dict(cpu_offload=False), "cpu_offload=False"),
     (dict(additional={"page_size": "9K"}), "page_size is '9K'"),
 ])
 def test_configurations_the_plugin_cannot_serve_are_refused_at_construction(
@@ -156,20 +155,24 @@ def test_rocm_is_refused_and_replaced_storage_is_an_error(vllm, model_dir, monke
         ours.numa_table.close()
 
 
-def test_another_version_or_source_is_refused_at_model_construction(vllm, model_dir,
-                                                                     monkeypatch):
+def test_another_version_or_source_is_named_with_what_to_install(vllm, monkeypatch):
     import sys
 
-    from numa_engram.integrations.vllm.patching import source_problem
+    from numa_engram.integrations.vllm.manifest import ENGRAM_COMMON, module_problem
 
     nv, common = vllm
-    assert source_problem(nv, common, None) is None
-    monkeypatch.setattr(sys.modules["vllm"], "__version__", "0.32.0")
-    assert "supports vLLM 0.31.0, this is 0.32.0" in source_problem(nv, common, None)
+    assert module_problem(nv, "engram") is None
+    assert module_problem(common, ENGRAM_COMMON) is None
+    monkeypatch.setattr(sys.modules["vllm"], "__version__", "0.30.9")
+    assert "vLLM 0.30.9 is not a release the numa_engram plugin supports" in \
+        module_problem(nv, "engram")
     monkeypatch.setattr(sys.modules["vllm"], "__version__", "0.31.0")
     fake = type(nv)("fake")
     fake.__file__ = __file__  # another file under the same name
-    assert "is not the 0.31.0 file" in source_problem(fake, common, None)
+    fake.__dict__.update(vars(nv))
+    fake.__file__ = __file__
+    assert "models/deepseek_v41/nvidia/engram.py (" + __file__ + ") is not the file" in \
+        module_problem(fake, "engram")
 
 
 @pytest.mark.multiproc
@@ -527,7 +530,7 @@ def test_auto_with_a_dead_service_builds_the_tables_and_says_so(vllm, model_dir,
     with socket.socket(socket.AF_UNIX) as dead:
         dead.bind(str(sock))  # bound, never listening, then closed: the file stays
     monkeypatch.setenv("NUMA_ENGRAM_SOCKET", str(sock))
-    with caplog.at_level(logging.WARNING, logger="numa_engram"):
+    with caplog.at_level(logging.WARNING, logger="vllm.numa_engram"):
         embs = _engine(nv, common, model_dir, additional={"service": "auto"})
     try:
         assert {e.numa_table.mode for e in embs.values()} == {"independent"}
@@ -537,23 +540,48 @@ def test_auto_with_a_dead_service_builds_the_tables_and_says_so(vllm, model_dir,
             emb.numa_table.close()
 
 
-def test_a_patched_file_lacking_a_symbol_is_a_plugin_error_naming_it(vllm, monkeypatch):
+def test_a_patched_file_lacking_a_symbol_is_a_plugin_error_naming_it(vllm, model_dir,
+                                                                     monkeypatch, caplog):
     """Issue 49.11: the import hook on a vLLM whose Engram module lacks
-    what the patch replaces: a PluginError naming the file, the symbol and
-    what to do (an AttributeError inside vLLM's import before)."""
+    what the patch replaces: no AttributeError inside vLLM's import, a
+    WARNING naming the file and the symbols, and at the model's
+    construction (the VL model's weights mapper) a PluginError saying so
+    and what to install."""
+    import logging
     import sys
     import types
 
-    from numa_engram.integrations.vllm import hook
+    from numa_engram.integrations.vllm import hook, patches
 
-    nv, common = vllm
-    other = types.ModuleType(hook.NV)
+    nv, _ = vllm
+    other = types.ModuleType(hook.manifest.ENGRAM_NV)
     other.__file__ = nv.__file__
     other.Engram = type("Engram", (), {})  # no ParallelEngramEmbedding, no _create_embedding
-    monkeypatch.setitem(sys.modules, hook.NV, other)
-    with pytest.raises(PluginError, match="nvidia/engram.py has no ParallelEngramEmbedding.*"
-                                          "install vllm==0.31.0"):
+    monkeypatch.setitem(sys.modules, hook.manifest.ENGRAM_NV, other)
+    monkeypatch.setitem(patches.FIRED, hook.manifest.ENGRAM_NV, None)
+    del patches.FIRED[hook.manifest.ENGRAM_NV]
+    with caplog.at_level(logging.WARNING, logger="vllm.numa_engram"):
         hook.patch_loaded()
+    text = "nvidia/engram.py lacks Engram._create_embedding, ParallelEngramEmbedding"
+    assert text in caplog.text
+    vl = vl_module(harness.cache_dir())
+    patch_vl(vl)
+    harness.State.config = harness.config(model_dir)
+    with pytest.raises(PluginError, match=text + ".*reinstall vllm==0.31.0"):
+        vl._make_deepseek_v4_vl_weights_mapper("fp4", "scale")
+
+
+def test_cpu_offload_off_passes_through_to_vllms_own_storage_saying_why(vllm, model_dir,
+                                                                       caplog):
+    """Tables kept in GPU memory (cpu_offload=False; 0.33's peer rows are
+    one of its branches) are vLLM's own, with one INFO line per engine."""
+    import logging
+
+    nv, common = vllm
+    with caplog.at_level(logging.INFO, logger="vllm.numa_engram"):
+        embs = _engine(nv, common, model_dir, cpu_offload=False)
+    assert {type(e).__name__ for e in embs.values()} == {"ParallelEngramEmbedding"}
+    assert caplog.text.count("cpu_offload=False keeps the Engram tables in GPU memory") == 1
 
 
 # ------------------------------------------ worlds: restarts, settings --

@@ -13,7 +13,7 @@ from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 from numa_engram.bindings import native
 from numa_engram.host.procfs import smaps
 from numa_engram.integrations.vllm import patch
-from numa_engram.integrations.vllm.patching import patch_vl
+from numa_engram.integrations.vllm.patch_vl_model import patch as patch_vl
 
 from . import vllm_harness as harness
 
@@ -30,7 +30,8 @@ def _groups(rank, world, tp):
             harness.Coordinator(edp_ranks[rank % tp], edp_pgs[rank % tp]))
 
 
-def serve(rank, world, *, model_dir, root, spec, mode, tp=2, additional=None):
+def serve(rank, world, *, model_dir, root, spec, mode, tp=2, additional=None,
+          version=harness.VERSION):
     """Every layer's embedding built by vLLM's Engram through the plugin
     (``mode``: vLLM's DP-shared branch, or its DP-sharded one,
     ``embedding_across_dp``), loaded by vLLM's loader (a writer copies, the
@@ -38,7 +39,7 @@ def serve(rank, world, *, model_dir, root, spec, mode, tp=2, additional=None):
     compared with a whole-table reference; each rank's PSS of its tables
     and their size."""
     spec = EngramSpec.from_dict(spec)
-    nv, common = harness.vllm_modules(Path(root))
+    nv, common = harness.vllm_modules(Path(root), version)
     patch(nv, common)
     harness.State.tp, harness.State.edp = _groups(rank, world, tp)
     harness.State.dp = harness.State.edp
@@ -162,7 +163,8 @@ def vl_module(root):
         raise AssertionError(f"{name} is not in {path}")
     namespace = dict(dataclass=dataclass, field=field, Mapping=Mapping, Iterable=Iterable,
                      re=re, torch=torch, Any=Any, Literal=Literal, TypeAlias=TypeAlias,
-                     ShardIds=Any, WeightRenaming=Any, logger=harness._init_logger("utils"))
+                     ShardIds=Any, WeightRenaming=Any, WeightsTransformFn=Any,
+                     logger=harness._init_logger("utils"))
     exec(source_of(Path(root) / "vllm/model_executor/models/utils.py", "WeightsMapper"),
          namespace)
     namespace["_make_deepseek_v4_weights_mapper"] = lambda *a: namespace["WeightsMapper"]()
@@ -203,7 +205,8 @@ def load_through_mapper(vl, embs, model_dir):
     return calls
 
 
-def warm_restart(rank, world, *, model_dir, root, spec, service, tp=2, restarts=2):
+def warm_restart(rank, world, *, model_dir, root, spec, service, tp=2, restarts=2,
+                 version=harness.VERSION):
     """The README's warm-restart setup: a table service holding each TP
     shard (``serve --tp 2``) and the DP replicas of vLLM's TP 2 x DP 2 on
     one host, dp_shared asked (vLLM's default).  Each engine (``restarts``
@@ -213,7 +216,7 @@ def warm_restart(rank, world, *, model_dir, root, spec, service, tp=2, restarts=
     tensors counted) and looks up through vLLM's forward; rows against the
     whole table's lookup(id_format="global") and vLLM's own storage."""
     spec = EngramSpec.from_dict(spec)
-    nv, common = harness.vllm_modules(Path(root))
+    nv, common = harness.vllm_modules(Path(root), version)
     patch(nv, common)
     vl = vl_module(root)
     patch_vl(vl)

@@ -21,7 +21,7 @@ from ...sharing.table import SharedEngramTable
 from . import placement
 from .settings import PluginError, PluginSettings, settings_of
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm." + __name__)
 
 REFUSED_LOADS = ("dummy", "sharded_state", "ipc_cache")
 _SPECS: dict[tuple[str, str], Any] = {}  # by model directory and family
@@ -50,10 +50,10 @@ def build_embedding(nv: ModuleType, common: ModuleType, embedding: type, layout:
 def refuse_config(config: Any) -> None:
     """What the plugin cannot serve, each named with what to change."""
     engram = config.engram_config
-    if engram is None or not engram.cpu_offload:
-        raise PluginError("engram_config.cpu_offload=False keeps the Engram tables in GPU "
-                          "memory, where the numa_engram plugin has nothing to place: use "
-                          "cpu_offload=True, or unset VLLM_PLUGINS=numa_engram")
+    if engram is None:
+        raise PluginError("vLLM made no engram_config for this model (a platform vLLM 0.31 "
+                          "gives no Engram offload, or no Engram layers): the numa_engram "
+                          "plugin has no table to place; unset VLLM_PLUGINS=numa_engram")
     if engram.use_thp:
         raise PluginError("engram_config.use_thp=True asks vLLM for best-effort THP tables; "
                           "the numa_engram plugin places its own huge pages: drop use_thp and "
@@ -264,12 +264,21 @@ class TableStorage:
         if self._loads == 2:  # weights and scales: the table is loaded
             self.report()
 
+    @property
+    def huge_pages(self) -> bool:
+        """What vLLM 0.34 reads of its own storage (its constructor's log,
+        and every lookup: small host pages sort their rows first): whether
+        the table's pages are huge (2M or 1G)."""
+        from .report import page_size
+
+        return page_size(self.table) > 4096
+
     def report(self) -> dict:
-        """What a deployment log needs, logged once per table: mode, sharing
-        group, pages, placement per node (measured), startup phases, and the
-        PSS of the group's members as copies of the table."""
-        from ...host.hugepages import name_of
+        """The layer's line (report.layer_line), with its sharing group, the
+        PSS of the group's members as copies of the table and the startup
+        phases; logged once per table."""
         from ...host.procfs import smaps
+        from .report import layer_line
 
         doc = dict(self.table.mode_report())
         name = os.path.basename(self.table.path).removeprefix("memfd:")
@@ -277,20 +286,16 @@ class TableStorage:
             names = self.group.all_gather(name, "numa_engram: the table's name")
             name = next((n for n in names if n.startswith("numa-engram-")), name)
         # (PSS counts no hugetlb page: a huge-page table's copies show in its pool)
-        huge = self.table._backing.layout.page_size > 4096
-        pss = smaps("self", name).pss if name.startswith("numa-engram-") and not huge \
-            else None
+        pss = smaps("self", name).pss if name.startswith("numa-engram-") and \
+            not self.huge_pages else None
         if self.group is not None:  # (every member gathers: a collective)
             every = self.group.all_gather(pss, "numa_engram: the copies' PSS")
             pss = None if None in every else sum(every)
         doc["pss_copies"] = None if pss is None else round(pss / self.table.backing_bytes, 3)
-        placed: Any = doc["placement"] or {}
-        log.info("numa_engram: Engram layer %d heads [%d, %d): %s, group %s, %s pages, "
-                 "placement %s, %s copies by PSS, startup %s", doc["layer_id"],
-                 doc["head_start"], doc["head_end"], doc["mode"], doc["sharing_group"],
-                 name_of(self.table._backing.layout.page_size),
-                 placed.get("pages_per_node"),
-                 doc["pss_copies"], doc["startup_s"])
+        doc.update(layer_line(
+            "Engram", self.table, f"heads [{doc['head_start']}, {doc['head_end']})",
+            "attached" if self.filled else "built", f", group {doc['sharing_group']}, "
+            f"{doc['pss_copies']} copies by PSS, startup {doc['startup_s']}"))
         return doc
 
     @property

@@ -23,7 +23,7 @@ from typing import Any, Literal
 from ...literals import DEFAULT_DIRECTORY
 from .settings import PluginError, PluginSettings
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm." + __name__)
 
 Source = Literal["service", "dp_shared", "independent"]
 DEFAULT_SOCKET = "/run/numa-engram/engram.sock"
@@ -50,6 +50,7 @@ class Engine:
     decisions: dict[tuple, Decision] = field(default_factory=dict)
     groups: dict[tuple, Any] = field(default_factory=dict)
     attached: set[int] = field(default_factory=set)
+    said: set[str] = field(default_factory=set)  # the lines logged once per engine
 
 
 _ENGINES: list[tuple[Any, Engine]] = []  # (a reference to the engine's config, its state)

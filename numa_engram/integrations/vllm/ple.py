@@ -1,17 +1,10 @@
-"""The plugin's Qwen4-Exp part: vLLM 0.31.0's pinned-host PLE tables
-(``Qwen4ExpPLEPinnedHostEmbedding``) live in ours instead.
-
-vLLM keeps each PLE layer's ETP row range per rank in pinned memory; the
-patch makes ``allocate_embedding_weight`` return a view of one of our
-tables (NUMA-placed, huge pages, one copy per DP group sharing an ETP
-shard, or attached from the table service), registered with the rank's
-GPU so vLLM's own UVA view, lookup kernel, prefetch and all-reduce read it
-unchanged.  ``weight_loader`` lets vLLM's loader write the rows only where
-this rank writes the table (a private table, a DP group's leader), meets
-the group at a barrier once every checkpoint part that covers its rows is
-in, and only checks shapes (and the scale) when the table came from the
-service.  The same refusals and settings as the Engram part.
-"""
+"""One Qwen4-Exp PLE layer's table under vLLM's pinned-host embedding
+(patch_ple_embedding.py puts it there): made or attached where the engine's
+placement decision says, written by vLLM's loader only where this rank
+writes it (a private table, a DP group's leader), the group meeting at a
+barrier once every checkpoint part that covers its rows is in; a table
+from the service only checked (shapes and the scale).  The same refusals
+and settings as the Engram part."""
 
 from __future__ import annotations
 
@@ -27,68 +20,13 @@ from ...sharing.pletable import SharedPLETable
 from ...sharing.request import TableOptions
 from . import placement
 from .layers import TABLES, directory_spec, refuse_config, refuse_load, serve_metrics
-from .patching import sources_problem, symbol
 from .settings import PluginError, PluginSettings, settings_of
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm." + __name__)
 
-CHECKED_SOURCES = {
-    "qwen4_exp/common/ngram_embedding.py":
-        "1392f51ccf0b610542bf05c3021271bf6754221d9616ff92831b94f79fc3a892",
-    "qwen4_exp/common/ple.py":
-        "585fabb01a14f8071251e52891843cdc1340f75b4d7173abf4748e2ba8746b76",
-}
-PLE_PATCHED = "_numa_engram_ple_patched"
 # vLLM's prefix of a PLE table: the 0-based decoder layer, one less than
 # the 1-based ple_layer_ids entry
 LAYER_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def patch_ple(common: Any, ple: Any = None) -> None:
-    """Patch vLLM's ``common/ngram_embedding.py`` (``common``; ``ple``: its
-    ``common/ple.py``) in place; idempotent.  A version or source we have
-    not checked is recorded and refused when a table is allocated."""
-    file = "qwen4_exp/common/ngram_embedding.py"
-    pinned = symbol(common, "Qwen4ExpPLEPinnedHostEmbedding", file)
-    if getattr(pinned, PLE_PATCHED, False):
-        return
-    problem = source_problem(common, ple)
-    allocate = symbol(pinned, "allocate_embedding_weight", file)
-    load = symbol(pinned, "weight_loader", file)
-
-    def allocate_embedding_weight(self: Any, num_embeddings: int, embedding_dim: int,
-                                  dtype: Any) -> Any:
-        if problem:
-            raise PluginError(problem)
-        storage = PLEStorage.allocate(common, self, num_embeddings, embedding_dim, dtype)
-        self._numa_ple = storage
-        return storage.weight
-
-    def weight_loader(self: Any, param: Any, loaded_weight: Any,
-                      checkpoint_start: int | None = None) -> None:
-        storage = getattr(self, "_numa_ple", None)
-        if storage is None:
-            load(self, param, loaded_weight, checkpoint_start)
-        elif param is self.weight:
-            storage.load_rows(lambda: load(self, param, loaded_weight, checkpoint_start),
-                              loaded_weight, checkpoint_start)
-        else:  # the per-tensor scale: vLLM's own parameter
-            load(self, param, loaded_weight, checkpoint_start)
-            storage.load_scale(param)
-
-    allocate_embedding_weight.__wrapped__ = allocate  # type: ignore[attr-defined]
-    weight_loader.__wrapped__ = load  # type: ignore[attr-defined]
-    pinned.allocate_embedding_weight = allocate_embedding_weight
-    pinned.weight_loader = weight_loader
-    setattr(pinned, PLE_PATCHED, True)
-    log.info("numa_engram: vLLM's Qwen4-Exp PLE storage patched%s",
-             f" (refused when a table is allocated: {problem})" if problem else "")
-
-
-def source_problem(common: Any, ple: Any) -> str | None:
-    """Why these modules are not the ones the patch was checked against, or None."""
-    return sources_problem((("qwen4_exp/common/ngram_embedding.py", common),
-                            ("qwen4_exp/common/ple.py", ple)), CHECKED_SOURCES)
 
 
 def layer_of(prefix: str) -> int:
@@ -149,6 +87,7 @@ class PLEStorage:
         self.parts_expected = sum(1 for p in range(spec.split_ngram_parts)
                                   if self._covers(*spec.part_rows(layer, p)))
         self.parts_loaded = 0
+        self.where = f"rows [{table.shard.row_start}, {table.shard.row_end})"
 
     def _covers(self, first: int, end: int) -> bool:
         """Whether layer rows ``[first, end)`` overlap this table's."""
@@ -169,13 +108,20 @@ class PLEStorage:
         check_layer(spec, layer, emb, rows, dim, dtype)
         storage = cls._tables(config, settings, spec, layer, common.get_dp_group(), emb, dtype,
                               shared_asked=_shared_asked(config, emb, common.get_tp_group()))
-        table = storage.table
-        TABLES.append(table)
+        TABLES.append(storage.table)
         serve_metrics(settings)
-        log.info("numa_engram: PLE layer %d rows [%d, %d) of ETP rank %d/%d: %s", layer,
-                 table.shard.row_start, table.shard.row_end, emb.tp_rank, emb.tp_size,
-                 table.mode)
+        storage.where = f"rows [{storage.table.shard.row_start}, " \
+            f"{storage.table.shard.row_end}) of ETP rank {emb.tp_rank}/{emb.tp_size}"
+        if storage.filled:
+            storage.report()  # attached: nothing for vLLM's loader to do
         return storage
+
+    def report(self) -> dict:
+        """The layer's line (report.layer_line), once its rows are in."""
+        from .report import layer_line
+
+        return layer_line("PLE", self.table, self.where,
+                          "attached" if self.filled else "built")
 
     @classmethod
     def _tables(cls, config: Any, settings: PluginSettings, spec: PLESpec, layer: int, dp: Any,
@@ -227,8 +173,11 @@ class PLEStorage:
         if not covers:
             return
         self.parts_loaded += 1
-        if self.parts_loaded == self.parts_expected and self.group is not None:
+        if self.parts_loaded != self.parts_expected or self.filled:
+            return
+        if self.group is not None:
             self.group.barrier(f"numa_engram: PLE layer {self.table.layer_id} loaded")
+        self.report()
 
     def load_scale(self, param: Any) -> None:
         """vLLM loaded the per-tensor scale into its parameter: the writer
