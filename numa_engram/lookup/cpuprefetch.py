@@ -56,6 +56,8 @@ class CPUScheduler(PrefetchScheduler):
         self._worker.start()
 
     def submit(self, layer: Any, hash_ids: Any, counts: Any = None) -> None:
+        if self._read_ahead and layer in self._read_ahead:  # a mapped table's pages, in parallel
+            self.read_ahead(layer, hash_ids)
         lane, (out, run, now_ok) = self._staged_rows(layer, len(hash_ids))
         mutex = self._mutex
         mutex.acquire()

@@ -110,6 +110,16 @@ def _as_lookup(source: Any, rows: ShardRows | None, backend: str = "cpu",
     raise PrefetchError(f"{source!r} is neither a table's rows (ShardRows) nor a callable")
 
 
+def _read_ahead_of(source: Any, id_format: IdFormat) -> Callable[[Any], tuple[int, int]] | None:
+    """A mapped table's ``readahead`` for its ids (None for any other
+    source: resident rows are in memory already)."""
+    if getattr(source, "tier", "resident") != "mapped":
+        return None
+    if rows_of(source) is not None:  # an Engram table: hash ids as its lookups take them
+        return lambda ids: source.readahead(ids, id_format=id_format)
+    return cast(Callable[[Any], tuple[int, int]], source.readahead)  # a PLE table: row ids
+
+
 def _staging(torch: Any, max_tokens: int, row_shape: tuple[int, int], dtype: Any, device: Any,
              table: Any) -> Rows:
     """The layer's static buffer: BF16 rows, or (FP8 rows, scales) of
@@ -191,6 +201,11 @@ class PrefetchScheduler:
                         for layer in self._lookups}
         self.metrics = {layer: LayerMetrics() for layer in self._lookups}
         self._lanes = {layer: Lane({}, self.metrics[layer]) for layer in self._lookups}
+        # mapped tables (tier="mapped"): their rows' pages asked for ahead of
+        # each lookup, counted per layer as [pages resident before, pages]
+        self._read_ahead = {layer: fn for layer, src in lookups.items()
+                            if (fn := _read_ahead_of(src, id_format)) is not None}
+        self._read_ahead_counts = {layer: [0, 0] for layer in self._read_ahead}
         self._packed, self._id_format = packed, id_format
         self._inflight: dict[Any, Job] = {}
         self._outstanding = 0  # jobs holding one of the `depth` slots
@@ -233,6 +248,29 @@ class PrefetchScheduler:
         """Drop what is queued, let a running lookup finish, wake every
         waiter (PrefetchError) and stop the backend's thread.  Idempotent."""
         raise NotImplementedError
+
+    def read_ahead(self, layer: Any, hash_ids: Any) -> tuple[int, int]:
+        """Ask the kernel for the pages of ``layer``'s rows that ``hash_ids``
+        name (a mapped table's; nothing for a resident one), ahead of its
+        lookup: as soon as the ids are known (a layer ahead, the next
+        step's), so the reads overlap what runs meanwhile; ``submit`` does
+        it too, so a lookup's reads at least go in parallel, not one page
+        fault at a time.  Returns (pages resident before, pages), counted
+        in ``read_ahead_stats``."""
+        fn = self._read_ahead.get(layer)
+        if fn is None:
+            return 0, 0
+        resident, pages = fn(hash_ids)
+        counts = self._read_ahead_counts[layer]
+        counts[0] += resident
+        counts[1] += pages
+        return resident, pages
+
+    def read_ahead_stats(self) -> dict[Any, dict[str, int]]:
+        """Per mapped layer: the pages its read-ahead met (``pages``),
+        those already in memory (``hits``) and those it asked for (``misses``)."""
+        return {layer: {"pages": pages, "hits": hits, "misses": pages - hits}
+                for layer, (hits, pages) in self._read_ahead_counts.items()}
 
     def stats(self) -> dict[Any, LayerStats]:
         """Per layer totals since the scheduler started (no sync: CUDA

@@ -1,0 +1,349 @@
+"""The mapped tier (tier="mapped"): tables whose rows are the checkpoint's
+own pages, for both families.  Rows bit-exact with the resident tier's
+(atol 0: BF16, packed, global ids, out=, threads); what does not apply
+refused by name; a checkpoint truncated under a table is a CheckpointError
+naming the file at the next lookup (in a child process: a regression
+would kill it, not pytest), replaced files named by check_checkpoint; an
+unmappable file refused with the reason; read-ahead asks for exactly the
+rows' pages (counted with mincore after the file's pages are dropped)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import time
+
+import numpy as np
+import pytest
+
+from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+from numa_engram.bindings import native
+from numa_engram.errors import CheckpointError, SpecError, StorageError
+from numa_engram.model.ple import PLESpec
+from numa_engram.sharing.mappedfiles import MappedArrays, Segment
+from numa_engram.sharing.pletable import SharedPLETable
+from numa_engram.sharing.safetensorsfiles import TensorLocation
+from numa_engram.sharing.synthetic import write_ple_checkpoint, write_synthetic_checkpoint
+
+from .conftest import run_python
+
+torch = pytest.importorskip("torch")
+
+SPEC = EngramSpec.small(rows_per_head=3000, n_head_per_ngram=4, head_dim=128, seed=0)
+LAYER = SPEC.layer_ids[0]
+PLE = PLESpec(layer_ids=[2, 5], ple_embed_dim=160, vocab_size=5000, eos_token_id=7,
+              ngram_vocab_size_base=3000, split_ngram_parts=7)
+PAGE = native.PAGE_SIZE
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mapped") / "model.safetensors"
+    return str(write_synthetic_checkpoint(path, SPEC, seed=3))
+
+
+@pytest.fixture(scope="module")
+def ple_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mapped_ple") / "model.safetensors"
+    return str(write_ple_checkpoint(path, PLE, seed=5))
+
+
+def _ids(shape, seed=0, dead=True):
+    ids = np.random.default_rng(seed).integers(0, min(SPEC.bucket_sizes(LAYER)), size=shape)
+    if dead:
+        ids[1, :] = -1
+    return ids
+
+
+@pytest.mark.parametrize("shards,rank", [(1, 0), (2, 1)])
+def test_a_mapped_engram_table_reads_the_rows_a_resident_one_holds(ckpt, shards, rank):
+    shard = shard_heads(SPEC.bucket_sizes(LAYER), shards, rank)
+    with SharedEngramTable.create(SPEC, LAYER, shard, checkpoint=ckpt,
+                                  mode="independent") as resident, \
+            SharedEngramTable.create(SPEC, LAYER, shard, checkpoint=ckpt, tier="mapped",
+                                     lookup_threads=2) as mapped:
+        assert (mapped.tier, mapped.mode, resident.tier) == ("mapped", "mapped", "resident")
+        assert np.array_equal(mapped.weights, resident.weights)
+        assert np.array_equal(mapped.scales, resident.scales)
+        assert not mapped.weights.flags.writeable
+        assert mapped.stats().physical_bytes == 0  # the page cache's, not this process's
+        for tokens in (1, 64, 4096):  # 4,096: split over the threads, sorted jobs
+            ids = _ids((tokens, SPEC.n_hash_cols), seed=tokens, dead=tokens > 1)
+            assert torch.equal(mapped.lookup(ids).view(torch.int16),
+                               resident.lookup(ids).view(torch.int16))
+            for got, want in zip(mapped.lookup(ids, packed=True),
+                                 resident.lookup(ids, packed=True)):
+                assert torch.equal(got, want)
+        base = mapped.id_base("global")
+        ids = _ids((32, SPEC.n_hash_cols))
+        glob = ids.copy()
+        cols = glob[:, shard.head_start:shard.head_end]
+        cols[cols >= 0] += np.broadcast_to(base, cols.shape)[cols >= 0]
+        assert torch.equal(mapped.lookup(glob, id_format="global"), resident.lookup(ids))
+        out = torch.empty((32, shard.num_heads, SPEC.head_dim), dtype=torch.bfloat16)
+        bound = mapped.bind_lookup(out)
+        assert torch.equal(bound(ids), resident.lookup(ids))
+
+
+def test_a_mapped_table_is_made_without_reading_its_rows(ckpt):
+    """No copy at start: right after create none of the shard's pages was
+    read (the file's pages dropped first)."""
+    _drop_pages(ckpt)
+    shard = shard_heads(SPEC.bucket_sizes(LAYER), 1, 0)
+    with SharedEngramTable.create(SPEC, LAYER, shard, checkpoint=ckpt, tier="mapped") as table:
+        mapping = table._backing.arrays.mapping
+        # (the header's read may bring the file's first pages, with its readahead window)
+        assert native.pages_resident(mapping) <= 32 < mapping.length // PAGE
+        assert set(table.startup_phases) == {"map"}
+
+
+@pytest.mark.parametrize("etp_size,etp_rank", [(1, 0), (3, 1)])
+def test_a_mapped_ple_table_reads_the_rows_a_resident_one_holds(ple_ckpt, etp_size, etp_rank):
+    kw = {"etp_size": etp_size, "etp_rank": etp_rank, "checkpoint": ple_ckpt}
+    with SharedPLETable.create(PLE, 2, mode="independent", **kw) as resident, \
+            SharedPLETable.create(PLE, 2, tier="mapped", lookup_threads=2, **kw) as mapped:
+        assert mapped.tier == "mapped" and mapped.scale == resident.scale
+        assert np.array_equal(mapped.weights, resident.weights)
+        for n in (1, 40, 3000):
+            ids = np.random.default_rng(n).integers(0, PLE.rows(2), size=(n, PLE.n_heads))
+            assert torch.equal(mapped.lookup(ids).view(torch.int16),
+                               resident.lookup(ids).view(torch.int16))
+            assert np.array_equal(mapped.lookup_packed(ids), resident.lookup_packed(ids))
+        with pytest.raises(StorageError, match="no 'scale' region"):
+            mapped.store_scale(1.0)
+
+
+def _safetensors(path, tensors):
+    """A safetensors file of (name, dtype, shape, bytes) in the order given."""
+    header, offset = {}, 0
+    for name, dtype, shape, data in tensors:
+        header[name] = {"dtype": dtype, "shape": shape,
+                        "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(text)) + text)
+        for *_, data in tensors:
+            fh.write(data)
+    return str(path)
+
+
+def test_ple_parts_out_of_order_are_refused_naming_them(tmp_path):
+    """A shard spanning parts that neither lie end to end nor meet at page
+    boundaries cannot be one array for the kernel: refused, the parts named."""
+    spec = PLESpec(layer_ids=[2, 5], ple_embed_dim=160, vocab_size=5000, eos_token_id=7,
+                   ngram_vocab_size_base=3000, split_ngram_parts=4)
+    prefix = "model.layers.1.ple.ple_embedding.ngram_embedding."
+    parts = []
+    for part in range(spec.split_ngram_parts):
+        a, b = spec.part_rows(2, part)
+        parts.append((f"{prefix}shard_{part}.weight", "F8_E4M3", [b - a, spec.head_dim],
+                      bytes([part + 1]) * ((b - a) * spec.row_bytes)))
+    scale = (f"{prefix}weight_scale", "F32", [], struct.pack("<f", 0.5))
+    path = _safetensors(tmp_path / "m.safetensors", [scale, *reversed(parts)])
+    with pytest.raises(CheckpointError, match=r"cannot lay out.*shard_0\.weight.*shard_1\.weight"):
+        SharedPLETable.create(spec, 2, checkpoint=path, tier="mapped")
+    # a shard inside one part needs no layout: it maps, whatever the parts' order
+    with SharedPLETable.create(spec, 2, checkpoint=path, tier="mapped", etp_size=4,
+                               etp_rank=1) as table:
+        first = spec.part_rows(2, 1)[0]
+        assert set(table.lookup_packed([first]).reshape(-1)) == {2}
+
+
+def test_what_does_not_apply_to_a_mapped_table_is_refused_naming_why(ckpt):
+    shard = shard_heads(SPEC.bucket_sizes(LAYER), 1, 0)
+    cases = [({"mode": "dp_shared"}, SpecError, "page cache holds one copy"),
+             ({"register_device": 0}, StorageError, "cannot register"),
+             ({"placement": "local"}, SpecError, "page cache places"),
+             ({"page_size": "2M"}, SpecError, "4 KiB"),
+             ({"checkpoint": None}, SpecError, "pass checkpoint="),
+             ({"tier": "disk"}, SpecError, "tier must be one of")]
+    for extra, error, text in cases:
+        kw = {"checkpoint": ckpt, "tier": "mapped", **extra}
+        with pytest.raises(error, match=text):
+            SharedEngramTable.create(SPEC, LAYER, shard, **kw)
+    with pytest.raises(StorageError, match="cannot register"):
+        SharedPLETable.create(PLE, 2, checkpoint=ckpt, tier="mapped", register_device=0)
+    with SharedEngramTable.create(SPEC, LAYER, shard, checkpoint=ckpt, tier="mapped") as table:
+        with pytest.raises(StorageError, match="no table file to hand over"):
+            table.dup_descriptor()
+
+
+def test_a_file_that_cannot_be_mapped_is_refused_with_the_reason(tmp_path):
+    """A FIFO is refused before any open blocks; a regular file on a file
+    system without mmap (procfs) is refused naming the file and why."""
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    shard = shard_heads(SPEC.bucket_sizes(LAYER), 1, 0)
+    with pytest.raises(CheckpointError, match="FIFO"):
+        SharedEngramTable.create(SPEC, LAYER, shard, checkpoint=str(fifo), tier="mapped")
+    proc = TensorLocation("/proc/self/status", "status", "U8", (64,), 0, None)
+    with pytest.raises(CheckpointError, match=r"/proc/self/status cannot be mapped \(No such "
+                                              r"device\).*does not map files"):
+        MappedArrays({"weights": [Segment(proc, 0, 64)]}, "a test table")
+
+
+TRUNCATED = """
+import os, sys, numpy as np
+from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+from numa_engram.errors import CheckpointError
+from numa_engram.model.ple import PLESpec
+from numa_engram.sharing.pletable import SharedPLETable
+ckpt, family = sys.argv[1], sys.argv[2]
+if family == "engram":
+    spec = EngramSpec.small(rows_per_head=3000, n_head_per_ngram=4, head_dim=128, seed=0)
+    layer = spec.layer_ids[0]
+    table = SharedEngramTable.create(spec, layer, shard_heads(spec.bucket_sizes(layer), 1, 0),
+                                     checkpoint=ckpt, tier="mapped", lookup_threads=2)
+    last = np.asarray(spec.bucket_sizes(layer), dtype=np.int64)[None, :] - 1
+    many = np.repeat(last, 4096, axis=0)
+    look = lambda ids: table.lookup(ids)
+else:
+    spec = PLESpec(layer_ids=[2, 5], ple_embed_dim=160, vocab_size=5000, eos_token_id=7,
+                   ngram_vocab_size_base=3000, split_ngram_parts=7)
+    table = SharedPLETable.create(spec, 5, checkpoint=ckpt, tier="mapped", lookup_threads=2)
+    last = np.array([spec.rows(5) - 1])
+    many = np.repeat(last, 3000)
+    look = lambda ids: table.lookup(ids)
+first = look(last)
+os.truncate(ckpt, 4096)  # every row's page gone
+for ids in (last, many, last):  # the caller alone, then the threads, then again
+    try:
+        look(ids)
+        print("NO ERROR")
+    except CheckpointError as exc:
+        print("ERROR", exc)
+try:
+    table.check_checkpoint()
+except CheckpointError as exc:
+    print("CHECK", exc)
+print("ALIVE")
+if len(sys.argv) > 3:  # a read outside the lookups: the default action, not ours
+    print(int(table.weights[-1].sum()))
+"""
+
+
+@pytest.mark.parametrize("family", ["engram", "ple"])
+def test_a_checkpoint_truncated_under_a_mapped_table_is_an_error_naming_it(
+        ckpt, ple_ckpt, tmp_path, family):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(open(ckpt if family == "engram" else ple_ckpt, "rb").read())
+    result = run_python(TRUNCATED, str(path), family, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert len([ln for ln in lines if ln.startswith("ERROR")]) == 3, result.stdout
+    for line in lines[:3]:
+        assert f"{path}: byte" in line and "truncated under the table" in line, line
+        assert "(SIGBUS)" in line and "4096 now" in line
+    assert lines[3].startswith("CHECK") and str(path) in lines[3] and "changed" in lines[3]
+    assert lines[-1] == "ALIVE"
+
+
+def test_a_sigbus_outside_a_lookup_still_takes_the_default_action(ckpt, tmp_path):
+    """Our handler catches only faults inside a gather: a read of a
+    truncated mapping anywhere else dies of SIGBUS as it would without us."""
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(open(ckpt, "rb").read())
+    result = run_python(TRUNCATED, str(path), "engram", "outside", timeout=120)
+    assert result.returncode == -signal.SIGBUS, (result.returncode, result.stderr[-2000:])
+    assert "ALIVE" in result.stdout
+
+
+def test_a_replaced_checkpoint_keeps_serving_the_file_mapped_and_is_named(ckpt, tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(open(ckpt, "rb").read())
+    shard = shard_heads(SPEC.bucket_sizes(LAYER), 1, 0)
+    ids = _ids((16, SPEC.n_hash_cols))
+    with SharedEngramTable.create(SPEC, LAYER, shard, checkpoint=str(path),
+                                  tier="mapped") as table:
+        before = table.lookup(ids).clone()
+        table.check_checkpoint()
+        other = tmp_path / "other.safetensors"
+        write_synthetic_checkpoint(other, SPEC, seed=4)
+        os.replace(other, path)
+        assert torch.equal(table.lookup(ids), before)  # the old inode's pages
+        with pytest.raises(CheckpointError, match=f"{path} was replaced under the mapped"):
+            table.check_checkpoint()
+
+
+def _drop_pages(path):
+    """The file's pages out of the page cache (written back first: a dirty
+    page is not dropped)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _resident_pages(mapping, start, length):
+    """The set of page indices (of the mapping) of [start, start+length) in memory."""
+    first, last = start // PAGE, (start + length - 1) // PAGE
+    return {p for p in range(first, last + 1) if native.pages_resident(mapping, p * PAGE, PAGE)}
+
+
+def _wait_resident(mapping, want, spans, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = set().union(*(_resident_pages(mapping, a, n) for a, n in spans))
+        if got >= want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.01)
+
+
+def test_read_ahead_asks_for_exactly_the_rows_pages(tmp_path):
+    """After the file's pages are dropped, read-ahead of some ids brings in
+    exactly the pages their weight and scale rows lie on (mincore), and
+    counts them: all misses first, all hits once read."""
+    spec = EngramSpec.small(rows_per_head=40000, n_head_per_ngram=4, head_dim=128, seed=0)
+    layer = spec.layer_ids[0]
+    path = write_synthetic_checkpoint(tmp_path / "model.safetensors", spec, seed=1)
+    shard = shard_heads(spec.bucket_sizes(layer), 1, 0)
+    with SharedEngramTable.create(spec, layer, shard, checkpoint=str(path),
+                                  tier="mapped") as table:
+        arrays = table._backing.arrays
+        mapping = arrays.mapping
+        w0, s0 = arrays.offset("weights"), arrays.offset("scales")
+        spans = [(w0, table.weights.nbytes), (s0, table.scales.nbytes)]
+        _drop_pages(str(path))
+        assert not set().union(*(_resident_pages(mapping, a, n) for a, n in spans))
+        ids = np.random.default_rng(2).integers(0, min(spec.bucket_sizes(layer)),
+                                                size=(8, spec.n_hash_cols))
+        offsets = np.concatenate([[0], np.cumsum(spec.bucket_sizes(layer))[:-1]])
+        rows = (ids + offsets).reshape(-1)
+        want = set()
+        for base, width in ((w0, spec.head_dim), (s0, spec.scales_per_row)):
+            for r in rows:
+                want |= set(range((base + r * width) // PAGE,
+                                  (base + r * width + width - 1) // PAGE + 1))
+        hits, pages = table.readahead(ids)
+        assert (hits, pages) == (0, len(want))
+        assert _wait_resident(mapping, want, spans) == want  # those pages and no others
+        assert table.readahead(ids) == (len(want), len(want))
+        assert table.readahead(ids[:0]) == (0, 0)
+
+
+def test_the_prefetch_scheduler_reads_a_mapped_tables_rows_ahead_and_counts(ckpt):
+    from numa_engram.lookup.prefetch import PrefetchScheduler
+
+    shard = shard_heads(SPEC.bucket_sizes(LAYER), 1, 0)
+    with SharedEngramTable.create(SPEC, LAYER, shard, checkpoint=ckpt, tier="mapped") as table, \
+            SharedEngramTable.create(SPEC, LAYER, shard, checkpoint=ckpt,
+                                     mode="independent") as resident:
+        _drop_pages(ckpt)
+        ids = _ids((4, SPEC.n_hash_cols))
+        shape = {LAYER: (shard.num_heads, SPEC.head_dim)}
+        with PrefetchScheduler({LAYER: table}, shape, max_tokens=16) as sched:
+            resident_before, pages = sched.read_ahead(LAYER, ids)
+            assert pages > 0
+            sched.submit(LAYER, ids)
+            assert torch.equal(sched.wait(LAYER)[:4], resident.lookup(ids))
+            stats = sched.read_ahead_stats()[LAYER]
+            assert stats["pages"] == 2 * pages and stats["hits"] >= resident_before
+            assert stats["misses"] == stats["pages"] - stats["hits"]
+        with PrefetchScheduler({LAYER: resident}, shape, max_tokens=16) as sched:
+            assert sched.read_ahead(LAYER, ids) == (0, 0) and sched.read_ahead_stats() == {}
