@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import struct
 import time
@@ -167,9 +168,9 @@ def test_what_does_not_apply_to_a_mapped_table_is_refused_naming_why(ckpt):
             SharedEngramTable.create(SPEC, LAYER, shard, **kw)
     with pytest.raises(StorageError, match="cannot register"):
         SharedPLETable.create(PLE, 2, checkpoint=ckpt, tier="mapped", register_device=0)
-    with SharedEngramTable.create(SPEC, LAYER, shard, checkpoint=ckpt, tier="mapped") as table:
-        with pytest.raises(StorageError, match="no table file to hand over"):
-            table.dup_descriptor()
+    with SharedEngramTable.create(SPEC, LAYER, shard, checkpoint=ckpt, tier="mapped") as table, \
+            pytest.raises(StorageError, match="no table file to hand over"):
+        table.dup_descriptor()
 
 
 def test_a_file_that_cannot_be_mapped_is_refused_with_the_reason(tmp_path):
@@ -230,7 +231,7 @@ if len(sys.argv) > 3:  # a read outside the lookups: the default action, not our
 def test_a_checkpoint_truncated_under_a_mapped_table_is_an_error_naming_it(
         ckpt, ple_ckpt, tmp_path, family):
     path = tmp_path / "model.safetensors"
-    path.write_bytes(open(ckpt if family == "engram" else ple_ckpt, "rb").read())
+    shutil.copyfile(ckpt if family == "engram" else ple_ckpt, path)
     result = run_python(TRUNCATED, str(path), family, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
@@ -246,7 +247,7 @@ def test_a_sigbus_outside_a_lookup_still_takes_the_default_action(ckpt, tmp_path
     """Our handler catches only faults inside a gather: a read of a
     truncated mapping anywhere else dies of SIGBUS as it would without us."""
     path = tmp_path / "model.safetensors"
-    path.write_bytes(open(ckpt, "rb").read())
+    shutil.copyfile(ckpt, path)
     result = run_python(TRUNCATED, str(path), "engram", "outside", timeout=120)
     assert result.returncode == -signal.SIGBUS, (result.returncode, result.stderr[-2000:])
     assert "ALIVE" in result.stdout
@@ -254,7 +255,7 @@ def test_a_sigbus_outside_a_lookup_still_takes_the_default_action(ckpt, tmp_path
 
 def test_a_replaced_checkpoint_keeps_serving_the_file_mapped_and_is_named(ckpt, tmp_path):
     path = tmp_path / "model.safetensors"
-    path.write_bytes(open(ckpt, "rb").read())
+    shutil.copyfile(ckpt, path)
     shard = shard_heads(SPEC.bucket_sizes(LAYER), 1, 0)
     ids = _ids((16, SPEC.n_hash_cols))
     with SharedEngramTable.create(SPEC, LAYER, shard, checkpoint=str(path),
