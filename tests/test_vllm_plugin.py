@@ -353,59 +353,6 @@ def test_sharing_groups_take_a_coordinators_cpu_group_and_never_an_nccl_default(
         _cpu_group_of(None)
 
 
-REGISTER = r"""
-import shutil, sys
-from pathlib import Path
-repo, tree = sys.argv[1], Path(sys.argv[2])
-sys.path.insert(0, repo)
-from tests import vllm_harness as harness
-harness.install_stubs()
-for name in ("vllm.models", "vllm.models.deepseek_v41", "vllm.models.deepseek_v41.common",
-             "vllm.models.deepseek_v41.nvidia"):
-    del sys.modules[name]  # real packages from here on, laid out as vLLM's wheel lays them
-sys.modules["vllm"].__path__ = [str(tree / "vllm")]
-from numa_engram.integrations.vllm import register
-register()
-register()  # idempotent
-import vllm.models.deepseek_v41  # its __init__ imports nvidia/model.py, which binds by name
-nv = sys.modules["vllm.models.deepseek_v41.nvidia.engram"]
-model = sys.modules["vllm.models.deepseek_v41.nvidia.model"]
-assert nv._numa_engram_patched
-assert nv.Engram._create_embedding.__name__ == "_create_embedding"
-assert model.can_share_engram_tables is nv.can_share_engram_tables
-assert model.can_share_engram_tables.__module__.startswith("numa_engram"), model.__dict__
-print("patched")
-"""
-
-
-@pytest.mark.slow  # starts an interpreter (~1 s)
-def test_register_patches_vllms_module_as_vllm_imports_it(vllm, tmp_path):
-    """The entry point's path: register() in a fresh interpreter, then vLLM's
-    package imported as vLLM lays it out (the package __init__ importing
-    nvidia/model.py, which binds can_share_engram_tables by name): the
-    module is patched before model.py binds it."""
-    import shutil
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    tree = tmp_path / "tree"
-    package = tree / "vllm" / "models" / "deepseek_v41"
-    for sub in ("common", "nvidia"):
-        (package / sub).mkdir(parents=True)
-        shutil.copy(harness.cache_dir() / "vllm/models/deepseek_v41" / sub / "engram.py",
-                    package / sub / "engram.py")
-        (package / sub / "__init__.py").write_text("")
-    (tree / "vllm" / "models" / "__init__.py").write_text("")
-    (package / "__init__.py").write_text("from .nvidia import model  # as vLLM's does\n")
-    (package / "nvidia" / "model.py").write_text(
-        "from .engram import Engram, can_share_engram_tables  # noqa: F401\n")
-    repo = str(Path(__file__).resolve().parent.parent)
-    run = subprocess.run([sys.executable, "-c", REGISTER, repo, str(tree)], capture_output=True,
-                         text=True, timeout=300, check=False)
-    assert run.returncode == 0 and run.stdout.strip() == "patched", run.stderr[-3000:]
-
-
 def test_the_package_declares_the_vllm_entry_point():
     from pathlib import Path
 

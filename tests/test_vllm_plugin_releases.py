@@ -18,6 +18,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first importe
 import logging  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -345,3 +346,81 @@ def test_tp2_dp2_warm_restart_attaches_with_no_engram_loader_call(version, model
     print(f"vLLM {version} warm restart TP 2 x DP 2: Engram loader calls "
           f"{[e['loader_calls'] for r in results for e in r['engines']]}, ready s "
           f"{[e['ready_s'] for r in results for e in r['engines']]}")
+
+
+REGISTER = r"""
+import logging, shutil, sys
+from pathlib import Path
+repo, tree, version = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+sys.path.insert(0, repo)
+from tests import vllm_harness as harness
+harness.install_stubs(version)
+for name in ("vllm.models", "vllm.models.deepseek_v41", "vllm.models.deepseek_v41.common",
+             "vllm.models.deepseek_v41.nvidia"):
+    del sys.modules[name]  # real packages from here on, laid out as vLLM's wheel lays them
+sys.modules["vllm"].__path__ = [str(tree / "vllm")]
+logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+from numa_engram.integrations.vllm import register
+from numa_engram.integrations.vllm.manifest import RELEASES
+register()
+register()  # idempotent
+import vllm.models.deepseek_v41  # its __init__ imports nvidia/model.py, which binds by name
+engram = sys.modules[RELEASES[version].engram_module]
+model = sys.modules["vllm.models.deepseek_v41.nvidia.model"]
+assert engram._numa_engram_patched
+assert engram.Engram._create_embedding.__module__.startswith("numa_engram")
+assert model.can_share_engram_tables is engram.can_share_engram_tables
+assert model.can_share_engram_tables.__module__.startswith("numa_engram"), model.__dict__
+print("patched", engram.__name__)
+"""
+
+
+@pytest.mark.slow  # starts an interpreter (~1 s)
+@pytest.mark.parametrize("version", sorted(manifest.RELEASES))
+def test_register_patches_each_releases_engram_module_as_vllm_imports_it(version, tmp_path):
+    """register() in a fresh interpreter, then vLLM's V4.1 package imported
+    as the release lays it out (its nvidia/model.py binding
+    can_share_engram_tables by name: from .engram on 0.31, from
+    ..common.engram on 0.32+, where nvidia/engram.py is gone): the
+    release's Engram module is patched before model.py binds it, and the
+    log says so under vLLM's logger (0.32+ were patched nowhere before)."""
+    import subprocess
+
+    root = Path(_root(version))
+    rel = manifest.RELEASES[version]
+    tree = tmp_path / "tree"
+    package = tree / "vllm" / "models" / "deepseek_v41"
+    for sub in ("common", "nvidia"):
+        (package / sub).mkdir(parents=True)
+        (package / sub / "__init__.py").write_text("")
+    for name in (rel.engram_module, manifest.ENGRAM_COMMON):
+        shutil.copy(root / "vllm" / rel.file_of(name), tree / "vllm" / rel.file_of(name))
+    (tree / "vllm" / "models" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("from .nvidia import model  # as vLLM's does\n")
+    source = ".engram" if rel.engram_module == manifest.ENGRAM_NV else "..common.engram"
+    (package / "nvidia" / "model.py").write_text(
+        f"from {source} import Engram, can_share_engram_tables  # noqa: F401\n")
+    repo = str(Path(__file__).resolve().parent.parent)
+    run = subprocess.run([sys.executable, "-c", REGISTER, repo, str(tree), version],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == f"patched {rel.engram_module}", run.stdout
+    assert f"vLLM {version}'s Engram storage patched ({rel.engram_module})" in run.stderr
+    assert "WARNING" not in run.stderr, run.stderr[-2000:]
+
+
+def test_an_engram_hook_that_never_fired_is_an_error_at_construction(release, model_dir,
+                                                                     monkeypatch):
+    """The plugin's settings given, the model constructed, but the hook
+    for the release's Engram module never ran (a module moved, as 0.32
+    moved nvidia/engram.py): the VL model's construction raises naming the
+    module and what to install; without settings it is vLLM's own."""
+    rel = manifest.RELEASES[release.version]
+    monkeypatch.delitem(patches.FIRED, rel.engram_module)
+    harness.State.config = harness.config(model_dir)
+    with pytest.raises(PluginError, match=f"hook for vLLM {release.version}'s "
+                                          f"{rel.engram_module} never fired.*install one of "
+                                          "vllm==0.31.0"):
+        release.vl._make_deepseek_v4_vl_weights_mapper("fp4", "scale")
+    harness.State.config.additional_config = {}
+    release.vl._make_deepseek_v4_vl_weights_mapper("fp4", "scale")
