@@ -424,3 +424,17 @@ def test_an_engram_hook_that_never_fired_is_an_error_at_construction(release, mo
         release.vl._make_deepseek_v4_vl_weights_mapper("fp4", "scale")
     harness.State.config.additional_config = {}
     release.vl._make_deepseek_v4_vl_weights_mapper("fp4", "scale")
+
+
+def test_under_the_meta_device_vllms_meta_tensors_and_no_table(release, model_dir):
+    """0.33+ builds under torch's meta device first in its own
+    _allocate_weights (a shape-only model): the plugin's embedding does the
+    same and places no table there."""
+    if not manifest.RELEASES[release.version].meta_branch:
+        pytest.skip(f"vLLM {release.version}'s _allocate_weights has no meta branch (0.33+)")
+    harness.State.config = harness.config(model_dir)
+    layout = harness.layout_of(release.common, model_dir)
+    with torch.device("meta"):
+        emb = release.nv.Engram._create_embedding(harness.thin_engram(release.nv), layout, 0)
+    assert type(emb).__name__ == "NumaEngramEmbedding"
+    assert emb.weight.is_meta and emb.numa_table is None and emb._shared_memory is None
