@@ -348,10 +348,14 @@ def load_from(rank, world, *, checkpoint):
     return {}
 
 
-def memory_fallback(rank, world, *, directory, room):
-    """auto on a too-small tmpfs: independent copies only if they fit."""
+def memory_fallback(rank, world, *, handover_root, room):
+    """auto where the members cannot share (a hand-over root too deep for a
+    socket's path): independent copies only if they fit."""
+    from numa_engram.store import fdhandover
+
+    os.environ[fdhandover.ROOT_ENV] = handover_root
     rows_per_head = int(room * 0.6) // (8 * 132)
-    t = _whole_table_on_world(make_spec(rows_per_head), 60, mode="auto", directory=directory)
+    t = _whole_table_on_world(make_spec(rows_per_head), 60, mode="auto")
     t.close()
     return {}
 
