@@ -93,7 +93,7 @@ def write_ple_model(model: Path, spec: PLESpec, seed: int = 5) -> Path:
 
 
 def vllm_plugin_dp_shared(rank: int, world: int, *, model_dir: str, root: str, spec: dict,
-                          additional: dict) -> dict:
+                          additional: dict, version: str | None = None) -> dict:
     """vLLM's Qwen4ExpNGramEmbedding under the plugin in ranks r = dp * 2 +
     tp, vLLM's TP (= ETP) and DP groups real gloo groups, dp_shared asked:
     each PLE layer's table made through the plugin and filled by vLLM's
@@ -103,10 +103,10 @@ def vllm_plugin_dp_shared(rank: int, world: int, *, model_dir: str, root: str, s
     from . import vllm_harness as harness
 
     spec_ = PLESpec.from_dict(spec)
-    v = harness.ple_modules(Path(root))
+    v = harness.ple_modules(Path(root), version or harness.VERSION)
     from numa_engram.integrations.vllm import patch_ple
 
-    patch_ple(v.common, v.ple)
+    patch_ple(v.common, v.ple, v.nv)
     tp_rank, dp_rank = rank % 2, rank // 2
     tp_ranks = [[2 * d, 2 * d + 1] for d in range(world // 2)]
     dp_ranks = [[t + 2 * d for d in range(world // 2)] for t in range(2)]

@@ -438,3 +438,25 @@ def test_under_the_meta_device_vllms_meta_tensors_and_no_table(release, model_di
         emb = release.nv.Engram._create_embedding(harness.thin_engram(release.nv), layout, 0)
     assert type(emb).__name__ == "NumaEngramEmbedding"
     assert emb.weight.is_meta and emb.numa_table is None and emb._shared_memory is None
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("version", sorted(manifest.RELEASES))
+def test_ple_tp2_dp2_dp_shared_one_copy_per_tp_shard_holds_vllms_bytes(version, ple_dir):
+    """Each release's Qwen4-Exp PLE tables through the plugin with dp_shared:
+    four real ranks as vLLM's TP 2 x DP 2, the DP replicas of a TP rank
+    share one table per layer (PSS summed is one copy), its bytes equal
+    vLLM's own storage and the TP pair's rows the whole table's."""
+    from .dist_harness import run_world
+
+    results = run_world(4, ple_scenarios.vllm_plugin_dp_shared, timeout_s=300,
+                        model_dir=ple_dir, root=_root(version), spec=PLE.to_dict(),
+                        additional={}, version=version)
+    for r in results:
+        assert r["ok"], r.get("traceback", r)
+        assert r["mismatches"] == [] and set(r["modes"]) == {"dp_shared"}, r
+    for tp_rank in (0, 1):
+        members = [results[tp_rank], results[2 + tp_rank]]
+        pss, one = sum(m["pss"] for m in members), members[0]["table_bytes"]
+        print(f"vLLM {version} PLE TP rank {tp_rank}: {pss / one:.3f} copies by PSS")
+        assert abs(pss - one) <= 0.05 * one, (tp_rank, pss, one)
