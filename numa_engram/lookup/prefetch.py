@@ -111,13 +111,13 @@ def _as_lookup(source: Any, rows: ShardRows | None, backend: str = "cpu",
 
 
 def _read_ahead_of(source: Any, id_format: IdFormat) -> Callable[[Any], tuple[int, int]] | None:
-    """A mapped table's ``readahead`` for its ids (None for any other
-    source: resident rows are in memory already)."""
-    if getattr(source, "tier", "resident") != "mapped":
+    """A mapped Engram table's ``readahead`` for the ids its lookups take
+    (None for any other source: resident rows are in memory already; a
+    PLE table, which is no scheduler's source, reads ahead by its own
+    ``readahead``)."""
+    if getattr(source, "tier", "resident") != "mapped" or rows_of(source) is None:
         return None
-    if rows_of(source) is not None:  # an Engram table: hash ids as its lookups take them
-        return lambda ids: source.readahead(ids, id_format=id_format)
-    return cast(Callable[[Any], tuple[int, int]], source.readahead)  # a PLE table: row ids
+    return lambda ids: source.readahead(ids, id_format=id_format)
 
 
 def _staging(torch: Any, max_tokens: int, row_shape: tuple[int, int], dtype: Any, device: Any,
