@@ -348,3 +348,40 @@ def test_the_prefetch_scheduler_reads_a_mapped_tables_rows_ahead_and_counts(ckpt
             assert stats["misses"] == stats["pages"] - stats["hits"]
         with PrefetchScheduler({LAYER: resident}, shape, max_tokens=16) as sched:
             assert sched.read_ahead(LAYER, ids) == (0, 0) and sched.read_ahead_stats() == {}
+
+
+SECOND_PROCESS = """
+import sys, numpy as np
+from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+spec = EngramSpec.small(rows_per_head=3000, n_head_per_ngram=4, head_dim=128, seed=0)
+layer = spec.layer_ids[0]
+table = SharedEngramTable.create(spec, layer, shard_heads(spec.bucket_sizes(layer), 1, 0),
+                                 checkpoint=sys.argv[1], tier="mapped")
+int(table.weights.sum(dtype=np.uint64)), int(table.scales.sum(dtype=np.uint64))
+mapping = table._backing.arrays.mapping
+rss = pss = 0
+inside = False
+for line in open("/proc/self/smaps").read().splitlines():
+    head = line.split()[0]
+    if "-" in head and not head.endswith(":"):  # a mapping's first line (its spans' VMAs)
+        start = int(head.split("-")[0], 16)
+        inside = mapping.address <= start < mapping.address + mapping.length
+    elif inside and head in ("Rss:", "Pss:"):
+        rss, pss = (rss + int(line.split()[1]), pss) if head == "Rss:" else \
+            (rss, pss + int(line.split()[1]))
+print(rss, pss)
+"""
+
+
+def test_two_processes_mapping_one_checkpoint_share_one_copy_of_its_pages(ckpt):
+    """The page cache is the sharing: a second process's mapped table of the
+    same checkpoint holds the very pages the first one reads (its PSS half
+    its RSS), no copy of its own."""
+    shard = shard_heads(SPEC.bucket_sizes(LAYER), 1, 0)
+    with SharedEngramTable.create(SPEC, LAYER, shard, checkpoint=ckpt, tier="mapped") as table:
+        int(table.weights.sum(dtype=np.uint64)), int(table.scales.sum(dtype=np.uint64))
+        result = run_python(SECOND_PROCESS, ckpt, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        rss, pss = map(int, result.stdout.split())
+        size_kib = (table.weights.nbytes + table.scales.nbytes) // 1024
+        assert rss >= size_kib * 0.99 and pss <= rss * 0.55, (rss, pss, size_kib)
