@@ -102,34 +102,37 @@ def test_runtime_sizes_of_wrong_types_or_sizes_are_refused_by_name(good, name, v
     assert os.path.isdir(good)
 
 
+OPEN_IN_A_CHILD = """
+import sys
+from numa_engram.errors import NumaEngramError
+from numa_engram.runtime.modeldir import ModelDirectory
+from numa_engram.runtime.plemodeldir import PLEModelDirectory
+try:
+    {"ModelDirectory": ModelDirectory, "PLEModelDirectory": PLEModelDirectory}[sys.argv[1]].open(
+        sys.argv[2])
+except NumaEngramError as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
 @pytest.mark.parametrize("opener, name", [("ModelDirectory", CONFIG_FILE),
                                           ("ModelDirectory", TOKENIZER_FILE),
                                           ("PLEModelDirectory", CONFIG_FILE)])  # (no tokenizer)
 def test_a_fifo_in_the_directory_is_refused_by_name_without_blocking(model, opener, name):
     """config.json or tokenizer.json a FIFO: an error naming it, at once
     (the open used to block until a writer came; tokenizers' own open
-    blocked in native code, deaf to SIGTERM).  In a thread joined with a
-    timeout, so a regression fails instead of hanging the run."""
-    import threading
+    blocked in native code holding the GIL, deaf to SIGTERM).  In a child
+    process killed at a timeout, so a regression fails instead of hanging
+    the run."""
+    import subprocess
 
-    from numa_engram.runtime.plemodeldir import PLEModelDirectory
+    from .conftest import run_python
 
     (model / name).unlink()
     os.mkfifo(model / name)
-    cls = ModelDirectory if opener == "ModelDirectory" else PLEModelDirectory
-    out = []
-
-    def run():
-        try:
-            cls.open(model)
-        except BaseException as exc:
-            out.append(exc)
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(20)
-    blocked = thread.is_alive()
-    if blocked:  # give the blocked open a writer, then EOF, so the thread ends
-        os.close(os.open(model / name, os.O_WRONLY | os.O_NONBLOCK))
-    assert not blocked, f"{opener}.open blocked on {name}, a FIFO"
-    assert isinstance(out[0], NumaEngramError), out
-    assert f"{model / name} is a FIFO, not a regular file" in str(out[0]), out[0]
+    try:
+        child = run_python(OPEN_IN_A_CHILD, opener, str(model), timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{opener}.open blocked on {name}, a FIFO")
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert f"{model / name} is a FIFO, not a regular file" in child.stdout, child.stdout
