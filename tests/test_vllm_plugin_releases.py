@@ -460,3 +460,25 @@ def test_ple_tp2_dp2_dp_shared_one_copy_per_tp_shard_holds_vllms_bytes(version, 
         pss, one = sum(m["pss"] for m in members), members[0]["table_bytes"]
         print(f"vLLM {version} PLE TP rank {tp_rank}: {pss / one:.3f} copies by PSS")
         assert abs(pss - one) <= 0.05 * one, (tp_rank, pss, one)
+
+
+def test_a_patch_release_with_the_same_files_is_served_as_its_release(release, tmp_path,
+                                                                      monkeypatch):
+    """X.Y.1 whose patched files hash as X.Y.0's is X.Y.0 to the plugin;
+    with one of them changed it is a release the manifest lacks."""
+    rel = manifest.RELEASES[release.version]
+    tree = tmp_path / "vllm"
+    for name in rel.files:
+        (tree / rel.file_of(name)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(release.root / "vllm" / rel.file_of(name), tree / rel.file_of(name))
+    patched = release.version[:-1] + "1"
+    vllm = sys.modules["vllm"]
+    monkeypatch.setattr(vllm, "__version__", patched)
+    monkeypatch.setattr(vllm, "__path__", [str(tree)], raising=False)
+    assert manifest.release() is rel
+    changed = tree / rel.file_of(rel.engram_module)
+    changed.write_text(changed.read_text() + "\n# a local edit\n")
+    manifest._same_files.cache_clear()
+    assert manifest.release() is None
+    assert f"vLLM {patched} is not a release" in manifest.installed_problems(tree)[0]
+    manifest._same_files.cache_clear()

@@ -18,6 +18,7 @@ symbols of ``SYMBOLS`` it lacks; add its row below, then run
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import sys
@@ -130,9 +131,27 @@ def vllm_version() -> str | None:
 
 
 def release() -> Release | None:
-    """The running vLLM's release, None when the manifest lacks it."""
+    """The running vLLM's release, None when the manifest lacks it: a
+    listed version, or a patch release of one (same major and minor) whose
+    installed patched files all hash as the listed one's."""
     version = vllm_version()
-    return RELEASES.get(version or "") if version else None
+    if not version or version in RELEASES:
+        return RELEASES.get(version or "")
+    roots = list(getattr(sys.modules.get("vllm"), "__path__", []) or [])
+    return _same_files(version, roots[0]) if roots else None
+
+
+@functools.lru_cache(maxsize=8)
+def _same_files(version: str, root: str) -> Release | None:
+    minor = ".".join(version.split(".")[:2]) + "."
+    for rel in RELEASES.values():
+        if rel.version.startswith(minor) and all(
+                sha256_of(Path(root) / rel.file_of(name)) == want
+                for name, want in rel.files.items()):
+            log.info("numa_engram: vLLM %s's patched files are %s's: served as %s", version,
+                     rel.version, rel.version)
+            return rel
+    return None
 
 
 def module_name(role: str, rel: Release | None) -> str:
