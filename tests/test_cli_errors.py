@@ -318,10 +318,6 @@ def test_plan_model_of_a_missing_path_names_that_path(tmp_path):
 def test_serve_refuses_a_fifo_config_or_index_by_name(model_files, tmp_path, name):
     """serve with config.json a FIFO exits naming it; with the checkpoint
     index a FIFO it starts, and every table fails naming the index."""
-    import signal
-    import threading
-    import time
-
     root = _spoiled(model_files, tmp_path, name, "fifo")
     sock = tmp_path / "s" / "engram.sock"
     if name == "config.json":
@@ -329,6 +325,18 @@ def test_serve_refuses_a_fifo_config_or_index_by_name(model_files, tmp_path, nam
         assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, (r.returncode, r.stderr)
         assert f"the model's config {root / name} is a FIFO" in r.stderr, r.stderr
         return
+    lines, err = _serve_until_loaded(root, sock)
+    assert any("0 of 2 tables ready" in x for x in lines), lines
+    assert f"the checkpoint index {root / name} is a FIFO" in err, err
+
+
+def _serve_until_loaded(root, sock):
+    """``numa-engram serve root`` until it says how many tables are ready
+    (60 s at most), then SIGTERM: its stdout lines and its stderr."""
+    import signal
+    import threading
+    import time
+
     child = subprocess.Popen([sys.executable, "-m", "numa_engram", "serve", str(root),
                               "--socket", str(sock)], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
@@ -340,7 +348,6 @@ def test_serve_refuses_a_fifo_config_or_index_by_name(model_files, tmp_path, nam
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not any("tables ready" in x for x in lines):
             time.sleep(0.1)
-        assert any("0 of 2 tables ready" in x for x in lines), lines
     finally:
         child.send_signal(signal.SIGTERM)  # the process this test started
         try:
@@ -349,5 +356,16 @@ def test_serve_refuses_a_fifo_config_or_index_by_name(model_files, tmp_path, nam
             child.kill()
             child.wait()
         reader.join(timeout=10)
-        err = child.stderr.read()
-    assert f"the checkpoint index {root / name} is a FIFO" in err, err
+    return lines, child.stderr.read()
+
+
+@slow
+def test_serve_prints_a_model_path_holding_a_newline_escaped(model_files, tmp_path):
+    import shutil
+
+    root = tmp_path / "m\nnuma-engram serve: forged"
+    shutil.copytree(model_files, root)
+    lines, err = _serve_until_loaded(root, tmp_path / "s" / "engram.sock")
+    assert lines and "tables ready" in lines[-1], (lines, err)
+    assert len(lines) == 2 and not lines[1].startswith("numa-engram serve: forged"), lines
+    assert "m\\nnuma-engram serve: forged" in lines[0], lines

@@ -18,6 +18,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..runtime.plemodeldir import PLEModelDirectory
     from ..service import systemd
     from ..service.tableservice import TableService
+    from ..userfiles import printable
 
     model: ModelDirectory | PLEModelDirectory
     if _has_ple_config(args.model_dir):
@@ -30,8 +31,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     adopted = service.adopt(systemd.listen_fds())
     service.start()
     try:
-        print(f"numa-engram serve: {len(service.tables)} tables of {model.path} on "
-              f"{service.socket_path} ({adopted} adopted from the fd store)", flush=True)
+        print(f"numa-engram serve: {len(service.tables)} tables of {printable(model.path)} on "
+              f"{printable(service.socket_path)} ({adopted} adopted from the fd store)",
+              flush=True)
         service.load_all()
         doc = service.status()
         print(f"numa-engram serve: {sum(t['state'] == 'ready' for t in doc['tables'])} of "
