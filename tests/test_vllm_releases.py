@@ -2,8 +2,9 @@
 serves, 0.31.0 to 0.34.0, with no plugin: vLLM's own DeepSeek V4.1
 ``ParallelEngramEmbedding`` and Qwen4-Exp ``Qwen4ExpNGramEmbedding``, built
 by vLLM's own code in each storage branch this machine can run (HBM as
-torch tensors, TP and DP-sharded slices, 0.33+'s meta device; the pinned,
-THP and DP-shared branches need CUDA and run where it is), filled by vLLM's
+torch tensors, TP and DP-sharded slices, 0.33+'s meta device; the pinned
+and THP branches need CUDA and run where it is; vLLM's own DP-shared storage
+needs CUDA registration on every rank: not here), filled by vLLM's
 own weight loaders from a synthetic checkpoint, hold its rows byte for byte
 and vLLM's kernels return its rows (a reference dequantisation written from
 the format, not from vLLM's code).
@@ -34,7 +35,7 @@ pytest.importorskip("safetensors", reason="safetensors is not installed")
 SPEC = EngramSpec.small(rows_per_head=300, n_head_per_ngram=4, head_dim=64, max_ngram_size=3)
 PLE = PLESpec(layer_ids=[2, 5], ple_embed_dim=160, vocab_size=5000, eos_token_id=7,
               ngram_vocab_size_base=3000, split_ngram_parts=7)
-NO_CUDA = "vLLM's pinned, THP and DP-shared host tables need CUDA (pin_memory, cudaHostRegister)"
+NO_CUDA = "vLLM's pinned and THP host tables need CUDA (pin_memory, cudaHostRegister)"
 
 
 @pytest.fixture(scope="module", params=sorted(harness.RELEASES))
@@ -306,7 +307,8 @@ def test_ple_device_tables_hold_the_checkpoint_and_vllms_rows(release, ple_dir, 
             _compare(f"{label} rows", torch.from_numpy(got), torch.from_numpy(want))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="vLLM's pinned PLE tables need CUDA (pin_memory)")
 def test_ple_pinned_tables_hold_the_checkpoint(release, ple_dir):
     layer = PLE.layer_ids[0]
     module = ple_layer(release, ple_dir, layer, cpu_offload=True)
