@@ -239,7 +239,7 @@ def test_a_checkpoint_truncated_under_a_mapped_table_is_an_error_naming_it(
     for line in lines[:3]:
         assert f"{path}: byte" in line and "truncated under the table" in line, line
         assert "(SIGBUS)" in line and "4096 now" in line
-    assert lines[3].startswith("CHECK") and str(path) in lines[3] and "changed" in lines[3]
+    assert lines[3].startswith(f"CHECK {path} was truncated under the mapped"), lines[3]
     assert lines[-1] == "ALIVE"
 
 
@@ -249,8 +249,11 @@ def test_a_sigbus_outside_a_lookup_still_takes_the_default_action(ckpt, tmp_path
     path = tmp_path / "model.safetensors"
     shutil.copyfile(ckpt, path)
     result = run_python(TRUNCATED, str(path), "engram", "outside", timeout=120)
-    assert result.returncode == -signal.SIGBUS, (result.returncode, result.stderr[-2000:])
     assert "ALIVE" in result.stdout
+    if "AddressSanitizer" in result.stderr:  # (tools/sanitize.sh) its handler was there first
+        assert "AddressSanitizer: BUS" in result.stderr, result.stderr[-2000:]
+        return
+    assert result.returncode == -signal.SIGBUS, (result.returncode, result.stderr[-2000:])
 
 
 def test_a_replaced_checkpoint_keeps_serving_the_file_mapped_and_is_named(ckpt, tmp_path):

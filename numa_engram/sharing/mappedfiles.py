@@ -24,7 +24,7 @@ import numpy as np
 from ..bindings import native
 from ..errors import CheckpointError, SyscallError
 from ..userfiles import printable
-from .safetensorsfiles import OpenFiles, TensorLocation
+from .safetensorsfiles import FileIdentity, OpenFiles, TensorLocation
 
 PAGE = native.PAGE_SIZE
 
@@ -162,7 +162,14 @@ class MappedArrays:
         """CheckpointError naming a file that was truncated or rewritten
         (its open descriptor's size or mtime) or replaced at its path since
         it was mapped: a replaced file's old pages still serve this table."""
-        self._files.check_unchanged("under the mapped table")
+        for path, fd in self._files.items():
+            was, held = FileIdentity.of(self.identity[path]), FileIdentity.of(os.fstat(fd))
+            if held != was:
+                raise CheckpointError(
+                    f"{printable(path)} was {'truncated' if held.size < was.size else 'rewritten'}"
+                    f" under the {self.what} ({was.describe()} when mapped, {held.describe()} "
+                    "now): its rows may be lost (a lookup of them fails) or other bytes; "
+                    "restore the checkpoint and create the table again")
         for path, then in self.identity.items():
             try:
                 now = os.stat(path)
