@@ -2,7 +2,8 @@
 serves, 0.31.0 to 0.34.0, with no plugin: vLLM's own DeepSeek V4.1
 ``ParallelEngramEmbedding`` and Qwen4-Exp ``Qwen4ExpNGramEmbedding``, built
 by vLLM's own code in each storage branch this machine can run (HBM as
-torch tensors, TP and DP-sharded slices, 0.33+'s meta device; the pinned
+torch tensors, TP and DP-sharded slices, 0.33+'s meta device, 0.34's PLE
+rows read from the checkpoint files (disk_offload); the pinned
 and THP branches need CUDA and run where it is; vLLM's own DP-shared storage
 needs CUDA registration on every rank: not here), filled by vLLM's
 own weight loaders from a synthetic checkpoint, hold its rows byte for byte
@@ -318,3 +319,27 @@ def test_ple_pinned_tables_hold_the_checkpoint(release, ple_dir):
     harness.load_ple_checkpoint(module, checkpoint, layer)
     whole, _ = ple_scenarios.whole_table(checkpoint, PLE, layer)
     _compare(f"{release.version} PLE pinned weights", emb.weight.data[:whole.shape[0]], whole)
+
+
+def test_ple_disk_offload_reads_the_checkpoints_rows_from_its_files(release, ple_dir):
+    """0.34+: disk_offload allocates no table; vLLM's load keeps the split
+    parts as views of the checkpoint file, binds them to it, and each
+    step's rows are read from the file: the checkpoint's, byte for byte."""
+    if release.version < "0.34.0":
+        pytest.skip(f"vLLM {release.version} has no PLE disk_offload (new in 0.34.0)")
+    checkpoint = os.path.join(ple_dir, "model.safetensors")
+    layer = PLE.layer_ids[0]
+    module = ple_layer(release, ple_dir, layer, disk_offload=True)
+    emb = module.ngram_embedding
+    assert type(emb).__name__ == "Qwen4ExpPLEDiskOffloadEmbedding"
+    assert emb.weight.shape[0] == 0  # no rows held
+    harness.load_ple_checkpoint(module, checkpoint, layer)
+    emb.bind_file_shards()
+    assert list(emb._fds) == [checkpoint]
+    ids = torch.from_numpy(np.random.default_rng(layer).integers(0, PLE.rows(layer),
+                                                                 (64, PLE.n_heads)))
+    emb.copy_ids_to_host(ids)
+    emb.stage_rows(ids.shape[0])
+    whole, _ = ple_scenarios.whole_table(checkpoint, PLE, layer)
+    _compare(f"{release.version} PLE disk_offload rows", emb.staged_rows(ids.shape[0]),
+             whole[ids].flatten(-2))
