@@ -250,7 +250,10 @@ class SocketGroup(Members):
         leader = self._ranks[0]
         try:
             if gather:
-                _send_frame(self._leader, pickle.dumps(("data", call, step, obj)), deadline)
+                try:
+                    _send_frame(self._leader, pickle.dumps(("data", call, step, obj)), deadline)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the leader broke the group first: its reason is there to read
             frame = _recv_frame(self._leader, deadline + _GRACE_S)
         except GroupTimeout:
             raise GroupTimeout(
