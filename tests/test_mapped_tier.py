@@ -256,6 +256,39 @@ def test_a_sigbus_outside_a_lookup_still_takes_the_default_action(ckpt, tmp_path
     assert result.returncode == -signal.SIGBUS, (result.returncode, result.stderr[-2000:])
 
 
+FAULTHANDLER_AFTER_US = """
+import faulthandler, os, sys, numpy as np
+from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+from numa_engram.errors import CheckpointError
+spec = EngramSpec.small(rows_per_head=3000, n_head_per_ngram=4, head_dim=128, seed=0)
+layer = spec.layer_ids[0]
+shard = shard_heads(spec.bucket_sizes(layer), 1, 0)
+first = SharedEngramTable.create(spec, layer, shard, checkpoint=sys.argv[1], tier="mapped")
+faulthandler.enable()  # its previous handler is ours
+table = SharedEngramTable.create(spec, layer, shard, checkpoint=sys.argv[1], tier="mapped")
+os.truncate(sys.argv[1], 4096)
+try:
+    table.lookup(np.asarray(spec.bucket_sizes(layer), dtype=np.int64)[None, :] - 1)
+except CheckpointError:
+    print("ERROR", flush=True)
+print(int(table.weights[-1].sum()))
+"""
+
+
+def test_a_handler_chained_both_ways_dies_once_instead_of_looping(ckpt, tmp_path):
+    """faulthandler installed after our handler, ours again after it (a
+    second mapped table): a lookup's fault is still ours, and a fault
+    elsewhere is reported once by faulthandler, which hands it back to us
+    by raising it, and the process dies of SIGBUS (it looped, reporting the
+    fault forever, before)."""
+    path = tmp_path / "model.safetensors"
+    shutil.copyfile(ckpt, path)
+    result = run_python(FAULTHANDLER_AFTER_US, str(path), timeout=60)
+    assert result.stdout.split() == ["ERROR"], result.stdout
+    assert result.stderr.count("Fatal Python error: Bus error") == 1, result.stderr[-2000:]
+    assert result.returncode == -signal.SIGBUS
+
+
 def test_a_replaced_checkpoint_keeps_serving_the_file_mapped_and_is_named(ckpt, tmp_path):
     path = tmp_path / "model.safetensors"
     shutil.copyfile(ckpt, path)

@@ -26,6 +26,7 @@ struct ne_guard {
 static __thread struct ne_guard *guard_here __attribute__((tls_model("initial-exec")));
 static __thread uint64_t last_fault;
 static struct sigaction previous_bus;
+static uint64_t chained_fault; /* the last fault handed to previous_bus */
 static pthread_mutex_t guard_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static void on_sigbus(int sig, siginfo_t *info, void *context)
@@ -36,11 +37,22 @@ static void on_sigbus(int sig, siginfo_t *info, void *context)
         g->fault = (uint64_t)(uintptr_t)info->si_addr;
         siglongjmp(g->env, 1);
     }
-    if (previous_bus.sa_flags & SA_SIGINFO) {
+    /* A previous handler that returns without curing a fault sees it again
+     * forever, and one that raises it again (faulthandler restores our
+     * handler and raises) would be called again forever: the same address
+     * twice in a row, or a SIGBUS raised after a fault was handed on, takes
+     * the default action instead. */
+    const uint64_t at = (uint64_t)(uintptr_t)info->si_addr;
+    int again;
+    if (info->si_code > 0)
+        again = __atomic_exchange_n(&chained_fault, at, __ATOMIC_RELAXED) == at;
+    else
+        again = __atomic_load_n(&chained_fault, __ATOMIC_RELAXED) != 0;
+    if (!again && (previous_bus.sa_flags & SA_SIGINFO)) {
         previous_bus.sa_sigaction(sig, info, context);
         return;
     }
-    if (previous_bus.sa_handler != SIG_DFL && previous_bus.sa_handler != SIG_IGN) {
+    if (!again && previous_bus.sa_handler != SIG_DFL && previous_bus.sa_handler != SIG_IGN) {
         previous_bus.sa_handler(sig);
         return;
     }
