@@ -15,7 +15,7 @@ import sys
 import threading
 
 from ..errors import NumaEngramError
-from . import bench, create, demo, gc, mem, plan, serve, topo, verify
+from . import bench, create, demo, gc, mem, plan, profile, serve, topo, verify
 
 # each command: its name, function, one-line help and its module's arguments
 COMMANDS = (
@@ -24,6 +24,7 @@ COMMANDS = (
     ("verify", verify.cmd_verify, verify.HELP, verify.add_arguments),
     ("mem", mem.cmd_mem, mem.HELP, mem.add_arguments),
     ("plan", plan.cmd_plan, plan.HELP, plan.add_arguments),
+    ("profile", profile.cmd_profile, profile.HELP, profile.add_arguments),
     ("bench", bench.cmd_bench, bench.HELP, bench.add_arguments),
     ("demo", demo.cmd_demo, demo.HELP, demo.add_arguments),
     ("serve", serve.cmd_serve, serve.HELP, serve.add_arguments),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..bindings import native
-from ..errors import CapacityError
+from ..errors import CapacityError, NumaEngramError
 from ..literals import DEFAULT_DIRECTORY
 from . import procfs, sysfs
 
@@ -83,13 +83,15 @@ def _cgroup_dirs(root: str = procfs.PROC) -> list[tuple[Path, Path, str]]:
     return out
 
 
-def cgroup_memory_room() -> list[CgroupRoom]:
+def cgroup_memory_room(root: str = procfs.PROC) -> list[CgroupRoom]:
     """The memory limit and usage of this process's cgroup and every
-    ancestor that sets one (v2 memory.max/current, v1 limit/usage_in_bytes)."""
+    ancestor that sets one (v2 memory.max/current, v1 limit/usage_in_bytes);
+    ``root``: a directory laid out like /proc (its mountinfo names the
+    cgroup mounts read)."""
     names = {"v2": ("memory.max", "memory.current"),
              "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes")}
     out = []
-    for cgroup, mount, kind in _cgroup_dirs():
+    for cgroup, mount, kind in _cgroup_dirs(root):
         limit_name, usage_name = names[kind]
         d = cgroup
         while True:
@@ -100,6 +102,43 @@ def cgroup_memory_room() -> list[CgroupRoom]:
                 break
             d = d.parent
     return out
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """What the planner reads of this host: MemAvailable, the tightest
+    memory cgroup limit over this process, /dev/shm's size (None: unread)."""
+
+    available: int | None
+    cgroup: CgroupRoom | None
+    shm_total: int | None
+    shm_free: int | None
+
+    @property
+    def budget(self) -> int | None:
+        """The memory tables may take: the cgroup's limit or MemAvailable,
+        whichever is smaller (None: neither is known)."""
+        known = [b for b in (self.available, self.cgroup and self.cgroup.limit) if b]
+        return min(known) if known else None
+
+
+def host_memory(root: str = procfs.PROC, shm: str = DEFAULT_DIRECTORY) -> HostMemory:
+    """MemAvailable, the tightest cgroup limit and the size of the tmpfs
+    ``shm``, each None where it cannot be read (no cgroup limit, no tmpfs)."""
+    try:
+        available = procfs.meminfo(root).get("MemAvailable")
+    except OSError:
+        available = None
+    rooms = cgroup_memory_room(root)
+    shm_total: int | None
+    shm_free: int | None
+    try:
+        used, total = tmpfs_usage(shm)
+        shm_total, shm_free = total, total - used
+    except (OSError, NumaEngramError):
+        shm_total = shm_free = None
+    return HostMemory(available, min(rooms, key=lambda r: r.limit) if rooms else None,
+                      shm_total, shm_free)
 
 
 def check_memory(size: int, bytes_per_node: dict[int, int] | None = None,

@@ -138,21 +138,7 @@ def _token_map(root: str, doc: dict, tokenizer: Any) -> tuple[np.ndarray, int]:
         return build_token_map(tokenizer)
     path = os.path.join(root, TOKENIZER_FILE)
     if os.path.lexists(path):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as exc:
-            raise SpecError("reading tokenizer.json needs the 'tokenizers' package: pip "
-                            "install 'numa_engram[tokenizer]', or pass tokenizer=") from exc
-        # read here, not by Tokenizer.from_file: its open of a FIFO blocks in
-        # native code, where no signal ends it
-        data = read_regular(path, "the tokenizer", error=SpecError)
-        try:
-            loaded = Tokenizer.from_str(data.decode())
-        except Exception as exc:  # tokenizers raises a bare Exception for any bad file
-            raise SpecError(f"{path} is not a tokenizer the 'tokenizers' package can read: "
-                            f"{str(exc)[:200]}; pass the model's own tokenizer.json, or "
-                            "tokenizer=") from None
-        return build_token_map(loaded)
+        return build_token_map(read_tokenizer(path))
     if "engram_token_map" in doc:  # some test configs carry the map itself
         table = _listed_token_map(doc["engram_token_map"],
                                   f"{os.path.join(root, CONFIG_FILE)}: engram_token_map")
@@ -160,6 +146,24 @@ def _token_map(root: str, doc: dict, tokenizer: Any) -> tuple[np.ndarray, int]:
     raise SpecError(f"{root} has no {TOKENIZER_FILE} and the config no engram_token_map: the "
                     "token map comes from the model's tokenizer; pass tokenizer= (a "
                     "tokenizers or transformers tokenizer)")
+
+
+def read_tokenizer(path: str) -> Any:
+    """A ``tokenizers.Tokenizer`` from a tokenizer.json (a regular file read
+    under a bound: not by Tokenizer.from_file, whose open of a FIFO blocks
+    in native code, where no signal ends it)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as exc:
+        raise SpecError("reading tokenizer.json needs the 'tokenizers' package: pip "
+                        "install 'numa_engram[tokenizer]', or pass tokenizer=") from exc
+    data = read_regular(path, "the tokenizer", error=SpecError)
+    try:
+        return Tokenizer.from_str(data.decode())
+    except Exception as exc:  # tokenizers raises a bare Exception for any bad file
+        raise SpecError(f"{path} is not a tokenizer the 'tokenizers' package can read: "
+                        f"{str(exc)[:200]}; pass the model's own tokenizer.json, or "
+                        "tokenizer=") from None
 
 
 def _listed_token_map(value: Any, name: str) -> np.ndarray:
