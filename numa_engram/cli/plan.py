@@ -17,6 +17,7 @@ from .args import (
     load_topology,
     non_negative_int,
     page_size_arg,
+    parse_size,
     positive_int,
     register_rates,
     simulate_arg,
@@ -96,7 +97,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     d = plan_deployment(spec, world, args.mode, args.policy, topo, args.page_size)
     if not args.simulate:
         _check_this_host(d, args.page_size)
-    doc, text = _report(args, d, topo)
+    doc, text = _report(args, d, topo, _memory(args, topo))
     emit(args, doc, text)
     return 0 if d.fits else 1
 
@@ -118,7 +119,55 @@ def _check_this_host(d, page_size: int) -> None:
                                 f"{fmt_bytes(free)} free, the tables need {fmt_bytes(need)}")
 
 
-def _report(args: argparse.Namespace, d, topo) -> tuple[dict, str]:
+def _memory(args: argparse.Namespace, topo) -> dict:
+    """The memory budget and where it comes from (--memory-budget; a
+    simulated host's nodes; else this host's cgroup limit or MemAvailable,
+    the smaller), and /dev/shm's size on this host."""
+    from ..host.accounting import host_memory
+
+    if args.memory_budget:
+        return {"budget": args.memory_budget, "source": "--memory-budget"}
+    if args.simulate:
+        total = sum(n.mem_total for n in topo.nodes)
+        known = all(n.mem_total for n in topo.nodes)
+        return {"budget": total if known else None, "source": "the simulated nodes' memory"}
+    host = host_memory()
+    limit = host.cgroup.limit if host.cgroup else None
+    source = (f"the memory cgroup {printable(host.cgroup.path)}'s limit"
+              if host.cgroup and limit == host.budget else "MemAvailable")
+    return {"budget": host.budget, "source": source, "mem_available": host.available,
+            "cgroup_limit": limit, "shm_bytes": host.shm_total}
+
+
+def _tiers(args: argparse.Namespace, d, modes: dict, memory: dict) -> list:
+    """Each mode's verdict: resident, mapped (its hit rate by --profile) or
+    neither; the chosen mode's, when not resident, is a shortfall."""
+    from ..store import accessprofile
+    from ..store.deployment import tier_verdict
+    from ..units import fmt_bytes
+
+    profile = args.profile and accessprofile.load(
+        read_regular(args.profile, "the profile", error=SpecError), printable(args.profile))
+
+    def hit_rate(budget: int) -> float:
+        # a budget holds the same fraction of the profiled table as of this one
+        scale = profile["table_bytes"] / d.spec.table_bytes()
+        return accessprofile.curve_fraction(profile["curve"], int(budget * scale))
+
+    out = [tier_verdict(d.spec, m, hosts[min(hosts)], memory["budget"], args.batch,
+                        hit_rate if profile else None) for m, hosts in modes.items()]
+    for v in out:
+        if v.mode == d.chosen.mode and v.tier not in ("resident", "unknown"):
+            d.shortfalls.append(f"{fmt_bytes(v.resident_bytes)} of {v.mode} tables per host "
+                                f"do not fit the memory budget, {fmt_bytes(v.budget or 0)} "
+                                f"({memory['source']})")
+            d.fixes.append(v.why if v.tier == "mapped" else
+                           "a larger memory budget: the mapped tier needs at least one "
+                           "step's pages")
+    return out
+
+
+def _report(args: argparse.Namespace, d, topo, memory: dict) -> tuple[dict, str]:
     from ..store.deployment import REGION_LEGEND, mode_memory, recommendation
     from ..units import fmt_bytes, node_list, text_table, unit_for
 
@@ -171,6 +220,13 @@ def _report(args: argparse.Namespace, d, topo) -> tuple[dict, str]:
             f"host {h} {fmt_bytes(b)}" for h, b in hosts.items()))
     extra = _operator_numbers(args, d)
     lines += [f"{k}: {v['text']}" for k, v in extra.items()]
+    tiers = _tiers(args, d, modes, memory)
+    lines.append(_memory_line(memory))
+    lines.append(text_table(["mode", "tables per host", "tier", "expected hits"],
+                            [[v.mode, fmt_bytes(v.resident_bytes), v.tier,
+                              "" if v.hit_rate is None else f"{v.hit_rate:.1%}"]
+                             for v in tiers], left=3))
+    lines += [f"tier, {v.mode}: {v.why}" for v in tiers]
     lines += [f"DOES NOT FIT: {s}" for s in d.shortfalls]
     lines += [f"fix: {f}" for f in d.fixes]
     doc = {"plan": d.plan.to_dict(), "bytes_per_node": chosen.bytes_per_node,
@@ -182,8 +238,24 @@ def _report(args: argparse.Namespace, d, topo) -> tuple[dict, str]:
                        for r in d.regions],
            "alternatives": [o.to_dict() for o in d.alternatives], "notes": d.notes,
            "recommendation": recommendation(d), "fits": d.fits, "shortfalls": d.shortfalls,
-           "fixes": d.fixes, **{k: v["value"] for k, v in extra.items()}}
+           "fixes": d.fixes, "memory": memory, "tiers": [v.to_dict() for v in tiers],
+           **{k: v["value"] for k, v in extra.items()}}
     return doc, "\n".join(lines)
+
+
+def _memory_line(memory: dict) -> str:
+    from ..units import fmt_bytes
+
+    budget = "unknown" if memory["budget"] is None else fmt_bytes(memory["budget"])
+    line = f"memory budget: {budget} ({memory['source']})"
+    if memory.get("mem_available") is not None:
+        line += f"; MemAvailable {fmt_bytes(memory['mem_available'])}"
+    if memory.get("cgroup_limit") is not None:
+        line += f", cgroup limit {fmt_bytes(memory['cgroup_limit'])}"
+    if memory.get("shm_bytes") is not None:
+        line += (f"; /dev/shm {fmt_bytes(memory['shm_bytes'])} (not needed: 4 KiB tables "
+                 "are memfds, huge-page tables live on hugetlbfs)")
+    return line
 
 
 def _operator_numbers(args: argparse.Namespace, d) -> dict:
@@ -247,3 +319,9 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
                     help="who holds rows")
     sp.add_argument("--policy", default="gpu-local", help=POLICY_HELP)
     sp.add_argument("--simulate", type=simulate_arg, help="'2x4' or a topology JSON file")
+    sp.add_argument("--memory-budget", dest="memory_budget", type=parse_size, default=None,
+                    help="memory the tables may take, e.g. 64G (default: the cgroup's limit "
+                    "or MemAvailable, the smaller; a simulated host's nodes)")
+    sp.add_argument("--profile", default=None,
+                    help="a row-access profile (numa-engram profile --out) for the mapped "
+                    "tier's expected hit rate")

@@ -8,6 +8,7 @@ takes per rank and per host.  Arithmetic only: no torch, no allocation.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import TopologyError
@@ -221,3 +222,64 @@ def mode_memory(spec: TableFamily, mode: str, world: WorldLayout) -> ModeMemory:
             holders.add(a.sharing_group)
             per_host[world.host_of(rank)] += size
     return ModeMemory(mode, per_rank, dict(sorted(per_host.items())))
+
+
+# ------------------------------------------------------------ tiers --
+# Per mode: the resident tier (the tables in memory, as above) against the
+# memory budget, else the mapped tier (the checkpoint's pages in the page
+# cache, one copy per host whatever the mode, the cold ones evicted) with
+# the hit rate a row-access profile expects of the budget.
+
+
+@dataclass(frozen=True)
+class TierVerdict:
+    mode: str
+    resident_bytes: int        # the mode's tables on the planned host
+    budget: int | None         # None: unknown
+    tier: str                  # "resident", "mapped", "neither" or "unknown"
+    hit_rate: float | None     # the mapped tier's expected page hits (None: no profile)
+    why: str
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "resident_bytes": self.resident_bytes,
+                "budget": self.budget, "tier": self.tier, "hit_rate": self.hit_rate,
+                "why": self.why}
+
+
+def step_bytes(spec: TableFamily, batch: int) -> int:
+    """The pages one step of ``batch`` tokens may read, every layer: a row
+    read touches each page its bytes span in each row region (at most
+    ceil(w / 4 KiB) + 1 of a w-byte row)."""
+    page = SIZES["4K"]
+    per_row = sum(-(-w // page) + (1 if page % w else 0) for _, w in spec.row_regions())
+    return batch * spec.n_hash_cols * len(spec.layer_ids) * per_row * page
+
+
+def tier_verdict(spec: TableFamily, mode: str, resident_bytes: int, budget: int | None,
+                 batch: int, hit_rate: Callable[[int], float] | None) -> TierVerdict:
+    """Resident when the mode's tables fit the budget; else mapped when the
+    budget holds at least one step's pages (fewer would evict rows the
+    same step reads), with the hit rate ``hit_rate(budget)`` expects; else
+    neither."""
+    table = spec.table_bytes()
+    if budget is None:
+        return TierVerdict(mode, resident_bytes, None, "unknown", None,
+                           "no memory budget known: pass --memory-budget")
+    if resident_bytes <= budget:
+        return TierVerdict(mode, resident_bytes, budget, "resident", None,
+                           f"{fmt_bytes(resident_bytes)} of tables fit {fmt_bytes(budget)}")
+    step = step_bytes(spec, batch)
+    if budget < step:
+        return TierVerdict(mode, resident_bytes, budget, "neither", None,
+                           f"{fmt_bytes(resident_bytes)} of tables do not fit "
+                           f"{fmt_bytes(budget)}, which holds less than one step's pages "
+                           f"({fmt_bytes(step)} at {batch} tokens): a mapped table would "
+                           "evict rows the same step reads")
+    rate = 1.0 if budget >= table else (hit_rate(budget) if hit_rate else None)
+    said = ("every row once warm" if budget >= table else
+            f"{rate:.1%} of page reads expected from memory" if rate is not None else
+            "hit rate unknown: pass --profile (numa-engram profile)")
+    return TierVerdict(mode, resident_bytes, budget, "mapped", rate,
+                       f"{fmt_bytes(resident_bytes)} of tables do not fit {fmt_bytes(budget)}; "
+                       f"tier='mapped' keeps the hottest {fmt_bytes(min(budget, table))} of "
+                       f"the checkpoint's {fmt_bytes(table)} in the page cache: {said}")
