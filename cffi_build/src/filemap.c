@@ -32,7 +32,10 @@ static pthread_mutex_t guard_lock = PTHREAD_MUTEX_INITIALIZER;
 static void on_sigbus(int sig, siginfo_t *info, void *context)
 {
     struct ne_guard *g = guard_here;
-    if (g) {
+    /* only the kernel's fault of a page (si_code > 0) is a lost page: a
+     * SIGBUS sent by kill or pthread_kill (si_code <= 0, si_addr the
+     * sender's pid) is passed on as if no gather were running */
+    if (g && info->si_code > 0) {
         guard_here = NULL;
         g->fault = (uint64_t)(uintptr_t)info->si_addr;
         siglongjmp(g->env, 1);
