@@ -173,3 +173,85 @@ def test_a_qwen4_exp_model_plans_one_copy_per_tp_shard_beside_vllms_per_rank_cos
                    "--mode", "dp_sharded")
     assert sharded["remote_fraction"] == 0.0 and sharded["host_bytes"] == spec.table_bytes() \
         + 16 * 4
+
+
+# ----------------------------------------------------- tiers --
+# Each mode: resident when its tables fit the memory budget, else mapped
+# with the hit rate a row-access profile expects, else neither.
+
+def _profile(path, table_bytes, curve):
+    path.write_text(json.dumps({"format": "numa-engram-profile/1", "table_bytes": table_bytes,
+                                "curve": curve}))
+    return str(path)
+
+
+def test_resident_fits_a_host_with_the_memory(config):
+    doc = plan("--spec", config, "--simulate", "2x4", "--tp", "2", "--dp", "4")
+    assert doc["memory"] == {"budget": 2 << 40, "source": "the simulated nodes' memory"}
+    assert {t["mode"]: t["tier"] for t in doc["tiers"]} == {
+        "independent": "resident", "dp_shared": "resident", "dp_sharded": "resident"}
+    assert doc["fits"]
+
+
+def test_a_budget_below_the_tables_gives_the_mapped_tier_and_its_hit_rate(config, tmp_path):
+    curve = [[10 * GIB, 0.5], [80 * GIB, 0.9], [TOTAL, 1.0]]
+    doc = plan("--spec", config, "--simulate", "2x4", "--memory-budget", "40G",
+               "--profile", _profile(tmp_path / "p.json", TOTAL, curve), code=1)
+    tiers = {t["mode"]: t for t in doc["tiers"]}
+    assert tiers["dp_shared"]["tier"] == "mapped" and tiers["dp_shared"]["budget"] == 40 * GIB
+    assert tiers["dp_shared"]["hit_rate"] == pytest.approx(0.5 + 0.4 * 30 / 70, abs=1e-9)
+    assert tiers["independent"]["resident_bytes"] == 4 * TOTAL  # a copy per replica
+    assert doc["shortfalls"] == ["188.83 GiB of dp_shared tables per host do not fit the memory "
+                                 "budget, 40.00 GiB (--memory-budget)"]
+    assert any("tier='mapped'" in f and "67.1% of page reads" in f for f in doc["fixes"])
+    # a profile of a table half the size: the same fraction of it
+    half = plan("--spec", config, "--simulate", "2x4", "--memory-budget", "40G",
+                "--profile", _profile(tmp_path / "h.json", TOTAL // 2, curve), code=1)
+    rate = {t["mode"]: t for t in half["tiers"]}["dp_shared"]["hit_rate"]
+    assert rate == pytest.approx(0.5 + 0.4 * (20 - 10) / 70, rel=1e-3)  # 40G of it is 20G
+    # no profile: mapped, the hit rate unknown and said so
+    blind = plan("--spec", config, "--simulate", "2x4", "--memory-budget", "40G", code=1)
+    assert {t["mode"]: t for t in blind["tiers"]}["dp_shared"]["hit_rate"] is None
+    assert any("pass --profile" in f for f in blind["fixes"])
+
+
+def test_a_budget_below_one_steps_pages_is_neither(config):
+    # 256 tokens x 24 heads x 2 layers x 2 pages (weights, scales) = 96 MiB
+    doc = plan("--spec", config, "--simulate", "2x4", "--memory-budget", "64M", code=1)
+    assert {t["tier"] for t in doc["tiers"]} == {"neither"}
+    assert "less than one step's pages (96.00 MiB at 256 tokens)" in doc["tiers"][0]["why"]
+    assert plan("--spec", config, "--simulate", "2x4", "--memory-budget", "64M", "--batch", "64",
+                code=1)["tiers"][1]["tier"] == "mapped"  # 24 MiB a step
+
+
+def test_a_malformed_profile_is_refused_by_name(config, tmp_path):
+    bad = _profile(tmp_path / "bad.json", TOTAL, [[2 * GIB, 0.9], [GIB, 0.95]])
+    out = subprocess.run([sys.executable, "-m", "numa_engram", "plan", "--spec", config,
+                          "--simulate", "2x4", "--memory-budget", "40G", "--profile", bad],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "bad.json: its table_bytes or curve is malformed" in out.stderr
+
+
+def test_the_hosts_budget_is_the_smaller_of_memavailable_and_the_cgroup_limit(tmp_path):
+    """host_memory over a directory laid out like /proc: v1 and v2 cgroups,
+    each mounted where mountinfo says, the tighter limit taken."""
+    from numa_engram.host.accounting import host_memory
+
+    proc, v1, v2 = tmp_path / "proc", tmp_path / "memcg", tmp_path / "unified"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal: 8388608 kB\nMemAvailable: 4194304 kB\n")
+    (proc / "self" / "cgroup").write_text("5:memory:/job\n0::/job2\n")
+    (proc / "self" / "mountinfo").write_text(
+        f"30 20 0:26 / {v1} rw - cgroup cgroup rw,memory\n"
+        f"31 20 0:27 / {v2} rw - cgroup2 cgroup2 rw\n")
+    for d, name, usage, limit in ((v1 / "job", "limit_in_bytes", "usage_in_bytes", 3 * GIB),
+                                  (v2 / "job2", "max", "current", 5 * GIB)):
+        d.mkdir(parents=True)
+        (d / f"memory.{name}").write_text(f"{limit}\n")
+        (d / f"memory.{usage}").write_text(f"{GIB}\n")
+    host = host_memory(str(proc), str(tmp_path))
+    assert host.available == 4 * GIB and host.cgroup.limit == 3 * GIB
+    assert host.cgroup.path == str(v1 / "job") and host.budget == 3 * GIB
+    (v1 / "job" / "memory.limit_in_bytes").write_text(f"{1 << 62}\n")  # no v1 limit
+    assert host_memory(str(proc), str(tmp_path)).budget == 4 * GIB  # MemAvailable now
+    assert host_memory(str(proc), str(tmp_path)).shm_total > 0  # tmp_path's file system

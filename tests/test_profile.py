@@ -1,0 +1,131 @@
+"""`numa-engram profile`: a corpus hashed through a synthetic model's own
+tokenizer.json gives each layer's row counts equal to a count made by hand
+from the hash ids (the DEAD image token included); the fraction of page
+reads a budget serves, exact for a crafted case and monotone in the budget;
+bad corpora refused by name."""
+
+import contextlib
+import io
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tokenizers", reason="the 'tokenizers' extra is not installed")
+
+from numa_engram import EngramSpec, write_synthetic_model  # noqa: E402
+from numa_engram.cli.app import main  # noqa: E402
+from numa_engram.store import accessprofile as ap  # noqa: E402
+
+C = 40  # compressed ids; the last is the image token
+
+
+def run(*argv):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(list(argv))
+    return code, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A synthetic model whose tokenizer splits on whitespace (its word-level
+    vocabulary as written: w0..w39, aliases W0..W15 sharing ids)."""
+    from tokenizers import pre_tokenizers
+
+    from numa_engram.runtime.modeldir import read_tokenizer
+
+    spec = EngramSpec.small(rows_per_head=3000, n_head_per_ngram=2, head_dim=64,
+                            compressed_vocab_size=C)
+    root = write_synthetic_model(tmp_path_factory.mktemp("profile") / "m", spec, shards=1)
+    tok = read_tokenizer(str(root / "tokenizer.json"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(root / "tokenizer.json"))
+    return root
+
+
+def corpus(path, seed, n):
+    rng = np.random.default_rng(seed)
+    hot = rng.integers(0, 6, n)  # most words from a few: a skewed profile
+    words = [f"w{h}" if rng.random() < 0.7 else
+             ("<|image|>" if rng.random() < 0.05 else
+              (f"W{rng.integers(0, 16)}" if rng.random() < 0.3 else f"w{rng.integers(0, C - 1)}"))
+             for h in hot]
+    path.write_text(" ".join(words))
+    return words
+
+
+def by_hand(model_dir, documents):
+    """Each layer's {row: reads}: tokenizer ids from the vocabulary, the
+    compression map, DEAD for the image token, sequence_hashes, table_rows."""
+    from numa_engram.model.hashing import compress_ids, sequence_hashes, table_rows
+    from numa_engram.runtime.modeldir import ModelDirectory
+
+    m = ModelDirectory.open(model_dir)
+    vocab = json.loads((model_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    counts = {layer: {} for layer in m.spec.layer_ids}
+    for words in documents:
+        ids = np.array([vocab[w] for w in words])
+        compressed = compress_ids(ids, m.token_map)
+        compressed[np.isin(ids, m.dead_ids)] = -1
+        for layer in m.spec.layer_ids:
+            rows = table_rows(m.spec, sequence_hashes(m.spec, compressed, layer), layer)
+            for r in rows.reshape(-1).tolist():
+                counts[layer][r] = counts[layer].get(r, 0) + 1
+    return counts
+
+
+def test_counts_equal_a_count_by_hand_from_the_hash_ids(model, tmp_path):
+    docs = [corpus(tmp_path / "a.txt", 1, 3000), corpus(tmp_path / "b.txt", 2, 1500)]
+    assert any("<|image|>" in d for d in docs) and any(w.startswith("W") for w in docs[0])
+    out = tmp_path / "p.json"
+    code, text = run("profile", str(model), str(tmp_path / "a.txt"), str(tmp_path / "b.txt"),
+                     "--budget", "4K,64K,1M", "--out", str(out))
+    assert code == 0, text
+    doc = json.loads(out.read_text())
+    assert doc["tokens"] == 4500
+    expected = by_hand(model, docs)
+    for layer in doc["layers"]:
+        assert dict(zip(layer["rows"], layer["counts"])) == expected[layer["layer"]]
+        assert layer["row_reads"] == 4500 * 4  # 2 orders (2- and 3-grams) x 2 heads
+    fractions = [b["fraction"] for b in doc["budgets"]]
+    assert fractions == sorted(fractions) and 0 < fractions[0] < 1
+    curve = doc["curve"]
+    assert all(a[0] < b[0] and a[1] <= b[1] for a, b in zip(curve, curve[1:]))
+    assert curve[-1] == [doc["working_set_bytes"], 1.0]
+    assert "reads served" in text and "plan --profile" in text
+
+
+def test_page_reads_and_budgets_are_exact_for_a_crafted_case():
+    # weights 256 B per row (16 a page), scales 8 B (512 a page)
+    layer = ap.LayerCounts.of(1, np.repeat([0, 1, 16, 600], [5, 3, 2, 1]))
+    assert layer.rows.tolist() == [0, 1, 16, 600] and layer.counts.tolist() == [5, 3, 2, 1]
+    reads = ap.page_reads(layer, (("weights", 256), ("scales", 8)))
+    # weights: page 0 rows 0,1 (8), page 1 row 16 (2), page 37 row 600 (1);
+    # scales: page 0 rows 0,1,16 (10), page 1 row 600 (1)
+    assert sorted(reads.tolist()) == [1, 1, 2, 8, 10]
+    cum = ap.hottest_first(reads)
+    assert [ap.served_fraction(cum, k * 4096) for k in range(7)] == \
+        [0, 10 / 22, 18 / 22, 20 / 22, 21 / 22, 1.0, 1.0]
+    assert ap.served_fraction(cum, 4095) == 0  # whole pages only
+    # a row of 3000 bytes spans pages: row 1 is bytes 3000..5999, pages 0 and 1
+    spans = ap.page_reads(ap.LayerCounts.of(1, np.array([1, 1, 2])), (("weights", 3000),))
+    assert sorted(spans.tolist()) == [1, 2, 3]  # page 0: row 1 x2; page 1: rows 1, 2; page 2: row 2
+    points = ap.curve(cum)
+    assert points[-1] == [5 * 4096, 1.0] and ap.curve_fraction(points, 5 * 4096) == 1.0
+    assert ap.curve_fraction(points, 2 * 4096) == pytest.approx(18 / 22)
+
+
+@pytest.mark.parametrize("case", ["binary", "directory", "empty"])
+def test_a_bad_corpus_is_refused_by_name(model, tmp_path, case, capsys):
+    path = tmp_path / "c"
+    if case == "binary":
+        path.write_bytes(b"w1 \xff\xfe w2")
+    elif case == "directory":
+        path.mkdir()
+    else:
+        path.write_text("")
+    code = main(["profile", str(model), str(path)])
+    err = capsys.readouterr().err
+    assert code == 2 and {"binary": "not UTF-8", "directory": "a directory",
+                          "empty": "no tokens"}[case] in err, err
