@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import pytest
 
 from numa_engram import SharedEngramTable, shard_heads
 from numa_engram.errors import ServiceRefusal, StorageError
+from numa_engram.sharing import protocol
 from numa_engram.sharing.synthetic import synthetic_layer, write_synthetic_checkpoint
 from numa_engram.store import fdhandover, serviceclient
 
@@ -289,6 +291,46 @@ def test_a_late_attach_for_another_shard_is_refused_naming_both(runtime_dir):
     finally:
         for t in tables:
             t.close()
+
+
+def test_close_waits_for_a_hand_over_already_answering(runtime_dir, monkeypatch):
+    """A late attach whose answer is being made when its holder closes:
+    close() waits for that answer (a header read and a dup), so the peer
+    gets the table; before, close() went on and closed the descriptor the
+    answer was reading (a number another open may take meanwhile), and the
+    peer was dropped without an answer."""
+    spec, shard, tables = _shared(2, runtime_dir)
+    entered, release = threading.Event(), threading.Event()
+    holder = tables[0]._backing._holder
+    real = holder._answer
+
+    def slow_answer(request):
+        entered.set()
+        release.wait(10)
+        return real(request)
+    monkeypatch.setattr(holder, "_answer", slow_answer)
+    request = protocol.table_request(spec, tables[0]._backing.header.key, 4096)
+    got = {}
+
+    def late():
+        try:
+            got["fd"] = fdhandover.receive(holder.directory, request, 10, only=holder.path)[0]
+        except Exception as exc:  # (reported by the assertion below)
+            got["error"] = exc
+    asker = threading.Thread(target=late)
+    asker.start()
+    assert entered.wait(10)
+    closer = threading.Thread(target=tables[0].close)
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive(), "close() did not wait for the answer being made"
+    release.set()
+    closer.join(10)
+    asker.join(10)
+    tables[1].close()
+    assert "error" not in got, got
+    os.close(got["fd"])
+    assert not closer.is_alive() and not os.listdir(runtime_dir)
 
 
 def test_a_hand_over_directory_others_may_enter_is_refused(runtime_dir):

@@ -140,6 +140,9 @@ class Holder:
                                f"{exc.strerror}") from exc
         check_directory(directory)
         self.directory, self._answer, self._closed = directory, answer, False
+        # held while an answer is made: close() waits for it, so no answer
+        # reads the table's descriptor after its owner closed it
+        self._answering = threading.Lock()
         name = secrets.token_hex(8)
         self.path = _socket_path(directory, name + SUFFIX)
         # bound and listening under another name, then renamed: a sweep never
@@ -196,7 +199,9 @@ class Holder:
                 except (ValueError, TypeError) as exc:
                     serviceclient.send_answer(conn, refusal("bad_request", str(exc)[:200]))
                     return
-                doc, fd = self._answer(request)
+                with self._answering:
+                    doc, fd = self._answer(request) if not self._closed else \
+                        (refusal("no_such_table", "the table was closed"), None)
                 try:
                     serviceclient.send_answer(conn, doc, fd)
                 finally:
@@ -210,7 +215,8 @@ class Holder:
         live holder is left in it (idempotent)."""
         if self._closed:
             return
-        self._closed = True
+        with self._answering:
+            self._closed = True
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept
         self._sock.close()
