@@ -4,7 +4,7 @@ measured in the same run, as a ratio (the machine is noisy).
 
     python tools/bench.py [lookup|default-out|serving|hashing|serving-hashing|
                            decode-hashing|dp-sharded|load|prefetch|restart|ple|
-                           mapped|all]
+                           mapped|cgroup|all]
                           [--table-gib 2] [--quick]
 
 The benchmarks live in tools/benchmarks/, one module per concern, over
@@ -19,6 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.cgroup import bench_cgroup  # noqa: E402
 from benchmarks.dpsharded import DP_SLOTS, bench_dp_sharded  # noqa: E402
 from benchmarks.hashing import bench_decode_hashing, bench_hashing, bench_serving_hashing  # noqa: E402
 from benchmarks.lookup import bench_default_out, bench_lookup  # noqa: E402
@@ -35,11 +36,13 @@ def main() -> None:
     p.add_argument("what", nargs="?", default="all",
                    choices=["all", "lookup", "default-out", "serving", "hashing",
                             "serving-hashing", "decode-hashing", "dp-sharded", "load",
-                            "prefetch", "restart", "ple", "mapped"])
+                            "prefetch", "restart", "ple", "mapped", "cgroup"])
     p.add_argument("--table-gib", type=float, default=2.0)
     p.add_argument("--load-gib", type=float, default=1.0)
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    p.add_argument("--corpus", nargs="+", default=None,
+                   help="cgroup: text files for the tokenizer and the ids (default: the docs)")
     a = p.parse_args()
     if a.quick:
         a.table_gib, a.load_gib, a.tokens = 0.1, 0.05, 512
@@ -82,6 +85,12 @@ def main() -> None:
             bench_mapped((0.05, 0.1), 0.1, 0.1)
         else:
             bench_mapped((1.0, 4.0), a.table_gib, 1.0)
+    if a.what in ("all", "cgroup"):
+        # the cgroup's 25% holds the engine (torch, ~0.3 GiB) too: 4 GiB leaves it room
+        if a.quick:
+            bench_cgroup(2.0, 1, 600, a.corpus)
+        else:
+            bench_cgroup(4.0, 2, 6000, a.corpus)
 
 
 if __name__ == "__main__":
