@@ -218,6 +218,26 @@ def test_a_lookup_racing_close_says_closed(writable, monkeypatch):
             call()
 
 
+def test_a_lookup_while_close_is_half_done_says_closed(monkeypatch):
+    """A lookup arriving while close() runs (the rows already emptied, the
+    workers being stopped) was "outside the layer's 0 rows": the table
+    counted as open until close's last line."""
+    seen = []
+    release = lookupkernel.release_workers
+
+    def release_after_a_lookup(workers) -> None:
+        try:
+            table.lookup([1, 2])
+        except Exception as exc:  # (the assertion names it)
+            seen.append(exc)
+        release(workers)
+    monkeypatch.setattr(lookupkernel, "release_workers", release_after_a_lookup)
+    table = SharedPLETable.create(SPEC, LAYER, mode="independent", lookup_threads=2)
+    table.close()
+    assert len(seen) == 1 and isinstance(seen[0], StorageError), seen
+    assert f"PLE table layer {LAYER} is closed" in str(seen[0])
+
+
 # ------------------------------------------------- item 14: the Tuning --
 
 @pytest.mark.parametrize("fields", [dict(prefetch_ahead=2**40), dict(small_rows=2**70),

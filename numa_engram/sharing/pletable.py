@@ -327,6 +327,8 @@ class SharedPLETable:
         """Unmap (idempotent); later lookups fail."""
         if self.backing is None:
             return
+        # closed first: a lookup meeting the emptied rows below says closed
+        backing, self.backing = self.backing, None  # type: ignore[assignment]
         empty = np.empty((0, self.spec.row_bytes), dtype=np.uint8)
         self.weights = empty
         self.rows = PLERows(empty, dtype=self.spec.dtype, row_start=0, total_rows=0,
@@ -336,7 +338,6 @@ class SharedPLETable:
         self._workers = None
         # device views still alive keep the registration (and the memory)
         self._device_rows, self.registration = None, None
-        backing, self.backing = self.backing, None  # type: ignore[assignment]
         backing.close()
 
     def __enter__(self) -> SharedPLETable:
