@@ -139,7 +139,7 @@ def _memory(args: argparse.Namespace, topo) -> dict:
             "cgroup_limit": limit, "shm_bytes": host.shm_total}
 
 
-def _tiers(args: argparse.Namespace, d, modes: dict, memory: dict) -> list:
+def _tiers(args: argparse.Namespace, d, modes: dict, memory: dict) -> tuple[list, dict | None]:
     """Each mode's verdict: resident, mapped (its hit rate by --profile) or
     neither; the chosen mode's, when not resident, is a shortfall."""
     from ..store import accessprofile
@@ -164,7 +164,7 @@ def _tiers(args: argparse.Namespace, d, modes: dict, memory: dict) -> list:
             d.fixes.append(v.why if v.tier == "mapped" else
                            "a larger memory budget: the mapped tier needs at least one "
                            "step's pages")
-    return out
+    return out, profile or None
 
 
 def _report(args: argparse.Namespace, d, topo, memory: dict) -> tuple[dict, str]:
@@ -220,8 +220,12 @@ def _report(args: argparse.Namespace, d, topo, memory: dict) -> tuple[dict, str]
             f"host {h} {fmt_bytes(b)}" for h, b in hosts.items()))
     extra = _operator_numbers(args, d)
     lines += [f"{k}: {v['text']}" for k, v in extra.items()]
-    tiers = _tiers(args, d, modes, memory)
+    tiers, profile = _tiers(args, d, modes, memory)
     lines.append(_memory_line(memory))
+    if profile:
+        lines.append(f"profile: {profile.get('tokens', 0):,} tokens read "
+                     f"{fmt_bytes(profile.get('working_set_bytes', 0))} of pages; the hit rates "
+                     "are this corpus's (more or other text reads more rows)")
     lines.append(text_table(["mode", "tables per host", "tier", "expected hits"],
                             [[v.mode, fmt_bytes(v.resident_bytes), v.tier,
                               "" if v.hit_rate is None else f"{v.hit_rate:.1%}"]
