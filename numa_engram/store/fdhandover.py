@@ -33,7 +33,7 @@ from collections.abc import Callable
 from ..errors import ServiceRefusal, StorageError
 from . import serviceclient
 from .fileformat import PREFIX
-from .unixsockets import free_socket_path, peer_uid
+from .unixsockets import answers, free_socket_path, peer_uid
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +255,27 @@ def sweep(directory: str) -> None:
         os.rmdir(directory)
 
 
+def census(directory: str) -> tuple[int, int]:
+    """(holders answering, holders' sockets no one answers at) in a
+    hand-over directory: probed, nothing removed (gc's dry run)."""
+    live = dead = 0
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        with contextlib.suppress(FileNotFoundError):  # a holder leaving meanwhile
+            st = os.lstat(path)
+            if name.endswith(SUFFIX) and stat.S_ISSOCK(st.st_mode):
+                if answers(path, st.st_uid):
+                    live += 1
+                else:
+                    dead += 1
+    return live, dead
+
+
+def untouched(directory: str) -> bool:
+    """No holder came or went for ``STALE_S``: no table is being made there."""
+    return _older_than(directory, STALE_S)
+
+
 def sweep_root(under: str) -> None:
     """Sweep the hand-over directories of ours under ``under`` that no
     holder has touched for ``STALE_S``: where every holder was killed, no
@@ -265,7 +286,7 @@ def sweep_root(under: str) -> None:
         return
     for name in names:
         path = os.path.join(under, name)
-        if _ours(path) and _older_than(path, STALE_S):
+        if _ours(path) and untouched(path):
             sweep(path)
 
 

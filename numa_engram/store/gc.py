@@ -1,7 +1,9 @@
 """gc of table files whose creator died: a file no process holds (each
 holder keeps a shared flock on it for its life, whatever pid namespace it
 runs in) or from another boot.  Anything that is not our regular file is
-reported and left alone.  No torch here.
+reported and left alone.  And of the hand-over directories (fdhandover)
+whose holders were all killed: no holder answers at any socket there.
+No torch here.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from ..errors import StorageError
 from ..host import procfs
 from ..literals import DEFAULT_DIRECTORY
 from ..userfiles import file_kind
+from . import fdhandover
 from .fileformat import PREFIX, OldFormatError
 from .storage import read_header
 
@@ -109,3 +112,53 @@ def _gc_one(path: str, dry_run: bool, all_users: bool) -> GcEntry:
     finally:
         os.close(fd)
     return GcEntry(path, st.st_size, pid, reason, not dry_run)
+
+
+def gc_handover_directories(under: str | None = None,
+                            dry_run: bool = False) -> list[GcEntry]:
+    """Remove the hand-over directories of ours under ``under`` (default:
+    where they are made, ``fdhandover.root()``) that no holder answers in:
+    every holder of that table was killed (its memory is gone with them),
+    or none came for ``STALE_S``.  Those a holder answers in, or being made
+    (young, no holder's socket yet), and other users', are reported and
+    kept; entries that are not directories are table files'
+    (``gc_stale_files``), not listed here."""
+    under = fdhandover.root() if under is None else under
+    if not os.path.isdir(under):
+        raise StorageError(f"directory {under!r} does not exist or is not a directory")
+    entries = []
+    for name in sorted(os.listdir(under)):
+        if name.startswith(PREFIX):
+            entry = _gc_handover(os.path.join(under, name), dry_run)
+            if entry is not None:
+                entries.append(entry)
+    return entries
+
+
+def _gc_handover(path: str, dry_run: bool) -> GcEntry | None:
+    try:
+        st = os.lstat(path)  # a symlink is not followed into another directory
+        if not stat.S_ISDIR(st.st_mode):
+            return None
+        if st.st_uid != os.geteuid():
+            return GcEntry(path, 0, 0, f"kept: a hand-over directory of uid {st.st_uid} (its "
+                           "owner's gc removes it)", False)
+        live, dead = fdhandover.census(path)
+    except (OSError, StorageError) as exc:
+        return GcEntry(path, 0, 0, f"skipped: {getattr(exc, 'strerror', None) or exc}", False)
+    if live:
+        if dead and not dry_run:
+            fdhandover.sweep(path)  # the killed holders' sockets alone
+        gone = f"; {dead} killed holder(s)' socket(s) {'would go' if dry_run else 'removed'}" \
+            if dead else ""
+        return GcEntry(path, 0, 0, f"kept: in use ({live} holder(s) answer there{gone})", False)
+    if not dead and not fdhandover.untouched(path):
+        return GcEntry(path, 0, 0, "kept: being made (no holder's socket yet, younger than "
+                       f"{fdhandover.STALE_S:g} s)", False)
+    reason = f"stale: no holder answers there ({dead} dead socket(s)): the table is gone"
+    if dry_run:
+        return GcEntry(path, 0, 0, reason, False)
+    fdhandover.sweep(path)
+    if os.path.lexists(path):  # a holder joined meanwhile
+        return GcEntry(path, 0, 0, "kept: a holder came while it was swept", False)
+    return GcEntry(path, 0, 0, reason, True)

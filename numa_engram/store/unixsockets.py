@@ -33,22 +33,31 @@ def free_socket_path(path: str) -> Literal["free", "not a socket", "in use"]:
         return "free"
     if not stat.S_ISSOCK(st.st_mode):
         return "not a socket"
+    if answers(path, st.st_uid):
+        return "in use"
+    _remove_dead(path, st.st_uid)
+    return "free"
+
+
+def answers(path: str, owner: int) -> bool:
+    """Whether a listener answers at the socket ``path`` (of uid
+    ``owner``), nothing removed: a StorageError where this user may not
+    connect to it (another user's), so cannot tell."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.setblocking(False)  # a live listener with a full queue answers EAGAIN, not a wait
     try:
         probe.connect(path)
     except PermissionError:
-        raise StorageError(f"{path!r} is a socket of uid {st.st_uid} that this user (uid "
+        raise StorageError(f"{path!r} is a socket of uid {owner} that this user (uid "
                            f"{os.getuid()}) may not connect to, so cannot tell whether it is "
                            f"in use: remove it as its owner, or choose another path") from None
     except BlockingIOError:
-        return "in use"  # listening, its queue full
+        return True  # listening, its queue full
     except OSError:
-        _remove_dead(path, st.st_uid)
-        return "free"
+        return False
     finally:
         probe.close()
-    return "in use"
+    return True
 
 
 def _remove_dead(path: str, owner: int) -> None:
