@@ -333,6 +333,66 @@ def test_close_waits_for_a_hand_over_already_answering(runtime_dir, monkeypatch)
     assert not closer.is_alive() and not os.listdir(runtime_dir)
 
 
+def test_silent_peers_cost_a_bounded_number_of_threads_and_never_stop_the_hand_over(
+        runtime_dir):
+    """Peers that connect and say nothing: each held a thread of its own
+    for up to 10 s, without bound (300 of them, 300 threads); now at most
+    MAX_ANSWERING, a new one shedding the oldest, and a late attach is
+    still served at once."""
+    spec, shard, tables = _shared(2, runtime_dir)
+    path = fdhandover.holders(tables[0].handover)[0]
+    before = threading.active_count()
+    silent = []
+    try:
+        for _ in range(fdhandover.MAX_ANSWERING + 60):
+            peer = socket.socket(socket.AF_UNIX)
+            peer.connect(path)
+            silent.append(peer)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and threading.active_count() > before + \
+                fdhandover.MAX_ANSWERING:
+            time.sleep(0.05)
+        assert threading.active_count() <= before + fdhandover.MAX_ANSWERING, \
+            threading.active_count() - before
+        silent[0].settimeout(5)
+        assert silent[0].recv(1 << 16) is not None  # shed: closed (or refused), not waiting
+        late = SharedEngramTable.attach(spec, LAYER, shard, peers=tables[0].handover,
+                                        timeout_s=5)
+        late.close()
+    finally:
+        for peer in silent:
+            peer.close()
+        for t in tables:
+            t.close()
+
+
+def test_a_hand_over_that_cannot_start_a_thread_refuses_that_peer_and_keeps_answering(
+        runtime_dir, monkeypatch):
+    """No thread to be had for one connection (the process at its thread
+    limit): that peer is closed and the next is answered; the accept loop
+    died of the RuntimeError before, and no later peer was ever answered."""
+    spec, shard, tables = _shared(2, runtime_dir)
+    failed = []
+
+    class OnceShort(threading.Thread):
+        def start(self):
+            if self.name == "numa-engram-handover-conn" and not failed:
+                failed.append(self)
+                raise RuntimeError("can't start new thread")
+            super().start()
+    monkeypatch.setattr(fdhandover.threading, "Thread", OnceShort)
+    holder = tables[0]._backing._holder
+    request = protocol.table_request(spec, tables[0]._backing.header.key, 4096)
+    try:
+        with pytest.raises(StorageError, match="did not answer"):
+            fdhandover.receive(holder.directory, request, 2, only=holder.path)
+        fd, _ = fdhandover.receive(holder.directory, request, 2, only=holder.path)
+        os.close(fd)
+    finally:
+        for t in tables:
+            t.close()
+
+
 def test_a_hand_over_directory_others_may_enter_is_refused(runtime_dir):
     spec, shard, tables = _shared(2, runtime_dir)
     directory = tables[0].handover

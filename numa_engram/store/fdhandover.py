@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 SUFFIX = ".sock"
 ROOT_ENV = "XDG_RUNTIME_DIR"
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the NUL
+MAX_ANSWERING = 32  # connections answered at once; one more sheds the oldest (a silent peer)
 STALE_S = 60.0  # a directory (or staging socket) untouched this long is no table's in the making
 # a holder of our uid or root: the members' loaders write the table, so it
 # is not sealed (a holder of our uid could write it anyway)
@@ -128,7 +129,9 @@ class Holder:
     connection of our uid (or root) gets ``answer(request)``'s answer and
     descriptor (closed here once sent); anyone else a refusal.  One thread
     waits in ``accept`` (no polling) and one short thread answers each
-    connection, so a client that says nothing holds up only itself."""
+    connection, so a client that says nothing holds up only itself; at
+    most ``MAX_ANSWERING`` at once (a new one sheds the oldest), so peers
+    that say nothing cost a bounded number of threads."""
 
     def __init__(self, directory: str, answer: Answer) -> None:
         try:
@@ -143,6 +146,8 @@ class Holder:
         # held while an answer is made: close() waits for it, so no answer
         # reads the table's descriptor after its owner closed it
         self._answering = threading.Lock()
+        self._open: dict[socket.socket, None] = {}  # connections being answered, oldest first
+        self._open_lock = threading.Lock()
         name = secrets.token_hex(8)
         self.path = _socket_path(directory, name + SUFFIX)
         # bound and listening under another name, then renamed: a sweep never
@@ -180,8 +185,27 @@ class Holder:
                 if exc.errno in (errno.EMFILE, errno.ENFILE):
                     time.sleep(0.05)  # the queued peer waits; never spin
                 continue
+            self._admit(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
+        with self._open_lock:
+            if len(self._open) >= MAX_ANSWERING:
+                oldest = next(iter(self._open))
+                del self._open[oldest]
+                with contextlib.suppress(OSError):
+                    oldest.shutdown(socket.SHUT_RDWR)  # its thread wakes and closes it
+            self._open[conn] = None
+        try:
             threading.Thread(target=self._answer_one, args=(conn,),
                              name="numa-engram-handover-conn", daemon=True).start()
+        except RuntimeError:  # no thread to be had: this peer is refused, the next may fit
+            self._forget(conn)
+            conn.close()
+            log.warning("table hand-over at %s: no thread to answer a peer", self.path)
+
+    def _forget(self, conn: socket.socket) -> None:
+        with self._open_lock:
+            self._open.pop(conn, None)
 
     def _answer_one(self, conn: socket.socket) -> None:
         with conn:
@@ -209,6 +233,10 @@ class Holder:
                         os.close(fd)
             except OSError:
                 pass  # the peer went away, or the table was closed meanwhile
+            except Exception as exc:  # one answer's failure ends its connection alone
+                log.warning("table hand-over at %s: a peer's answer failed: %s", self.path, exc)
+            finally:
+                self._forget(conn)
 
     def close(self) -> None:
         """Stop answering, remove this socket, then the directory when no
