@@ -277,7 +277,8 @@ def tier_verdict(spec: TableFamily, mode: str, resident_bytes: int, budget: int 
                            "evict rows the same step reads")
     rate = 1.0 if budget >= table else (hit_rate(budget) if hit_rate else None)
     said = ("every row once warm" if budget >= table else
-            f"{rate:.1%} of page reads expected from memory" if rate is not None else
+            f"up to {rate:.1%} of page reads from memory (the hottest pages kept; the "
+            "kernel's LRU keeps fewer)" if rate is not None else
             "hit rate unknown: pass --profile (numa-engram profile)")
     return TierVerdict(mode, resident_bytes, budget, "mapped", rate,
                        f"{fmt_bytes(resident_bytes)} of tables do not fit {fmt_bytes(budget)}; "
