@@ -226,7 +226,7 @@ def _report(args: argparse.Namespace, d, topo, memory: dict) -> tuple[dict, str]
         lines.append(f"profile: {profile.get('tokens', 0):,} tokens read "
                      f"{fmt_bytes(profile.get('working_set_bytes', 0))} of pages; the hit rates "
                      "are this corpus's (more or other text reads more rows)")
-    lines.append(text_table(["mode", "tables per host", "tier", "expected hits"],
+    lines.append(text_table(["mode", "tables per host", "tier", "page hits, at most"],
                             [[v.mode, fmt_bytes(v.resident_bytes), v.tier,
                               "" if v.hit_rate is None else f"{v.hit_rate:.1%}"]
                              for v in tiers], left=3))
