@@ -129,3 +129,37 @@ def test_a_bad_corpus_is_refused_by_name(model, tmp_path, case, capsys):
     err = capsys.readouterr().err
     assert code == 2 and {"binary": "not UTF-8", "directory": "a directory",
                           "empty": "no tokens"}[case] in err, err
+
+
+def test_a_ple_model_is_profiled_through_ple_ids(tmp_path):
+    """A Qwen4-Exp directory (config.json and tokenizer.json, no weights):
+    each layer's counts equal ple_ids_numpy's rows counted by hand, a row
+    counted on every page it spans (4 KiB is no multiple of its bytes)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from numa_engram.model.ple import PLESpec
+    from numa_engram.model.plehashing import ple_ids_numpy
+
+    from .ple_scenarios import write_ple_model
+
+    spec = PLESpec(layer_ids=[2, 5], ple_embed_dim=160, vocab_size=500, eos_token_id=7,
+                   ngram_vocab_size_base=3000, split_ngram_parts=7, dtype="bfloat16")
+    model = tmp_path / "qwen4-exp"
+    write_ple_model(model, spec)
+    (model / "model.safetensors").unlink()  # the profile reads no weights
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(500)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(model / "tokenizer.json"))
+    ids = np.random.default_rng(3).zipf(1.3, 2000) % 500
+    (tmp_path / "c.txt").write_text(" ".join(f"t{i}" for i in ids))
+    code, _ = run("profile", str(model), str(tmp_path / "c.txt"), "--out", str(tmp_path / "p"))
+    assert code == 0
+    doc = json.loads((tmp_path / "p").read_text())
+    width = spec.row_bytes
+    assert doc["row_regions"] == [["weights", width]] and 4096 % width
+    for layer in doc["layers"]:
+        rows, counts = np.unique(ple_ids_numpy(spec, layer["layer"], ids), return_counts=True)
+        assert layer["rows"] == rows.tolist() and layer["counts"] == counts.tolist()
+        spanning = ((rows + 1) * width - 1) // 4096 != rows * width // 4096
+        assert spanning.any()
+        assert layer["page_reads"] == int(counts.sum() + counts[spanning].sum())
