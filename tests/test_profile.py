@@ -80,7 +80,7 @@ def test_counts_equal_a_count_by_hand_from_the_hash_ids(model, tmp_path):
     assert any("<|image|>" in d for d in docs) and any(w.startswith("W") for w in docs[0])
     out = tmp_path / "p.json"
     code, text = run("profile", str(model), str(tmp_path / "a.txt"), str(tmp_path / "b.txt"),
-                     "--budget", "4K,64K,1M", "--out", str(out))
+                     "--budget", "4K,64K,1M", "--out", str(out), "--rows")
     assert code == 0, text
     doc = json.loads(out.read_text())
     assert doc["tokens"] == 4500
@@ -94,6 +94,8 @@ def test_counts_equal_a_count_by_hand_from_the_hash_ids(model, tmp_path):
     assert all(a[0] < b[0] and a[1] <= b[1] for a, b in zip(curve, curve[1:]))
     assert curve[-1] == [doc["working_set_bytes"], 1.0]
     assert "reads served" in text and "plan --profile" in text
+    code, _ = run("profile", str(model), str(tmp_path / "a.txt"), "--out", str(out))
+    assert code == 0 and "rows" not in json.loads(out.read_text())["layers"][0]  # --rows only
 
 
 def test_page_reads_and_budgets_are_exact_for_a_crafted_case():
@@ -152,7 +154,8 @@ def test_a_ple_model_is_profiled_through_ple_ids(tmp_path):
     tok.save(str(model / "tokenizer.json"))
     ids = np.random.default_rng(3).zipf(1.3, 2000) % 500
     (tmp_path / "c.txt").write_text(" ".join(f"t{i}" for i in ids))
-    code, _ = run("profile", str(model), str(tmp_path / "c.txt"), "--out", str(tmp_path / "p"))
+    code, _ = run("profile", str(model), str(tmp_path / "c.txt"), "--rows",
+                  "--out", str(tmp_path / "p"))
     assert code == 0
     doc = json.loads((tmp_path / "p").read_text())
     width = spec.row_bytes
