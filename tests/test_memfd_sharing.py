@@ -384,13 +384,58 @@ def test_a_hand_over_that_cannot_start_a_thread_refuses_that_peer_and_keeps_answ
     holder = tables[0]._backing._holder
     request = protocol.table_request(spec, tables[0]._backing.header.key, 4096)
     try:
-        with pytest.raises(StorageError, match="did not answer"):
+        with pytest.raises(StorageError, match="no process holding the table answered"):
             fdhandover.receive(holder.directory, request, 2, only=holder.path)
         fd, _ = fdhandover.receive(holder.directory, request, 2, only=holder.path)
         os.close(fd)
     finally:
         for t in tables:
             t.close()
+
+
+def test_a_late_attach_gets_a_ple_table_from_its_group_and_holds_it_after(runtime_dir,
+                                                                          tmp_path):
+    """A PLE table shared on 4 KiB pages is handed over like an Engram
+    one: a late process attaches with ``peers=`` (there was only
+    ``service=``), holds it after the group closed, hands it on, and the
+    last holder leaves nothing; another ETP shard is refused naming both."""
+    import torch
+
+    from numa_engram.model.ple import PLESpec
+    from numa_engram.sharing.pletable import SharedPLETable
+    from numa_engram.sharing.synthetic import write_ple_checkpoint
+
+    spec = PLESpec(layer_ids=[2, 5], ple_embed_dim=160, vocab_size=5000, eos_token_id=7,
+                   ngram_vocab_size_base=3000, split_ngram_parts=7)
+    ckpt = str(write_ple_checkpoint(tmp_path / "ple.safetensors", spec, seed=5))
+    tables = {}
+
+    def member(rank, world):
+        tables[rank] = SharedPLETable.create(spec, 5, mode="dp_shared", checkpoint=ckpt,
+                                             group=world.group(rank, 10))
+        return {}
+    for r in run_threads(2, member):
+        assert r["ok"], r
+    directory = tables[0].handover
+    assert directory is not None and tables[1].handover == directory
+    ids = np.arange(0, spec.rows(5), 97)
+    want = tables[0].lookup(ids).view(torch.int16)  # (random FP8 bytes: NaNs among them)
+    late = SharedPLETable.attach(spec, 5, peers=directory)
+    for t in tables.values():
+        t.close()
+    try:
+        assert late.mode == "dp_shared" and late.handover == directory
+        assert late.lookup(ids).view(torch.int16).equal(want)
+        again = SharedPLETable.attach(spec, 5, peers=directory)
+        assert again.lookup(ids).view(torch.int16).equal(want)
+        again.close()
+        with pytest.raises(ServiceRefusal, match="asked for"):
+            SharedPLETable.attach(spec, 5, peers=directory, etp_size=2, etp_rank=1)
+        with pytest.raises(ValueError, match="exactly one of service= or peers="):
+            SharedPLETable.attach(spec, 5)
+    finally:
+        late.close()
+    assert not os.listdir(runtime_dir)
 
 
 def test_a_hand_over_directory_others_may_enter_is_refused(runtime_dir):

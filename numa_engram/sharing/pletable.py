@@ -25,6 +25,7 @@ import numpy as np
 
 from ..bindings import lookupkernel
 from ..errors import LookupIdError, SpecError, StorageError
+from ..host.hugepages import parse_page_size
 from ..host.topology import Topology, current_node
 from ..literals import DEFAULT_DIRECTORY, CreateMode, PageSize
 from ..lookup.cpu import default_lookup_threads
@@ -33,15 +34,13 @@ from ..model.ple import PLESpec
 from ..model.sharding import ShardInfo
 from ..model.spec import strict_int
 from ..store import serviceclient
-from ..store.fileformat import STATE_READY
 from ..store.placement import PlacementPlan, PlacementReport, verify
-from ..store.storage import BackingFile
 from . import mappedtier, protocol
 from .checkpoint import Progress
 from .group import SingleProcessGroup, as_group
 from .mappedtier import check_tier
 from .protocol import Built
-from .request import CreateRequest, TableOptions, shard_key, table_layout
+from .request import CreateRequest, TableOptions
 from .tablereports import TableStats, accounted_bytes, service_descriptor
 
 if TYPE_CHECKING:
@@ -79,6 +78,9 @@ class SharedPLETable:
         self.backing = backing = built.backing
         # "resident" (a table file) or "mapped" (the checkpoint's pages: mappedtier)
         self.tier: str = getattr(backing, "tier", "resident")
+        # where a process that was not in the create attaches (peers=): the
+        # hand-over directory of a 4 KiB dp_shared table, else None
+        self.handover = backing.handover_directory
         self.backing_bytes = backing.layout.file_size
         self.weights = backing.region("weights").reshape(shard.num_rows, spec.row_bytes)
         self.scale = built_scale if self.tier == "mapped" else \
@@ -132,41 +134,45 @@ class SharedPLETable:
         return table
 
     @classmethod
-    def attach(cls, spec: PLESpec, layer_id: int, *, service: str, etp_rank: int = 0,
+    def attach(cls, spec: PLESpec, layer_id: int, *, service: str | None = None,
+               peers: str | None = None, etp_rank: int = 0,
                etp_size: int = 1, node: int | None = None, page_size: PageSize | int = "4K",
                timeout_s: float = 10.0, service_uids: Sequence[int] | None = None,
                allow_unsealed: bool | None = None,
                register_device: int | None = None,
                lookup_threads: int | None = None) -> SharedPLETable:
-        """Map the READY table of this ETP shard that the table service on
-        ``service`` holds (its copy on ``node``, default this thread's),
-        read-only, after the checks a peer makes; the service is believed
-        under the same rules as for Engram tables (``SharedEngramTable.attach``)."""
+        """Map the READY table of this ETP shard, read-only, after the checks
+        a peer makes: the one the table service on ``service`` holds (its
+        copy on ``node``, default this thread's; the service believed under
+        the same rules as for Engram tables), or from any process still
+        holding a 4 KiB dp_shared table at its hand-over directory ``peers``
+        (a member's ``table.handover``), which this process then holds and
+        hands over in turn until close (``SharedEngramTable.attach``)."""
         shard = spec.shard(layer_id, strict_int(etp_rank, "etp_rank"),
                            strict_int(etp_size, "etp_size"))
+        if (service is None) == (peers is None):
+            raise ValueError("give exactly one of service= or peers=")
+        started = time.perf_counter()
         here = current_node(Topology.detect()) if node is None else node
-        trust = serviceclient.ServiceTrust.of(service_uids, allow_unsealed)
-        fd, uid = service_descriptor(spec, layer_id, shard, service, here, page_size, timeout_s,
-                                     trust)
+        if service is not None:
+            trust = serviceclient.ServiceTrust.of(service_uids, allow_unsealed)
+            fd, uid = service_descriptor(spec, layer_id, shard, service, here, page_size,
+                                         timeout_s, trust)
+        else:
+            assert peers is not None  # (exactly one)
+            fd, uid = protocol.late_descriptor(spec, layer_id, shard, parse_page_size(page_size),
+                                               peers, timeout_s)
         try:
-            backing = BackingFile.attach(fd=fd, fingerprint=spec.fingerprint,
-                                         key=shard_key(layer_id, shard), owner_uid=uid,
-                                         layout_for=lambda page: table_layout(spec, shard, page))
+            built = protocol.attach_backing(spec, layer_id, shard,
+                                            "service" if service is not None else "dp_shared",
+                                            here, started, fd=fd, owner_uid=uid, peers=peers,
+                                            register_device=register_device)
         finally:
             os.close(fd)  # the backing holds its own duplicate
-        registration = None
         try:
-            if backing.state != STATE_READY:
-                raise StorageError(f"the service's PLE table layer {layer_id} is not READY")
-            if register_device is not None:
-                registration = protocol.register(backing, register_device)
-            built = protocol.attached(backing, "service", spec.fingerprint,
-                                      shard_key(layer_id, shard), here, registration, {})
             return cls(spec, layer_id, shard, built, lookup_threads=lookup_threads)
         except BaseException:
-            if registration is not None:
-                registration.release()
-            backing.close()  # a failed attach keeps no descriptor
+            protocol.release(built)
             raise
 
     def store_scale(self, scale: float, *, write: bool = True) -> None:

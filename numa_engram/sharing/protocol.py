@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..bindings import native
+from ..errors import StorageError
 from ..host import hugepages
 from ..host.topology import Topology
 from ..model.family import TableFamily
@@ -37,7 +38,7 @@ from ..model.ple import PLESpec
 from ..model.sharding import ShardInfo
 from ..model.spec import EngramSpec
 from ..store import fdhandover
-from ..store.fileformat import ShardKey
+from ..store.fileformat import STATE_READY, ShardKey
 from ..store.placement import PlacementPlan, PlacementRange, PlacementReport, verify
 from ..store.serviceclient import TableRequest
 from ..store.storage import BackingFile
@@ -48,7 +49,7 @@ from .identity import HostIdentity
 from .loading import bytes_done, load_part, load_parts, loaders_of, wait_for_parts
 from .membership import MemberInfo, decide, member_info, plan_for
 from .plecheckpoint import PLECheckpointPlan, resolve_ple
-from .request import CreateRequest, shard_key
+from .request import CreateRequest, shard_key, table_layout
 from .steps import attempt, every, lead, raise_failures, raise_unless, step_hook, unless_failed
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,46 @@ def attached(backing: BackingFile, mode: str, fingerprint: bytes, key: ShardKey,
     me = MemberInfo(0, os.getpid(), node, None, fingerprint, key, "attach",
                     HostIdentity.here(None))
     return Built(backing, mode, "", [me], False, None, None, registration, (), phases)
+
+
+def attach_backing(spec: TableFamily, layer_id: int, shard: ShardInfo, mode: str, node: int,
+                   started: float, *, path: str | None = None, fd: int | None = None,
+                   owner_uid: int | None = None, peers: str | None = None,
+                   register_device: int | None = None) -> Built:
+    """A READY table handed over outside a group (by ``path`` or ``fd``),
+    mapped read-only after a peer's checks; with ``peers`` (a 4 KiB
+    dp_shared table's hand-over directory) held and handed over in turn
+    until close, so the table lives while any holder does; registered for
+    ``register_device``.  Whatever it made is released if it fails."""
+    key = shard_key(layer_id, shard)
+    backing = BackingFile.attach(path, fd=fd, fingerprint=spec.fingerprint, key=key,
+                                 owner_uid=owner_uid,
+                                 layout_for=lambda page: table_layout(spec, shard, page))
+    registration = None
+    try:
+        if backing.state != STATE_READY:
+            raise StorageError(f"table {backing.path} is not READY (its creator has not "
+                               "finished loading it); attach after create() returned")
+        if peers is not None:
+            backing.hand_over(peers)
+        phases = {"attach": time.perf_counter() - started}
+        if register_device is not None:
+            mark = time.perf_counter()
+            registration = register(backing, register_device)
+            phases["register"] = time.perf_counter() - mark
+        return attached(backing, mode, spec.fingerprint, key, node, registration, phases)
+    except BaseException:
+        if registration is not None:
+            registration.release()
+        backing.close()  # a failed attach keeps no descriptor
+        raise
+
+
+def release(built: Built) -> None:
+    """An attached table that could not be made: unregistered, unmapped."""
+    if built.registration is not None:
+        built.registration.release()
+    built.backing.close()
 
 
 class _Held:

@@ -31,9 +31,7 @@ from ..lookup.shardrows import ShardRows
 from ..model.sharding import ShardInfo
 from ..model.spec import EngramSpec
 from ..store import serviceclient
-from ..store.fileformat import STATE_READY
 from ..store.placement import PlacementPlan, PlacementReport, verify
-from ..store.storage import BackingFile
 from . import mappedtier, protocol
 from .checkpoint import Progress, TensorNames
 from .group import SingleProcessGroup, as_group
@@ -45,7 +43,6 @@ from .request import (
     CreateRequest,
     TableOptions,
     check_shard,
-    shard_key,
     table_layout,
 )
 from .tablereports import ModeReport, TableStats, accounted_bytes, service_descriptor
@@ -210,37 +207,22 @@ class SharedEngramTable:
                 spec, layer_id, shard, parse_page_size(page_size), peers, timeout_s)
             fd, mode = received, "dp_shared"
         try:
-            backing = BackingFile.attach(path, fd=fd, fingerprint=spec.fingerprint,
-                                         key=shard_key(layer_id, shard), owner_uid=owner_uid,
-                                         layout_for=lambda page: table_layout(spec, shard, page))
+            built = protocol.attach_backing(spec, layer_id, shard, mode, here, started, path=path,
+                                            fd=fd, owner_uid=owner_uid, peers=peers,
+                                            register_device=register_device)
         finally:
             if received is not None:
                 os.close(received)  # the backing holds its own duplicate
-        registration = None
         try:
-            if backing.state != STATE_READY:
-                raise StorageError(f"table {backing.path} is not READY (its creator has not "
-                                   "finished loading it); attach after create() returned")
-            if peers is not None:
-                backing.hand_over(peers)  # a holder now: the table lives while any does
-            phases = {"attach": time.perf_counter() - started}
-            if register_device is not None:
-                mark = time.perf_counter()
-                registration = protocol.register(backing, register_device)
-                phases["register"] = time.perf_counter() - mark
-            built = protocol.attached(backing, mode, spec.fingerprint, shard_key(layer_id, shard),
-                                      here, registration, phases)
             table = cls(spec, layer_id, shard, built,
                         requested_mode="service" if service is not None else "attach")
-            log.info("Engram table attached: layer %d heads [%d, %d) from %s in %s", layer_id,
-                     shard.head_start, shard.head_end, service or path or f"fd {fd}",
-                     ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in phases.items()))
-            return table
         except BaseException:
-            if registration is not None:
-                registration.release()
-            backing.close()  # a failed attach keeps no descriptor
+            protocol.release(built)
             raise
+        log.info("Engram table attached: layer %d heads [%d, %d) from %s in %s", layer_id,
+                 shard.head_start, shard.head_end, service or peers or path or f"fd {fd}",
+                 ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in built.phases.items()))
+        return table
 
     def dup_descriptor(self) -> int:
         """A new descriptor of the table's file (the caller closes it): what
