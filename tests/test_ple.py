@@ -239,6 +239,43 @@ def test_the_c_kernels_product_equals_the_byte_table_for_4000_scales():
         np.testing.assert_array_equal(got, lut[table], err_msg=f"scale {scale!r}")
 
 
+@pytest.mark.slow  # starts an interpreter (~1 s)
+@pytest.mark.parametrize("disabled", [(), ("NUMA_ENGRAM_NO_AVX512",)], ids=["best", "portable"])
+def test_every_row_path_gives_the_byte_tables_bits(disabled):
+    """The AVX-512BW row (eight-register word permutes of the scale's byte
+    table) where the CPU has it, else the portable table read: each gives
+    ``bf16_lut``'s bits for every byte under awkward scales, in rows whose
+    width leaves a vector tail (259 bytes), for calls shorter and longer
+    than the prefetch window (16 rows), ids outside the shard zeroed."""
+    code = """
+        import numpy as np
+        from numa_engram.lookup.ple import PLERows, bf16_lut
+        table = np.zeros((300, 259), dtype=np.uint8)
+        table[:, :256] = np.arange(256, dtype=np.uint8)[None, :]
+        table[:, 256:] = (np.arange(300)[:, None] + np.arange(3)) % 256
+        ok = True
+        for scale in (1.0, 0.0123, 3.7e-5, 2.5e35, 1e-38, -0.5):
+            rows = PLERows(table, dtype="float8_e4m3fn", row_start=100, total_rows=500,
+                           scale=scale)
+            for n in (1, 15, 16, 17, 40, 3000):
+                ids = (np.arange(n, dtype=np.int64) * 7919) % 500
+                want = np.where(((ids >= 100) & (ids < 400))[:, None],
+                                bf16_lut(scale)[table[np.clip(ids - 100, 0, 299)]], 0)
+                ok = ok and np.array_equal(rows.rows_bf16(ids), want)
+        print(ok)
+    """
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    env = dict(os.environ, **{name: "1" for name in disabled})
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
+
+
 def test_bf16_rows_equal_vllms_lookup(vllm):
     rng = np.random.default_rng(2)
     table = rng.integers(0, 256, size=(1000, 2 * 96), dtype=np.uint8)

@@ -69,30 +69,69 @@ int ne_ple_ids(const int64_t *ids, int64_t n_tokens, const int64_t *query_start,
 /* BF16 bits of bf16(e4m3(b)) * scale (scale: a BF16 value), as torch
  * computes it: the fp32 product is exact (4 x 8 significant bits, no
  * exponent below 2^-142), rounded once to nearest even; NaN is 0x7FC0.
- * Branch-free, so GCC vectorises a row's loop. */
-static inline uint16_t ple_bf16(uint32_t b, float scale)
+ * Run once per byte value, into the shard's table (ne_ple_shard_init). */
+static uint16_t ple_bf16(uint32_t b, float scale)
 {
     uint32_t e = (b >> 3) & 15, m = b & 7;
     uint32_t normal_bits = ((e + 120) << 23) | (m << 20), sub_bits, bits;
     float sub = (float)m * 0x1p-9f, magnitude, product;
     memcpy(&sub_bits, &sub, 4);
-    uint32_t is_normal = -(uint32_t)(e != 0); /* masks, not branches: it vectorises */
-    bits = (normal_bits & is_normal) | (sub_bits & ~is_normal);
+    bits = e ? normal_bits : sub_bits;
     memcpy(&magnitude, &bits, 4);
     product = magnitude * scale;
     memcpy(&bits, &product, 4);
     bits ^= (b & 0x80) << 24;
-    uint32_t rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16;
-    uint32_t nan = -(uint32_t)(((bits & 0x7FFFFFFF) > 0x7F800000) | ((b & 0x7F) == 0x7F));
-    return (uint16_t)((rounded & ~nan) | (0x7FC0 & nan));
+    if ((bits & 0x7FFFFFFF) > 0x7F800000 || (b & 0x7F) == 0x7F)
+        return 0x7FC0;
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) static void
-ple_row_bf16(const uint8_t *restrict src, int64_t n, float scale, uint16_t *restrict dst)
+void ne_ple_shard_init(struct ne_ple_shard *s)
+{
+    for (uint32_t b = 0; b < 256; b++)
+        s->lut[b] = ple_bf16(b, s->scale);
+}
+
+/* dst[j] = lut[src[j]]: the portable path. */
+static void ple_row_lut(const uint8_t *restrict src, int64_t n, const uint16_t *restrict lut,
+                        uint16_t *restrict dst)
 {
     for (int64_t j = 0; j < n; j++)
-        dst[j] = ple_bf16(src[j], scale);
+        dst[j] = lut[src[j]];
 }
+
+#if defined(__x86_64__)
+/* ple_row_lut, 32 bytes at a time: the 256 entries in eight registers,
+ * four two-register word permutes (64 entries each) chosen by bits 6 and
+ * 7.  A 1-token lookup's 2,560 values: 0.37 us against 0.65 us for the
+ * scalar table and 0.75 us for the vectorised arithmetic it replaced
+ * (16 cold rows, prefetched; 2-CPU EPYC guest). */
+__attribute__((target("avx512bw"))) static void
+ple_row_lut512(const uint8_t *restrict src, int64_t n, const uint16_t *restrict lut,
+               uint16_t *restrict dst)
+{
+    __m512i t[8];
+    for (int k = 0; k < 8; k++)
+        t[k] = _mm512_loadu_si512(lut + 32 * k);
+    const __m512i bit6 = _mm512_set1_epi16(0x40), bit7 = _mm512_set1_epi16(0x80);
+    for (int64_t j = 0; j < n; j += 32) {
+        __mmask32 m = n - j >= 32 ? ~(__mmask32)0 : ((__mmask32)1 << (n - j)) - 1;
+        __m512i idx = _mm512_cvtepu8_epi16(
+            _mm512_castsi512_si256(_mm512_maskz_loadu_epi8((__mmask64)m, src + j)));
+        __mmask32 hi6 = _mm512_test_epi16_mask(idx, bit6), hi7 = _mm512_test_epi16_mask(idx, bit7);
+        __m512i low = _mm512_mask_blend_epi16(hi6, _mm512_permutex2var_epi16(t[0], idx, t[1]),
+                                              _mm512_permutex2var_epi16(t[2], idx, t[3]));
+        __m512i high = _mm512_mask_blend_epi16(hi6, _mm512_permutex2var_epi16(t[4], idx, t[5]),
+                                               _mm512_permutex2var_epi16(t[6], idx, t[7]));
+        _mm512_mask_storeu_epi16(dst + j, m, _mm512_mask_blend_epi16(hi7, low, high));
+    }
+}
+#endif
+
+/* Rows prefetched ahead of the one read: a 1-token call's 16 rows all at
+ * once (they are random: each a miss), a larger call's 16 rows on.  8
+ * tokens (128 cold rows): 3.5 us against 4.3 us 4 rows ahead. */
+enum { PLE_AHEAD = 16 };
 
 /* One thread's part of a row lookup: ids[begin..end). */
 struct ple_job {
@@ -100,24 +139,41 @@ struct ple_job {
     int64_t n_rows, row_bytes, row_start, total_rows;
     const int64_t *ids;
     int64_t begin, end;
-    int scaled;
-    float scale;
+    int scaled, wide; /* wide: ple_row_lut512 */
+    const uint16_t *lut;
     uint8_t *out;
     int64_t first_bad;
     uint64_t fault; /* the address a SIGBUS stopped the job at, or 0 */
 };
 
+static inline void ple_prefetch(const struct ple_job *j, int64_t i)
+{
+    int64_t local = j->ids[i] - j->row_start; /* (a hint: a changed id reads nothing) */
+    if (local >= 0 && local < j->n_rows)
+        for (int64_t off = 0; off < j->row_bytes; off += 64)
+            __builtin_prefetch(j->table + local * j->row_bytes + off, 0, 0);
+}
+
+static void ple_convert(const struct ple_job *j, const uint8_t *src, uint16_t *dst)
+{
+#if defined(__x86_64__)
+    if (j->wide) {
+        ple_row_lut512(src, j->row_bytes, j->lut, dst);
+        return;
+    }
+#endif
+    ple_row_lut(src, j->row_bytes, j->lut, dst);
+}
+
 static void ple_rows_run(struct ple_job *j)
 {
     const size_t out_bytes = (size_t)j->row_bytes * (j->scaled ? 2 : 1);
     j->first_bad = -1;
+    for (int64_t i = j->begin; i < j->end && i < j->begin + PLE_AHEAD; i++)
+        ple_prefetch(j, i);
     for (int64_t i = j->begin; i < j->end; i++) {
-        if (i + 4 < j->end) { /* rows are random: ask for the next ones early */
-            int64_t ahead = j->ids[i + 4] - j->row_start;
-            if (ahead >= 0 && ahead < j->n_rows)
-                for (int64_t off = 0; off < j->row_bytes; off += 64)
-                    __builtin_prefetch(j->table + ahead * j->row_bytes + off, 0, 0);
-        }
+        if (i + PLE_AHEAD < j->end)
+            ple_prefetch(j, i + PLE_AHEAD);
         /* read once: a caller thread changing ids cannot move a read outside */
         int64_t id = __atomic_load_n(&j->ids[i], __ATOMIC_RELAXED);
         int64_t local = id - j->row_start;
@@ -127,7 +183,7 @@ static void ple_rows_run(struct ple_job *j)
         if (local < 0 || local >= j->n_rows)
             memset(dst, 0, out_bytes);
         else if (j->scaled)
-            ple_row_bf16(j->table + local * j->row_bytes, j->row_bytes, j->scale, (uint16_t *)dst);
+            ple_convert(j, j->table + local * j->row_bytes, (uint16_t *)dst);
         else
             memcpy(dst, j->table + local * j->row_bytes, (size_t)j->row_bytes);
     }
@@ -161,7 +217,7 @@ static int ple_faulted(const struct ple_job *jobs, int n_jobs)
 /* out[i] = the row ids[i] - row_start of shard s (row_start <= id <
  * row_start + n_rows), zeros for any other id (another shard's row: the
  * ranks' sum is the whole table's row).  scaled: FP8 bytes to BF16 bits
- * times s->scale (ple_bf16); else the raw bytes (FP8 packed, or BF16
+ * times s->scale (s->lut); else the raw bytes (FP8 packed, or BF16
  * rows).  With a pool of this process, a call of at least 2 x split_rows
  * ids is split into parts its threads and the caller claim.  Returns the
  * position of the first id outside the layer's total_rows (its row zeros
@@ -184,7 +240,8 @@ int64_t ne_ple_lookup(const struct ne_ple_shard *s, const int64_t *ids, int64_t 
                                   .begin = 0,
                                   .end = n_ids,
                                   .scaled = scaled,
-                                  .scale = s->scale,
+                                  .wide = ne_cpu()->avx512bw,
+                                  .lut = s->lut,
                                   .out = out,
                                   .first_bad = -1};
     int n_jobs = ne_pool_size(s->pool) + 1;

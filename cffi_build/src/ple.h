@@ -10,12 +10,15 @@ int ne_ple_ids(const int64_t *ids, int64_t n_tokens, const int64_t *query_start,
                const int64_t *sizes, const int64_t *offsets, int64_t n_layers, int64_t n_heads,
                int64_t heads_per_ngram, int64_t *out);
 struct ne_pool;
-/* One PLE shard's fixed lookup arguments, made once per table. */
+/* One PLE shard's fixed lookup arguments, made once per table; lut is
+ * filled by ne_ple_shard_init from scale. */
 struct ne_ple_shard {
     const uint8_t *table; /* [n_rows, row_bytes] */
     int64_t n_rows, row_bytes, row_start, total_rows;
     float scale;          /* a BF16 value: the per-tensor scale */
     struct ne_pool *pool; /* NULL: the caller alone */
+    uint16_t lut[256];    /* BF16 bits of each FP8 byte times scale */
 };
+void ne_ple_shard_init(struct ne_ple_shard *s);
 int64_t ne_ple_lookup(const struct ne_ple_shard *s, const int64_t *ids, int64_t n_ids, int scaled,
                       void *out);

@@ -396,6 +396,7 @@ class PLEShard:
             "n_rows": table.shape[0], "row_bytes": table.shape[1], "row_start": row_start,
             "total_rows": total_rows, "scale": 0.0 if scale is None else scale,
             "pool": workers.pool if workers is not None and workers.usable else ffi.NULL})
+        lib.ne_ple_shard_init(self.struct)  # the scale's table of the 256 FP8 bytes
 
     def rows(self, ids: np.ndarray, out: np.ndarray, scaled: bool) -> int:
         """``out[i]`` = row ``ids[i]`` (C-contiguous int64): BF16 bits of
