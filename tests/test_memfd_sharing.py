@@ -438,6 +438,40 @@ def test_a_late_attach_gets_a_ple_table_from_its_group_and_holds_it_after(runtim
     assert not os.listdir(runtime_dir)
 
 
+def test_a_late_attach_past_stopped_holders_keeps_to_its_timeout(runtime_dir):
+    """Holders that accept (the kernel's queue) but never answer (stopped,
+    or hung) sorted before a live one: the late attach still reaches the
+    live one and returns within its timeout_s as a whole; each stopped one
+    cost a whole timeout_s before (3 of them: 6 s for timeout_s=2)."""
+    spec, shard, tables = _shared(2, runtime_dir)
+    stopped = []
+    try:
+        for name in ("0000a", "0000b", "0000c"):
+            listener = socket.socket(socket.AF_UNIX)
+            listener.bind(os.path.join(tables[0].handover, name + fdhandover.SUFFIX))
+            listener.listen(8)
+            stopped.append(listener)
+        started = time.monotonic()
+        late = SharedEngramTable.attach(spec, LAYER, shard, peers=tables[0].handover,
+                                        timeout_s=2)
+        took = time.monotonic() - started
+        late.close()
+        assert took < 2.5, took
+        for listener in stopped:
+            listener.close()
+        started = time.monotonic()
+        with pytest.raises(StorageError, match="no process holding the table answered"):
+            fdhandover.receive(tables[0].handover, protocol.table_request(
+                spec, tables[0]._backing.header.key, 4096), 2,
+                only=os.path.join(tables[0].handover, "0000a" + fdhandover.SUFFIX))
+        assert time.monotonic() - started < 2.5
+    finally:
+        for listener in stopped:
+            listener.close()
+        for t in tables:
+            t.close()
+
+
 def test_a_hand_over_directory_others_may_enter_is_refused(runtime_dir):
     spec, shard, tables = _shared(2, runtime_dir)
     directory = tables[0].handover

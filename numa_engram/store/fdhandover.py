@@ -337,14 +337,22 @@ def holders(directory: str) -> list[str]:
 def receive(directory: str, request: serviceclient.TableRequest, timeout_s: float,
             only: str | None = None) -> tuple[int, int]:
     """(a descriptor of the table ``request`` names, its holder's uid) from
-    the first live holder in ``directory`` (``only``: that holder's socket).
-    A holder that refuses (another table, another uid) is raised as its
-    ServiceRefusal; a directory where no one answers is swept and refused."""
+    the first live holder in ``directory`` (``only``: that holder's socket),
+    within ``timeout_s`` as a whole: each holder asked gets an even share of
+    the time left, so holders that accept but never answer (stopped, hung)
+    cannot keep a live one from being reached in time.  A holder that
+    refuses (another table, another uid) is raised as its ServiceRefusal; a
+    directory where no one answers is swept and refused."""
     candidates = [only] if only is not None else holders(directory)
+    deadline = time.monotonic() + timeout_s
     why = []
-    for path in candidates:
+    for asked, path in enumerate(candidates):
+        share = (deadline - time.monotonic()) / (len(candidates) - asked)
+        if share <= 0:
+            why.append(f"no time left for {path} within {timeout_s:g} s")
+            continue
         try:
-            fd, _, uid = serviceclient.fetch(path, request, timeout_s, TRUST)
+            fd, _, uid = serviceclient.fetch(path, request, share, TRUST)
         except ServiceRefusal:
             raise
         except StorageError as exc:  # a holder killed (its socket left) or gone meanwhile
