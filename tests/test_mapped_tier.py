@@ -21,7 +21,7 @@ import pytest
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 from numa_engram.bindings import native
-from numa_engram.errors import CheckpointError, SpecError, StorageError
+from numa_engram.errors import CheckpointError, LookupIdError, SpecError, StorageError
 from numa_engram.model.ple import PLESpec
 from numa_engram.sharing.mappedfiles import MappedArrays, Segment
 from numa_engram.sharing.pletable import SharedPLETable
@@ -421,6 +421,28 @@ def test_a_fault_outside_a_lookup_goes_to_the_handler_installed_before_ours(ckpt
     result = run_python(HANDLER_BEFORE_US, str(path), "python", timeout=60)
     assert result.stdout.split() == ["ERROR"], result.stdout
     assert result.returncode == -signal.SIGBUS, (result.returncode, result.stderr[-2000:])
+
+
+def test_read_ahead_refuses_ids_a_lookup_refuses_naming_them(ckpt, ple_ckpt):
+    """readahead takes the ids as the lookup does: ids of no integer
+    dtype, ragged or of the wrong shape are the same LookupIdError (they
+    were numpy's bare ValueError, or 1-D ids read as rows of 8 columns)."""
+    shard = shard_heads(SPEC.bucket_sizes(LAYER), 1, 0)
+    with SharedEngramTable.create(SPEC, LAYER, shard, checkpoint=ckpt, tier="mapped") as table:
+        for bad in ("abc", np.zeros(SPEC.n_hash_cols, dtype=np.int64),
+                    np.zeros((2, SPEC.n_hash_cols), dtype=np.float32)):
+            with pytest.raises(LookupIdError) as looked:
+                table.lookup(bad)
+            with pytest.raises(LookupIdError) as ahead:
+                table.readahead(bad)
+            assert str(ahead.value) == str(looked.value)
+    with SharedPLETable.create(PLE, 5, checkpoint=ple_ckpt, tier="mapped") as ple:
+        for bad in ("abc", [[1, 2], [3]], [1.5]):
+            with pytest.raises(LookupIdError) as looked:
+                ple.lookup(bad)
+            with pytest.raises(LookupIdError) as ahead:
+                ple.readahead(bad)
+            assert str(ahead.value) == str(looked.value)
 
 
 def test_a_replaced_checkpoint_keeps_serving_the_file_mapped_and_is_named(ckpt, tmp_path):

@@ -85,6 +85,12 @@ def _ids(ids: Any) -> np.ndarray:
     return arr.astype(np.int64, order="C", copy=False)
 
 
+def row_ids(ids: Any) -> np.ndarray:
+    """``ids`` as the lookups take them (int64, C order, the shape given),
+    or the LookupIdError a lookup of them raises."""
+    return _ids(ids)
+
+
 class PLERows:
     """Lookups in one shard of one layer's PLE table: ``table`` is uint8
     ``[rows, row_bytes]`` (C-contiguous; a mapping's view), the layer's rows

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import SpecError, StorageError
 from ..host.topology import Topology, current_node
+from ..lookup.cpu import check_hash_ids
 from ..model.ple import PLESpec
 from ..model.sharding import ShardInfo, prefix_offsets
 from ..model.spec import EngramSpec
@@ -170,11 +171,10 @@ def engram_rows(spec: EngramSpec, layer_id: int, shard: ShardInfo, ids: Any,
                 id_base: np.ndarray | None) -> np.ndarray:
     """The shard rows ``ids [T, n_hash_cols]`` name (the shard's head
     columns; DEAD and out-of-range ids dropped: the lookup refuses those),
-    unique and ascending."""
+    unique and ascending; ids a lookup refuses are its LookupIdError."""
     sizes = np.asarray(spec.bucket_sizes(layer_id)[shard.head_start:shard.head_end],
                        dtype=np.int64)
-    cols = np.asarray(ids).reshape(-1, spec.n_hash_cols)[:, shard.head_start:shard.head_end]
-    cols = cols.astype(np.int64, copy=False)
+    cols = check_hash_ids(ids, spec.n_hash_cols)[:, shard.head_start:shard.head_end]
     bucket = cols - id_base if id_base is not None else cols
     ok = (cols != -1) & (bucket >= 0) & (bucket < sizes)
     return np.unique((bucket + prefix_offsets(sizes))[ok])

@@ -29,7 +29,7 @@ from ..host.hugepages import parse_page_size
 from ..host.topology import Topology, current_node
 from ..literals import DEFAULT_DIRECTORY, CreateMode, PageSize
 from ..lookup.cpu import default_lookup_threads
-from ..lookup.ple import PLERows
+from ..lookup.ple import PLERows, row_ids
 from ..model.ple import PLESpec
 from ..model.sharding import ShardInfo
 from ..model.spec import strict_int
@@ -213,7 +213,7 @@ class SharedPLETable:
         arrays = mappedtier.mapped_arrays(self.backing)
         if arrays is None:
             return 0, 0
-        local = np.asarray(ids, dtype=np.int64).reshape(-1) - self.shard.row_start
+        local = row_ids(ids).reshape(-1) - self.shard.row_start
         rows = np.unique(local[(local >= 0) & (local < self.shard.num_rows)])
         return arrays.readahead("weights", rows, self.spec.row_bytes, advise=advise)
 
