@@ -136,6 +136,25 @@ def test_fingerprint_changes_with_what_decides_bytes():
         assert other.fingerprint != base.fingerprint
 
 
+def test_fingerprint_needs_no_tokenizer():
+    """The pad id (the tokenizer's map) decides no table byte: a spec from
+    the config alone (storage_of_config) has the fingerprint of the one
+    built with the token map, so a table service and a client without the
+    tokenizer match."""
+    base = EngramSpec.small()
+    assert EngramSpec.from_dict({**base.to_dict(), "pad_id": 7}).fingerprint == base.fingerprint
+    config = {"text_config": {
+        "engram_layer_ids": [1, 14], "engram_vocab_size": 1000, "engram_max_ngram_size": 3,
+        "engram_n_heads": 4, "engram_head_dim": 64, "engram_compressed_vocab_size": 1000,
+        "engram_pad_token_id": 3}}
+    token_map = np.arange(1000, dtype=np.int64)[::-1].copy()  # pad 3 -> compressed 996
+    full = EngramSpec.from_config(config, token_map)
+    storage = EngramSpec.storage_of_config(config)
+    assert full.pad_id == 996 and storage.pad_id == 0
+    assert storage.fingerprint == full.fingerprint == base.fingerprint
+    assert storage.bucket_sizes(14) == full.bucket_sizes(14)
+
+
 @pytest.mark.parametrize("vocab", [(2, 3), (1 << 20, 7), (1 << 40, (1 << 33) + 5)])
 def test_native_floor_modulo_by_invariant_primes_is_exact(vocab):
     """Tiny primes (2, 3, 5), mid-size and ~2^40 ones: the multiply-shift

@@ -62,13 +62,15 @@ def model_dir(tmp_path_factory):
 
 
 def engine(vllm_python, model_dir: str, settings: dict, *, plugin: bool = True,
-           engram: dict | None = None) -> dict:
+           engram: dict | None = None, tokenizer: str | None = None) -> dict:
     """One engine's model built and loaded (``plugin``: numa_engram among
     vLLM's plugins, else none; ``engram``: vLLM's --engram-config); its
     report (the last stdout line), its Engram layers checked bit-exact."""
     release, python = vllm_python
     env = {**os.environ, "VLLM_PLUGINS": "numa_engram" if plugin else ""}
     env.pop("TRITON_INTERPRET", None)
+    if tokenizer is not None:  # vLLM's --tokenizer (its own Engram hashing loads it)
+        env["NUMA_ENGRAM_TOKENIZER"] = tokenizer
     got = subprocess.run([python, str(ENGINE), model_dir, json.dumps(settings),
                           json.dumps(engram or {})],
                          capture_output=True, text=True, timeout=600, check=False, env=env)
@@ -110,6 +112,21 @@ def test_vllm_alone_builds_the_synthetic_model_and_loads_its_own_tables(vllm_pyt
 
 def test_vllms_loader_fills_our_tables_bit_exact(vllm_python, model_dir):
     report = engine(vllm_python, model_dir, {})
+    assert {t["mode"] for t in report["layers"]} == {"independent"}
+    _handed_all(report)
+
+
+def test_a_model_directory_without_its_tokenizer_is_served_from_vllms_config(
+        vllm_python, model_dir, tmp_path):
+    """No tokenizer.json beside the config: vLLM is given ``--tokenizer``
+    elsewhere (its own Engram hashing loads it; the plugin reads none) and
+    the plugin takes the layout from vLLM's hf_config; vLLM's loader fills
+    our tables bit-exact."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(model_dir, bare, ignore=shutil.ignore_patterns("tokenizer*"))
+    report = engine(vllm_python, str(bare), {}, tokenizer=model_dir)
     assert {t["mode"] for t in report["layers"]} == {"independent"}
     _handed_all(report)
 

@@ -311,17 +311,41 @@ def isolated() -> Iterator[None]:
 
 def config(model_dir: str, *, dp_shared: bool = False, additional: dict | None = None,
            load_format: str = "auto", use_thp: bool = False, cpu_offload: bool = True,
-           max_tokens: int = 64, disk_offload: bool = False) -> SimpleNamespace:
+           max_tokens: int = 64, disk_offload: bool = False,
+           model: str | None = None) -> SimpleNamespace:
     """The fields of vLLM's config the Engram modules and the plugin read
-    (``disk_offload``: 0.34's, read by its Qwen4-Exp PLE code only)."""
+    (``disk_offload``: 0.34's, read by its Qwen4-Exp PLE code only):
+    ``model_config.hf_config`` parsed from ``model_dir``'s config.json as
+    vLLM parses it (``hf_config``); ``model``: what vLLM was given (a hub
+    id, say), ``model_dir`` by default."""
     return SimpleNamespace(
         engram_config=SimpleNamespace(cpu_offload=cpu_offload, dp_shared_memory=dp_shared,
                                       use_thp=use_thp, embedding_across_dp=False,
                                       disk_offload=disk_offload),
         additional_config={"numa_engram": additional or {}},
-        model_config=SimpleNamespace(model=model_dir),
+        model_config=SimpleNamespace(model=model_dir if model is None else model,
+                                     hf_config=hf_config(model_dir)),
         load_config=SimpleNamespace(load_format=load_format, download_dir=None),
         scheduler_config=SimpleNamespace(max_num_batched_tokens=max_tokens))
+
+
+def hf_config(model_dir: str) -> SimpleNamespace | None:
+    """vLLM's ``hf_config`` of a model directory's config.json (None
+    without one): V4.1's ``DeepseekV41Config`` flattens its text_config's
+    fields onto the top level; Qwen4-Exp's keeps a ``text_config`` object."""
+    import json
+
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    doc = json.loads(path.read_text())
+    text = doc.pop("text_config", None)
+    if doc.get("model_type") == "deepseek_v41":
+        return SimpleNamespace(**{**doc, **{k: v for k, v in (text or {}).items()
+                                            if k != "model_type"}})
+    if isinstance(text, dict):
+        doc["text_config"] = SimpleNamespace(**text)
+    return SimpleNamespace(**doc)
 
 
 def layout_of(common: types.ModuleType, model_dir: str):

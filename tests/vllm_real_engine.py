@@ -22,6 +22,7 @@ these (``OVERRIDES`` says why; the report names those applied).
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import types
@@ -129,7 +130,10 @@ def main(model_dir: str, settings: dict, engram: dict) -> dict:
 
     # (0.31.0 refuses an engram_config on this platform; 0.32+ take the flag)
     flag = {"engram_config": engram} if engram and vllm.__version__ != "0.31.0" else {}
-    config = EngineArgs(model=model_dir, additional_config={"numa_engram": settings},
+    # (NUMA_ENGRAM_TOKENIZER: vLLM's --tokenizer, a directory other than the model's)
+    tokenizer = os.environ.get("NUMA_ENGRAM_TOKENIZER") or None
+    config = EngineArgs(model=model_dir, tokenizer=tokenizer,
+                        additional_config={"numa_engram": settings},
                         **ENGINE_ARGS, **flag).create_engine_config()
     resolved = str(config.engram_config)
     applied = _override_gpu_only_steps(config, engram)

@@ -14,17 +14,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Hold every table of a model directory for this host: load once (or
     adopt what systemd's fd store kept), seal, hand out descriptors on
     --socket until stopped."""
+    from ..runtime.hubcache import model_path
     from ..runtime.modeldir import ModelDirectory
     from ..runtime.plemodeldir import PLEModelDirectory
     from ..service import systemd
     from ..service.tableservice import TableService
     from ..userfiles import printable
 
+    path = model_path(args.model_dir)  # a hub id: its snapshot in the local cache
     model: ModelDirectory | PLEModelDirectory
-    if _has_ple_config(args.model_dir):
-        model = PLEModelDirectory.open(args.model_dir)
+    if _has_ple_config(path):
+        model = PLEModelDirectory.open(path)
     else:
-        model = ModelDirectory.open(args.model_dir)
+        model = ModelDirectory.open(path)
     service = TableService(model, args.socket, tp=args.tp, placement=args.placement,
                            page_size=args.page_size, group=args.group,
                            load_threads=args.load_threads)
@@ -104,7 +106,8 @@ HELP = ("hold a model's tables for this host: load once, seal, hand "
 
 def add_arguments(sp: argparse.ArgumentParser) -> None:
     """``numa-engram serve``'s arguments."""
-    sp.add_argument("model_dir", help="the model directory (config.json, tokenizer, checkpoint)")
+    sp.add_argument("model_dir", help="the model directory (config.json, tokenizer, checkpoint)"
+                    ", or a hub id (ORG/NAME) whose snapshot is in the local Hugging Face cache")
     sp.add_argument("--socket", required=True, help="the Unix socket engines attach through")
     sp.add_argument("--tp", type=positive_int, default=1, help="TP shards of each layer")
     sp.add_argument("--placement", default="interleave",

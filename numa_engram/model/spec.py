@@ -22,7 +22,12 @@ from ..userfiles import read_regular
 from .sharding import ShardInfo, prefix_offsets
 
 LAYER_SEED_PRIME = 10007
-FINGERPRINT_VERSION = 1
+FINGERPRINT_VERSION = 2  # 2: the pad id (the tokenizer's map) left out
+# the fields a table's fingerprint covers: all but pad_id, which is the pad
+# token's compressed id (the tokenizer's map) and decides no table byte
+FINGERPRINT_FIELDS = ("layer_ids", "engram_vocab_sizes", "max_ngram_size", "n_head_per_ngram",
+                      "head_dim", "compressed_vocab_size", "seed", "block")
+STORAGE_PAD_ID = 0  # a storage spec's pad id: not the model's (it hashes nothing)
 PAD_FIELDS = ("engram_pad_token_id", "engram_pad_id")  # as V4.1 ships it; DeepSeek's args
 _MR_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)  # exact below 3.3e24
 # Bounds on a spec, each checked at construction (SpecError, within a second):
@@ -275,9 +280,7 @@ class EngramSpec:
         layer's ``engram_num_embeddings`` must equal the sum of its primes
         (else SpecMismatchError: the vocab size is wrong and every hash
         would be)."""
-        doc = config if isinstance(config, dict) else _read_config(config)
-        if "engram_layer_ids" not in doc and isinstance(doc.get("text_config"), dict):
-            doc = doc["text_config"]
+        doc = _engram_document(config)
         if token_map is None:
             raise SpecError("from_config needs token_map (build_token_map(tokenizer)): the "
                             "config's pad id is a tokenizer id and must be mapped")
@@ -295,13 +298,31 @@ class EngramSpec:
         pad = field(pad_name)
         if not 0 <= pad < len(table):
             raise SpecError(f"{pad_name} {pad} is outside the token map of {len(table)} ids")
+        return cls._of_fields(doc, int(table[pad]))
+
+    @classmethod
+    def storage_of_config(cls, config: dict | str | os.PathLike) -> EngramSpec:
+        """The spec of a V4.1 config's tables, from the config alone (no
+        tokenizer): every field as ``from_config`` reads it but the pad id,
+        which is the pad token's compressed id through the tokenizer's map
+        and decides no table byte (set to STORAGE_PAD_ID; the fingerprint
+        leaves it out).  For storing and attaching tables, never for
+        hashing token ids: that needs ``from_config``'s spec."""
+        return cls._of_fields(_engram_document(config), STORAGE_PAD_ID)
+
+    @classmethod
+    def _of_fields(cls, doc: dict, pad_id: int) -> EngramSpec:
+        """The spec of a config's Engram fields with the compressed
+        ``pad_id``; each layer's ``engram_num_embeddings`` checked against
+        its primes."""
+        field = _config_field(doc)
         max_ngram = field("engram_max_ngram_size")
         vocab = field("engram_vocab_size", list_ok=True)
         vocab = vocab if isinstance(vocab, list) else [vocab] * (max_ngram - 1)
         spec = cls(layer_ids=field("engram_layer_ids", list_ok=True),
                    engram_vocab_sizes=vocab, max_ngram_size=max_ngram,
                    n_head_per_ngram=field("engram_n_heads"), head_dim=field("engram_head_dim"),
-                   compressed_vocab_size=compressed, pad_id=int(table[pad]))
+                   compressed_vocab_size=field("engram_compressed_vocab_size"), pad_id=pad_id)
         if "engram_num_embeddings" in doc:
             rows = field("engram_num_embeddings", list_ok=True)
             rows = rows if isinstance(rows, list) else [rows] * len(spec.layer_ids)
@@ -328,9 +349,25 @@ class EngramSpec:
 
     @property
     def fingerprint(self) -> bytes:
-        """32 bytes that change when anything deciding the table's bytes changes."""
-        doc = json.dumps({"v": FINGERPRINT_VERSION, **self.to_dict()}, sort_keys=True)
+        """32 bytes that change when any config field of FINGERPRINT_FIELDS
+        changes (the table's shape, rows and hashing parameters), computable
+        from the config alone: the pad id, which needs the tokenizer's map
+        and decides no table byte, is left out."""
+        fields = self.to_dict()
+        doc = json.dumps({"v": FINGERPRINT_VERSION, **{k: fields[k] for k in FINGERPRINT_FIELDS}},
+                         sort_keys=True)
         return hashlib.sha256(doc.encode()).digest()
+
+
+def _engram_document(config: dict | str | os.PathLike) -> dict:
+    """The document holding a config's Engram fields (a dict or a
+    config.json's path): the top level, or its ``text_config``."""
+    doc = config if isinstance(config, dict) else _read_config(config)
+    if not isinstance(doc, dict):
+        raise SpecError(f"a config is a JSON object, got {type(doc).__name__}")
+    if "engram_layer_ids" not in doc and isinstance(doc.get("text_config"), dict):
+        return doc["text_config"]
+    return doc
 
 
 def _config_field(doc: dict) -> Callable[..., Any]:

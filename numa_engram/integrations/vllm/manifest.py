@@ -113,14 +113,14 @@ SYMBOLS: dict[str, tuple[str, ...]] = {
 # what the plugin reads of vLLM's objects (not module names; listed for a
 # maintainer's check of a new release): the config's engram_config
 # (cpu_offload, use_thp, dp_shared_memory, disk_offload), additional_config,
-# model_config.model, load_config.load_format; an Engram embedding's
+# model_config.hf_config (the tables' layout), load_config.load_format; an Engram embedding's
 # num_embeddings, dim, block_size, n_hash_cols, head_start,
 # part_n_hash_cols, vocab_start_idx, vocab_end_idx, dp_shared_memory and
 # its params' engram_vocab_start (0.33+ set from row_start, equal to
 # vocab_start_idx on every host branch); a PLE embedding's prefix, tp_rank,
 # tp_size, num_embeddings_padded, shard_indices, weight, weight_scale;
 # vllm.config.get_current_vllm_config, vllm.platforms.current_platform.
-OBJECT_READS = ("engram_config", "additional_config", "model_config.model",
+OBJECT_READS = ("engram_config", "additional_config", "model_config.hf_config",
                 "load_config.load_format", "vocab_start_idx", "engram_vocab_start")
 
 INSTALL = "install one of vllm==" + ", ".join(RELEASES) + " or unset VLLM_PLUGINS=numa_engram"
