@@ -128,7 +128,7 @@ def test_with_a_table_service_vllms_loader_only_checks_and_an_update_is_refused(
         assert table.mode == "service" and not table.weights.flags.writeable
         assert torch.equal(emb.weight.view(torch.uint8), theirs.weight.view(torch.uint8))
         harness.load_ple_checkpoint(module, checkpoint(model_dir), layer)  # checked, not copied
-        with pytest.raises(PluginError, match="a weight update would write into a PLE table"):
+        with pytest.raises(PluginError, match="a weight update would write into PLE layer"):
             harness.load_ple_checkpoint(module, checkpoint(model_dir), layer)
         table.close()
     module = ours(vllm, model_dir, layer, additional={"service": service})
@@ -140,6 +140,55 @@ def test_with_a_table_service_vllms_loader_only_checks_and_an_update_is_refused(
                                           load_format="dummy")
     with pytest.raises(PluginError, match="load_format=dummy writes every weight"):
         harness.ple_layer(vllm.nv, SPEC.to_dict(), layer)
+
+
+def test_a_table_not_loaded_is_refused_at_vllms_end_of_load(vllm, model_dir):
+    """vLLM's loader ends each PLE table's load with its quant method's
+    process_weights_after_loading (every release's per-layer pass): a
+    table of ours that no checkpoint part filled is a PluginError there."""
+    layer = SPEC.layer_ids[0]
+    module = ours(vllm, model_dir, layer)
+    emb = module.ngram_embedding
+    storage = emb._numa_ple
+    with pytest.raises(PluginError, match=rf"PLE layer {layer} rows .*neither loaded by vLLM's "
+                                          rf"loader \(0 of the {storage.parts_expected} "
+                                          "checkpoint parts"):
+        emb.quant_method.process_weights_after_loading(emb)
+    harness.load_ple_checkpoint(module, checkpoint(model_dir), layer)
+    emb.quant_method.process_weights_after_loading(emb)  # loaded: nothing to say
+    storage.table.close()
+
+
+def test_an_attached_ple_tables_report_gives_the_services_measured_pages_per_node(
+        vllm, model_dir, service):
+    layer = SPEC.layer_ids[0]
+    module = ours(vllm, model_dir, layer, additional={"service": service})
+    storage = module.ngram_embedding._numa_ple
+    try:
+        doc = storage.report()
+        regions = storage.table.backing.layout.regions
+        assert doc["source"] == "attached" and doc["pages_per_node"] is not None, doc
+        assert sum(doc["pages_per_node"].values()) == sum(-(-r.length // 4096)
+                                                          for r in regions), doc
+    finally:
+        storage.table.close()
+
+
+def test_vllms_loader_writing_into_an_attached_ple_table_is_a_plugin_error_not_a_crash(
+        model_dir, service):
+    """Another part than the service's, handed by vLLM's loader to a table
+    attached read-only, is refused before any write, in a process of its
+    own (a SIGSEGV would fail the test, not end the run)."""
+    from .dist_harness import run_world
+    from .vllm_scenarios import write_into_attached_ple
+
+    [r] = run_world(1, write_into_attached_ple, timeout_s=300, model_dir=model_dir,
+                    spec=SPEC.to_dict(), service=service)
+    assert r["ok"], r.get("traceback", r)
+    assert r["mode"] == "service" and r["read_only"] and r["unchanged"], r
+    [said] = r["said"]
+    assert said is not None and \
+        f"would write other rows into PLE layer {SPEC.layer_ids[0]}'s table" in said, r
 
 
 @pytest.mark.parametrize("change, match", [
@@ -160,7 +209,7 @@ def test_another_model_directory_or_rocm_is_refused_naming_it(vllm, model_dir, t
                     ngram_vocab_size_base=2000, split_ngram_parts=7)
     other_dir = str(ple_scenarios.write_ple_model(tmp_path / "other", other))
     harness.State.config = harness.config(other_dir)
-    with pytest.raises(PluginError, match="another config.json than the one vLLM loaded"):
+    with pytest.raises(PluginError, match="disagree with the layout vLLM built"):
         harness.ple_layer(vllm.nv, SPEC.to_dict(), SPEC.layer_ids[0])
     harness.State.config = harness.config(model_dir)
     with pytest.raises(PluginError, match="layer 3 .*ple_layer_ids are \\[2, 5\\]"):

@@ -255,6 +255,129 @@ def test_with_a_table_service_each_layer_attaches_and_vllms_loader_copies_nothin
         nv.Engram._create_embedding(harness.thin_engram(nv), layout, 0)
 
 
+def test_a_hub_id_without_tokenizer_builds_and_attaches_from_vllms_config(
+        vllm, model_dir, service, tmp_path):
+    """vLLM was given a hub id (no local directory) and ``--tokenizer``
+    elsewhere: the plugin takes the layout from vLLM's hf_config alone,
+    builds tables vLLM's loader fills, and attaches the table service's
+    (started on the full directory, with its tokenizer): one fingerprint."""
+    import shutil
+
+    from numa_engram.runtime.modeldir import ModelDirectory
+
+    nv, common = vllm
+    bare = tmp_path / "bare"  # config.json and checkpoint, no tokenizer.json
+    shutil.copytree(model_dir, bare, ignore=shutil.ignore_patterns("tokenizer*"))
+    assert not list(bare.glob("tokenizer*"))
+    layout = harness.layout_of(common, model_dir)
+    served = ModelDirectory.open(model_dir).spec
+    for additional, mode in (({}, "independent"), ({"service": service}, "service")):
+        harness.State.config = harness.config(str(bare), model="deepseek-ai/not-downloaded",
+                                              additional=additional)
+        for index, layer in enumerate(layout.layer_ids):
+            ours = nv.Engram._create_embedding(harness.thin_engram(nv, index), layout, index)
+            table = ours.numa_table
+            assert table.mode == mode and table.spec.fingerprint == served.fingerprint
+            harness.load_checkpoint(ours, str(bare), layer)
+            theirs = _vllms_own(nv, common, layout, index, model_dir, layer)
+            ids = global_ids(SPEC, layer, 64, seed=layer)
+            assert torch.equal(_bits(ours(ids)), _bits(theirs(ids)))
+            table.close()
+
+
+def test_vllms_loader_writing_into_an_attached_table_is_a_plugin_error_not_a_crash(
+        vllm, model_dir, service):
+    """An attached table is the service's read-only mapping: a tensor vLLM's
+    loader hands that is not the service's rows (a weight update, another
+    checkpoint) is refused before any write, in a process of its own (a
+    SIGSEGV would fail the test, not end the run)."""
+    from .dist_harness import run_world
+    from .vllm_scenarios import write_into_attached
+
+    [r] = run_world(1, write_into_attached, timeout_s=300, model_dir=model_dir,
+                    root=str(harness.cache_dir()), service=service)
+    assert r["ok"], r.get("traceback", r)
+    assert r["mode"] == "service" and r["read_only"] and r["unchanged"], r
+    for said in r["said"]:
+        assert said is not None and "would write other rows into Engram layer 1's table, " \
+            "attached read-only from the table service" in said, r
+
+
+def test_an_attached_tables_report_line_gives_its_measured_pages_per_node(
+        vllm, model_dir, service, caplog):
+    """A table from the service has no placement plan here: its line in
+    vLLM's log measures where its pages are (move_pages over the mapping),
+    every page of the file on some node, not "pages per node None"."""
+    import ast
+    import logging
+    import re
+
+    nv, common = vllm
+    layout = harness.layout_of(common, model_dir)
+    harness.State.config = harness.config(model_dir, additional={"service": service})
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        ours = nv.Engram._create_embedding(harness.thin_engram(nv, 0), layout, 0)
+    table = ours.numa_table
+    try:
+        [line] = [r.getMessage() for r in caplog.records
+                  if r.name.startswith("vllm.numa_engram") and "Engram layer" in r.getMessage()]
+        found = re.search(r"source attached, 4K pages, \d+ bytes, pages per node (\{[^}]*\})",
+                          line)
+        assert found, line
+        per_node = ast.literal_eval(found.group(1))
+        regions = table._backing.layout.regions
+        assert sum(per_node.values()) == sum(-(-r.length // 4096) for r in regions), line
+    finally:
+        table.close()
+
+
+class StandInVLModel(torch.nn.Module):
+    """Stands in for vLLM's ``DeepseekV41ForCausalLM`` (vl_model.py; not
+    buildable without a GPU): its ``load_weights`` hands every Engram tensor
+    through the VL weights mapper to its parameter's weight_loader, as
+    vLLM's does (load_through_mapper), for the layers in ``weights``."""
+
+    def __init__(self, vl, embs, model_dir):
+        super().__init__()
+        self.vl, self.model_dir = vl, model_dir
+        self.embs = torch.nn.ModuleDict({str(layer): emb for layer, emb in embs.items()})
+
+    def load_weights(self, weights):
+        return load_through_mapper(self.vl, weights, self.model_dir)
+
+
+def test_a_table_neither_loaded_nor_attached_is_refused_at_the_end_of_vllms_load(
+        vllm, model_dir):
+    """The VL model's load_weights is vLLM's end of the load in every
+    release (0.31-0.34: every checkpoint tensor goes through it): a table
+    the loader never filled is a PluginError there, naming the layer, not
+    zeros at the first forward."""
+    import ast
+
+    from numa_engram.integrations.vllm import patch_vl_model
+
+    source = (harness.cache_dir() / "vllm/models/deepseek_v41/nvidia/vl_model.py").read_text()
+    classes = {node.name: {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+               for node in ast.parse(source).body if isinstance(node, ast.ClassDef)}
+    assert "load_weights" in classes["DeepseekV41ForCausalLM"]
+    nv, common = vllm
+    layout = harness.layout_of(common, model_dir)
+    harness.State.config = harness.config(model_dir)
+    embs = {layer: nv.Engram._create_embedding(harness.thin_engram(nv, index), layout, index)
+            for index, layer in enumerate(layout.layer_ids)}
+    vl = vl_module(harness.cache_dir())
+    vl.DeepseekV41ForCausalLM = StandInVLModel
+    patch_vl_model.patch(vl)
+    first, last = layout.layer_ids[0], layout.layer_ids[-1]
+    model = StandInVLModel(vl, embs, model_dir)
+    with pytest.raises(PluginError, match=rf"Engram layer {last}: its table was neither loaded "
+                                          r"by vLLM's loader \(0 of its 2 tensors\)"):
+        model.load_weights({first: embs[first]})
+    assert model.load_weights({last: embs[last]}) == 2  # every table loaded: no error
+    for emb in embs.values():
+        emb.numa_table.close()
+
+
 V41_NAMES = ["embed.weight", "head.weight", "norm.weight", "hc_head_fn",
              "layers.0.attn.wq_a.weight", "layers.1.engram.embed.weight",
              "layers.1.engram.embed.scale", "layers.1.engram.wkv.weight",

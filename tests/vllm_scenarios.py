@@ -284,3 +284,66 @@ def differing_settings(rank, world, *, model_dir, root, service, tp=2):
         return {"raised": f"{type(exc).__name__}: {exc}"}
     return {"raised": None}
 
+
+
+def _refused(load) -> str | None:
+    """What the plugin said when ``load()`` ran vLLM's loader, None if it
+    said nothing."""
+    from numa_engram.integrations.vllm.settings import PluginError
+
+    try:
+        load()
+    except PluginError as exc:
+        return str(exc)
+    return None
+
+
+def write_into_attached(rank, world, *, model_dir, root, service, version=harness.VERSION):
+    """vLLM's loader handing rows other than the service's to each parameter
+    of an Engram table attached read-only from the table service (a weight
+    update): what the plugin said for each, whether the table's bytes
+    stayed.  In a world of its own: a write into the read-only mapping
+    would kill this process (SIGSEGV), and the test with it."""
+    nv, common = harness.vllm_modules(Path(root), version)
+    patch(nv, common)
+    harness.State.config = harness.config(model_dir, additional={"service": service})
+    layout = harness.layout_of(common, model_dir)
+    emb = nv.Engram._create_embedding(harness.thin_engram(nv, 0), layout, 0)
+    table = emb.numa_table
+    before = table.weights.tobytes() + table.scales.tobytes()
+    said = []
+    for param in (emb.weight, emb.weight_scale_inv):
+        rows = param.engram_vocab_start + param.shape[0]
+        other = torch.full((rows, *param.shape[1:]), 7, dtype=torch.uint8).view(param.dtype)
+        said.append(_refused(lambda p=param, o=other: p.weight_loader(p, o)))
+    out = {"mode": table.mode, "read_only": emb._shared_memory.read_only, "said": said,
+           "unchanged": table.weights.tobytes() + table.scales.tobytes() == before}
+    table.close()
+    return out
+
+
+def write_into_attached_ple(rank, world, *, model_dir, spec, service, version=harness.VERSION):
+    """The same for a Qwen4-Exp PLE table: vLLM's module's load_weights
+    handing another first checkpoint part."""
+    root, why = harness.wheel_sources(version)
+    assert root is not None, why
+    v = harness.ple_modules(root, version)
+    from numa_engram.integrations.vllm import patch_ple
+    from numa_engram.model.ple import PLESpec
+
+    patch_ple(v.common, v.ple)
+    harness.State.tp = harness.Coordinator([0], None)
+    spec = PLESpec.from_dict(spec)
+    layer = spec.layer_ids[0]
+    harness.State.config = harness.config(model_dir, additional={"service": service})
+    module = harness.ple_layer(v.nv, spec.to_dict(), layer)
+    emb = module.ngram_embedding
+    table = emb._numa_ple.table
+    before = table.weights.tobytes()
+    first, end = spec.part_rows(layer, 0)
+    other = torch.full((end - first, *emb.weight.shape[1:]), 3.0).to(emb.weight.dtype)
+    said = _refused(lambda: module.load_weights([("ngram_embedding.shard_0.weight", other)]))
+    out = {"mode": table.mode, "read_only": emb._numa_ple.read_only, "said": [said],
+           "unchanged": table.weights.tobytes() == before}
+    table.close()
+    return out

@@ -24,7 +24,6 @@ from .settings import PluginError, PluginSettings, settings_of
 log = logging.getLogger("vllm." + __name__)
 
 REFUSED_LOADS = ("dummy", "sharded_state", "ipc_cache")
-_SPECS: dict[tuple[str, str], Any] = {}  # by model directory and family
 # this process's tables (Engram and PLE), for its metrics endpoint: vLLM's
 # Prometheus multiprocess mode runs no custom collector, so each worker
 # serves its own registry on metrics_port + its global rank
@@ -85,27 +84,49 @@ def _is_rocm() -> bool:
 
 
 def model_spec(config: Any) -> EngramSpec:
-    """The model directory's spec (its tokenizer's map: the fingerprint a
-    table service's tables carry), read once per process."""
-    from ...runtime.modeldir import ModelDirectory
+    """The Engram tables' spec from vLLM's parsed config (``hf_config``:
+    V4.1's text fields, flattened by vLLM or under ``text_config``), once
+    per engine; no tokenizer (``EngramSpec.storage_of_config``: tables
+    store no hashing)."""
+    return config_spec(config, "Engram", EngramSpec.storage_of_config)
 
-    return directory_spec(config, "config.json and tokenizer.json",
-                          lambda path: ModelDirectory.open(path).spec)
+
+def config_spec(config: Any, family: str, make: Callable[[dict], Any]) -> Any:
+    """``make`` of vLLM's ``model_config.hf_config`` as a document, once per
+    engine and family; the model directory is never read (a hub id not yet
+    downloaded, ``--tokenizer`` elsewhere: the same)."""
+    from ...errors import NumaEngramError
+
+    specs = placement.engine(config).specs
+    if family not in specs:
+        model_config = config.model_config
+        hf = getattr(model_config, "hf_config", None)
+        if hf is None:
+            raise PluginError(f"vLLM's model_config of {getattr(model_config, 'model', None)!r} "
+                              "has no hf_config: the numa_engram plugin takes the "
+                              f"{family} tables' layout from it")
+        try:
+            specs[family] = make(hf_document(hf))
+        except NumaEngramError as exc:
+            raise PluginError(f"{family} tables of {getattr(model_config, 'model', None)!r}: "
+                              f"vLLM's hf_config: {exc}") from None
+    return specs[family]
 
 
-def directory_spec(config: Any, reads: str, open_spec: Callable[[str], Any]) -> Any:
-    """``open_spec`` of vLLM's model directory, once per process and
-    directory (``reads``: the files it reads, for the message when the
-    model is not a local directory)."""
-    path = str(config.model_config.model)
-    key = (path, reads)
-    if key not in _SPECS:
-        if not os.path.isdir(path):
-            raise PluginError(f"the model {path!r} is not a local directory; the numa_engram "
-                              f"plugin reads its {reads} (download it first, e.g. "
-                              "huggingface-cli download)")
-        _SPECS[key] = open_spec(path)
-    return _SPECS[key]
+def hf_document(hf: Any) -> dict:
+    """vLLM's parsed config (a transformers ``PretrainedConfig``, its
+    ``to_dict``; or any object of attributes) as a JSON-like document, its
+    ``text_config`` too."""
+    if isinstance(hf, dict):
+        doc = dict(hf)
+    elif callable(getattr(hf, "to_dict", None)):
+        doc = dict(hf.to_dict())
+    else:
+        doc = dict(vars(hf))
+    text = doc.get("text_config")
+    if text is not None and not isinstance(text, dict):
+        doc["text_config"] = hf_document(text)
+    return doc
 
 
 @dataclass
@@ -174,8 +195,10 @@ class LayerTables:
             register_device=device, service_uids=self.settings.service_uids or None,
             allow_unsealed=self.settings.allow_unsealed or None)
         placement.engine(self.config).attached.add(self.layer_id)
-        return TableStorage(self.nv, self.common, table, writer=False, group=None, filled=True,
-                            config=self.config)
+        storage = TableStorage(self.nv, self.common, table, writer=False, group=None,
+                               filled=True, config=self.config)
+        storage.service = service
+        return storage
 
 
 def serve_metrics(settings: PluginSettings) -> None:
@@ -204,9 +227,9 @@ def vllm_shard(spec: EngramSpec, layer_id: int, emb: Any) -> ShardInfo:
     if spec.rows(layer_id) != emb.num_embeddings or spec.head_dim != emb.dim or \
             spec.block != emb.block_size:
         raise PluginError(f"layer {layer_id}: vLLM's table is {emb.num_embeddings} rows of "
-                          f"{emb.dim} (block {emb.block_size}), the model directory's spec "
+                          f"{emb.dim} (block {emb.block_size}), its hf_config's spec "
                           f"{spec.rows(layer_id)} of {spec.head_dim} (block {spec.block}): "
-                          "another config.json than the one vLLM loaded")
+                          "the config's Engram fields disagree with the layout vLLM built")
     head_end = min(emb.head_start + emb.part_n_hash_cols, emb.n_hash_cols)
     theirs = ShardInfo(emb.head_start, head_end, emb.vocab_start_idx, emb.vocab_end_idx,
                        emb.vocab_end_idx - emb.vocab_start_idx)
@@ -231,12 +254,17 @@ class TableStorage:
         self._nv, self._common, self._config = nv, common, config
         # (group: the sharing group, a Group whose collectives are bounded)
         self.table, self.writer, self.group, self.filled = table, writer, group, filled
-        with warnings.catch_warnings():  # a read-only mapping: vLLM never writes it here
+        # torch has no read-only tensor: a mapping this rank may not write
+        # (attached, a DP-shared peer's) is refused by load_weight before
+        # any write reaches it
+        self.read_only = not table.weights.flags.writeable
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             self.weight = torch.from_numpy(table.weights).view(torch.float8_e4m3fn)
             self.scales = torch.from_numpy(table.scales)
         self._views: tuple[Any, Any] | None = None
         self._loads = 0
+        self.service: str | None = None  # the table service's socket, where attached
 
     def load_weight(self, param: Any, loaded_weight: Any) -> None:
         """vLLM's loader hands one tensor: the writer copies this rank's rows
@@ -244,18 +272,12 @@ class TableStorage:
         float8_e8m0fnu and must keep its bytes), then the group's members
         meet at a barrier; a table already filled (attached) checks shapes."""
         if self.filled:
-            if self._loads >= 2:  # past the checkpoint's two tensors: an update
-                raise PluginError("a weight update would write into an Engram table attached "
-                                  "read-only from the table service; restart the service with "
-                                  "the new checkpoint, or run without numa_engram.service")
-            self._loads += 1
-            rows, start = param.shape[0], param.engram_vocab_start
-            if loaded_weight.shape[0] < start + rows or \
-                    tuple(loaded_weight.shape[1:]) != tuple(param.shape[1:]):
-                raise PluginError(f"the checkpoint's tensor of {list(loaded_weight.shape)} "
-                                  f"does not hold rows {start}..{start + rows} of "
-                                  f"{list(param.shape[1:])}")
+            self._check_served(param, loaded_weight)
             return
+        if self.writer and self.read_only:
+            raise PluginError(f"Engram layer {self.table.layer_id}: vLLM's loader would write "
+                              "into a table this rank maps read-only; this is a bug of the "
+                              "numa_engram plugin, report it")
         if self.writer:
             self._common._engram_head_shard_weight_loader(param, loaded_weight)
         if self.group is not None:
@@ -263,6 +285,42 @@ class TableStorage:
         self._loads += 1
         if self._loads == 2:  # weights and scales: the table is loaded
             self.report()
+
+    def _check_served(self, param: Any, loaded_weight: Any) -> None:
+        """A tensor handed for a table attached read-only from the service:
+        the same bytes as its rows (the checkpoint the service holds) is a
+        check; anything else, or past the checkpoint's two tensors, would be
+        a write into the service's read-only mapping: a PluginError, before
+        any byte is written."""
+        import torch
+
+        layer = self.table.layer_id
+        update = ("restart the table service with the new checkpoint, or run without "
+                  "numa_engram.service")
+        if self._loads >= 2:  # past the checkpoint's two tensors: an update
+            raise PluginError(f"a weight update would write into Engram layer {layer}'s table, "
+                              f"attached read-only from the table service; {update}")
+        rows, start = param.shape[0], param.engram_vocab_start
+        if loaded_weight.shape[0] < start + rows or \
+                tuple(loaded_weight.shape[1:]) != tuple(param.shape[1:]):
+            raise PluginError(f"the checkpoint's tensor of {list(loaded_weight.shape)} "
+                              f"does not hold rows {start}..{start + rows} of "
+                              f"{list(param.shape[1:])}")
+        theirs = loaded_weight[start:start + rows].contiguous().view(torch.uint8)
+        if not torch.equal(theirs, param.data.view(torch.uint8)):
+            raise PluginError(f"vLLM's loader would write other rows into Engram layer {layer}'s "
+                              f"table, attached read-only from the table service (another "
+                              f"checkpoint than the service's, or a weight update); {update}")
+        self._loads += 1
+
+    def unready(self) -> str | None:
+        """Why the table's rows are not the checkpoint's, None when they are."""
+        if self.ready:
+            return None
+        return (f"Engram layer {self.table.layer_id}: its table was neither loaded by vLLM's "
+                f"loader ({self._loads} of its 2 tensors) nor attached from a table service, so "
+                "it holds zeros: the checkpoint lacks this layer's engram.embed tensors, or "
+                "the loader skipped them (check --load-format and numa_engram.service)")
 
     @property
     def huge_pages(self) -> bool:
@@ -278,7 +336,7 @@ class TableStorage:
         PSS of the group's members as copies of the table and the startup
         phases; logged once per table."""
         from ...host.procfs import smaps
-        from .report import layer_line
+        from .report import layer_line, served_pages_per_node
 
         doc = dict(self.table.mode_report())
         name = os.path.basename(self.table.path).removeprefix("memfd:")
@@ -295,8 +353,15 @@ class TableStorage:
         doc.update(layer_line(
             "Engram", self.table, f"heads [{doc['head_start']}, {doc['head_end']})",
             "attached" if self.filled else "built", f", group {doc['sharing_group']}, "
-            f"{doc['pss_copies']} copies by PSS, startup {doc['startup_s']}"))
+            f"{doc['pss_copies']} copies by PSS, startup {doc['startup_s']}",
+            served=self._served(served_pages_per_node)))
         return doc
+
+    def _served(self, measure: Callable[..., Any]) -> dict[int, int] | None:
+        """An attached table's pages per node, as its service measured them."""
+        if self.service is None:
+            return None
+        return measure(self.service, self.table, placement.engine(self._config).statuses)
 
     @property
     def ready(self) -> bool:
@@ -310,12 +375,9 @@ class TableStorage:
                                                        self.scales.data_ptr()):
             raise RuntimeError("the Engram parameters' storage was replaced; numa_engram's "
                                "tables must stay under them")
-        if not self.ready:
-            raise PluginError(f"Engram layer {self.table.layer_id}: its table was neither "
-                              "loaded by vLLM's loader nor attached from a table service, so "
-                              "it holds zeros: the checkpoint lacks this layer's engram.embed "
-                              "tensors, or the loader skipped them (check --load-format and "
-                              "numa_engram.service)")
+        problem = self.unready()
+        if problem:
+            raise PluginError(problem)
         if self._views is None:
             self._views = self._device_views()
         return self._views
@@ -329,6 +391,23 @@ class TableStorage:
         # no registering device (CPU-only checks): vLLM's own helper, found now
         accelerator_view = self._nv.get_accelerator_view_from_cpu_tensor
         return accelerator_view(self.weight), accelerator_view(self.scales)
+
+
+def check_loaded(model: Any) -> None:
+    """At the end of vLLM's load (the model's ``load_weights``, or a PLE
+    layer's post-load hook): every numa_engram table under ``model`` holds
+    the checkpoint's rows (loaded or attached), else one PluginError naming
+    each layer that would serve zeros, before any forward."""
+    problems = []
+    for module in model.modules():
+        for storage in (getattr(module, "_shared_memory", None),
+                        getattr(module, "_numa_ple", None)):
+            unready = getattr(storage, "unready", None)  # (vLLM's own storage has none)
+            problem = unready() if callable(unready) else None
+            if problem:
+                problems.append(problem)
+    if problems:
+        raise PluginError("; ".join(problems))
 
 
 def can_share(nv: ModuleType, layout: Any,  # noqa: ARG001 (vLLM's signature)

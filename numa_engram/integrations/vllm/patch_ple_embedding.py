@@ -3,7 +3,10 @@
 ``nvidia/ngram_embedding.py``.
 
 Replaces: ``Qwen4ExpPLEPinnedHostEmbedding.allocate_embedding_weight`` and
-``.weight_loader``; wraps ``Qwen4ExpNGramEmbedding.__init__``.
+``.weight_loader``; wraps ``Qwen4ExpNGramEmbedding.__init__`` and the PLE
+embedding quant methods' ``process_weights_after_loading`` (the end of
+vLLM's load for each PLE table: one not loaded nor attached is refused
+there).
 
 Why: vLLM keeps each PLE layer's ETP row range per rank in pinned memory
 (one private copy per DP replica, placed by first touch); the plugin's
@@ -87,9 +90,45 @@ def patch(common: Any, ple: Any = None) -> None:
     weight_loader.__wrapped__ = load  # type: ignore[attr-defined]
     pinned.allocate_embedding_weight = allocate_embedding_weight
     pinned.weight_loader = weight_loader
+    for method in _embedding_methods(common):
+        _check_after_loading(method)
     log.info("numa_engram: vLLM %s's Qwen4-Exp PLE storage patched%s",
              manifest.vllm_version(),
              f"; refused at model construction: {problem}" if problem else "")
+
+
+def _embedding_methods(common: Any) -> list[type]:
+    """vLLM's PLE embedding quant methods (``Qwen4ExpPLEEmbeddingMethod``
+    and the release's subclasses: unquantized, FP8, 0.33+'s NVFP4)."""
+    base = getattr(common, "Qwen4ExpPLEEmbeddingMethod", None)
+    if not isinstance(base, type):
+        return []
+    return [value for value in vars(common).values()
+            if isinstance(value, type) and issubclass(value, base)]
+
+
+def _check_after_loading(method: type) -> None:
+    """Wrap ``method.process_weights_after_loading(layer)``, vLLM's end of
+    the load for each PLE embedding (its loader's per-layer pass over quant
+    methods, in every release): a table of ours that was neither loaded
+    nor attached is a PluginError there, never zeros at the first forward.
+    On the base class (whose subclasses without their own inherit it), and
+    on each subclass that overrides it."""
+    if "process_weights_after_loading" not in vars(method) and \
+            method.__name__ != "Qwen4ExpPLEEmbeddingMethod":
+        return
+    original = getattr(method, "process_weights_after_loading", None)
+
+    def process_weights_after_loading(self: Any, layer: Any) -> None:
+        storage = getattr(layer, "_numa_ple", None)
+        problem = storage.unready() if storage is not None else None
+        if problem:
+            raise PluginError(problem)
+        if original is not None:
+            original(self, layer)
+
+    process_weights_after_loading.__wrapped__ = original  # type: ignore[attr-defined]
+    method.process_weights_after_loading = process_weights_after_loading  # type: ignore
 
 
 def patch_model(model: Any) -> None:

@@ -1,6 +1,7 @@
 """Patch of V4.1's VL model module (``nvidia/vl_model.py``, 0.31-0.34).
 
-Replaces: ``_make_deepseek_v4_vl_weights_mapper``.
+Replaces: ``_make_deepseek_v4_vl_weights_mapper``; wraps
+``DeepseekV41ForCausalLM.load_weights`` (the end of vLLM's load).
 
 Why: an engine whose Engram tables came from a table service has their
 rows already; vLLM's loader would read every Engram tensor of the
@@ -69,6 +70,27 @@ def patch(vl: Any) -> None:
 
     mapper.__wrapped__ = make  # type: ignore[attr-defined]
     vl._make_deepseek_v4_vl_weights_mapper = mapper
+    model = getattr(vl, "DeepseekV41ForCausalLM", None)
+    if isinstance(model, type) and hasattr(model, "load_weights"):
+        model.load_weights = _checked_load(model.load_weights)
+
+
+def _checked_load(load_weights: Any) -> Any:
+    """The VL model's ``load_weights`` (every checkpoint tensor of the model
+    goes through it, in every release), then a check that each Engram table
+    of ours under it holds the checkpoint's rows: a table neither loaded nor
+    attached is a PluginError at the end of the load, never zeros at the
+    first forward (vLLM's dummy load writes every table itself and skips
+    this; TableStorage.get_views checks again at the first forward)."""
+    def load(self: Any, weights: Any) -> Any:
+        from .layers import check_loaded
+
+        loaded = load_weights(self, weights)
+        check_loaded(self)
+        return loaded
+
+    load.__wrapped__ = load_weights  # type: ignore[attr-defined]
+    return load
 
 
 def check_engram_hook() -> None:

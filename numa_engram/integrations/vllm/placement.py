@@ -50,6 +50,8 @@ class Engine:
     decisions: dict[tuple, Decision] = field(default_factory=dict)
     groups: dict[tuple, Any] = field(default_factory=dict)
     attached: set[int] = field(default_factory=set)
+    specs: dict[str, Any] = field(default_factory=dict)  # by family, from its hf_config
+    statuses: dict[str, dict] = field(default_factory=dict)  # by service socket, for reports
     said: set[str] = field(default_factory=set)  # the lines logged once per engine
 
 

@@ -19,7 +19,7 @@ from ...model.ple import PLESpec
 from ...sharing.pletable import SharedPLETable
 from ...sharing.request import TableOptions
 from . import placement
-from .layers import TABLES, directory_spec, refuse_config, refuse_load, serve_metrics
+from .layers import TABLES, config_spec, refuse_config, refuse_load, serve_metrics
 from .settings import PluginError, PluginSettings, settings_of
 
 log = logging.getLogger("vllm." + __name__)
@@ -38,10 +38,9 @@ def layer_of(prefix: str) -> int:
 
 
 def model_spec(config: Any) -> PLESpec:
-    """The model directory's PLE spec, read once per process."""
-    from ...runtime.plemodeldir import PLEModelDirectory
-
-    return directory_spec(config, "config.json", lambda path: PLEModelDirectory.open(path).spec)
+    """The PLE tables' spec from vLLM's parsed config (``hf_config``, its
+    ``text_config`` where it has one), once per engine."""
+    return config_spec(config, "PLE", PLESpec.from_config)
 
 
 def _torch_dtype(name: str) -> Any:
@@ -56,7 +55,7 @@ def check_layer(spec: PLESpec, layer_id: int, emb: Any, rows: int, dim: int,
     same rows, width, dtype and ETP row range."""
     if layer_id not in spec.layer_ids:
         raise PluginError(f"vLLM builds a PLE table for layer {layer_id} ({emb.prefix}); the "
-                          f"model directory's ple_layer_ids are {list(spec.layer_ids)}")
+                          f"hf_config's ple_layer_ids are {list(spec.layer_ids)}")
     start, end = spec.shard_rows(layer_id, emb.tp_rank, emb.tp_size)
     theirs = (emb.num_embeddings_padded, rows, dim, dtype,
               emb.shard_indices.org_vocab_start_index, emb.shard_indices.org_vocab_end_index)
@@ -65,8 +64,8 @@ def check_layer(spec: PLESpec, layer_id: int, emb: Any, rows: int, dim: int,
     if theirs != ours:
         raise PluginError(f"PLE layer {layer_id} ETP rank {emb.tp_rank} of {emb.tp_size}: vLLM "
                           f"allocates (layer rows, shard rows, width, dtype, start, end) "
-                          f"{theirs}, the model directory's spec gives {ours}: another "
-                          "config.json than the one vLLM loaded")
+                          f"{theirs}, its hf_config's spec gives {ours}: the config's PLE "
+                          "fields disagree with the layout vLLM built")
 
 
 class PLEStorage:
@@ -79,7 +78,14 @@ class PLEStorage:
         import torch
 
         self.table, self.writer, self.group, self.filled = table, writer, group, filled
-        with warnings.catch_warnings():  # a read-only mapping: vLLM never writes it here
+        # torch has no read-only tensor: a mapping this rank may not write
+        # (attached, a DP-shared peer's) is refused by load_rows before any
+        # write reaches it
+        self.read_only = not table.weights.flags.writeable
+        self.dummy_load = False  # vLLM's dummy loader writes every weight itself
+        self.service: str | None = None  # the table service's socket, where attached
+        self.statuses: dict[str, dict] = {}  # the engine's service statuses (its reports')
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.from_numpy(table.weights)
         self.weight = raw.view(dtype)
@@ -110,18 +116,39 @@ class PLEStorage:
                               shared_asked=_shared_asked(config, emb, common.get_tp_group()))
         TABLES.append(storage.table)
         serve_metrics(settings)
+        storage.dummy_load = str(getattr(config.load_config, "load_format", "auto")) == "dummy"
+        storage.statuses = placement.engine(config).statuses
         storage.where = f"rows [{storage.table.shard.row_start}, " \
             f"{storage.table.shard.row_end}) of ETP rank {emb.tp_rank}/{emb.tp_size}"
         if storage.filled:
             storage.report()  # attached: nothing for vLLM's loader to do
         return storage
 
+    @property
+    def ready(self) -> bool:
+        """The rows are the checkpoint's: attached, every part covering them
+        loaded, or written by vLLM's dummy load into a table this rank writes."""
+        return self.filled or self.parts_loaded >= self.parts_expected or \
+            (self.writer and self.dummy_load)
+
+    def unready(self) -> str | None:
+        """Why the table's rows are not the checkpoint's, None when they are."""
+        if self.ready:
+            return None
+        return (f"PLE layer {self.table.layer_id} {self.where}: its table was neither loaded by "
+                f"vLLM's loader ({self.parts_loaded} of the {self.parts_expected} checkpoint "
+                "parts that cover its rows) nor attached from a table service, so it holds "
+                "zeros: the checkpoint lacks parts of this layer's ple_embedding, or the "
+                "loader skipped them (check --load-format and numa_engram.service)")
+
     def report(self) -> dict:
         """The layer's line (report.layer_line), once its rows are in."""
-        from .report import layer_line
+        from .report import layer_line, served_pages_per_node
 
+        served = None if self.service is None else served_pages_per_node(
+            self.service, self.table, self.statuses)
         return layer_line("PLE", self.table, self.where,
-                          "attached" if self.filled else "built")
+                          "attached" if self.filled else "built", served=served)
 
     @classmethod
     def _tables(cls, config: Any, settings: PluginSettings, spec: PLESpec, layer: int, dp: Any,
@@ -140,7 +167,9 @@ class PLEStorage:
                                           service_uids=settings.service_uids or None,
                                           allow_unsealed=settings.allow_unsealed or None,
                                           **shard_args)
-            return cls(table, dtype, writer=False, group=None, filled=True)
+            storage = cls(table, dtype, writer=False, group=None, filled=True)
+            storage.service = decision.service
+            return storage
         if decision.source == "dp_shared":
             group = placement.sharing_group(config, settings, dp, tp_rank=emb.tp_rank,
                                             device=device)
@@ -163,11 +192,11 @@ class PLEStorage:
                               "plugin takes the split-parts checkpoint (shard_{i}.weight)")
         covers = self._covers(checkpoint_start, checkpoint_start + loaded_weight.shape[0])
         if self.filled:
-            if self.parts_loaded >= self.parts_expected and covers:
-                raise PluginError("a weight update would write into a PLE table attached "
-                                  "read-only from the table service; restart the service with "
-                                  "the new checkpoint, or run without numa_engram.service")
-            self._check_width(loaded_weight)
+            self._check_served(loaded_weight, checkpoint_start, covers)
+        elif self.writer and self.read_only:
+            raise PluginError(f"PLE layer {self.table.layer_id}: vLLM's loader would write into "
+                              "a table this rank maps read-only; this is a bug of the "
+                              "numa_engram plugin, report it")
         elif self.writer:
             write()
         if not covers:
@@ -193,6 +222,33 @@ class PLEStorage:
             raise PluginError(f"PLE layer {self.table.layer_id}: the checkpoint's weight_scale "
                               f"{got!r} is not the served table's {self.table.scale!r}; the table "
                               "service holds another checkpoint (restart it on this model)")
+
+    def _check_served(self, loaded_weight: Any, checkpoint_start: int, covers: bool) -> None:
+        """A part handed for a table attached read-only from the service:
+        the same bytes as the rows it covers (the service's checkpoint) is
+        a check; other bytes, or a part past the checkpoint's, would be a
+        write into the service's read-only mapping: a PluginError first."""
+        import torch
+
+        update = ("restart the table service with the new checkpoint, or run without "
+                  "numa_engram.service")
+        if self.parts_loaded >= self.parts_expected and covers:
+            raise PluginError(f"a weight update would write into PLE layer "
+                              f"{self.table.layer_id}'s table, attached read-only from the "
+                              f"table service; {update}")
+        self._check_width(loaded_weight)
+        first = max(self.table.shard.row_start, checkpoint_start)
+        end = min(self.table.shard.row_end, checkpoint_start + loaded_weight.shape[0])
+        if first >= end:
+            return
+        theirs = loaded_weight[first - checkpoint_start:end - checkpoint_start]
+        ours = self.weight[first - self.table.shard.row_start:end - self.table.shard.row_start]
+        if not torch.equal(theirs.to(ours.dtype).contiguous().view(torch.uint8),
+                           ours.view(torch.uint8)):
+            raise PluginError(f"vLLM's loader would write other rows into PLE layer "
+                              f"{self.table.layer_id}'s table, attached read-only from the "
+                              f"table service (another checkpoint than the service's, or a "
+                              f"weight update); {update}")
 
     def _check_width(self, loaded_weight: Any) -> None:
         if tuple(loaded_weight.shape[1:]) != tuple(self.weight.shape[1:]):
