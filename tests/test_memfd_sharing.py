@@ -472,6 +472,34 @@ def test_a_late_attach_past_stopped_holders_keeps_to_its_timeout(runtime_dir):
             t.close()
 
 
+def test_a_umask_that_takes_the_owners_bits_still_makes_a_0700_directory(runtime_dir):
+    """A process run under umask 0777 (or 0277): the hand-over directory
+    and a late holder's new one are still 0700 and the sockets 0600 (they
+    were mode 0000 or 0500: the owner itself, unless root, could not bind
+    its socket there, and the share failed with EACCES)."""
+    old = os.umask(0o777)
+    try:
+        spec, shard, tables = _shared(2, runtime_dir)
+    finally:
+        os.umask(old)
+    try:
+        directory = tables[0].handover
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+        assert all(stat.S_IMODE(os.stat(s).st_mode) == 0o600
+                   for s in fdhandover.holders(directory))
+        again = os.path.join(runtime_dir, "numa-engram-again")
+        os.umask(0o277)
+        try:
+            holder = fdhandover.Holder(again, lambda request: ({}, None))
+        finally:
+            os.umask(old)
+        assert stat.S_IMODE(os.stat(again).st_mode) == 0o700
+        holder.close()
+    finally:
+        for t in tables:
+            t.close()
+
+
 def test_a_hand_over_directory_others_may_enter_is_refused(runtime_dir):
     spec, shard, tables = _shared(2, runtime_dir)
     directory = tables[0].handover

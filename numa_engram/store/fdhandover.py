@@ -83,7 +83,9 @@ def new_directory(under: str) -> str:
     check_root(under)
     sweep_root(under)
     try:
-        return tempfile.mkdtemp(prefix=PREFIX, dir=under)
+        made = tempfile.mkdtemp(prefix=PREFIX, dir=under)
+        os.chmod(made, 0o700)  # (mkdtemp's mode is masked: under umask 0777, 0000)
+        return made
     except OSError as exc:
         raise StorageError(f"cannot make a hand-over directory for the table's sockets under "
                            f"{under}: {exc.strerror}; set {ROOT_ENV} or TMPDIR to a directory "
@@ -136,6 +138,7 @@ class Holder:
     def __init__(self, directory: str, answer: Answer) -> None:
         try:
             os.mkdir(directory, 0o700)  # its last holder left meanwhile
+            os.chmod(directory, 0o700)  # (the umask masks mkdir's mode)
         except FileExistsError:
             pass
         except OSError as exc:
