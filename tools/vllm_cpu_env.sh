@@ -23,6 +23,11 @@ ready() {
     2>/dev/null)" = "$version $torch_here" ]
 }
 
+# one builder at a time: make test starts it beside the suite, and the
+# test's fixture runs it again (waiting here, then finding it ready)
+mkdir -p "$(dirname "$env")"
+exec 9> "$env.lock"
+flock 9
 if ! ready; then
   rm -rf "$env"
   "$PY" -m venv "$env"
