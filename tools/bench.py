@@ -31,6 +31,19 @@ from benchmarks.startup import bench_load, bench_restart  # noqa: E402
 from numa_engram.bindings import native  # noqa: E402
 
 
+def _releases(chosen: str) -> tuple[str, ...]:
+    """--vllm: 'all' (the plugin's manifest) or the releases named."""
+    from numa_engram.integrations.vllm import manifest
+
+    if chosen == "all":
+        return tuple(sorted(manifest.RELEASES))
+    return tuple(v.strip() for v in chosen.split(",") if v.strip())
+
+
+def _sizes(chosen: str | None, default: tuple[float, ...]) -> tuple[float, ...]:
+    return default if chosen is None else tuple(float(g) for g in chosen.split(","))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("what", nargs="?", default="all",
@@ -41,6 +54,11 @@ def main() -> None:
     p.add_argument("--load-gib", type=float, default=1.0)
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    p.add_argument("--vllm", default="0.31.0",
+                   help="restart: the vLLM releases whose Engram (the wheel's, under the test "
+                   "harness) the plugin's path is measured on, comma-separated, or 'all'")
+    p.add_argument("--restart-gib", default=None,
+                   help="restart: table sizes in GiB, comma-separated (default 1,8)")
     p.add_argument("--corpus", nargs="+", default=None,
                    help="cgroup: text files for the tokenizer and the ids (default: the docs)")
     a = p.parse_args()
@@ -77,7 +95,8 @@ def main() -> None:
     if a.what in ("all", "prefetch"):
         bench_prefetch()
     if a.what in ("all", "restart"):
-        bench_restart((0.05, 0.2) if a.quick else (1.0, 8.0))
+        bench_restart((0.05, 0.2) if a.quick else _sizes(a.restart_gib, (1.0, 8.0)),
+                      _releases(a.vllm))
     if a.what in ("all", "mapped"):
         # 1 and 4 GiB, not 8: a cold resident load of 8 GiB beside its
         # page-cached checkpoint needs ~17 GiB of a 24 GiB host shared by others

@@ -88,20 +88,33 @@ def _streamed_model(root: str, gib: float):
     return spec
 
 
-def _vllm_plugin_times(model: str, sock: str, size: int) -> tuple[float, float | None] | None:
-    """vLLM's own Engram (the wheel's, under the test stubs) through the
-    plugin: seconds from ``_allocate_weights`` to ready rows (the views
-    vLLM's kernel reads) attached from the service at ``sock``, and for a
-    cold private table loaded by vLLM's loader; None without vLLM's sources."""
+def _vllm_plugin_times(model: str, sock: str, size: int,
+                       releases: tuple[str, ...]) -> dict[str, tuple[float, float | None] | str]:
+    """Per vLLM release, its own Engram (the wheel's, under the test stubs)
+    through the plugin: seconds from ``_allocate_weights`` to ready rows
+    (the views vLLM's kernel reads) attached from the service at ``sock``,
+    and for a cold private table loaded by vLLM's loader (None where that
+    does not fit beside the service); why not, where a release's sources
+    cannot be had."""
     from tests import vllm_harness as harness
 
-    root, why = harness.wheel_sources()
-    if root is None:
-        print(f"  (the vLLM plugin's path not measured: {why})")
-        return None
-    from numa_engram.integrations.vllm import patch
+    out: dict[str, tuple[float, float | None] | str] = {}
+    for version in releases:
+        root, why = harness.wheel_sources(version)
+        if root is None:
+            out[version] = why
+            continue
+        with harness.isolated():
+            out[version] = _release_times(harness, root, version, model, sock, size)
+    return out
 
-    nv, common = harness.vllm_modules(root)
+
+def _release_times(harness, root, version: str, model: str, sock: str,
+                   size: int) -> tuple[float, float | None]:
+    from numa_engram.integrations.vllm import patch, patches
+
+    patches.FIRED.clear()
+    nv, common = harness.vllm_modules(root, version)
     patch(nv, common)
     layout = harness.layout_of(common, model)
 
@@ -122,9 +135,9 @@ def _vllm_plugin_times(model: str, sock: str, size: int) -> tuple[float, float |
     return t_attach, t_cold
 
 
-def _restart_times(gib: float) -> tuple[int, float, float, tuple[float, float] | None]:
+def _restart_times(gib: float, releases: tuple[str, ...]) -> tuple[int, float, float, dict]:
     """(table bytes, best cold start, best attach, the vLLM plugin's (attach,
-    cold) or None) for a ~gib GiB table."""
+    cold) per release of ``releases``) for a ~gib GiB table."""
     import subprocess
 
     from numa_engram import SharedEngramTable, shard_heads
@@ -150,31 +163,40 @@ def _restart_times(gib: float) -> tuple[int, float, float, tuple[float, float] |
                 time.sleep(0.1)
             t_attach = best_of(
                 lambda: SharedEngramTable.attach(spec, 1, shard, service=sock).close(), 5)
-            plugin = _vllm_plugin_times(model, sock, spec.rows(1) * spec.row_bytes)
+            plugin = _vllm_plugin_times(model, sock, spec.rows(1) * spec.row_bytes, releases)
         finally:
             proc.terminate()
             proc.wait()
     return spec.rows(1) * spec.row_bytes, t_cold, t_attach, plugin
 
 
-def bench_restart(sizes: tuple[float, ...] = (1.0, 8.0)) -> None:
+def bench_restart(sizes: tuple[float, ...] = (1.0, 8.0),
+                  releases: tuple[str, ...] = ("0.31.0",)) -> None:
     """Cold start (create + load from a page-cached checkpoint) against an
-    engine restart that attaches to a table service's ready table."""
+    engine restart that attaches to a table service's ready table; then
+    through each release's vLLM Engram with the plugin."""
     print("== restart: cold create + load vs attach to the table service")
     attach_s = {}
+    rows = []
     for gib in sizes:
-        size, t_cold, t_attach, plugin = _restart_times(gib)
+        size, t_cold, t_attach, plugin = _restart_times(gib, releases)
         attach_s[gib] = t_attach
         print(f"  {size / 2**30:5.2f} GiB: cold {t_cold:7.3f} s ({size / t_cold / 2**30:.2f} "
               f"GiB/s), restart (attach) {t_attach * 1e3:7.3f} ms -> {t_cold / t_attach:,.0f}x "
-              "faster (goal >= 50x at the large size)")
-        if plugin is not None:
-            p_attach, p_cold = plugin
-            cold = "cold not measured (not enough memory beside the service)" \
-                if p_cold is None else f"{p_cold:7.3f} s cold (create + vLLM's loader) -> " \
-                f"{p_cold / p_attach:,.0f}x"
-            print(f"  {size / 2**30:5.2f} GiB through vLLM's Engram + the plugin: "
-                  f"_allocate_weights to ready rows {p_attach * 1e3:7.3f} ms attached, {cold}")
+              "faster (goal >= 50x at the large size)", flush=True)
+        for version, got in plugin.items():
+            rows.append((version, size, got))
     small, large = min(attach_s), max(attach_s)
     print(f"  attach time grows {attach_s[large] / attach_s[small]:.2f}x from {small} to {large} "
           "GiB (goal < 2x)")
+    print("  through vLLM's Engram + the plugin: _allocate_weights to ready rows")
+    print("  vLLM     table     attached     cold (create + vLLM's loader)   cold / attached")
+    for version, size, got in sorted(rows):
+        if isinstance(got, str):
+            print(f"  {version:8} {size / 2**30:5.2f} GiB  not measured: {got}")
+            continue
+        p_attach, p_cold = got
+        cold = ("not measured (no room beside the service)", "") if p_cold is None else \
+            (f"{p_cold:8.3f} s", f"{p_cold / p_attach:,.0f}x")
+        print(f"  {version:8} {size / 2**30:5.2f} GiB  {p_attach * 1e3:8.3f} ms  {cold[0]:>30}   "
+              f"{cold[1]:>10}")
