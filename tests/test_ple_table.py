@@ -6,6 +6,7 @@ and vLLM's dequantisation rule, atol 0."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -48,9 +49,11 @@ def test_a_private_table_holds_the_checkpoints_rows_and_scale(ckpt):
         out = torch.empty((40, SPEC.n_heads, SPEC.head_dim), dtype=torch.bfloat16)
         assert table.lookup(ids, out) is out
         assert torch.equal(out.view(torch.int16), table.lookup(ids).view(torch.int16))
-        with pytest.raises(ValueError, match=r"uint16\) \[40, 16, 10\], got uint16 \[40, 16, 9\]"):
+        with pytest.raises(ValueError, match=r"shape \[40, 16, 10\], got torch.bfloat16 \[40, 16, "
+                                             r"9\]"):
             table.lookup(ids, out[..., :9].contiguous())
-        with pytest.raises(ValueError, match="CPU bfloat16 tensor, got torch.float32"):
+        with pytest.raises(ValueError, match=r"CPU bfloat16 tensor of shape \[40, 16, 10\], got "
+                                             r"torch.float32"):
             table.lookup(ids, out.float())
         with pytest.raises(StorageError, match="register_device=<cuda device index>"):
             table.lookup_cuda(torch.zeros(3, dtype=torch.int64))
@@ -338,3 +341,65 @@ def PLERowsAlone(table):  # noqa: N802 (reads as the class it makes)
 
     return PLERows(table.weights, dtype=SPEC.dtype, row_start=table.shard.row_start,
                    total_rows=SPEC.rows(table.layer_id), scale=table.scale)
+
+
+@pytest.mark.parametrize("tier", ["resident", "mapped"])
+def test_every_lookup_path_is_bit_exact_with_numpys_rows(ckpt, tier):
+    """lookup(ids) (a pooled tensor), lookup(ids, out=tensor) and
+    lookup(ids, out=prepare_out(tensor)) of 0-d, 1, 8, 40 and 64 tokens,
+    an ETP shard's (zeros for the other's rows) on the resident and the
+    mapped tier, equal ``reference_rows`` over the checkpoint's bytes
+    (atol 0); a result still held is not the next call's buffer."""
+    from numa_engram.lookup.ple import reference_rows
+
+    weight, scale = ple_scenarios.whole_table(ckpt, SPEC, LAYER)
+    whole = weight.view(torch.uint8).numpy()
+    rng = np.random.default_rng(5)
+    with SharedPLETable.create(SPEC, LAYER, checkpoint=ckpt, mode="independent", etp_rank=1,
+                               etp_size=2, tier=tier) as table:
+        start, end = table.shard.row_start, table.shard.row_end
+        shard = whole[start:end]
+        for shape in [(), (1, SPEC.n_heads), (8, SPEC.n_heads), (40, SPEC.n_heads),
+                      (64, SPEC.n_heads)]:
+            ids = rng.integers(0, SPEC.rows(LAYER), size=shape)
+            want = reference_rows(shard, ids, row_start=start, scale=table.scale)
+            held = table.lookup(ids)
+            again = table.lookup(rng.integers(0, SPEC.rows(LAYER), size=shape))
+            assert again.data_ptr() != held.data_ptr()  # held: not reused
+            out = torch.empty((*shape, SPEC.head_dim), dtype=torch.bfloat16)
+            prepared = table.prepare_out(torch.empty_like(out))
+            for got in (held, table.lookup(ids, out), table.lookup(ids, prepared)):
+                assert np.array_equal(got.view(torch.int16).numpy().view(np.uint16), want)
+            assert np.array_equal(table.lookup_packed(ids), np.where(
+                ((ids >= start) & (ids < end))[..., None], whole[ids], 0))
+        stats = table.stats()  # five lookups of each shape, counted with their ids
+        assert (stats.lookups, stats.rows) == (5 * 5, 5 * (1 + SPEC.n_heads * (1 + 8 + 40 + 64)))
+
+
+def test_a_prepared_out_keeps_every_check_of_a_callers_out(ckpt):
+    """prepare_out: out over the table's mapping refused when prepared, ids
+    sharing its bytes refused at the call (the ids left as they were), a
+    lookup of another shape refused naming both; a closed table refuses
+    the call."""
+    from numa_engram.errors import SpecError
+
+    ids = np.arange(4 * SPEC.n_heads, dtype=np.int64).reshape(4, SPEC.n_heads)
+    with SharedPLETable.create(SPEC, LAYER, checkpoint=ckpt, mode="independent") as table:
+        with warnings.catch_warnings():  # (the sealed rows' read-only view: never written)
+            warnings.simplefilter("ignore", UserWarning)
+            rows = torch.from_numpy(table.weights[:8 * SPEC.n_heads])
+        over_table = rows.view(-1).view(torch.bfloat16).view(4, SPEC.n_heads, SPEC.head_dim)
+        with pytest.raises(SpecError, match="out and the table's mapping share bytes"):
+            table.prepare_out(over_table)
+        whole = torch.zeros(4 * SPEC.n_heads * SPEC.head_dim, dtype=torch.bfloat16)
+        prepared = table.prepare_out(whole.view(4, SPEC.n_heads, SPEC.head_dim))
+        shared = whole.view(torch.int64)[:ids.size].numpy().reshape(ids.shape)
+        shared[:] = ids
+        with pytest.raises(SpecError, match="out and the ids share bytes"):
+            table.lookup(shared, prepared)
+        assert np.array_equal(shared, ids)
+        with pytest.raises(SpecError, match=r"prepared out= of \[4, 16, 10\].*\[2, 16, 10\]"):
+            table.lookup(ids[:2], prepared)
+        assert table.lookup(ids, prepared) is prepared.result
+    with pytest.raises(StorageError, match="closed"):
+        table.lookup(ids, prepared)

@@ -20,5 +20,5 @@ struct ne_ple_shard {
     uint16_t lut[256];    /* BF16 bits of each FP8 byte times scale */
 };
 void ne_ple_shard_init(struct ne_ple_shard *s);
-int64_t ne_ple_lookup(const struct ne_ple_shard *s, const int64_t *ids, int64_t n_ids, int scaled,
-                      void *out);
+int64_t
+ne_ple_lookup(const struct ne_ple_shard *s, const void *ids, int64_t n_ids, int scaled, void *out);

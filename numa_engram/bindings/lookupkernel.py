@@ -403,12 +403,17 @@ class PLEShard:
         byte x scale (``scaled``) or the stored bytes; zeros for ids outside
         the shard.  Returns the position of the first id outside the layer
         (its row zeros too), or -1.  The caller checks ``out``'s size."""
-        if not ids.shape[0]:
+        if not ids.size:
             return -1
-        found = lib.ne_ple_lookup(self.struct, ffi.from_buffer("int64_t[]", ids), ids.shape[0],
-                                  scaled, ffi.from_buffer(out))
-        if found == native.NE_FAULTED:
-            raise native.fault_error("a PLE lookup")
+        return self.run(ffi.from_buffer(ids), ids.size, ffi.from_buffer(out), scaled)
+
+    def run(self, ids: Any, n_ids: int, out: Any, scaled: bool) -> int:
+        """``rows`` over ids and an output already cast (``ffi.from_buffer``
+        of C-contiguous int64 ids, at least one; a pointer or buffer of
+        ``out``): the one place Python calls ``ne_ple_lookup``."""
+        found = lib.ne_ple_lookup(self.struct, ids, n_ids, scaled, out)
         if found < -1:
+            if found == native.NE_FAULTED:
+                raise native.fault_error("a PLE lookup")
             raise_errno("ne_ple_lookup", "a row of no bytes")
         return found

@@ -10,19 +10,33 @@ plain numpy.
 A shard holds rows ``row_start .. row_start + rows`` of the layer (vLLM's
 row-range split): other ids give zero rows, so the shards' results summed
 (FP8 as raw bytes, as vLLM all-reduces them) are the whole table's rows.
-No torch here.
+torch only inside the calls that hand out tensors.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..bindings import lookupkernel
+from ..bindings.native import ffi
 from ..errors import LookupIdError, SpecError
 from ..model.ple import PLEDtype
-from .outputs import Span, array_span, check_apart
+from .outputs import (
+    OutputPool,
+    PreparedOutput,
+    Span,
+    array_span,
+    check_apart,
+    check_apart_from,
+    check_bf16_out,
+    ids_span,
+    prepare_out,
+)
+
+if TYPE_CHECKING:
+    import torch
 
 BF16_NAN_BITS = 0x7FC0
 
@@ -119,6 +133,51 @@ class PLERows:
         self.scale_bf16 = None if scale is None else float(bf16_scale(scale))
         self._shard = lookupkernel.PLEShard(table, row_start, total_rows, self.scale_bf16, workers)
         self._scaled = dtype == "float8_e4m3fn"
+        self._run = self._shard.run
+        self._mapped_span = self._mapped[0][1]  # (one object: PreparedOutput checks it once)
+        self._outputs = OutputPool()  # lookup(ids)'s tensors, reused once nothing holds them
+
+    def lookup(self, ids: Any, out: Any = None) -> torch.Tensor:
+        """BF16 ``[*ids.shape, head_dim]`` as a tensor: a pooled one (reused
+        once nothing refers to it), or ``out`` (a contiguous CPU bfloat16
+        tensor of that shape, or what ``prepare_out`` made of one), checked
+        apart from the ids and the table's mapping at every call: a
+        prepared one in pointer compares, the decode budget
+        (docs/design.md)."""
+        flat = _ids(ids)
+        shape = (*flat.shape, self.head_dim)
+        n = flat.size
+        address = ffi.from_buffer(flat)
+        if out is None:
+            result, _, buffer = self._outputs.take_with_buffer(shape)
+        elif type(out) is PreparedOutput:
+            if out.shape != shape or out.packed:
+                raise SpecError(f"a prepared out= of {list(out.shape)}"
+                                f"{' packed' if out.packed else ''} for a lookup of "
+                                f"{list(shape)} BF16 values; prepare one of that shape")
+            out.check_ids(address, address + flat.nbytes, self._mapped_span)
+            result, buffer = out.result, out.buffer
+        else:
+            check_bf16_out(out, shape)
+            start = out.data_ptr()
+            check_apart_from((("out", (start, start + out.nbytes)),), ids_span(address, n, 1, 1),
+                             self._mapped_span)
+            result, buffer = out, ffi.cast("uint16_t *", start)
+        if n:
+            found = self._run(address, n, buffer, self._scaled)
+            if found >= 0:
+                self._raise_bad(flat, found)
+        return result
+
+    def prepare_out(self, out: Any) -> PreparedOutput:
+        """``out`` (a contiguous CPU bfloat16 tensor ``[*ids.shape,
+        head_dim]``) checked and cast once, apart from the table's mapping:
+        pass the result as ``lookup``'s ``out=`` call after call (a staging
+        buffer), and a call checks only that the ids lie apart from it."""
+        if not hasattr(out, "shape") or len(out.shape) == 0 or out.shape[-1] != self.head_dim:
+            raise SpecError(f"out must be a CPU bfloat16 tensor [..., {self.head_dim}], got "
+                            f"{getattr(out, 'shape', type(out).__name__)}")
+        return prepare_out(out, tuple(out.shape), read=self._mapped)
 
     def rows_bf16(self, ids: Any, out: np.ndarray | None = None) -> np.ndarray:
         """uint16 BF16 bits ``[*ids.shape, head_dim]`` (into ``out``, that
@@ -129,7 +188,7 @@ class PLERows:
             out = np.empty(shape, dtype=np.uint16)
         else:
             self._check_out(out, shape, flat)
-        self._raise_bad(flat, self._shard.rows(flat.reshape(-1), out, self._scaled))
+        self._raise_bad(flat, self._shard.rows(flat, out, self._scaled))
         return out
 
     def _check_out(self, out: Any, shape: tuple[int, ...], flat: np.ndarray) -> None:
@@ -149,7 +208,10 @@ class PLERows:
         later, or BF16 bits as uint8)."""
         flat = _ids(ids)
         out = np.empty((*flat.shape, self.table.shape[1]), dtype=np.uint8)
-        self._raise_bad(flat, self._shard.rows(flat.reshape(-1), out, False))
+        if flat.size:
+            found = self._run(ffi.from_buffer(flat), flat.size, ffi.from_buffer(out), False)
+            if found >= 0:
+                self._raise_bad(flat, found)
         return out
 
     def _raise_bad(self, flat: np.ndarray, where: int) -> None:

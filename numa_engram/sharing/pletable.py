@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..bindings import lookupkernel
-from ..errors import LookupIdError, SpecError, StorageError
+from ..errors import LookupIdError, StorageError
 from ..host.hugepages import parse_page_size
 from ..host.topology import Topology, current_node
 from ..literals import DEFAULT_DIRECTORY, CreateMode, PageSize
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..lookup.gpu import PLEDeviceRows
+    from ..lookup.outputs import PreparedOutput
 
 log = logging.getLogger(__name__)
 
@@ -251,11 +252,11 @@ class SharedPLETable:
                           report.bytes_per_node() if report is not None else {}, physical,
                           int(bad), int(failed))
 
-    def _counted(self, look: Any, ids: Any) -> Any:
+    def _counted(self, look: Any, ids: Any, *args: Any) -> Any:
         started = time.perf_counter()
         slot: int | None = None
         try:
-            out = look(ids)
+            out = look(ids, *args)
         except LookupIdError:
             slot = 3
             if self._closed:  # close() ran since the open check: it left no rows
@@ -278,20 +279,18 @@ class SharedPLETable:
     def lookup(self, ids: Any, out: torch.Tensor | None = None) -> torch.Tensor:
         """BF16 ``[*ids.shape, head_dim]``: this shard's rows of layer-table
         row ids, zeros where another shard holds the row (into ``out``, a
-        contiguous CPU bfloat16 tensor of that shape, when given)."""
-        import torch
-
+        contiguous CPU bfloat16 tensor of that shape, or what ``prepare_out``
+        made of one, when given; without it a tensor of the table's, reused
+        once nothing refers to it)."""
         self._check_open()
-        if out is None:
-            bits = self._counted(self.rows.rows_bf16, ids)
-            return torch.from_numpy(bits).view(torch.bfloat16)
-        if not torch.is_tensor(out) or out.dtype != torch.bfloat16 or out.device.type != "cpu":
-            described = f"{out.dtype} on {out.device}" if torch.is_tensor(out) \
-                else type(out).__name__
-            raise SpecError(f"out must be a CPU bfloat16 tensor, got {described}")
-        target = out.view(torch.int16).numpy().view(np.uint16)
-        self._counted(lambda i: self.rows.rows_bf16(i, target), ids)
-        return out
+        return self._counted(self.rows.lookup, ids, out)
+
+    def prepare_out(self, out: torch.Tensor) -> PreparedOutput:
+        """``out`` checked and cast once for ``lookup(ids, out=...)`` call
+        after call (a staging buffer): a call then checks only that the ids
+        lie apart from it (``PLERows.prepare_out``)."""
+        self._check_open()
+        return self.rows.prepare_out(out)
 
     def device_rows(self) -> PLEDeviceRows:
         """The GPU lookup on this shard's registered rows (needs
