@@ -4,7 +4,7 @@ measured in the same run, as a ratio (the machine is noisy).
 
     python tools/bench.py [lookup|default-out|serving|hashing|serving-hashing|
                            decode-hashing|dp-sharded|load|prefetch|restart|ple|
-                           mapped|cgroup|all]
+                           mapped|cgroup|peers|all]
                           [--table-gib 2] [--quick]
 
 The benchmarks live in tools/benchmarks/, one module per concern, over
@@ -24,6 +24,7 @@ from benchmarks.dpsharded import DP_SLOTS, bench_dp_sharded  # noqa: E402
 from benchmarks.hashing import bench_decode_hashing, bench_hashing, bench_serving_hashing  # noqa: E402
 from benchmarks.lookup import bench_default_out, bench_lookup  # noqa: E402
 from benchmarks.mapped import bench_mapped  # noqa: E402
+from benchmarks.peers import bench_peers  # noqa: E402
 from benchmarks.ple import bench_ple  # noqa: E402
 from benchmarks.serving import bench_layer_steps, bench_prefetch, bench_serving  # noqa: E402
 from benchmarks.startup import bench_load, bench_restart  # noqa: E402
@@ -49,7 +50,7 @@ def main() -> None:
     p.add_argument("what", nargs="?", default="all",
                    choices=["all", "lookup", "default-out", "serving", "hashing",
                             "serving-hashing", "decode-hashing", "dp-sharded", "load",
-                            "prefetch", "restart", "ple", "mapped", "cgroup"])
+                            "prefetch", "restart", "ple", "mapped", "cgroup", "peers"])
     p.add_argument("--table-gib", type=float, default=2.0)
     p.add_argument("--load-gib", type=float, default=1.0)
     p.add_argument("--tokens", type=int, default=4096)
@@ -104,6 +105,12 @@ def main() -> None:
             bench_mapped((0.05, 0.1), 0.1, 0.1)
         else:
             bench_mapped((1.0, 4.0), a.table_gib, 1.0)
+    if a.what in ("all", "peers"):
+        # engramdb-python's fetch and vLLM 0.34's PLE disk offload, where each can be had
+        if a.quick:
+            bench_peers(0.05, (1, 8), repeat=3)
+        else:
+            bench_peers(a.table_gib / 2)
     if a.what in ("all", "cgroup"):
         # the cgroup's 25% holds the engine (torch, ~0.3 GiB) too: 4 GiB leaves it room
         if a.quick:

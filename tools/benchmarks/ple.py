@@ -35,6 +35,7 @@ def _ple_variants(spec, table, tokens: int, rng) -> dict:
     flats = [ids.reshape(-1) for ids in sets]
     gathered = np.empty((tokens * spec.n_heads, spec.row_bytes), np.uint8)
     out = torch.empty((tokens, spec.n_heads, spec.head_dim), dtype=torch.bfloat16)
+    prepared = table.prepare_out(torch.empty_like(out))
     streams = [rng.integers(0, spec.vocab_size, tokens) for _ in range(len(sets))]
     turn = [0]
 
@@ -44,6 +45,7 @@ def _ple_variants(spec, table, tokens: int, rng) -> dict:
     return {
         "lookup(ids) bf16": lambda: table.lookup(sets[nxt()]),
         "lookup(ids, out=)": lambda: table.lookup(sets[nxt()], out),
+        "out=prepare_out()": lambda: table.lookup(sets[nxt()], prepared),
         "packed": lambda: table.lookup_packed(sets[nxt()]),
         "numpy take": lambda: table.weights.take(flats[nxt()], axis=0, out=gathered,
                                                  mode="clip"),
