@@ -26,7 +26,8 @@ struct ne_guard {
 static __thread struct ne_guard *guard_here __attribute__((tls_model("initial-exec")));
 static __thread uint64_t last_fault;
 static struct sigaction previous_bus;
-static uint64_t chained_fault; /* the last fault handed to previous_bus */
+static int handing_on;         /* a fault is being handed to previous_bus */
+static uint64_t returned_from; /* the fault address previous_bus last returned from */
 static pthread_mutex_t guard_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static void on_sigbus(int sig, siginfo_t *info, void *context)
@@ -42,21 +43,30 @@ static void on_sigbus(int sig, siginfo_t *info, void *context)
     }
     /* A previous handler that returns without curing a fault sees it again
      * forever, and one that raises it again (faulthandler restores our
-     * handler and raises) would be called again forever: the same address
-     * twice in a row, or a SIGBUS raised after a fault was handed on, takes
-     * the default action instead. */
+     * handler and raises, delivered once it returns) would be called again
+     * forever: a fault at the address the previous handler last returned
+     * from, or a SIGBUS raised while or after a fault was handed on and
+     * returned from, takes the default action instead.  One that jumps out
+     * of the fault (its own guard) never returns, so it gets every fault of
+     * its reads, the same address again and again. */
     const uint64_t at = (uint64_t)(uintptr_t)info->si_addr;
     int again;
     if (info->si_code > 0)
-        again = __atomic_exchange_n(&chained_fault, at, __ATOMIC_RELAXED) == at;
+        again = __atomic_load_n(&returned_from, __ATOMIC_RELAXED) == at;
     else
-        again = __atomic_load_n(&chained_fault, __ATOMIC_RELAXED) != 0;
-    if (!again && (previous_bus.sa_flags & SA_SIGINFO)) {
-        previous_bus.sa_sigaction(sig, info, context);
-        return;
-    }
-    if (!again && previous_bus.sa_handler != SIG_DFL && previous_bus.sa_handler != SIG_IGN) {
-        previous_bus.sa_handler(sig);
+        again = __atomic_load_n(&handing_on, __ATOMIC_RELAXED) != 0 ||
+                __atomic_load_n(&returned_from, __ATOMIC_RELAXED) != 0;
+    const int with_info = (previous_bus.sa_flags & SA_SIGINFO) != 0;
+    if (!again &&
+        (with_info || (previous_bus.sa_handler != SIG_DFL && previous_bus.sa_handler != SIG_IGN))) {
+        __atomic_store_n(&handing_on, 1, __ATOMIC_RELAXED);
+        if (with_info)
+            previous_bus.sa_sigaction(sig, info, context);
+        else
+            previous_bus.sa_handler(sig);
+        __atomic_store_n(&handing_on, 0, __ATOMIC_RELAXED);
+        if (info->si_code > 0)
+            __atomic_store_n(&returned_from, at, __ATOMIC_RELAXED);
         return;
     }
     /* the default action: a fault re-runs its instruction and dies of it;
