@@ -5,6 +5,7 @@ gets it from any holder still alive, and it dies with its last holder."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -495,6 +496,31 @@ def test_a_umask_that_takes_the_owners_bits_still_makes_a_0700_directory(runtime
             os.umask(old)
         assert stat.S_IMODE(os.stat(again).st_mode) == 0o700
         holder.close()
+    finally:
+        for t in tables:
+            t.close()
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1, "5", None, float("nan"), float("inf")])
+def test_an_attach_timeout_that_is_no_finite_positive_number_is_named(runtime_dir, timeout_s):
+    """attach(timeout_s=) of 0 or -1 was "no process holding the table
+    answered" (and the directory swept); "5", None, NaN and inf were
+    Python's TypeError, ValueError, OverflowError; both families."""
+    from numa_engram.errors import SpecError
+    from numa_engram.model.ple import PLESpec
+    from numa_engram.sharing.pletable import SharedPLETable
+
+    spec, shard, tables = _shared(2, runtime_dir)
+    ple = PLESpec(layer_ids=[2, 5], ple_embed_dim=160, vocab_size=5000, eos_token_id=7,
+                  ngram_vocab_size_base=3000, split_ngram_parts=7)
+    try:
+        with pytest.raises(SpecError, match=f"timeout_s must be a finite number of seconds "
+                                            f"> 0, got {re.escape(repr(timeout_s))}"):
+            SharedEngramTable.attach(spec, LAYER, shard, peers=tables[0].handover,
+                                     timeout_s=timeout_s)
+        with pytest.raises(SpecError, match="timeout_s must be a finite number"):
+            SharedPLETable.attach(ple, 5, peers=tables[0].handover, timeout_s=timeout_s)
+        assert len(fdhandover.holders(tables[0].handover)) == 2
     finally:
         for t in tables:
             t.close()

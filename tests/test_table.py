@@ -400,8 +400,8 @@ def test_load_threads_only_counts_threads_and_shared_load_decides_sharing():
 
 
 @pytest.mark.parametrize("kwargs, text", [
-    ({"timeout_s": 0}, "timeout_s must be a number of seconds > 0, got 0"),
-    ({"stall_timeout_s": -1}, "stall_timeout_s must be a number of seconds > 0"),
+    ({"timeout_s": 0}, "timeout_s must be a finite number of seconds > 0, got 0"),
+    ({"stall_timeout_s": -1}, "stall_timeout_s must be a finite number of seconds > 0"),
     ({"timeout_s": True}, "timeout_s must be"),
     ({"load_threads": 0}, "load_threads must be >= 1"),
     ({"load_threads": 2.5}, "load_threads"),

@@ -40,7 +40,7 @@ from .checkpoint import Progress
 from .group import SingleProcessGroup, as_group
 from .mappedtier import check_tier
 from .protocol import Built
-from .request import CreateRequest, TableOptions
+from .request import CreateRequest, TableOptions, positive_seconds
 from .tablereports import TableStats, accounted_bytes, service_descriptor
 
 if TYPE_CHECKING:
@@ -153,6 +153,7 @@ class SharedPLETable:
                            strict_int(etp_size, "etp_size"))
         if (service is None) == (peers is None):
             raise ValueError("give exactly one of service= or peers=")
+        timeout_s = positive_seconds(timeout_s)
         started = time.perf_counter()
         here = current_node(Topology.detect()) if node is None else node
         if service is not None:

@@ -10,6 +10,7 @@ at once rather than leaving the others waiting.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -52,9 +53,12 @@ def default_load_threads() -> int:
     return max(1, min(MAX_DEFAULT_LOAD_THREADS, len(os.sched_getaffinity(0))))
 
 
-def _positive_seconds(value: Any, name: str = "timeout_s") -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise SpecError(f"{name} must be a number of seconds > 0, got {value!r}")
+def positive_seconds(value: Any, name: str = "timeout_s") -> float:
+    """``value`` as a bound on a wait: a finite number of seconds > 0 (a
+    SpecError naming it otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+            or not math.isfinite(value):
+        raise SpecError(f"{name} must be a finite number of seconds > 0, got {value!r}")
     return float(value)
 
 
@@ -130,10 +134,10 @@ class CreateRequest:
         o = options
         checked = replace(
             o, page_size=hugepages.parse_page_size(o.page_size),
-            timeout_s=_positive_seconds(o.timeout_s), topology=o.topology or Topology.detect(),
+            timeout_s=positive_seconds(o.timeout_s), topology=o.topology or Topology.detect(),
             lookup_threads=None if o.lookup_threads is None else max(1, int(o.lookup_threads)),
             load_threads=_load_threads(o.load_threads), shared_load=_shared_load(o.shared_load),
-            stall_timeout_s=_positive_seconds(
+            stall_timeout_s=positive_seconds(
                 o.timeout_s if o.stall_timeout_s is None else o.stall_timeout_s,
                 "stall_timeout_s"))
         return cls(spec, layer_id, shard, mode, checkpoint,  # type: ignore[arg-type]  # checked

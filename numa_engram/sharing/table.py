@@ -43,6 +43,7 @@ from .request import (
     CreateRequest,
     TableOptions,
     check_shard,
+    positive_seconds,
     table_layout,
 )
 from .tablereports import ModeReport, TableStats, accounted_bytes, service_descriptor
@@ -193,6 +194,7 @@ class SharedEngramTable:
         check_shard(spec, layer_id, shard)
         if sum(x is not None for x in (path, fd, service, peers)) != 1:
             raise ValueError("give exactly one of path=, fd=, service= or peers=")
+        timeout_s = positive_seconds(timeout_s)
         started = time.perf_counter()
         here = current_node(Topology.detect())  # read once: the service's copy and our record
         received, owner_uid, mode = None, None, "attached"
