@@ -403,3 +403,19 @@ def test_a_prepared_out_keeps_every_check_of_a_callers_out(ckpt):
         assert table.lookup(ids, prepared) is prepared.result
     with pytest.raises(StorageError, match="closed"):
         table.lookup(ids, prepared)
+
+
+def test_a_closed_tables_rows_are_refused_by_the_kernel(ckpt):
+    """The kernel counts a table's lookups and refuses them once close()
+    ran (it waits for running ones before unmapping): rows held past close
+    (a thread's that passed the open check) raise StorageError instead of
+    reading the unmapped rows (a SIGSEGV)."""
+    ids = np.arange(2 * SPEC.n_heads).reshape(2, SPEC.n_heads)
+    with SharedPLETable.create(SPEC, LAYER, checkpoint=ckpt, mode="independent") as table:
+        rows = table.rows
+        table.lookup(ids)
+        table.lookup_packed(ids)
+        assert (table.stats().lookups, table.stats().rows) == (2, 2 * ids.size)
+    for look in (rows.lookup, rows.rows_bf16, rows.rows_packed):
+        with pytest.raises(StorageError, match="closed"):
+            look(ids)

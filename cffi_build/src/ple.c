@@ -256,8 +256,8 @@ static int ple_faulted(const struct ple_job *jobs, int n_jobs)
  * position of the first id outside the layer's total_rows (its row zeros
  * too), -1 when there is none, -2 with errno for a bad shard, or
  * NE_FAULTED when a row's page could not be read (ne_last_fault). */
-int64_t
-ne_ple_lookup(const struct ne_ple_shard *s, const void *ids, int64_t n_ids, int scaled, void *out)
+static int64_t
+ple_lookup_run(const struct ne_ple_shard *s, const void *ids, int64_t n_ids, int scaled, void *out)
 {
     if (s->row_bytes < 1 || s->n_rows < 0) {
         errno = EINVAL;
@@ -297,4 +297,20 @@ ne_ple_lookup(const struct ne_ple_shard *s, const void *ids, int64_t n_ids, int 
         if (jobs[i].first_bad >= 0)
             return jobs[i].first_bad;
     return -1;
+}
+
+/* ple_lookup_run counted in s->state (a call with no id outside the layer:
+ * its rows and time), or PLE_CLOSED (-4) once the table is closed: nothing
+ * read. */
+int64_t
+ne_ple_lookup(const struct ne_ple_shard *s, const void *ids, int64_t n_ids, int scaled, void *out)
+{
+    struct ne_table_state *st = s->state;
+    if (st && !table_enter(st))
+        return -4;
+    const int64_t started = st ? now_ns() : 0;
+    const int64_t found = ple_lookup_run(s, ids, n_ids, scaled, out);
+    if (st)
+        table_leave(st, found == -1 ? n_ids : -1, now_ns() - started);
+    return found;
 }

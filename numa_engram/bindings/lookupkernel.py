@@ -385,17 +385,21 @@ class PLEShard:
     ne_ple_shard``): a uint8 ``table [rows, row_bytes]`` holding rows
     ``row_start ..`` of a layer of ``total_rows``, the per-tensor ``scale``
     (a BF16 value: vLLM's ``rows.to(bf16) * scale.to(bf16)``; None: BF16
-    rows), ``workers`` a large call is split over (with the caller).  Keeps
-    the table and workers alive while it is."""
+    rows), ``workers`` a large call is split over (with the caller), the
+    table's ``TableState`` (``state``: lookups counted by the kernel,
+    refused once it is closed; None: neither).  Keeps the table, workers
+    and state alive while it is."""
 
     def __init__(self, table: np.ndarray, row_start: int, total_rows: int,
-                 scale: float | None, workers: Workers | None = None) -> None:
-        self.table, self.workers = table, workers
+                 scale: float | None, workers: Workers | None = None,
+                 state: TableState | None = None) -> None:
+        self.table, self.workers, self.state = table, workers, state
         self.struct = ffi.new("struct ne_ple_shard *", {
             "table": ptr(table, "uint8_t *") if table.size else ffi.NULL,
             "n_rows": table.shape[0], "row_bytes": table.shape[1], "row_start": row_start,
             "total_rows": total_rows, "scale": 0.0 if scale is None else scale,
-            "pool": workers.pool if workers is not None and workers.usable else ffi.NULL})
+            "pool": workers.pool if workers is not None and workers.usable else ffi.NULL,
+            "state": ffi.NULL if state is None else state.struct})
         lib.ne_ple_shard_init(self.struct)  # the scale's table of the 256 FP8 bytes
 
     def rows(self, ids: np.ndarray, out: np.ndarray, scaled: bool) -> int:
@@ -413,7 +417,12 @@ class PLEShard:
         ``out``): the one place Python calls ``ne_ple_lookup``."""
         found = lib.ne_ple_lookup(self.struct, ids, n_ids, scaled, out)
         if found < -1:
+            if found == PLE_CLOSED:
+                raise StorageError("the table is closed")
             if found == native.NE_FAULTED:
                 raise native.fault_error("a PLE lookup")
             raise_errno("ne_ple_lookup", "a row of no bytes")
         return found
+
+
+PLE_CLOSED = -4  # ne_ple_lookup's: the shard's TableState was closed, nothing read

@@ -111,11 +111,14 @@ class PLERows:
     ``row_start ..``, ``total_rows`` the layer's (ids at or beyond it, or
     negative, are refused); ``workers``: threads a large call is split
     over (the caller runs a part too); ``mapped``: the bytes of the
-    mapping ``table`` lies in (None: its own), which no ``out`` may share."""
+    mapping ``table`` lies in (None: its own), which no ``out`` may share;
+    ``state``: the table's ``TableState`` (its lookups counted by the
+    kernel, refused once it is closed: StorageError)."""
 
     def __init__(self, table: np.ndarray, *, dtype: PLEDtype, row_start: int, total_rows: int,
                  scale: float | None = None, workers: lookupkernel.Workers | None = None,
-                 mapped: Span | None = None) -> None:
+                 mapped: Span | None = None,
+                 state: lookupkernel.TableState | None = None) -> None:
         if table.dtype != np.uint8 or table.ndim != 2 or not table.flags.c_contiguous:
             raise SpecError(f"a PLE shard is C-contiguous uint8 [rows, row_bytes], got "
                             f"{table.dtype} {table.shape}")
@@ -131,7 +134,8 @@ class PLERows:
         self._mapped = (("the table's mapping", array_span(table) if mapped is None else mapped),)
         self.head_dim = table.shape[1] if dtype == "float8_e4m3fn" else table.shape[1] // 2
         self.scale_bf16 = None if scale is None else float(bf16_scale(scale))
-        self._shard = lookupkernel.PLEShard(table, row_start, total_rows, self.scale_bf16, workers)
+        self._shard = lookupkernel.PLEShard(table, row_start, total_rows, self.scale_bf16, workers,
+                                            state)
         self._scaled = dtype == "float8_e4m3fn"
         self._run = self._shard.run
         self._mapped_span = self._mapped[0][1]  # (one object: PreparedOutput checks it once)

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..bindings import lookupkernel
 from ..errors import LookupIdError, StorageError
+from ..histogram import LOOKUP_BUCKETS
 from ..host.hugepages import parse_page_size
 from ..host.topology import Topology, current_node
 from ..literals import DEFAULT_DIRECTORY, CreateMode, PageSize
@@ -71,7 +72,9 @@ class SharedPLETable:
         self.registration = built.registration  # a cudart.RegistrationLease, or None
         self._device_rows: PLEDeviceRows | None = None
         self._report: PlacementReport | None = None
-        self._counts = [0, 0, 0.0, 0, 0]  # lookups, rows, seconds, bad-id lookups, failed
+        self._counts = [0, 0, 0.0, 0, 0]  # (lookups, rows, seconds: _state's), bad ids, failed
+        # the kernel counts the lookups (rows, time) and refuses them once closed
+        self._state = lookupkernel.TableState(LOOKUP_BUCKETS)
         self._count_lock = threading.Lock()
         self.startup_phases = dict(built.phases)
         self.mode, self.members, self.leader = built.mode, built.members, built.leader
@@ -198,7 +201,8 @@ class SharedPLETable:
         return PLERows(self.weights, dtype=self.spec.dtype, row_start=self.shard.row_start,
                        total_rows=self.spec.rows(self.layer_id), scale=self.scale,
                        workers=self._workers,
-                       mapped=(mapping.address, mapping.address + mapping.length))
+                       mapped=(mapping.address, mapping.address + mapping.length),
+                       state=self._state)
 
     def dup_descriptor(self) -> int:
         """A new descriptor of the table's file (the caller closes it): what
@@ -244,7 +248,8 @@ class SharedPLETable:
         (the metrics endpoint's; heads: every head, a PLE shard being a
         row range)."""
         with self._count_lock:
-            lookups, rows, seconds, bad, failed = self._counts
+            _, _, _, bad, failed = self._counts
+        lookups, rows, seconds, _ = self._state.counts()
         report = self._report
         physical = accounted_bytes(self.mode, self.leader, self.backing_bytes)
         return TableStats(self.layer_id, 0, self.spec.n_heads, self.mode, self.backing_bytes,
@@ -254,28 +259,22 @@ class SharedPLETable:
                           int(bad), int(failed))
 
     def _counted(self, look: Any, ids: Any, *args: Any) -> Any:
-        started = time.perf_counter()
-        slot: int | None = None
+        """``look(ids, *args)``, its failure counted (the kernel counts the
+        lookups: no clock or lock per call here, the decode budget)."""
         try:
-            out = look(ids, *args)
-        except LookupIdError:
-            slot = 3
-            if self._closed:  # close() ran since the open check: it left no rows
-                slot = -1  # (not a lookup, as for an Engram table)
+            return look(ids, *args)
+        except (LookupIdError, StorageError) as exc:
+            if self._closed:  # close() ran since the open check: not a lookup
                 raise self._closed_error() from None
+            self._count_failure(3 if isinstance(exc, LookupIdError) else 4)
             raise
         except Exception:
-            slot = 4
+            self._count_failure(4)
             raise
-        finally:
-            with self._count_lock:
-                if slot is None:
-                    self._counts[0] += 1
-                    self._counts[1] += int(np.size(ids))
-                    self._counts[2] += time.perf_counter() - started
-                elif slot > 0:
-                    self._counts[slot] += 1
-        return out
+
+    def _count_failure(self, slot: int) -> None:
+        with self._count_lock:
+            self._counts[slot] += 1
 
     def lookup(self, ids: Any, out: torch.Tensor | None = None) -> torch.Tensor:
         """BF16 ``[*ids.shape, head_dim]``: this shard's rows of layer-table
@@ -335,6 +334,7 @@ class SharedPLETable:
             return
         # closed first: a lookup meeting the emptied rows below says closed
         backing, self.backing = self.backing, None  # type: ignore[assignment]
+        self._state.close()  # later lookups refused; the running ones finish first
         empty = np.empty((0, self.spec.row_bytes), dtype=np.uint8)
         self.weights = empty
         self.rows = PLERows(empty, dtype=self.spec.dtype, row_start=0, total_rows=0,
