@@ -15,13 +15,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from ..errors import GroupTimeout, PeerLoadFailed
 from ..store.fileformat import MAX_LOADERS, STATE_FAILED
 from ..store.storage import BackingFile
-from .checkpoint import load_rows
-from .plecheckpoint import PLECheckpointPlan, load_ple_rows, read_scale
+from .familyreaders import reader_of
 
 DONE = 1 << 63
 POLL_S = 0.05
@@ -55,37 +52,22 @@ def load_part(backing: BackingFile, spec, layer_id: int, shard, checkpoint, name
     on any error the table is marked FAILED before the error goes on."""
     a, b = part
     try:
-        if b > a and checkpoint is not None:
+        reader = reader_of(spec) if checkpoint is not None else None
+        if b > a and reader is not None:
             if threads > 1:
                 backing.prefault(threads, _spans(backing, spec, a, b))
 
             def chunk_done(done: int, _total: int) -> None:
                 backing.write_progress(slot, done)
                 report()
-            rows = (shard.row_start + a, shard.row_start + b)
-            if isinstance(checkpoint, PLECheckpointPlan):
-                out = backing.region("weights").reshape(shard.num_rows, spec.row_bytes)[a:b]
-                load_ple_rows(checkpoint, spec, *rows, out, threads=threads,
-                              progress=chunk_done, cpus=cpus)
-            else:
-                w = backing.region("weights").reshape(shard.num_rows, spec.head_dim)[a:b]
-                s = backing.region("scales").reshape(shard.num_rows, spec.scales_per_row)[a:b]
-                load_rows(checkpoint, spec, layer_id, *rows, w, s, names=names,
-                          progress=chunk_done, threads=threads, cpus=cpus)
-        if slot == 0 and isinstance(checkpoint, PLECheckpointPlan):
-            _write_scale(backing, checkpoint)
+            reader.load(backing, checkpoint, spec, layer_id, shard, part, names,
+                        progress=chunk_done, threads=threads, cpus=cpus)
+        if slot == 0 and reader is not None:
+            reader.finish(backing, checkpoint)
         backing.write_progress(slot, DONE | (b - a) * spec.row_bytes)
     except BaseException:
         backing.set_state(STATE_FAILED)
         raise
-
-
-def _write_scale(backing: BackingFile, plan: PLECheckpointPlan) -> None:
-    """The PLE table's per-tensor scale into its fixed region (the leader,
-    whose mapping is writable until the table is sealed)."""
-    scale = read_scale(plan)
-    if scale is not None:
-        backing.region("scale")[:4] = np.frombuffer(np.float32(scale).tobytes(), np.uint8)
 
 
 def bytes_done(backing: BackingFile, loaders: Sequence[int]) -> int:

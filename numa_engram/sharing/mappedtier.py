@@ -30,8 +30,9 @@ from ..model.sharding import ShardInfo, prefix_offsets
 from ..model.spec import EngramSpec
 from . import protocol
 from .checkpoint import resolve
+from .familyreaders import reader_of
 from .mappedfiles import MappedArrays, Segment
-from .plecheckpoint import read_scale, resolve_ple
+from .plecheckpoint import read_scale
 from .protocol import Built
 from .request import TableOptions, shard_key
 
@@ -153,7 +154,7 @@ def ple_mapped(spec: PLESpec, layer_id: int, shard: ShardInfo, mode: str, checkp
     the per-tensor scale read from its file."""
     _check_options(mode, checkpoint, options)
     started = time.perf_counter()
-    plan = resolve_ple(checkpoint, spec, layer_id)
+    plan = reader_of(spec).resolve(checkpoint, spec, layer_id)
     scale = read_scale(plan)
     arrays = MappedArrays({"weights": _ple_segments(plan, spec, shard)},
                           f"mapped PLE table layer {layer_id} rows [{shard.row_start}, "

@@ -54,9 +54,8 @@ def _name(files: dict[str, str], layer_id: int, leaf: str) -> str | None:
 
 def resolve_ple(paths: Any, spec: PLESpec, layer_id: int) -> PLECheckpointPlan:
     """The layer's parts and scale in a checkpoint (file, files or
-    directory), each name, dtype and shape checked; headers only."""
-    if isinstance(paths, PLECheckpointPlan):
-        return paths
+    directory), each name, dtype and shape checked; headers only
+    (``familyreaders.reader_of(spec).resolve`` passes a plan through)."""
     return resolve_ple_layers(paths, spec, [layer_id])[layer_id]
 
 

@@ -34,21 +34,19 @@ from ..errors import StorageError
 from ..host import hugepages
 from ..host.topology import Topology
 from ..model.family import TableFamily
-from ..model.ple import PLESpec
 from ..model.sharding import ShardInfo
-from ..model.spec import EngramSpec
 from ..store import fdhandover
 from ..store.fileformat import STATE_READY, ShardKey
 from ..store.placement import PlacementPlan, PlacementRange, PlacementReport, verify
 from ..store.serviceclient import TableRequest
 from ..store.storage import BackingFile
 from .checkpoint import CheckpointPlan, Progress
-from .checkpoint import resolve as resolve_checkpoint
+from .familyreaders import reader_of
 from .group import Group, SingleProcessGroup
 from .identity import HostIdentity
 from .loading import bytes_done, load_part, load_parts, loaders_of, wait_for_parts
 from .membership import MemberInfo, decide, member_info, plan_for
-from .plecheckpoint import PLECheckpointPlan, resolve_ple
+from .plecheckpoint import PLECheckpointPlan
 from .request import CreateRequest, shard_key, table_layout
 from .steps import attempt, every, lead, raise_failures, raise_unless, step_hook, unless_failed
 
@@ -363,11 +361,8 @@ def load(backing: BackingFile, req: CreateRequest, checkpoint: AnyPlan | None,
 def resolve(req: CreateRequest) -> AnyPlan | None:
     if req.checkpoint is None:
         return None
-    if isinstance(req.spec, PLESpec):
-        return resolve_ple(req.checkpoint, req.spec, req.layer_id)
-    if not isinstance(req.spec, EngramSpec):
-        raise TypeError(f"no checkpoint reader for {type(req.spec).__name__} tables")
-    return resolve_checkpoint(req.checkpoint, req.spec, req.layer_id, req.options.names)
+    return reader_of(req.spec).resolve(req.checkpoint, req.spec, req.layer_id,
+                                       req.options.names)
 
 
 def _weights_range(plan: PlacementPlan | None) -> PlacementRange | None:

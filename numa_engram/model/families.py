@@ -1,0 +1,177 @@
+"""The table families as objects: everything that differs between Engram and
+PLE above storage geometry (``family.TableFamily``), so the layers above ask
+the family and never test a spec's type or attributes.  A family here owns
+its spec type and config detection, which rows a rank holds, its tables'
+names in a service, a plan's notes and exchange bytes, and how a document's
+tokens become table rows; its checkpoint reader and table class live one
+layer up (``sharing/familyreaders.py``, ``sharing/familytables.py``),
+keyed by ``Family.name``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import SpecError
+from ..units import fmt_bytes, node_list
+from .ple import PLESpec
+from .sharding import ShardInfo, WorldLayout, shard_heads, valid_head_shard_counts
+from .spec import EngramSpec
+
+CHUNK_TOKENS = 1 << 16  # tokens hashed per HashState call in document_rows
+
+
+class Family:
+    """One table family; the subclasses below are the two there are."""
+
+    name: str         # the key of every per-family registry ("engram", "ple")
+    title: str        # how log lines and errors name its tables
+    spec_type: type
+
+    def matches_config(self, doc: object) -> bool:
+        """Whether a config.json document describes this family's tables."""
+        raise NotImplementedError
+
+    def spec_of_config(self, doc: dict) -> Any:
+        """The tables' spec from a config document alone (no tokenizer)."""
+        raise NotImplementedError
+
+    def shard(self, spec: Any, layer_id: int, rank: int, tp: int) -> ShardInfo:
+        """The rows TP rank ``rank`` of ``tp`` holds of the layer's table."""
+        raise NotImplementedError
+
+    def table_name(self, fingerprint: bytes, layer_id: int, shard: ShardInfo,
+                   page_size: int, node: str) -> str:
+        """A service's name for one held table (printable, no ':')."""
+        raise NotImplementedError
+
+    def sharding_notes(self, spec: Any, world: WorldLayout) -> list[str]:
+        """A plan's lines on how the tables split over TP."""
+        raise NotImplementedError
+
+    def dp_sharded_exchange_bytes(self, spec: Any, world: WorldLayout, batch: int) -> int:
+        """Bytes one member exchanges per step of ``batch`` tokens, DP-sharded."""
+        raise NotImplementedError
+
+    def document_rows(self, model: Any, ids: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+        """(layer, rows of its whole table) a document's token ids read, as
+        serving hashes them (``model``: the model directory)."""
+        raise NotImplementedError
+
+
+class EngramFamily(Family):
+    name, title, spec_type = "engram", "Engram", EngramSpec
+
+    def matches_config(self, doc: object) -> bool:  # noqa: ARG002 (the fallback)
+        # ModelDirectory.open names what an Engram config lacks
+        return True
+
+    def spec_of_config(self, doc: dict) -> EngramSpec:
+        return EngramSpec.storage_of_config(doc)
+
+    def shard(self, spec: Any, layer_id: int, rank: int, tp: int) -> ShardInfo:
+        return shard_heads(spec.bucket_sizes(layer_id), tp, rank)
+
+    def table_name(self, fingerprint: bytes, layer_id: int, shard: ShardInfo,
+                   page_size: int, node: str) -> str:
+        return (f"engram-{fingerprint.hex()[:16]}-l{layer_id}-h{shard.head_start}-"
+                f"{shard.head_end}-p{page_size}-n{node}")
+
+    def sharding_notes(self, spec: Any, world: WorldLayout) -> list[str]:
+        valid = valid_head_shard_counts(spec.n_hash_cols, max(world.tp, 64))
+        part = -(-spec.n_hash_cols // world.tp)
+        heads = [min(part, spec.n_hash_cols - r * part) for r in range(world.tp)]
+        return [f"TP {world.tp}: heads per rank {heads} (create accepts it; head-wise TP sizes "
+                f"for {spec.n_hash_cols} heads: {node_list(valid)})"]
+
+    def dp_sharded_exchange_bytes(self, spec: Any, world: WorldLayout, batch: int) -> int:
+        edp = world.edp_size()
+        own = -(-spec.n_hash_cols // (world.tp * edp))  # heads of one slice
+        return (edp - 1) * batch * own * spec.head_dim * 2 * len(spec.layer_ids)
+
+    def document_rows(self, model: Any, ids: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+        from .hashstate import HashState  # the compiled hash kernels: only when hashing
+
+        spec = model.spec
+        state = HashState(spec, 1, model.token_map, model.dead_ids)
+        for start in range(0, len(ids), CHUNK_TOKENS):
+            chunk = ids[start:start + CHUNK_TOKENS]
+            out = state.hash(chunk, np.zeros(len(chunk), np.int64),
+                             np.arange(start, start + len(chunk), dtype=np.int64),
+                             id_format="global")
+            for i, layer in enumerate(spec.layer_ids):
+                yield layer, out[:, i].reshape(-1).copy()
+
+
+class PLEFamily(Family):
+    name, title, spec_type = "ple", "PLE", PLESpec
+
+    def matches_config(self, doc: object) -> bool:
+        if not isinstance(doc, dict):
+            return False
+        text = doc.get("text_config")
+        return "ple_layer_ids" in doc or isinstance(text, dict) and "ple_layer_ids" in text
+
+    def spec_of_config(self, doc: dict) -> PLESpec:
+        return PLESpec.from_config(doc)
+
+    def shard(self, spec: Any, layer_id: int, rank: int, tp: int) -> ShardInfo:
+        return spec.shard(layer_id, rank, tp)  # a row range of every head
+
+    def table_name(self, fingerprint: bytes, layer_id: int, shard: ShardInfo,
+                   page_size: int, node: str) -> str:
+        return (f"ple-{fingerprint.hex()[:16]}-l{layer_id}-r{shard.row_start}-"
+                f"{shard.row_end}-p{page_size}-n{node}")
+
+    def sharding_notes(self, spec: Any, world: WorldLayout) -> list[str]:
+        layer = spec.layer_ids[0]
+        per_rank = spec.shard_bytes(layer, world.tp, 0) * len(spec.layer_ids)
+        vllm = per_rank * min(world.world_size, world.gpus_per_host)
+        return [f"TP {world.tp}: PLE row ranges of {spec.rows(layer) // world.tp:,} rows per "
+                f"rank and layer ({spec.head_dim}-wide {spec.dtype} rows)",
+                f"vLLM 0.31.0 holds PLE tables per rank (pinned, no sharing): "
+                f"{fmt_bytes(per_rank)} per rank, {fmt_bytes(vllm)} per host"]
+
+    def dp_sharded_exchange_bytes(self, spec: Any, world: WorldLayout, batch: int) -> int:
+        # row ranges over TP x EDP: each member's ids gathered, every token's
+        # rows all-reduced (FP8 or BF16 bytes) across the EDP members
+        return world.edp_size() * batch * spec.n_hash_cols * spec.row_bytes * len(spec.layer_ids)
+
+    def document_rows(self, model: Any, ids: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+        from .plehashing import ple_ids
+
+        spec = model.spec
+        for layer in spec.layer_ids:
+            yield layer, ple_ids(spec, [layer], ids)[:, 0].reshape(-1)
+
+
+ENGRAM = EngramFamily()
+PLE = PLEFamily()
+# detection order: the first whose matches_config holds (Engram, the fallback, last)
+FAMILIES: Sequence[Family] = (PLE, ENGRAM)
+
+
+def family_of(spec: object) -> Family:
+    """The family of a spec (EngramSpec, PLESpec)."""
+    for family in FAMILIES:
+        if isinstance(spec, family.spec_type):
+            return family
+    raise SpecError(f"{type(spec).__name__} is no table family's spec; pass an EngramSpec "
+                    "or a PLESpec")
+
+
+def family_of_config(doc: object) -> Family:
+    """The family a config.json document describes (Engram when no other
+    family's fields are there: its own checks name what is missing)."""
+    return next(f for f in FAMILIES if f.matches_config(doc))
+
+
+def family_named(name: str) -> Family:
+    """The family of ``Family.name``."""
+    for family in FAMILIES:
+        if family.name == name:
+            return family
+    raise SpecError(f"no table family is named {name!r}; the families are "
+                    f"{[f.name for f in FAMILIES]}")
