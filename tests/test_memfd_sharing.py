@@ -526,6 +526,19 @@ def test_an_attach_timeout_that_is_no_finite_positive_number_is_named(runtime_di
             t.close()
 
 
+@pytest.mark.parametrize("peers", [123, b"\xff/dir", ["/tmp"]])
+def test_peers_that_is_no_path_is_named(peers):
+    """attach(peers=123) was lstat's TypeError; bytes a StorageError
+    quoting them as if a directory were missing."""
+    from numa_engram.errors import SpecError
+
+    spec = make_spec(1000)
+    shard = shard_heads(spec.bucket_sizes(LAYER), 1, 0)
+    with pytest.raises(SpecError, match=f"peers must be a hand-over directory's path "
+                                        f"\\(table.handover\\), got {re.escape(repr(peers))}"):
+        SharedEngramTable.attach(spec, LAYER, shard, peers=peers)
+
+
 def test_a_hand_over_directory_others_may_enter_is_refused(runtime_dir):
     spec, shard, tables = _shared(2, runtime_dir)
     directory = tables[0].handover

@@ -34,7 +34,7 @@ from ..lookup.ple import PLERows, row_ids
 from ..model.ple import PLESpec
 from ..model.sharding import ShardInfo
 from ..model.spec import strict_int
-from ..store import serviceclient
+from ..store import fdhandover, serviceclient
 from ..store.placement import PlacementPlan, PlacementReport, verify
 from . import mappedtier, protocol
 from .checkpoint import Progress
@@ -157,6 +157,7 @@ class SharedPLETable:
         if (service is None) == (peers is None):
             raise ValueError("give exactly one of service= or peers=")
         timeout_s = positive_seconds(timeout_s)
+        peers = None if peers is None else fdhandover.handover_path(peers)
         started = time.perf_counter()
         here = current_node(Topology.detect()) if node is None else node
         if service is not None:

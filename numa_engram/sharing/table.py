@@ -30,7 +30,7 @@ from ..lookup.outputs import PreparedOutput
 from ..lookup.shardrows import ShardRows
 from ..model.sharding import ShardInfo
 from ..model.spec import EngramSpec
-from ..store import serviceclient
+from ..store import fdhandover, serviceclient
 from ..store.placement import PlacementPlan, PlacementReport, verify
 from . import mappedtier, protocol
 from .checkpoint import Progress, TensorNames
@@ -195,6 +195,7 @@ class SharedEngramTable:
         if sum(x is not None for x in (path, fd, service, peers)) != 1:
             raise ValueError("give exactly one of path=, fd=, service= or peers=")
         timeout_s = positive_seconds(timeout_s)
+        peers = None if peers is None else fdhandover.handover_path(peers)
         started = time.perf_counter()
         here = current_node(Topology.detect())  # read once: the service's copy and our record
         received, owner_uid, mode = None, None, "attached"

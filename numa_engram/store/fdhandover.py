@@ -30,7 +30,7 @@ import time
 import weakref
 from collections.abc import Callable
 
-from ..errors import ServiceRefusal, StorageError
+from ..errors import ServiceRefusal, SpecError, StorageError
 from . import serviceclient
 from .fileformat import PREFIX
 from .unixsockets import answers, free_socket_path, peer_uid
@@ -90,6 +90,16 @@ def new_directory(under: str) -> str:
         raise StorageError(f"cannot make a hand-over directory for the table's sockets under "
                            f"{under}: {exc.strerror}; set {ROOT_ENV} or TMPDIR to a directory "
                            "this user may write") from exc
+
+
+def handover_path(value: object) -> str:
+    """``value`` (a table's ``handover``, as given to ``attach(peers=)``) as
+    a path, or a SpecError naming it."""
+    path = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(path, str):
+        raise SpecError(f"peers must be a hand-over directory's path (table.handover), got "
+                        f"{value!r}")
+    return path
 
 
 def check_directory(directory: str) -> None:
