@@ -552,6 +552,29 @@ def test_a_hand_over_directory_others_may_enter_is_refused(runtime_dir):
             t.close()
 
 
+@pytest.mark.skipif(not ROOT, reason="needs root to give the directory to another uid (65534)")
+def test_a_hand_over_directory_another_user_owns_is_refused_and_left_alone(runtime_dir):
+    """A directory of another uid at the path (planted, or chowned): a late
+    attach is refused naming the owner, nothing of it is touched, and gc
+    names it and keeps it."""
+    from numa_engram.store.gc import gc_handover_directories
+
+    spec, shard, tables = _shared(2, runtime_dir)
+    directory = tables[0].handover
+    try:
+        os.chown(directory, 65534, 65534)
+        with pytest.raises(StorageError, match="belongs to uid 65534 with mode 0700; a "
+                                               "hand-over directory must be ours"):
+            SharedEngramTable.attach(spec, LAYER, shard, peers=directory)
+        (entry,) = gc_handover_directories(runtime_dir)
+        assert not entry.removed and "of uid 65534" in entry.reason
+        assert len(os.listdir(directory)) == 2  # the holders' sockets, untouched
+    finally:
+        os.chown(directory, 0, 0)
+        for t in tables:
+            t.close()
+
+
 def _as_nobody(sock, request):
     """Connect to ``sock`` as uid 65534 in a forked child and ask for the
     table: what it got (a refusal's reason and how many descriptors), or
