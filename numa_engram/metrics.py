@@ -105,7 +105,7 @@ class EngramCollector:
                 fams["latency"].add_metric(key, list(buckets), total)
             fams["size"].add_metric(key, s.table_bytes)
             fams["physical"].add_metric(key, s.physical_bytes)
-            fams["ready"].add_metric(key, 0.0 if table._closed else 1.0)
+            fams["ready"].add_metric(key, 0.0 if table.closed else 1.0)
             for phase, seconds in table.startup_phases.items():
                 fams["startup"].add_metric([*key, phase], seconds)
             if s.fraction_on_plan is not None:
@@ -117,7 +117,7 @@ class EngramCollector:
 
     def _maybe_verify(self, table: Any) -> None:
         """Re-measure placement at most every ``verify_every_s`` per table."""
-        if self.verify_every_s is None or table._closed or table.plan is None:
+        if self.verify_every_s is None or table.closed or table.plan is None:
             return
         now = time.monotonic()
         if now - self._verified.get(id(table), float("-inf")) >= self.verify_every_s:

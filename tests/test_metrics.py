@@ -105,3 +105,22 @@ def test_placement_is_re_verified_at_most_every_verify_every_s(tp_shard_table):
     generate_latest(eager)
     assert t.placement_report(refresh=False) is not measured
 
+
+
+def test_a_closed_engram_table_is_scraped_not_ready_and_not_re_verified(tp_shard_table):
+    """The collector reads the public ``closed`` of either table class (PLE's:
+    test_ple_table.py): an Engram table closed is ready 0 and never
+    re-measured (its mapping is gone)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from numa_engram.metrics import EngramCollector
+
+    _, t = tp_shard_table
+    registry = CollectorRegistry()
+    registry.register(EngramCollector(tables=[t], verify_every_s=0.0))
+    key = 'heads="4-7",layer="14",mode="independent"'
+    assert not t.closed
+    assert f"numa_engram_table_ready{{{key}}} 1.0" in generate_latest(registry).decode()
+    t.close()
+    assert t.closed
+    assert f"numa_engram_table_ready{{{key}}} 0.0" in generate_latest(registry).decode()

@@ -241,7 +241,8 @@ class SharedPLETable:
         return self._report
 
     @property
-    def _closed(self) -> bool:
+    def closed(self) -> bool:
+        """Whether close() has run (metrics reads it of either table class)."""
         return self.backing is None
 
     def stats(self) -> TableStats:
@@ -265,7 +266,7 @@ class SharedPLETable:
         try:
             return look(ids, *args)
         except (LookupIdError, StorageError) as exc:
-            if self._closed:  # close() ran since the open check: not a lookup
+            if self.closed:  # close() ran since the open check: not a lookup
                 raise self._closed_error() from None
             self._count_failure(3 if isinstance(exc, LookupIdError) else 4)
             raise

@@ -293,6 +293,11 @@ class SharedEngramTable:
         return self.rows.prepare_out(out, packed=packed)
 
     @property
+    def closed(self) -> bool:
+        """Whether close() has run (metrics reads it of either table class)."""
+        return self._closed
+
+    @property
     def lookup_cpus(self) -> tuple[int, ...]:
         return self.rows.lookup_cpus
 
