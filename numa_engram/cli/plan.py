@@ -27,18 +27,18 @@ from .args import (
 def plan_spec(args: argparse.Namespace):
     """The spec: ``--model DIR`` (its config.json, and tokenizer when there),
     ``--spec`` a config.json or a named/JSON spec."""
+    from ..model.families import family_of_config
     from ..model.spec import EngramSpec
-    from ..runtime.plemodeldir import is_ple_config
 
     source = args.model or args.spec
     config = _config_doc(source, model=bool(args.model))
     if config is None:
         return EngramSpec.named(source)
     path, doc = config
-    if is_ple_config(doc):
-        from ..model.ple import PLESpec
-
-        return PLESpec.from_config(doc)
+    family = family_of_config(doc)
+    if not family.needs_token_map:  # the config alone is the spec
+        return family.spec_of_config(doc)
+    # Engram: the tokenizer's map where the directory has one
     from ..model.spec import strict_int
     from ..runtime.modeldir import ModelDirectory, engram_fields
 
@@ -58,8 +58,8 @@ def _config_doc(source: str, model: bool) -> tuple[str, dict] | None:
     ``source``, or the file ``--spec`` names when it is one (each read as a
     regular file under a bound: a FIFO or device is refused by name); None
     for a named or JSON spec."""
+    from ..model.families import has_tables
     from ..runtime.modeldir import CONFIG_FILE, read_config_file
-    from ..runtime.plemodeldir import is_ple_config
 
     if os.path.isdir(source):
         path = os.path.join(source, CONFIG_FILE)
@@ -74,9 +74,7 @@ def _config_doc(source: str, model: bool) -> tuple[str, dict] | None:
         doc = json.loads(data)
     except (ValueError, RecursionError):
         return None  # EngramSpec.named says it is not JSON
-    engram = isinstance(doc, dict) and ("engram_layer_ids" in doc or isinstance(
-        doc.get("text_config"), dict) and "engram_layer_ids" in doc["text_config"])
-    return (source, doc) if engram or is_ple_config(doc) else None
+    return (source, doc) if has_tables(doc) else None
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -264,17 +262,13 @@ def _memory_line(memory: dict) -> str:
 
 def _operator_numbers(args: argparse.Namespace, d) -> dict:
     """Load time, DP-sharded exchange bytes per step, CUDA registration time."""
+    from ..model.families import family_of
     from ..units import fmt_bytes
 
     spec, world, chosen = d.spec, d.world, d.chosen
     load_s = chosen.host_bytes / (args.read_gbps * 1e9)
     edp = world.edp_size()
-    own = -(-spec.n_hash_cols // (world.tp * edp))  # heads of one slice
-    exchanged = (edp - 1) * args.batch * own * spec.head_dim * 2 * len(spec.layer_ids)
-    if not hasattr(spec, "bucket_sizes") or hasattr(spec, "ple_embed_dim"):
-        # PLE row ranges over TP x EDP: each member's ids gathered, every
-        # token's rows all-reduced (FP8 or BF16 bytes) across the EDP members
-        exchanged = edp * args.batch * spec.n_hash_cols * spec.row_bytes * len(spec.layer_ids)
+    exchanged = family_of(spec).dp_sharded_exchange_bytes(spec, world, args.batch)
     biggest = max(d.mapped_per_process.values())
     from ..host.hugepages import SIZES
 

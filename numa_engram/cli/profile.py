@@ -15,7 +15,6 @@ from ..errors import SpecError
 from ..userfiles import printable, read_regular
 from .args import emit, parse_size
 
-CHUNK_TOKENS = 1 << 16   # tokens hashed per call: bounded memory for any corpus
 MAX_CORPUS_BYTES = 1 << 30  # per file
 DEFAULT_BUDGETS = "64M,256M,1G,4G,16G,64G"
 
@@ -51,14 +50,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def _open_model(path: str):
     """The model directory (Engram or PLE) and its tokenizer.json's tokenizer."""
-    from ..runtime.modeldir import (
-        CONFIG_FILE,
-        TOKENIZER_FILE,
-        ModelDirectory,
-        read_config_file,
-        read_tokenizer,
-    )
-    from ..runtime.plemodeldir import PLEModelDirectory, is_ple_config
+    from ..runtime.modeldir import TOKENIZER_FILE, read_tokenizer
+    from ..runtime.modeldirs import open_model_directory
 
     if not os.path.isdir(path):
         raise SpecError(f"{printable(path)!r} is not a model directory; pass the directory "
@@ -68,9 +61,7 @@ def _open_model(path: str):
         raise SpecError(f"{printable(path)} has no {TOKENIZER_FILE}: a profile hashes the "
                         "corpus through the model's own tokenizer")
     tokenizer = read_tokenizer(tokenizer_path)
-    if is_ple_config(read_config_file(os.path.join(path, CONFIG_FILE))):
-        return PLEModelDirectory.open(path), tokenizer
-    return ModelDirectory.open(path, tokenizer), tokenizer
+    return open_model_directory(path, tokenizer), tokenizer
 
 
 def _read_text(path: str) -> str:
@@ -84,27 +75,11 @@ def _read_text(path: str) -> str:
 
 def _rows_read(model, ids: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
     """(layer, rows of its whole table) for one document's tokenizer ids, as
-    serving hashes them: Engram through a HashState (the token map, the
-    DEAD ids), PLE through ple_ids (a fresh request's context)."""
-    from ..model.ple import PLESpec
+    serving hashes them (the model's family: Engram through a HashState,
+    PLE through ple_ids)."""
+    from ..model.families import family_of
 
-    spec = model.spec
-    if isinstance(spec, PLESpec):
-        from ..model.plehashing import ple_ids
-
-        for layer in spec.layer_ids:
-            yield layer, ple_ids(spec, [layer], ids)[:, 0].reshape(-1)
-        return
-    from ..model.hashstate import HashState
-
-    state = HashState(spec, 1, model.token_map, model.dead_ids)
-    for start in range(0, len(ids), CHUNK_TOKENS):
-        chunk = ids[start:start + CHUNK_TOKENS]
-        out = state.hash(chunk, np.zeros(len(chunk), np.int64),
-                         np.arange(start, start + len(chunk), dtype=np.int64),
-                         id_format="global")
-        for i, layer in enumerate(spec.layer_ids):
-            yield layer, out[:, i].reshape(-1).copy()
+    return family_of(model.spec).document_rows(model, ids)
 
 
 def _document(args: argparse.Namespace, spec, tokens: int, layers, per_layer,

@@ -15,18 +15,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     adopt what systemd's fd store kept), seal, hand out descriptors on
     --socket until stopped."""
     from ..runtime.hubcache import model_path
-    from ..runtime.modeldir import ModelDirectory
-    from ..runtime.plemodeldir import PLEModelDirectory
+    from ..runtime.modeldirs import open_model_directory
     from ..service import systemd
     from ..service.tableservice import TableService
     from ..userfiles import printable
 
     path = model_path(args.model_dir)  # a hub id: its snapshot in the local cache
-    model: ModelDirectory | PLEModelDirectory
-    if _has_ple_config(path):
-        model = PLEModelDirectory.open(path)
-    else:
-        model = ModelDirectory.open(path)
+    model = open_model_directory(path)  # its config.json says which family
     service = TableService(model, args.socket, tp=args.tp, placement=args.placement,
                            page_size=args.page_size, group=args.group,
                            load_threads=args.load_threads)
@@ -85,19 +80,6 @@ def _table_line(t: dict, fmt_bytes, unit_for) -> str:
     return (f"layer {t['layer']} heads [{t['heads'][0]}, {t['heads'][1]}) copy {copy}: "
             f"{state}{flags}, {fmt_bytes(t['bytes'], unit)} ({where}), {t['attaches']} "
             f"attaches{speed}{error}")
-
-
-def _has_ple_config(model_dir: str) -> bool:
-    """Whether the directory's config.json describes Qwen4-Exp PLE layers
-    (read as a regular file under a bound: a FIFO or device is refused)."""
-    import os
-
-    from ..runtime.modeldir import read_config
-    from ..runtime.plemodeldir import is_ple_config
-
-    if not os.path.isdir(model_dir):
-        return False  # ModelDirectory.open names what is wrong
-    return is_ple_config(read_config(os.path.abspath(model_dir)))
 
 
 HELP = ("hold a model's tables for this host: load once, seal, hand "

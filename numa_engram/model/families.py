@@ -29,6 +29,9 @@ class Family:
     name: str         # the key of every per-family registry ("engram", "ple")
     title: str        # how log lines and errors name its tables
     spec_type: type
+    # whether its hashing maps token ids through the tokenizer first
+    # (Engram's compressed ids: a spec for hashing needs the tokenizer)
+    needs_token_map: bool
 
     def matches_config(self, doc: object) -> bool:
         """Whether a config.json document describes this family's tables."""
@@ -62,11 +65,10 @@ class Family:
 
 
 class EngramFamily(Family):
-    name, title, spec_type = "engram", "Engram", EngramSpec
+    name, title, spec_type, needs_token_map = "engram", "Engram", EngramSpec, True
 
-    def matches_config(self, doc: object) -> bool:  # noqa: ARG002 (the fallback)
-        # ModelDirectory.open names what an Engram config lacks
-        return True
+    def matches_config(self, doc: object) -> bool:
+        return _has_field(doc, "engram_layer_ids")
 
     def spec_of_config(self, doc: dict) -> EngramSpec:
         return EngramSpec.storage_of_config(doc)
@@ -106,13 +108,10 @@ class EngramFamily(Family):
 
 
 class PLEFamily(Family):
-    name, title, spec_type = "ple", "PLE", PLESpec
+    name, title, spec_type, needs_token_map = "ple", "PLE", PLESpec, False  # raw token ids
 
     def matches_config(self, doc: object) -> bool:
-        if not isinstance(doc, dict):
-            return False
-        text = doc.get("text_config")
-        return "ple_layer_ids" in doc or isinstance(text, dict) and "ple_layer_ids" in text
+        return _has_field(doc, "ple_layer_ids")
 
     def spec_of_config(self, doc: dict) -> PLESpec:
         return PLESpec.from_config(doc)
@@ -149,8 +148,16 @@ class PLEFamily(Family):
 
 ENGRAM = EngramFamily()
 PLE = PLEFamily()
-# detection order: the first whose matches_config holds (Engram, the fallback, last)
-FAMILIES: Sequence[Family] = (PLE, ENGRAM)
+FAMILIES: Sequence[Family] = (PLE, ENGRAM)  # detection order: the first that matches
+
+
+def _has_field(doc: object, name: str) -> bool:
+    """Whether a config document has ``name`` at its top level or under
+    ``text_config`` (where vLLM's multimodal configs keep the text fields)."""
+    if not isinstance(doc, dict):
+        return False
+    text = doc.get("text_config")
+    return name in doc or isinstance(text, dict) and name in text
 
 
 def family_of(spec: object) -> Family:
@@ -163,9 +170,14 @@ def family_of(spec: object) -> Family:
 
 
 def family_of_config(doc: object) -> Family:
-    """The family a config.json document describes (Engram when no other
-    family's fields are there: its own checks name what is missing)."""
-    return next(f for f in FAMILIES if f.matches_config(doc))
+    """The family a config.json document describes (Engram when no
+    family's fields are there: its own checks then name what is missing)."""
+    return next((f for f in FAMILIES if f.matches_config(doc)), ENGRAM)
+
+
+def has_tables(doc: object) -> bool:
+    """Whether a config.json document has some family's table fields."""
+    return any(f.matches_config(doc) for f in FAMILIES)
 
 
 def family_named(name: str) -> Family:

@@ -14,14 +14,6 @@ from ..sharing.plecheckpoint import PLECheckpointPlan, resolve_ple_layers
 from .modeldir import CONFIG_FILE, read_config_file
 
 
-def is_ple_config(doc: object) -> bool:
-    """Whether a config document has Qwen4-Exp PLE layers."""
-    if not isinstance(doc, dict):
-        return False
-    text = doc.get("text_config")
-    return "ple_layer_ids" in doc or isinstance(text, dict) and "ple_layer_ids" in text
-
-
 @dataclass(frozen=True)
 class PLEModelDirectory:
     path: str

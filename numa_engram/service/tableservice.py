@@ -40,14 +40,13 @@ from typing import Any
 from ..errors import CheckpointError, NumaEngramError, StorageError
 from ..host import hugepages, procfs
 from ..host.topology import Topology
+from ..model.families import ENGRAM, Family, family_of
 from ..model.ple import PLESpec
-from ..model.sharding import ShardInfo, shard_heads
+from ..model.sharding import ShardInfo
 from ..model.spec import EngramSpec
-from ..runtime.modeldir import ModelDirectory
-from ..runtime.plemodeldir import PLEModelDirectory
-from ..sharing.pletable import SharedPLETable
+from ..runtime.modeldirs import AnyModelDirectory
+from ..sharing.familytables import AnyTable, create_shard
 from ..sharing.request import TableOptions, shard_key, table_layout
-from ..sharing.table import SharedEngramTable
 from ..store import serviceclient, unixsockets
 from ..store.fileformat import STATE_READY, ShardKey
 from ..store.storage import BackingFile, read_only_descriptor, seal_contents
@@ -84,7 +83,7 @@ class HeldTable:
     bytes_per_node: dict[int, int] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)
     attaches: int = 0
-    row_range: bool = False    # a PLE table's shard (rows of every head), not Engram's heads
+    family: Family = ENGRAM    # which rows a shard is, and the table's name
 
     @property
     def key(self) -> ShardKey:
@@ -93,11 +92,7 @@ class HeldTable:
     def name(self, fingerprint: bytes, page_size: int) -> str:
         """Its FDNAME: printable, no ':' (systemd's rule), at most 255 bytes."""
         node = "all" if self.node is None else str(self.node)
-        if self.row_range:  # a PLE shard: a row range of every head
-            return (f"ple-{fingerprint.hex()[:16]}-l{self.layer_id}-r{self.shard.row_start}-"
-                    f"{self.shard.row_end}-p{page_size}-n{node}")
-        return (f"engram-{fingerprint.hex()[:16]}-l{self.layer_id}-h{self.shard.head_start}-"
-                f"{self.shard.head_end}-p{page_size}-n{node}")
+        return self.family.table_name(fingerprint, self.layer_id, self.shard, page_size, node)
 
     def describe(self) -> dict:
         return {"layer": self.layer_id, "heads": [self.shard.head_start, self.shard.head_end],
@@ -121,7 +116,7 @@ class HeldTable:
 class TableService:
     """Holds ``model``'s tables for TP ``tp`` and serves them on ``socket_path``."""
 
-    def __init__(self, model: ModelDirectory | PLEModelDirectory, socket_path: str, *,
+    def __init__(self, model: AnyModelDirectory, socket_path: str, *,
                  tp: int = 1,
                  placement: str = "interleave", page_size: Any = "4K",
                  group: str | None = None, load_threads: int | None = None,
@@ -147,16 +142,15 @@ class TableService:
         if self.placement == REPLICATE:
             nodes = [n.id for n in self.topology.nodes if n.mem_total > 0] or [None]
         out = []
-        ple = isinstance(self.spec, PLESpec)
+        family = family_of(self.spec)
         for layer in self.spec.layer_ids:
             for rank in range(tp):
-                shard = self.spec.shard(layer, rank, tp) if isinstance(self.spec, PLESpec) \
-                    else shard_heads(self.spec.bucket_sizes(layer), tp, rank)
+                shard = family.shard(self.spec, layer, rank, tp)
                 for node in nodes:
                     policy = self.placement if node is None else f"node:{node}"
                     out.append(HeldTable(
                         layer, shard, node, policy, rank,
-                        total=shard.num_rows * self.spec.row_bytes, row_range=ple,
+                        total=shard.num_rows * self.spec.row_bytes, family=family,
                         file_bytes=table_layout(self.spec, shard, self.page_size).file_size))
         return out
 
@@ -228,19 +222,12 @@ class TableService:
 
         def progress(done: int, total: int) -> None:
             table.done, table.total = done, total
-        created: SharedEngramTable | SharedPLETable
+        created: AnyTable
         options = TableOptions(directory=None, placement=table.policy, page_size=self.page_size,
                                load_threads=self.load_threads, progress=progress,
                                topology=self.topology)
-        if isinstance(self.spec, PLESpec):
-            created = SharedPLETable.create(
-                self.spec, table.layer_id, etp_rank=table.tp_rank, etp_size=self.tp,
-                mode="independent", checkpoint=self._checkpoint_of(table.layer_id),
-                options=options)
-        else:
-            created = SharedEngramTable.create(
-                self.spec, table.layer_id, table.shard, mode="independent",
-                checkpoint=self._checkpoint_of(table.layer_id), options=options)
+        created = create_shard(self.spec, table.layer_id, table.shard, table.tp_rank, self.tp,
+                               self._checkpoint_of(table.layer_id), options)
         try:
             report = created.placement_report()
             table.bytes_per_node = {} if report is None else report.bytes_per_node()

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from ..errors import TopologyError
 from ..host.hugepages import SIZES, name_of, page_table_bytes
 from ..host.topology import Topology
+from ..model.families import family_of
 from ..model.family import TableFamily
-from ..model.ple import PLESpec
-from ..model.sharding import WorldLayout, assign, valid_head_shard_counts
+from ..model.sharding import WorldLayout, assign
 from ..units import fmt_bytes, node_list
 from .placement import (
     Region,
@@ -123,7 +123,7 @@ def _mapped_per_process(spec: TableFamily, world: WorldLayout, mode: str) -> dic
 
 def _notes(spec: TableFamily, world: WorldLayout, mode: str, policy: str,
            chosen: PolicyOutcome, regions: list[Region]) -> list[str]:
-    notes = _sharding_notes(spec, world)
+    notes = family_of(spec).sharding_notes(spec, world)
     if mode == "dp_shared" and world.edp_size() == 1 and world.dp > 1:
         why = (f"TP {world.tp} does not divide the {world.gpus_per_host} GPUs of a host"
                if world.gpus_per_host % world.tp else
@@ -141,22 +141,6 @@ def _notes(spec: TableFamily, world: WorldLayout, mode: str, policy: str,
         notes.append("policy none: pages land where they are first touched (by the loader), "
                      "so bytes per node and remote reads are unknown until verify measures them")
     return notes
-
-
-def _sharding_notes(spec: TableFamily, world: WorldLayout) -> list[str]:
-    if isinstance(spec, PLESpec):
-        layer = spec.layer_ids[0]
-        per_rank = spec.shard_bytes(layer, world.tp, 0) * len(spec.layer_ids)
-        vllm = per_rank * min(world.world_size, world.gpus_per_host)
-        return [f"TP {world.tp}: PLE row ranges of {spec.rows(layer) // world.tp:,} rows per "
-                f"rank and layer ({spec.head_dim}-wide {spec.dtype} rows)",
-                f"vLLM 0.31.0 holds PLE tables per rank (pinned, no sharing): "
-                f"{fmt_bytes(per_rank)} per rank, {fmt_bytes(vllm)} per host"]
-    valid = valid_head_shard_counts(spec.n_hash_cols, max(world.tp, 64))
-    part = -(-spec.n_hash_cols // world.tp)
-    heads = [min(part, spec.n_hash_cols - r * part) for r in range(world.tp)]
-    return [f"TP {world.tp}: heads per rank {heads} (create accepts it; head-wise TP sizes "
-            f"for {spec.n_hash_cols} heads: {node_list(valid)})"]
 
 
 def recommendation(d: Deployment) -> str:

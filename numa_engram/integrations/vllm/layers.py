@@ -14,6 +14,7 @@ from types import ModuleType
 from typing import Any
 
 from ...literals import DEFAULT_DIRECTORY
+from ...model.families import ENGRAM, Family
 from ...model.sharding import ShardInfo, shard_heads
 from ...model.spec import EngramSpec
 from ...sharing.request import TableOptions
@@ -88,29 +89,31 @@ def model_spec(config: Any) -> EngramSpec:
     V4.1's text fields, flattened by vLLM or under ``text_config``), once
     per engine; no tokenizer (``EngramSpec.storage_of_config``: tables
     store no hashing)."""
-    return config_spec(config, "Engram", EngramSpec.storage_of_config)
+    return config_spec(config, ENGRAM)
 
 
-def config_spec(config: Any, family: str, make: Callable[[dict], Any]) -> Any:
-    """``make`` of vLLM's ``model_config.hf_config`` as a document, once per
-    engine and family; the model directory is never read (a hub id not yet
-    downloaded, ``--tokenizer`` elsewhere: the same)."""
+def config_spec(config: Any, family: Family) -> Any:
+    """The family's spec of vLLM's ``model_config.hf_config`` as a document
+    (``Family.spec_of_config``), once per engine and family; the model
+    directory is never read (a hub id not yet downloaded, ``--tokenizer``
+    elsewhere: the same)."""
     from ...errors import NumaEngramError
 
     specs = placement.engine(config).specs
-    if family not in specs:
+    if family.name not in specs:
         model_config = config.model_config
         hf = getattr(model_config, "hf_config", None)
         if hf is None:
             raise PluginError(f"vLLM's model_config of {getattr(model_config, 'model', None)!r} "
                               "has no hf_config: the numa_engram plugin takes the "
-                              f"{family} tables' layout from it")
+                              f"{family.title} tables' layout from it")
         try:
-            specs[family] = make(hf_document(hf))
+            specs[family.name] = family.spec_of_config(hf_document(hf))
         except NumaEngramError as exc:
-            raise PluginError(f"{family} tables of {getattr(model_config, 'model', None)!r}: "
-                              f"vLLM's hf_config: {exc}") from None
-    return specs[family]
+            raise PluginError(f"{family.title} tables of "
+                              f"{getattr(model_config, 'model', None)!r}: vLLM's hf_config: "
+                              f"{exc}") from None
+    return specs[family.name]
 
 
 def hf_document(hf: Any) -> dict:

@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from ...literals import DEFAULT_DIRECTORY
+from ...model.families import PLE
 from ...model.ple import PLESpec
 from ...sharing.pletable import SharedPLETable
 from ...sharing.request import TableOptions
@@ -40,7 +41,7 @@ def layer_of(prefix: str) -> int:
 def model_spec(config: Any) -> PLESpec:
     """The PLE tables' spec from vLLM's parsed config (``hf_config``, its
     ``text_config`` where it has one), once per engine."""
-    return config_spec(config, "PLE", PLESpec.from_config)
+    return config_spec(config, PLE)
 
 
 def _torch_dtype(name: str) -> Any:
