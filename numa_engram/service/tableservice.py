@@ -41,9 +41,8 @@ from ..errors import CheckpointError, NumaEngramError, StorageError
 from ..host import hugepages, procfs
 from ..host.topology import Topology
 from ..model.families import ENGRAM, Family, family_of
-from ..model.ple import PLESpec
+from ..model.family import TableFamily
 from ..model.sharding import ShardInfo
-from ..model.spec import EngramSpec
 from ..runtime.modeldirs import AnyModelDirectory
 from ..sharing.familytables import AnyTable, create_shard
 from ..sharing.request import TableOptions, shard_key, table_layout
@@ -122,7 +121,7 @@ class TableService:
                  group: str | None = None, load_threads: int | None = None,
                  topology: Topology | None = None) -> None:
         self.model = model
-        self.spec: EngramSpec | PLESpec = model.spec
+        self.spec: TableFamily = model.spec  # of either family: asked through family_of
         self.socket_path = os.path.abspath(socket_path)
         self.page_size = hugepages.parse_page_size(page_size)
         self.placement, self.load_threads = placement, load_threads
