@@ -102,3 +102,14 @@ def test_no_module_above_model_tests_a_familys_type_or_attributes():
     breaches = [f"{p.relative_to(PACKAGE)}:{n}: {line.strip()}" for p in above
                 for n, line in enumerate(p.read_text().splitlines(), 1) if SEAM_BREACH.search(line)]
     assert breaches == []
+
+
+def test_every_family_has_its_reader_table_and_model_directory():
+    """A family added to FAMILIES without its halves above model/ fails here,
+    not at a user's first create (docs/design.md, "Adding a family")."""
+    from numa_engram.runtime.modeldirs import OPENERS
+    from numa_engram.sharing.familyreaders import READERS
+    from numa_engram.sharing.familytables import CREATORS
+
+    names = {f.name for f in FAMILIES}
+    assert set(READERS) == set(CREATORS) == set(OPENERS) == names
