@@ -93,9 +93,9 @@ def write_ple_model(model: Path, spec: PLESpec, seed: int = 5) -> Path:
 
 
 def vllm_plugin_dp_shared(rank: int, world: int, *, model_dir: str, root: str, spec: dict,
-                          additional: dict, version: str | None = None) -> dict:
-    """vLLM's Qwen4ExpNGramEmbedding under the plugin in ranks r = dp * 2 +
-    tp, vLLM's TP (= ETP) and DP groups real gloo groups, dp_shared asked:
+                          additional: dict, version: str | None = None, tp: int = 2) -> dict:
+    """vLLM's Qwen4ExpNGramEmbedding under the plugin in ranks r = dp * tp +
+    tp_rank, vLLM's TP (= ETP) and DP groups real gloo groups, dp_shared asked:
     each PLE layer's table made through the plugin and filled by vLLM's
     loader (the group's leader writes); its bytes against vLLM's own
     storage loaded by vLLM's loader; rows all-reduced over the TP pair
@@ -107,21 +107,22 @@ def vllm_plugin_dp_shared(rank: int, world: int, *, model_dir: str, root: str, s
     from numa_engram.integrations.vllm import patch_ple
 
     patch_ple(v.common, v.ple, v.nv)
-    tp_rank, dp_rank = rank % 2, rank // 2
-    tp_ranks = [[2 * d, 2 * d + 1] for d in range(world // 2)]
-    dp_ranks = [[t + 2 * d for d in range(world // 2)] for t in range(2)]
+    tp_rank, dp_rank = rank % tp, rank // tp
+    tp_ranks = [[tp * d + t for t in range(tp)] for d in range(world // tp)]
+    dp_ranks = [[t + tp * d for d in range(world // tp)] for t in range(tp)]
     tp_pgs = [dist.new_group(r) for r in tp_ranks]
     dp_pgs = [dist.new_group(r) for r in dp_ranks]
-    tp = harness.Coordinator(tp_ranks[dp_rank], tp_pgs[dp_rank])
-    harness.State.tp, harness.State.dp = tp, harness.Coordinator(dp_ranks[tp_rank],
-                                                                 dp_pgs[tp_rank])
+    tp_group = harness.Coordinator(tp_ranks[dp_rank], tp_pgs[dp_rank])
+    harness.State.tp = tp_group
+    harness.State.dp = harness.Coordinator(dp_ranks[tp_rank], dp_pgs[tp_rank])
     checkpoint = str(Path(model_dir) / "model.safetensors")
     out: dict = {"modes": [], "leaders": [], "mismatches": [], "rows": [], "table_bytes": 0}
     tables = []
     dist.barrier()
     free_before = free_huge_pages()
+    engine = harness.config(model_dir, dp_shared=True, additional=additional)  # one engine's
     for layer in spec_.layer_ids:
-        harness.State.config = harness.config(model_dir, dp_shared=True, additional=additional)
+        harness.State.config = engine
         ours = harness.ple_layer(v.nv, spec, layer, dp_rank=dp_rank)
         harness.load_ple_checkpoint(ours, checkpoint, layer)
         emb = ours.ngram_embedding
@@ -141,7 +142,8 @@ def vllm_plugin_dp_shared(rank: int, world: int, *, model_dir: str, root: str, s
             out["mismatches"].append(f"layer {layer}: scale {table.scale}")
         ids = np.random.default_rng(10 * layer + dp_rank).integers(
             0, spec_.rows(layer), size=(32, spec_.n_heads))
-        got = reduce_rows(table, ids, tp.cpu_group).view(torch.int16).numpy().view(np.uint16)
+        got = reduce_rows(table, ids, tp_group.cpu_group).view(torch.int16).numpy()
+        got = got.view(np.uint16)
         weight, scale = whole_table(checkpoint, spec_, layer)
         if not np.array_equal(np.where(got == 0x7FC0, 0x7FC0, got),
                               vllm_rows(weight, scale, ids)):

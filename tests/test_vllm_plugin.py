@@ -728,3 +728,34 @@ def test_auto_without_a_service_shares_one_copy(vllm, model_dir, tmp_path, monke
         assert r["ok"], r.get("traceback", r)
         assert r["shareable"] is True and r["mismatches"] == [], r
         assert set(r["modes"]) == {"dp_shared"}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("nodes", [[0, 1], [0, 0]], ids=["one-per-socket", "both-on-node-0"])
+def test_copies_socket_with_one_replica_per_socket_makes_private_tables_saying_so(
+        vllm, model_dir, nodes):
+    """Issue 49.9: DP 2 (TP 1) with dp_shared asked and "copies": "socket",
+    rank 0's GPU on node 0 and rank 1's on node 1: no DP peer of a rank can
+    map its copy, so each rank makes a private table with the plugin's fall
+    back line (a StorageError "the sharing group has one member" before),
+    filled by vLLM's loader, rows bit-exact with the checkpoint's and with
+    vLLM's own storage.  Both GPUs on node 0: one shared copy, no such
+    line.  The GPUs' nodes are a fake (tests/vllm_scenarios.on_gpu_nodes:
+    host.topology.gpu_node as sharing_groups looks it up, in the spawned
+    ranks only): this machine has no GPU."""
+    from .dist_harness import run_world
+    from .vllm_scenarios import on_gpu_nodes, serve
+
+    results = run_world(2, on_gpu_nodes, timeout_s=300, nodes=nodes, then=serve, tp=1,
+                        model_dir=model_dir, mode="dp_shared", root=str(harness.cache_dir()),
+                        spec=SPEC.to_dict(), additional={"copies": "socket"})
+    split = nodes[0] != nodes[1]
+    for r in results:
+        assert r["ok"], r.get("traceback", r)
+        assert r["mismatches"] == [] and len(r["modes"]) == len(SPEC.layer_ids), r
+        assert set(r["modes"]) == {"independent" if split else "dp_shared"}, r
+        assert all(r["leaders"]) == (split or r["rank"] == 0), r
+        fell_back = [line for line in r["logs"] if "the DP peers cannot share one copy (no DP "
+                     "peer of this rank can map its copy" in line and "socket" in line
+                     and "one table per rank" in line]
+        assert len(fell_back) == (1 if split else 0), r["logs"]

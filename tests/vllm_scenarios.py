@@ -347,3 +347,20 @@ def write_into_attached_ple(rank, world, *, model_dir, spec, service, version=ha
            "unchanged": table.weights.tobytes() == before}
     table.close()
     return out
+
+
+def on_gpu_nodes(rank, world, *, nodes, then, **kwargs):
+    """The scenario ``then`` with this rank's GPU on NUMA node ``nodes[rank]``: a
+    fake, this machine having no GPU, at the one point that maps a CUDA
+    device to its node, ``host.topology.gpu_node`` as the module of
+    ``numa_engram.sharing_groups`` looks it up, in this spawned rank only.
+    Nothing else sees a GPU: the plugin's device() is still None, so no
+    table is registered with CUDA."""
+    import sys
+
+    import numa_engram
+
+    module = sys.modules[numa_engram.sharing_groups.__module__]
+    assert callable(module.gpu_node)  # (renamed: the fake would miss; fail instead)
+    module.gpu_node = lambda device, root=None: nodes[rank]
+    return then(rank, world, **kwargs)
