@@ -46,39 +46,39 @@ from .store.placement import PlacementPlan, PlacementRange, PlacementReport, pla
 _LAZY = {
     "dequantize_rows": "model.fp8",
     "quantize_rows": "model.fp8",
-    "SharedEngramTable": "sharing.table",
-    "TableOptions": "sharing.request",
+    "SharedEngramTable": "tables.table",
+    "TableOptions": "tables.request",
     "PrefetchScheduler": "lookup.prefetch",
     "lookup_rows": "lookup.cpu",
-    "DPShardedLookup": "sharing.dpsharded",
+    "DPShardedLookup": "runtime.dpsharded",
     "HashState": "model.hashstate",
     "build_token_map": "model.tokenmap",
-    "ShardedHeads": "sharing.dpsharded",
-    "sharing_groups": "sharing.group",
-    "as_group": "sharing.group",
-    "SocketGroup": "sharing.socketgroup",
+    "ShardedHeads": "runtime.dpsharded",
+    "sharing_groups": "groups.group",
+    "as_group": "groups.group",
+    "SocketGroup": "groups.socketgroup",
     "EngramRuntime": "runtime.engramruntime",
     "ModelDirectory": "runtime.modeldir",
     "write_synthetic_model": "runtime.modeldir",
-    "write_synthetic_checkpoint": "sharing.synthetic",
-    "TensorNames": "sharing.checkpoint",
+    "write_synthetic_checkpoint": "checkpoints.synthetic",
+    "TensorNames": "checkpoints.checkpoint",
 }
 
 if TYPE_CHECKING:  # what _LAZY gives, as the real names for type checkers
+    from .checkpoints.checkpoint import TensorNames
+    from .checkpoints.synthetic import write_synthetic_checkpoint
+    from .groups.group import as_group, sharing_groups
+    from .groups.socketgroup import SocketGroup
     from .lookup.cpu import lookup_rows
     from .lookup.prefetch import PrefetchScheduler
     from .model.fp8 import dequantize_rows, quantize_rows
     from .model.hashstate import HashState
     from .model.tokenmap import build_token_map
+    from .runtime.dpsharded import DPShardedLookup, ShardedHeads
     from .runtime.engramruntime import EngramRuntime
     from .runtime.modeldir import ModelDirectory, write_synthetic_model
-    from .sharing.checkpoint import TensorNames
-    from .sharing.dpsharded import DPShardedLookup, ShardedHeads
-    from .sharing.group import as_group, sharing_groups
-    from .sharing.request import TableOptions
-    from .sharing.socketgroup import SocketGroup
-    from .sharing.synthetic import write_synthetic_checkpoint
-    from .sharing.table import SharedEngramTable
+    from .tables.request import TableOptions
+    from .tables.table import SharedEngramTable
 
 # the library only logs; the application decides where logs go
 logging.getLogger(__name__).addHandler(logging.NullHandler())

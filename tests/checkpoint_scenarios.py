@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 
 from numa_engram import SharedEngramTable, shard_heads
+from numa_engram.groups.group import TorchGroup
 from numa_engram.model.ple import PLESpec
-from numa_engram.sharing.group import TorchGroup
-from numa_engram.sharing.pletable import SharedPLETable
+from numa_engram.tables.pletable import SharedPLETable
 
 from .socket_scenarios import LAYER, make_spec
 
@@ -35,7 +35,7 @@ def whole_table(family: str, checkpoint: str, timeout_s: float = 30):
 def damaged_during_load(rank, world, *, family, checkpoint, other, damage, damager):
     """``damager`` truncates the checkpoint to half (``damage`` "truncate")
     or replaces it with ``other`` ("replace") just before its load."""
-    import numa_engram.sharing.steps as steps
+    import numa_engram.groups.steps as steps
 
     if rank == damager:
         def hook(step):

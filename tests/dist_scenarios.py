@@ -10,13 +10,13 @@ import torch
 import torch.distributed as dist
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+from numa_engram.checkpoints.synthetic import synthetic_layer
+from numa_engram.groups.group import TorchGroup, sharing_groups
 from numa_engram.host import hugepages
 from numa_engram.host.procfs import smaps
 from numa_engram.lookup.cpu import reference_lookup
 from numa_engram.model.hashing import ngram_hashes
 from numa_engram.model.sharding import WorldLayout
-from numa_engram.sharing.group import TorchGroup, sharing_groups
-from numa_engram.sharing.synthetic import synthetic_layer
 
 from .socket_scenarios import LAYER, make_spec
 
@@ -112,7 +112,7 @@ def _store_outlives_the_roll_call(rank, waiting):
 
 
 def leader_killed(rank, world):
-    import numa_engram.sharing.steps as steps
+    import numa_engram.groups.steps as steps
 
     if rank == 0:
         def die(step):
@@ -163,7 +163,7 @@ def dp_sharded(rank, world, *, tp, dp, counts, n_head_per_ngram, max_ngram, max_
     """DP-sharded lookups: every replica's rows bit-exact with the reference
     over the whole table, including an idle replica and an all-DEAD one."""
     from numa_engram.lookup.cpu import reference_lookup
-    from numa_engram.sharing.dpsharded import DPShardedLookup, ShardedHeads
+    from numa_engram.runtime.dpsharded import DPShardedLookup, ShardedHeads
 
     spec = EngramSpec.small(rows_per_head=96, n_head_per_ngram=n_head_per_ngram, head_dim=64,
                             max_ngram_size=max_ngram)  # primes 97 and up, like vLLM's test
@@ -217,7 +217,7 @@ def dp_sharded(rank, world, *, tp, dp, counts, n_head_per_ngram, max_ngram, max_
 
 def _hook(rank, victim, point, action):
     """Step hook: at `point` of the protocol, `victim` kills or stops itself."""
-    import numa_engram.sharing.steps as steps
+    import numa_engram.groups.steps as steps
 
     if rank != victim:
         return
@@ -265,9 +265,9 @@ def split_load(rank, world, *, checkpoint, fail_rank=None, error="foreign"):
     raises in the middle of its part (``error``: a foreign OSError, our
     CheckpointError, or ``truncate``: it cuts the checkpoint file before
     its load, a real truncation the others may or may not meet)."""
-    import numa_engram.sharing.steps as steps
+    import numa_engram.groups.steps as steps
     from numa_engram.errors import CheckpointError
-    from numa_engram.sharing.loading import DONE
+    from numa_engram.tables.loading import DONE
 
     if rank == fail_rank:
         def hook(step):
@@ -302,7 +302,7 @@ def peer_raises(rank, world, *, error):
     """Members fail while mapping: a SyscallError on one, RuntimeErrors on two."""
     import errno
 
-    import numa_engram.sharing.protocol as protocol
+    import numa_engram.tables.protocol as protocol
     from numa_engram.errors import SyscallError
 
     def boom(*args, **kwargs):
@@ -330,7 +330,7 @@ def peer_stops_itself(rank, world, *, bound_s):
 
 def slow_load(rank, world, *, bound_s, checkpoint, pause_s):
     """A healthy load longer than timeout_s: the leader makes progress."""
-    import numa_engram.sharing.steps as steps
+    import numa_engram.groups.steps as steps
 
     if rank == 0:
         steps.STEP_HOOK = lambda step: time.sleep(pause_s) if step == "load-progress" \
@@ -364,7 +364,7 @@ def _sharded_member(rank, world):
     """This member's head slice of a small layer (TP 1, EDP = the world),
     filled from the synthetic layer, and its DP-sharded lookup over the
     world group: (spec, table, whole weights, whole scales, lookup)."""
-    from numa_engram.sharing.dpsharded import DPShardedLookup, ShardedHeads
+    from numa_engram.runtime.dpsharded import DPShardedLookup, ShardedHeads
 
     spec = EngramSpec.small(rows_per_head=96, n_head_per_ngram=4, head_dim=64)
     heads = ShardedHeads.of(spec, LAYER, 1, world, 0)
@@ -522,7 +522,7 @@ class FakeCoordinator:
 def coordinator_group(rank, world):
     """A serving stack's coordinator passed as the group; then DP-sharded
     lookups over what sharing_groups returns."""
-    from numa_engram.sharing.dpsharded import DPShardedLookup, ShardedHeads
+    from numa_engram.runtime.dpsharded import DPShardedLookup, ShardedHeads
 
     coord = FakeCoordinator(range(world))
     spec = make_spec(200)
@@ -549,7 +549,7 @@ def coordinator_group(rank, world):
 def replace_during_load(rank, world, *, checkpoint, other, replacer):
     """``replacer`` swaps the checkpoint for another version (os.replace)
     just before its own load: no member may build a table from two versions."""
-    import numa_engram.sharing.steps as steps
+    import numa_engram.groups.steps as steps
 
     if rank == replacer:
         steps.STEP_HOOK = lambda step: step == "before-load" and os.replace(other,
@@ -632,7 +632,7 @@ def scraped_metrics(rank, world):
 def group_progress(rank, world, *, checkpoint):
     """The leader's progress callback while the others' parts are slower:
     it keeps moving after the leader's own part, up to the whole table."""
-    import numa_engram.sharing.steps as steps
+    import numa_engram.groups.steps as steps
 
     if rank != 0:  # the other loaders take longer
         steps.STEP_HOOK = lambda step: time.sleep(0.05) if step == "load-progress" else None

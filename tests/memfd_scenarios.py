@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 
 from numa_engram import SharedEngramTable, shard_heads
+from numa_engram.checkpoints.synthetic import synthetic_layer
+from numa_engram.groups.group import TorchGroup
 from numa_engram.host.accounting import tmpfs_usage
 from numa_engram.host.procfs import smaps
 from numa_engram.lookup.cpu import reference_lookup
 from numa_engram.model.hashing import ngram_hashes
-from numa_engram.sharing.group import TorchGroup
-from numa_engram.sharing.synthetic import synthetic_layer
 
 from .socket_scenarios import LAYER, make_spec
 

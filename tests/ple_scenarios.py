@@ -10,11 +10,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from numa_engram.checkpoints.synthetic import write_ple_checkpoint
+from numa_engram.groups.group import sharing_groups
 from numa_engram.host.procfs import smaps
 from numa_engram.model.ple import PLESpec
-from numa_engram.sharing.group import sharing_groups
-from numa_engram.sharing.pletable import SharedPLETable, reduce_rows
-from numa_engram.sharing.synthetic import write_ple_checkpoint
+from numa_engram.tables.pletable import SharedPLETable, reduce_rows
 
 LAYER = 5
 

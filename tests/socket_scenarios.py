@@ -10,13 +10,13 @@ import time
 import numpy as np
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+from numa_engram.checkpoints.checkpoint import DEFAULT_NAMES
+from numa_engram.groups.socketgroup import SocketGroup
 from numa_engram.host import hugepages
 from numa_engram.host.procfs import smaps
 from numa_engram.lookup.cpu import gather
 from numa_engram.model.hashing import ngram_hashes
 from numa_engram.model.sharding import prefix_offsets
-from numa_engram.sharing.checkpoint import DEFAULT_NAMES
-from numa_engram.sharing.socketgroup import SocketGroup
 
 LAYER = 1
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from numa_engram.bindings import hashkernels, lookupkernel
+from numa_engram.checkpoints.synthetic import write_ple_checkpoint
 from numa_engram.errors import LookupIdError, SpecError, StorageError
 from numa_engram.model.ple import PLESpec
 from numa_engram.model.plehashing import PLEHistory, ple_ids, ple_ids_numpy
-from numa_engram.sharing.pletable import SharedPLETable
-from numa_engram.sharing.synthetic import write_ple_checkpoint
+from numa_engram.tables.pletable import SharedPLETable
 
 torch = pytest.importorskip("torch")
 

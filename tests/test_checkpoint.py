@@ -5,11 +5,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from numa_engram.checkpoints.checkpoint import TensorNames, load_rows
+from numa_engram.checkpoints.synthetic import synthetic_layer, write_synthetic_checkpoint
 from numa_engram.errors import CheckpointError
 from numa_engram.model.sharding import shard_heads
 from numa_engram.model.spec import EngramSpec
-from numa_engram.sharing.checkpoint import TensorNames, load_rows
-from numa_engram.sharing.synthetic import synthetic_layer, write_synthetic_checkpoint
 
 SPEC = EngramSpec.small(rows_per_head=300, n_head_per_ngram=4, head_dim=64)  # 8 heads
 
@@ -315,7 +315,7 @@ def test_a_file_replaced_during_the_load_gives_rows_of_one_version(tmp_path):
 
 
 def test_a_plan_refuses_a_file_replaced_since_it_was_resolved(tmp_path):
-    from numa_engram.sharing.checkpoint import resolve
+    from numa_engram.checkpoints.checkpoint import resolve
 
     path = write_synthetic_checkpoint(tmp_path / "c.safetensors", SPEC, seed=0)
     plan = resolve(str(path), SPEC, 1)
@@ -341,22 +341,22 @@ class _Family:
         self.layer = 1 if name == "engram" else 5
 
     def write(self, path, seed=0):
-        from numa_engram.sharing.synthetic import write_ple_checkpoint
+        from numa_engram.checkpoints.synthetic import write_ple_checkpoint
 
         if self.name == "engram":
             return write_synthetic_checkpoint(path, self.spec, seed=seed, raw=True)
         return write_ple_checkpoint(path, self.spec, seed=seed)
 
     def resolve(self, path):
-        from numa_engram.sharing.checkpoint import resolve
-        from numa_engram.sharing.plecheckpoint import resolve_ple
+        from numa_engram.checkpoints.checkpoint import resolve
+        from numa_engram.checkpoints.plecheckpoint import resolve_ple
 
         if self.name == "engram":
             return resolve(str(path), self.spec, self.layer)
         return resolve_ple(str(path), self.spec, self.layer)
 
     def load(self, plan, progress=None):
-        from numa_engram.sharing.plecheckpoint import load_ple_rows, read_scale
+        from numa_engram.checkpoints.plecheckpoint import load_ple_rows, read_scale
 
         n = self.spec.rows(self.layer)
         if self.name == "engram":

@@ -8,9 +8,9 @@ import torch
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 from numa_engram.bindings import cudart as cuda
+from numa_engram.checkpoints.synthetic import write_synthetic_checkpoint
 from numa_engram.errors import LookupIdError
 from numa_engram.model.hashing import ngram_hashes
-from numa_engram.sharing.synthetic import write_synthetic_checkpoint
 
 AVAILABLE, WHY_NOT = cuda.available()
 if AVAILABLE and not torch.cuda.is_available():
@@ -82,9 +82,9 @@ def test_cuda_prefetch_backend(table):
 
 
 def test_ple_rows_on_the_gpu_are_zero_copy_and_equal_the_cpu_lookup(tmp_path):
+    from numa_engram.checkpoints.synthetic import write_ple_checkpoint
     from numa_engram.model.ple import PLESpec
-    from numa_engram.sharing.pletable import SharedPLETable
-    from numa_engram.sharing.synthetic import write_ple_checkpoint
+    from numa_engram.tables.pletable import SharedPLETable
 
     spec = PLESpec(layer_ids=[2], ple_embed_dim=160, vocab_size=5000, eos_token_id=7,
                    ngram_vocab_size_base=30000, split_ngram_parts=7)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+from numa_engram.checkpoints.synthetic import write_synthetic_checkpoint
 from numa_engram.errors import CudaUnavailable, NumaEngramError
-from numa_engram.sharing.group import RankIdentity, identity_groups
-from numa_engram.sharing.identity import HostIdentity
-from numa_engram.sharing.synthetic import write_synthetic_checkpoint
+from numa_engram.groups.group import RankIdentity, identity_groups
+from numa_engram.groups.identity import HostIdentity
 
 from . import dist_scenarios as scenarios
 from .dist_harness import run_world
@@ -129,7 +129,7 @@ def _registered_table():
 def test_registrations_equal_unregistrations_in_every_path(fake_cuda, monkeypatch):
     import gc
 
-    import numa_engram.sharing.steps as steps
+    import numa_engram.groups.steps as steps
 
     t = _registered_table()                       # close() with no views: unregisters now
     t.close()

@@ -8,7 +8,7 @@ import pytest
 
 from numa_engram import EngramSpec
 from numa_engram.errors import LookupIdError
-from numa_engram.sharing.dpsharded import ShardedHeads, pad_hash_ids
+from numa_engram.runtime.dpsharded import ShardedHeads, pad_hash_ids
 
 from . import dist_scenarios as scenarios
 from .dist_harness import run_world

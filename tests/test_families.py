@@ -80,8 +80,8 @@ def test_the_dp_sharded_exchange_is_engram_slices_and_ple_rows():
 
 
 def test_each_familys_reader_passes_its_own_plan_through(tmp_path):
-    from numa_engram.sharing.familyreaders import reader_of
-    from numa_engram.sharing.synthetic import write_ple_checkpoint
+    from numa_engram.checkpoints.familyreaders import reader_of
+    from numa_engram.checkpoints.synthetic import write_ple_checkpoint
 
     path = tmp_path / "ple.safetensors"
     write_ple_checkpoint(str(path), PLE_SPEC)
@@ -107,9 +107,9 @@ def test_no_module_above_model_tests_a_familys_type_or_attributes():
 def test_every_family_has_its_reader_table_and_model_directory():
     """A family added to FAMILIES without its halves above model/ fails here,
     not at a user's first create (docs/design.md, "Adding a family")."""
+    from numa_engram.checkpoints.familyreaders import READERS
     from numa_engram.runtime.modeldirs import OPENERS
-    from numa_engram.sharing.familyreaders import READERS
-    from numa_engram.sharing.familytables import CREATORS
+    from numa_engram.tables.familytables import CREATORS
 
     names = {f.name for f in FAMILIES}
     assert set(READERS) == set(CREATORS) == set(OPENERS) == names

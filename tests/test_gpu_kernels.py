@@ -13,11 +13,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from numa_engram import EngramSpec  # noqa: E402
+from numa_engram.checkpoints.synthetic import synthetic_layer  # noqa: E402
 from numa_engram.errors import LookupIdError  # noqa: E402
 from numa_engram.lookup.cpu import lookup_rows  # noqa: E402
 from numa_engram.model.fp8 import dequantize_rows  # noqa: E402
 from numa_engram.model.hashing import ngram_hashes  # noqa: E402
-from numa_engram.sharing.synthetic import synthetic_layer  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'numa_engram[test]')")
 if os.environ.get("TRITON_INTERPRET") != "1":

@@ -1,13 +1,13 @@
-"""Groups (sharing/group.py): sharing groups as the caller separated them (the rule, then one
+"""Groups (groups/group.py): sharing groups as the caller separated them (the rule, then one
 real world).  The roll call of a collective that timed out: test_shared_table.py's
 test_peer_that_never_joins_times_out_everywhere_naming_it."""
 
 import pytest
 
 from numa_engram.errors import TopologyError
+from numa_engram.groups.group import RankIdentity, caller_limit, identity_groups
+from numa_engram.groups.identity import HostIdentity
 from numa_engram.model.sharding import WorldLayout
-from numa_engram.sharing.group import RankIdentity, caller_limit, identity_groups
-from numa_engram.sharing.identity import HostIdentity
 
 from . import dist_scenarios as scenarios
 from .dist_harness import run_world

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+from numa_engram.checkpoints.synthetic import write_synthetic_checkpoint
 from numa_engram.errors import CapacityError, StorageError
 from numa_engram.host import hugepages, procfs
 from numa_engram.lookup.cpu import reference_lookup
-from numa_engram.sharing.synthetic import write_synthetic_checkpoint
 from numa_engram.store.fileformat import PREFIX, Layout
 from numa_engram.store.storage import BackingFile
 
@@ -82,7 +82,7 @@ def test_the_header_costs_at_most_a_small_page_for_every_v41_flash_shard(page):
     whole header page was 8 GiB per copy at TP 4 x 2 layers)."""
     from numa_engram.model.sharding import shard_heads
     from numa_engram.model.spec import EngramSpec
-    from numa_engram.sharing.request import table_layout
+    from numa_engram.tables.request import table_layout
 
     spec = EngramSpec.named("v4-flash")
     for tp in (1, 2, 4, 8):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "numa_engram"
-TORCH_FREE = ["bindings", "model", "host", "store"]
+TORCH_FREE = ["bindings", "model", "host", "store", "groups", "checkpoints", "tables"]
 
 
 def _modules(folder: str) -> list[str]:
@@ -33,13 +33,14 @@ def test_the_torch_free_folders_import_without_torch(folder):
 
 def test_only_the_layered_paths_import():
     code = ("import importlib\n"
-            "for old in ('numa_engram.group', 'numa_engram.table', 'numa_engram.native'):\n"
+            "for old in ('numa_engram.group', 'numa_engram.table', 'numa_engram.native',\n"
+            "            'numa_engram.sharing', 'numa_engram.sharing.table'):\n"
             "    try:\n"
             "        importlib.import_module(old)\n"
             "    except ModuleNotFoundError:\n"
             "        continue\n"
             "    raise AssertionError(old + ' still imports')\n"
-            "import numa_engram.sharing.group\n"
+            "import numa_engram.groups.group\n"
             "from numa_engram.lookup import aligned_empty\n"
             "from numa_engram.cli import main\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -1,11 +1,11 @@
-"""Loading a checkpoint into a shared table (sharing/loading.py, checkpoint.py): split over the
+"""Loading a checkpoint into a shared table (tables/loading.py, checkpoint.py): split over the
 members on the rows' node, bounded by progress not time, refusing a checkpoint that changes."""
 
 import os
 
 import pytest
 
-from numa_engram.sharing.synthetic import write_synthetic_checkpoint
+from numa_engram.checkpoints.synthetic import write_synthetic_checkpoint
 
 from . import dist_scenarios as scenarios
 from .dist_harness import run_world, same_failure
@@ -43,7 +43,7 @@ def test_fifo_checkpoint_is_refused_up_front(tmp_path):
 
 
 def test_load_parts_go_to_the_members_on_the_rows_node():
-    from numa_engram.sharing.loading import load_parts, loaders_of
+    from numa_engram.tables.loading import load_parts, loaders_of
 
     # bound to node 1: the two members there split the rows, the others load nothing
     parts = load_parts(10, [0, 1, 0, 1], (1,), cooperative=True)
@@ -138,7 +138,7 @@ def test_the_leaders_progress_is_the_groups_to_the_end(ckpt):
 
 
 def _family_checkpoint(family, path, seed):
-    from numa_engram.sharing.synthetic import write_ple_checkpoint
+    from numa_engram.checkpoints.synthetic import write_ple_checkpoint
 
     from .checkpoint_scenarios import ENGRAM_ROWS_PER_HEAD, PLE_SPEC
 

@@ -21,12 +21,12 @@ import pytest
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 from numa_engram.bindings import native
+from numa_engram.checkpoints.mappedfiles import MappedArrays, Segment
+from numa_engram.checkpoints.safetensorsfiles import TensorLocation
+from numa_engram.checkpoints.synthetic import write_ple_checkpoint, write_synthetic_checkpoint
 from numa_engram.errors import CheckpointError, LookupIdError, SpecError, StorageError
 from numa_engram.model.ple import PLESpec
-from numa_engram.sharing.mappedfiles import MappedArrays, Segment
-from numa_engram.sharing.pletable import SharedPLETable
-from numa_engram.sharing.safetensorsfiles import TensorLocation
-from numa_engram.sharing.synthetic import write_ple_checkpoint, write_synthetic_checkpoint
+from numa_engram.tables.pletable import SharedPLETable
 
 from .conftest import run_python
 
@@ -192,7 +192,7 @@ import os, sys, numpy as np
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 from numa_engram.errors import CheckpointError
 from numa_engram.model.ple import PLESpec
-from numa_engram.sharing.pletable import SharedPLETable
+from numa_engram.tables.pletable import SharedPLETable
 ckpt, family = sys.argv[1], sys.argv[2]
 if family == "engram":
     spec = EngramSpec.small(rows_per_head=3000, n_head_per_ngram=4, head_dim=128, seed=0)

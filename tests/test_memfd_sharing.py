@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 from numa_engram import SharedEngramTable, shard_heads
+from numa_engram.checkpoints.synthetic import synthetic_layer, write_synthetic_checkpoint
 from numa_engram.errors import ServiceRefusal, StorageError
-from numa_engram.sharing import protocol
-from numa_engram.sharing.synthetic import synthetic_layer, write_synthetic_checkpoint
 from numa_engram.store import fdhandover, serviceclient
+from numa_engram.tables import protocol
 
 from . import memfd_scenarios as scenarios
 from .conftest import shm_files
@@ -402,9 +402,9 @@ def test_a_late_attach_gets_a_ple_table_from_its_group_and_holds_it_after(runtim
     last holder leaves nothing; another ETP shard is refused naming both."""
     import torch
 
+    from numa_engram.checkpoints.synthetic import write_ple_checkpoint
     from numa_engram.model.ple import PLESpec
-    from numa_engram.sharing.pletable import SharedPLETable
-    from numa_engram.sharing.synthetic import write_ple_checkpoint
+    from numa_engram.tables.pletable import SharedPLETable
 
     spec = PLESpec(layer_ids=[2, 5], ple_embed_dim=160, vocab_size=5000, eos_token_id=7,
                    ngram_vocab_size_base=3000, split_ngram_parts=7)
@@ -508,7 +508,7 @@ def test_an_attach_timeout_that_is_no_finite_positive_number_is_named(runtime_di
     Python's TypeError, ValueError, OverflowError; both families."""
     from numa_engram.errors import SpecError
     from numa_engram.model.ple import PLESpec
-    from numa_engram.sharing.pletable import SharedPLETable
+    from numa_engram.tables.pletable import SharedPLETable
 
     spec, shard, tables = _shared(2, runtime_dir)
     ple = PLESpec(layer_ids=[2, 5], ple_embed_dim=160, vocab_size=5000, eos_token_id=7,

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from numa_engram import SharedEngramTable, shard_heads
+from numa_engram.checkpoints.synthetic import write_raw_checkpoint, write_synthetic_checkpoint
 from numa_engram.errors import CapacityError
 from numa_engram.host import hugepages
 from numa_engram.host.topology import Topology
 from numa_engram.lookup.cpu import reference_lookup
-from numa_engram.sharing.synthetic import write_raw_checkpoint, write_synthetic_checkpoint
 from numa_engram.store.fileformat import Layout
 from numa_engram.store.placement import PlacementPlan, PlacementRange, verify
 from numa_engram.store.storage import BackingFile

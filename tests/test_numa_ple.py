@@ -6,10 +6,10 @@ import os
 import numpy as np
 import pytest
 
+from numa_engram.checkpoints.synthetic import write_ple_checkpoint
 from numa_engram.host.topology import Topology
 from numa_engram.model.ple import PLESpec
-from numa_engram.sharing.pletable import SharedPLETable
-from numa_engram.sharing.synthetic import write_ple_checkpoint
+from numa_engram.tables.pletable import SharedPLETable
 
 pytestmark = pytest.mark.numa
 SPEC = PLESpec(layer_ids=[3], ple_embed_dim=160, vocab_size=5000, eos_token_id=7,

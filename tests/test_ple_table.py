@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from numa_engram.checkpoints.synthetic import synthetic_scale, write_ple_checkpoint
 from numa_engram.errors import CheckpointError, LookupIdError, StorageError, TopologyError
 from numa_engram.model.ple import PLESpec
-from numa_engram.sharing.pletable import SharedPLETable
-from numa_engram.sharing.synthetic import synthetic_scale, write_ple_checkpoint
+from numa_engram.tables.pletable import SharedPLETable
 
 from . import ple_scenarios
 from .dist_harness import run_world
@@ -242,7 +242,7 @@ def test_verify_and_mem_read_a_processes_ple_tables(ckpt):
     from .test_cli import cli
 
     code = ("import sys, time\nfrom numa_engram.model.ple import PLESpec\n"
-            "from numa_engram.sharing.pletable import SharedPLETable\n"
+            "from numa_engram.tables.pletable import SharedPLETable\n"
             f"spec = PLESpec.from_dict({SPEC.to_dict()!r})\n"
             f"t = [SharedPLETable.create(spec, {LAYER}, etp_rank=r, etp_size=2, "
             f"checkpoint={ckpt!r}, mode='independent', placement='node:0') for r in (0, 1)]\n"

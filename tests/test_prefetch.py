@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+from numa_engram.checkpoints.synthetic import write_synthetic_checkpoint
 from numa_engram.errors import LookupIdError
 from numa_engram.lookup.prefetch import PrefetchError, PrefetchScheduler
 from numa_engram.model.hashing import ngram_hashes
-from numa_engram.sharing.synthetic import write_synthetic_checkpoint
 
 
 class Recorder:

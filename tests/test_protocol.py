@@ -1,4 +1,4 @@
-"""The create protocol across real processes (sharing/protocol.py, steps.py, membership.py): every
+"""The create protocol across real processes (tables/protocol.py, steps.py, membership.py): every
 member ends the same way whatever fails where, within the timeout, errors named as themselves."""
 
 import os
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from numa_engram import SharedEngramTable, shard_heads
-from numa_engram.sharing.synthetic import synthetic_layer, write_synthetic_checkpoint
+from numa_engram.checkpoints.synthetic import synthetic_layer, write_synthetic_checkpoint
 from numa_engram.store import fdhandover
 from numa_engram.store.gc import gc_stale_files
 

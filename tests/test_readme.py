@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from numa_engram import EngramSpec
-from numa_engram.sharing.synthetic import write_synthetic_checkpoint
+from numa_engram.checkpoints.synthetic import write_synthetic_checkpoint
 
 from .dist_harness import free_port
 
@@ -151,7 +151,7 @@ dp_rank, run_dir, ckpt = int(os.environ["RANK"]), os.getcwd(), "engram.safetenso
 def test_the_readmes_socketgroup_example_runs_as_written(tmp_path):
     """Two replicas (no torch.distributed) share one copy through the
     README's SocketGroup lines, and the socket is gone afterwards."""
-    from numa_engram.sharing.synthetic import write_raw_checkpoint
+    from numa_engram.checkpoints.synthetic import write_raw_checkpoint
 
     (program,) = re.findall(r"^```python socketgroup\n(.*?)^```", README.read_text(),
                             flags=re.M | re.S)
@@ -168,7 +168,7 @@ def test_the_readmes_socketgroup_example_runs_as_written(tmp_path):
 PLE_STAND_INS = '''
 import numpy as np
 import torch.distributed as dist
-from numa_engram.sharing.group import sharing_groups
+from numa_engram.groups.group import sharing_groups
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 tp_rank = rank % 2  # TP 2 x DP 2, TP-minor as vLLM numbers ranks

@@ -443,7 +443,7 @@ def test_a_checkpoint_missing_a_later_layer_is_refused_before_any_table(tmp_path
     before any table is made: a checkpoint without the last layer's tensors
     is a CheckpointError naming it, and no table was created (nor loaded)."""
     from numa_engram.errors import CheckpointError
-    from numa_engram.sharing.table import SharedEngramTable
+    from numa_engram.tables.table import SharedEngramTable
 
     first, last = SPEC.layer_ids[0], SPEC.layer_ids[-1]
     root = write_synthetic_model(tmp_path, SPEC, layers=[first])

@@ -267,7 +267,7 @@ def test_garbage_and_stalled_clients_block_nobody(service):
 
 LAUNCH_HELD = r"""
 import os, sys, time
-from numa_engram.sharing import steps
+from numa_engram.groups import steps
 def hold(name):
     # the loads wait until the test creates the file (each one checks it)
     while name == "before-load" and not os.path.exists(os.environ["RELEASE_LOAD"]):
@@ -309,7 +309,7 @@ def test_a_table_still_loading_answers_not_ready_with_progress(model_dir, tmp_pa
 
 LAUNCH_SECOND_HELD = r"""
 import os, sys, time
-from numa_engram.sharing import steps
+from numa_engram.groups import steps
 loads = []
 def hold(name):
     # the first table loads at once; the second waits for the release file
@@ -507,8 +507,8 @@ def test_the_service_resolves_the_checkpoint_once_and_a_broken_layer_fails_alone
     resolution of the checkpoint (its index and headers read once); a
     checkpoint that lacks a layer fails that layer's tables only, each
     naming it, and the others serve."""
+    from numa_engram.checkpoints import checkpoint
     from numa_engram.service.tableservice import TableService
-    from numa_engram.sharing import checkpoint
 
     resolutions = []
     real = checkpoint.checkpoint_files

@@ -211,7 +211,7 @@ def test_a_checkpoint_damaged_while_the_service_loads_fails_its_tables_naming_th
     service starts its first load: every table not loaded is failed with a
     CheckpointError naming the file (never rows of two versions), the
     service answers, and no table is left anywhere."""
-    import numa_engram.sharing.steps as steps
+    import numa_engram.groups.steps as steps
 
     from .conftest import shm_files
 

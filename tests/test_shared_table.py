@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+from numa_engram.checkpoints.synthetic import synthetic_layer, write_synthetic_checkpoint
 from numa_engram.errors import SpecMismatchError, StorageError, TopologyError
-from numa_engram.sharing.synthetic import synthetic_layer, write_synthetic_checkpoint
 from numa_engram.store import fdhandover
 from numa_engram.store.gc import gc_stale_files
 

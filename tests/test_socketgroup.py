@@ -13,10 +13,10 @@ import time
 
 import pytest
 
+from numa_engram.checkpoints.synthetic import write_raw_checkpoint
 from numa_engram.errors import GroupTimeout, NumaEngramError, StorageError, TopologyError
-from numa_engram.sharing.group import Group, as_group
-from numa_engram.sharing.socketgroup import SocketGroup
-from numa_engram.sharing.synthetic import write_raw_checkpoint
+from numa_engram.groups.group import Group, as_group
+from numa_engram.groups.socketgroup import SocketGroup
 
 from .dist_harness import is_stopped
 from .socket_scenarios import make_spec
@@ -163,7 +163,7 @@ def test_hostile_arguments_are_refused_naming_the_value(tmp_path, kwargs, text):
 
 LEADER = """
 import sys
-from numa_engram.sharing.socketgroup import SocketGroup
+from numa_engram.groups.socketgroup import SocketGroup
 SocketGroup(sys.argv[1], 0, 2, timeout_s=120)
 """
 
@@ -343,7 +343,7 @@ def test_a_path_too_long_for_a_unix_socket_is_refused_naming_the_limit(tmp_path)
 
 
 def test_a_connection_that_says_nothing_does_not_hold_the_group(tmp_path, monkeypatch):
-    from numa_engram.sharing import socketgroup
+    from numa_engram.groups import socketgroup
 
     monkeypatch.setattr(socketgroup, "_HELLO_S", 0.2)
     path = tmp_path / "g.sock"

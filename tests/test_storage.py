@@ -254,8 +254,8 @@ def _corrupt(kind: str):
     """A table file of a small spec whose header's layout is damaged."""
     from dataclasses import replace
 
-    from numa_engram.sharing.table import shard_key, table_layout
     from numa_engram.store.fileformat import STATE_READY, Header, LayoutRegion
+    from numa_engram.tables.request import shard_key, table_layout
 
     spec = EngramSpec.small()
     shard = shard_heads(spec.bucket_sizes(1), 1, 0)
@@ -273,7 +273,7 @@ def _corrupt(kind: str):
 
 
 def _request(spec, shard):
-    from numa_engram.sharing.request import CreateRequest, TableOptions
+    from numa_engram.tables.request import CreateRequest, TableOptions
 
     return CreateRequest.of(spec, 1, shard, "auto", None,
                             TableOptions(directory="/dev/shm", timeout_s=30, lookup_threads=1,
@@ -287,7 +287,7 @@ def _request(spec, shard):
     ("row-short", r"header: region 'weights' length is \d+, expected \d+; a corrupt header"),
 ])
 def test_a_corrupt_header_layout_is_refused_on_attach_naming_the_field(kind, text):
-    from numa_engram.sharing.protocol import peer_attach
+    from numa_engram.tables.protocol import peer_attach
 
     spec, shard, f = _corrupt(kind)
     try:

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+from numa_engram.checkpoints.synthetic import write_synthetic_checkpoint
 from numa_engram.errors import (
     CapacityError,
     PlacementError,
     SpecMismatchError,
     StorageError,
 )
-from numa_engram.sharing.synthetic import write_synthetic_checkpoint
 from numa_engram.store.fileformat import Layout
 from numa_engram.store.storage import BackingFile
 
@@ -325,7 +325,7 @@ def test_register_device_without_a_gpu_fails_at_join_before_anything_exists():
 
 def test_misused_arguments_are_library_errors_naming_what_to_pass():
     from numa_engram.errors import SpecError
-    from numa_engram.sharing.dpsharded import DPShardedLookup
+    from numa_engram.runtime.dpsharded import DPShardedLookup
 
     spec = EngramSpec.small()
     shard = shard_heads(spec.bucket_sizes(1), 1, 0)
@@ -350,7 +350,7 @@ def test_a_sealed_tables_views_cannot_be_made_writable(tmp_path):
 
 
 def _request(mode="auto", **kwargs):
-    from numa_engram.sharing.request import CreateRequest, TableOptions
+    from numa_engram.tables.request import CreateRequest, TableOptions
 
     spec = EngramSpec.small()
     args = dict(directory="/dev/shm", timeout_s=30, lookup_threads=1)

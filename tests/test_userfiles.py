@@ -122,7 +122,7 @@ from numa_engram.errors import NumaEngramError
 from numa_engram.model.ple import PLESpec
 from numa_engram.model.spec import EngramSpec
 from numa_engram.runtime.modeldir import read_config_file
-from numa_engram.sharing.safetensorsfiles import read_header, read_index
+from numa_engram.checkpoints.safetensorsfiles import read_header, read_index
 
 READERS = {
     "EngramSpec.named": EngramSpec.named,

@@ -466,7 +466,7 @@ def test_sharing_groups_take_a_coordinators_cpu_group_and_never_an_nccl_default(
     import torch.distributed as dist
 
     from numa_engram.errors import TopologyError
-    from numa_engram.sharing.group import _cpu_group_of
+    from numa_engram.groups.group import _cpu_group_of
 
     coordinator = harness.SimpleNamespace(rank_in_group=0, world_size=1, cpu_group="gloo-pg")
     assert _cpu_group_of(coordinator) == "gloo-pg"

@@ -83,7 +83,7 @@ def checkpoint_layer(model_dir: str, layer: int) -> tuple[torch.Tensor, torch.Te
     """The layer's weights (fp8) and scale bytes, read by safetensors."""
     from safetensors import safe_open
 
-    from numa_engram.sharing.checkpoint import checkpoint_files, find_names
+    from numa_engram.checkpoints.checkpoint import checkpoint_files, find_names
 
     files = checkpoint_files(model_dir)
     out = []

@@ -12,8 +12,8 @@ import time
 import traceback
 
 from numa_engram.errors import GroupTimeout
-from numa_engram.sharing import steps
-from numa_engram.sharing.group import Members
+from numa_engram.groups import steps
+from numa_engram.groups.group import Members
 
 
 class ThreadWorld:

@@ -9,7 +9,7 @@ from typing_extensions import assert_type
 
 from numa_engram import EngramSpec, HashState, SharedEngramTable, shard_heads
 from numa_engram.model.hashstate import HashState as RealHashState
-from numa_engram.sharing.table import SharedEngramTable as RealTable
+from numa_engram.tables.table import SharedEngramTable as RealTable
 
 
 def the_lazy_names_are_the_real_classes() -> None:

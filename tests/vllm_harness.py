@@ -374,7 +374,7 @@ def load_checkpoint(emb: object, model_dir: str, layer_id: int) -> int:
     import torch
     from safetensors import safe_open
 
-    from numa_engram.sharing.checkpoint import checkpoint_files, find_names
+    from numa_engram.checkpoints.checkpoint import checkpoint_files, find_names
 
     files = checkpoint_files(model_dir)
     w_name, s_name = find_names(files, layer_id).of(layer_id)

@@ -87,7 +87,7 @@ def _record_mapped_names(seen: list[str]) -> None:
 def _checkpoint(model_dir: str) -> dict:
     from safetensors import safe_open
 
-    from numa_engram.sharing.checkpoint import checkpoint_files
+    from numa_engram.checkpoints.checkpoint import checkpoint_files
 
     files = checkpoint_files(model_dir)
     out = {}

@@ -183,7 +183,7 @@ def load_through_mapper(vl, embs, model_dir):
     parameter's weight_loader; how many such loader calls were made."""
     from safetensors import safe_open
 
-    from numa_engram.sharing.checkpoint import checkpoint_files, find_names
+    from numa_engram.checkpoints.checkpoint import checkpoint_files, find_names
 
     files = checkpoint_files(model_dir)
     params = {}

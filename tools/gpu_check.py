@@ -265,7 +265,7 @@ def ple_check(gib: float = 2.0, tokens: int = 8192) -> dict:
 
     from numa_engram.errors import LookupIdError
     from numa_engram.model.ple import PLESpec
-    from numa_engram.sharing.pletable import SharedPLETable
+    from numa_engram.tables.pletable import SharedPLETable
 
     base = int(gib * 2**30) // 160 // 16
     spec = PLESpec(layer_ids=[1], ple_embed_dim=2560, vocab_size=151_936, eos_token_id=2,

@@ -81,7 +81,7 @@ class CheckpointRows:
     loaded tables are checked against."""
 
     def __init__(self, model_dir: str, spec: Any, layer: int) -> None:
-        from ..sharing.checkpoint import resolve
+        from ..checkpoints.checkpoint import resolve
 
         plan = resolve(model_dir, spec, layer)
         self.weights = np.memmap(plan.weights.path, np.uint8, "r", plan.weights.data_offset,

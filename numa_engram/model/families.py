@@ -4,7 +4,7 @@ the family and never test a spec's type or attributes.  A family here owns
 its spec type and config detection, which rows a rank holds, its tables'
 names in a service, a plan's notes and exchange bytes, and how a document's
 tokens become table rows; its checkpoint reader and table class live one
-layer up (``sharing/familyreaders.py``, ``sharing/familytables.py``),
+layer up (``checkpoints/familyreaders.py``, ``tables/familytables.py``),
 keyed by ``Family.name``."""
 
 from __future__ import annotations

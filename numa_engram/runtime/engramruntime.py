@@ -32,12 +32,12 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from ..errors import PrefetchError, SpecError, TopologyError
+from ..groups.group import Group
 from ..host.topology import Topology
 from ..literals import DEFAULT_DIRECTORY, RUNTIME_SHARING, PageSize, RuntimeSharing
 from ..lookup.prefetch import PrefetchScheduler
 from ..model.hashstate import HashState
-from ..sharing.group import Group
-from ..sharing.request import TableOptions
+from ..tables.request import TableOptions
 from .layers import (
     RuntimeLayer,
     attached_layer,

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import StorageError, TopologyError
+from ..groups.group import Group, as_group, sharing_groups
 from ..literals import PageSize
 from ..model.sharding import shard_heads
 from ..model.spec import EngramSpec
-from ..sharing.dpsharded import DPShardedLookup, ShardedHeads
-from ..sharing.group import Group, as_group, sharing_groups
-from ..sharing.request import TableOptions
-from ..sharing.table import SharedEngramTable
+from ..tables.request import TableOptions
+from ..tables.table import SharedEngramTable
+from .dpsharded import DPShardedLookup, ShardedHeads
 from .modeldir import ModelDirectory
 from .tpgather import TPGroup
 

@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from ..checkpoints.checkpoint import CheckpointPlan, resolve_layers
 from ..errors import CheckpointError, SpecError
 from ..model.spec import EngramSpec, strict_int
 from ..model.tokenmap import build_token_map
-from ..sharing.checkpoint import CheckpointPlan, resolve_layers
 from ..userfiles import printable, read_regular
 
 CONFIG_FILE = "config.json"
@@ -199,7 +199,7 @@ def model_config(spec: EngramSpec, image_token_id: int | None,
     """config.json as V4.1 ships it: the Engram fields under text_config,
     beside the text model's fields vLLM needs to build V4.1 (``vocab_size``:
     the tokenizer's; None: the compressed vocabulary's)."""
-    from ..sharing.synthetic import V41_ARCHITECTURE, V41_MODEL_TYPE, v41_text_model
+    from ..checkpoints.synthetic import V41_ARCHITECTURE, V41_MODEL_TYPE, v41_text_model
 
     vocab = list(spec.engram_vocab_sizes)
     text = {**v41_text_model(spec, vocab_size or spec.compressed_vocab_size),
@@ -228,7 +228,7 @@ def write_synthetic_model(path: str | os.PathLike, spec: EngramSpec, *, seed: in
     when ``image_token``), then ``aliases`` ids that share compressed ids.
     ``raw``: random bytes streamed into one file without torch (for tables
     of many GiB), instead of quantised normals."""
-    from ..sharing.synthetic import write_raw_checkpoint, write_synthetic_checkpoint
+    from ..checkpoints.synthetic import write_raw_checkpoint, write_synthetic_checkpoint
 
     if spec.seed != 0 or spec.block != V41_BLOCK:
         raise SpecError(f"a model directory's config carries neither the hash seed nor the "

@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ..checkpoints.plecheckpoint import PLECheckpointPlan, resolve_ple_layers
 from ..errors import SpecError
 from ..model.ple import PLESpec
-from ..sharing.plecheckpoint import PLECheckpointPlan, resolve_ple_layers
 from .modeldir import CONFIG_FILE, read_config_file
 
 

@@ -44,11 +44,11 @@ from ..model.families import ENGRAM, Family, family_of
 from ..model.family import TableFamily
 from ..model.sharding import ShardInfo
 from ..runtime.modeldirs import AnyModelDirectory
-from ..sharing.familytables import AnyTable, create_shard
-from ..sharing.request import TableOptions, shard_key, table_layout
 from ..store import serviceclient, unixsockets
 from ..store.fileformat import STATE_READY, ShardKey
 from ..store.storage import BackingFile, read_only_descriptor, seal_contents
+from ..tables.familytables import AnyTable, create_shard
+from ..tables.request import TableOptions, shard_key, table_layout
 from . import systemd
 from .listener import Listener
 

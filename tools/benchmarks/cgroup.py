@@ -48,9 +48,9 @@ def _model(d: Path, texts: list[str], gib: float, layers: int) -> Path:
     """A model directory: config.json, the trained tokenizer.json and a raw
     V4.1-shaped checkpoint of ``gib`` GiB over ``layers`` layers."""
     from numa_engram import EngramSpec
+    from numa_engram.checkpoints.synthetic import write_raw_checkpoint
     from numa_engram.model.tokenmap import build_token_map
     from numa_engram.runtime.modeldir import model_config
-    from numa_engram.sharing.synthetic import write_raw_checkpoint
 
     tok = _tokenizer(texts)
     _, compressed = build_token_map(tok)

@@ -23,7 +23,7 @@ def _dp_member(rank: int, world: int, port: int, table_gib: float, slots: tuple[
     import torch.distributed as dist
 
     from numa_engram import EngramSpec, SharedEngramTable
-    from numa_engram.sharing.dpsharded import DPShardedLookup, ShardedHeads
+    from numa_engram.runtime.dpsharded import DPShardedLookup, ShardedHeads
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     per_head = max(1000, int(table_gib * 2**30) // 264 // 24)

@@ -26,7 +26,7 @@ def _spec(gib: float, layers: int = 1):
 
 
 def _checkpoint(d: str, gib: float, layers: int = 1):
-    from numa_engram.sharing.synthetic import write_raw_checkpoint
+    from numa_engram.checkpoints.synthetic import write_raw_checkpoint
 
     spec = _spec(gib, layers)
     path = os.path.join(d, "engram.safetensors")

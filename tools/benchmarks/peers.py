@@ -132,7 +132,7 @@ def bench_peers(table_gib: float = 1.0, tokens_list: tuple[int, ...] = PEER_TOKE
     calls) at ``tokens_list`` tokens x 16 heads, as time and as a ratio to
     our mapped table's packed rows (the same bytes every peer returns;
     ``mapped bf16``: ours turned into BF16 too), rows checked equal first."""
-    from numa_engram.sharing.pletable import SharedPLETable
+    from numa_engram.tables.pletable import SharedPLETable
     from tests import ple_scenarios  # (tools/bench.py puts the repository root on the path)
 
     spec = _spec(table_gib)

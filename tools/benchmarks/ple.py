@@ -12,7 +12,7 @@ def _ple_table(table_gib: float, page: str, rng):
     """A Qwen4-Exp-shaped PLE layer (16 heads of 160 FP8 bytes, one fp32
     scale) of about ``table_gib``, on node 0, random bytes in every row."""
     from numa_engram.model.ple import PLESpec
-    from numa_engram.sharing.pletable import SharedPLETable
+    from numa_engram.tables.pletable import SharedPLETable
 
     base = max(1000, int(table_gib * 2**30) // 160 // 16)
     spec = PLESpec(layer_ids=[1], ple_embed_dim=2560, vocab_size=151_936, eos_token_id=2,

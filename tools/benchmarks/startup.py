@@ -18,9 +18,9 @@ def bench_load(gib: float) -> None:
     from safetensors.torch import save_file
 
     from numa_engram import EngramSpec, SharedEngramTable, shard_heads
+    from numa_engram.checkpoints.checkpoint import TensorNames
     from numa_engram.errors import CapacityError
     from numa_engram.host import hugepages
-    from numa_engram.sharing.checkpoint import TensorNames
 
     head_dim = 256
     per_head = int(gib * 2**30) // (head_dim + 8) // 24

@@ -17,8 +17,8 @@ from ...literals import DEFAULT_DIRECTORY
 from ...model.families import ENGRAM, Family
 from ...model.sharding import ShardInfo, shard_heads
 from ...model.spec import EngramSpec
-from ...sharing.request import TableOptions
-from ...sharing.table import SharedEngramTable
+from ...tables.request import TableOptions
+from ...tables.table import SharedEngramTable
 from . import placement
 from .settings import PluginError, PluginSettings, settings_of
 

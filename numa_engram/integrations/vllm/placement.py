@@ -163,7 +163,7 @@ def agree(dp: Any, mine: dict) -> list[dict]:
     raises the same PluginError naming the settings that differ."""
     if dp is None or dp.world_size <= 1:
         return [mine]
-    from ...sharing.group import as_group
+    from ...groups.group import as_group
 
     group = as_group(dp, timeout_s=AGREE_TIMEOUT_S)
     answers = group.all_gather(mine, "numa_engram: the DP replicas' plugin settings")
@@ -200,7 +200,7 @@ def sharing_group(config: Any, settings: PluginSettings, dp: Any, *, tp_rank: in
     uid and directory; split by their GPU's socket with copies="socket"),
     once per engine; None where no peer can (the caller makes a private
     table: logged as every fall back is)."""
-    from ...sharing.group import sharing_groups
+    from ...groups.group import sharing_groups
 
     state = engine(config)
     key = (tuple(dp.ranks) if hasattr(dp, "ranks") else id(dp), settings.copies)

@@ -17,8 +17,8 @@ from typing import Any
 from ...literals import DEFAULT_DIRECTORY
 from ...model.families import PLE
 from ...model.ple import PLESpec
-from ...sharing.pletable import SharedPLETable
-from ...sharing.request import TableOptions
+from ...tables.pletable import SharedPLETable
+from ...tables.request import TableOptions
 from . import placement
 from .layers import TABLES, config_spec, refuse_config, refuse_load, serve_metrics
 from .settings import PluginError, PluginSettings, settings_of

@@ -22,6 +22,10 @@ from typing import Any, cast
 
 import numpy as np
 
+from ..checkpoints.checkpoint import resolve
+from ..checkpoints.familyreaders import reader_of
+from ..checkpoints.mappedfiles import MappedArrays, Segment
+from ..checkpoints.plecheckpoint import read_scale
 from ..errors import SpecError, StorageError
 from ..host.topology import Topology, current_node
 from ..lookup.cpu import check_hash_ids
@@ -29,10 +33,6 @@ from ..model.ple import PLESpec
 from ..model.sharding import ShardInfo, prefix_offsets
 from ..model.spec import EngramSpec
 from . import protocol
-from .checkpoint import resolve
-from .familyreaders import reader_of
-from .mappedfiles import MappedArrays, Segment
-from .plecheckpoint import read_scale
 from .protocol import Built
 from .request import TableOptions, shard_key
 

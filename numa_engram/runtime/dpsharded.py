@@ -31,7 +31,7 @@ from ..model.spec import EngramSpec
 if TYPE_CHECKING:
     import torch
 
-    from .table import SharedEngramTable
+    from ..tables.table import SharedEngramTable
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class DPShardedLookup:
                  group: Any = None, *, max_tokens: int | None = None) -> None:
         import torch.distributed as dist
 
-        from .group import Group
+        from ..groups.group import Group
 
         process_group = group
 

@@ -15,6 +15,8 @@ from typing import Any
 from .. import errors
 from ..bindings import native
 from ..errors import PlacementError, SpecError, SpecMismatchError, StorageError, TopologyError
+from ..groups.group import Group
+from ..groups.identity import NOWHERE, HostIdentity
 from ..host import hugepages
 from ..host.accounting import check_memory
 from ..host.topology import Topology, current_node, gpu_node
@@ -23,8 +25,6 @@ from ..store import fdhandover
 from ..store.directories import check_directory_room
 from ..store.fileformat import Layout, ShardKey
 from ..store.placement import PlacementPlan, Region, plan_placement
-from .group import Group
-from .identity import NOWHERE, HostIdentity
 from .request import DEFAULT_POLICY, CreateRequest
 
 

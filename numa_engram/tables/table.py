@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
+from ..checkpoints.checkpoint import Progress, TensorNames
 from ..errors import (
     StorageError,
 )
+from ..groups.group import SingleProcessGroup, as_group
 from ..histogram import Histogram
 from ..host.hugepages import parse_page_size
 from ..host.topology import Topology, current_node
@@ -33,8 +35,6 @@ from ..model.spec import EngramSpec
 from ..store import fdhandover, serviceclient
 from ..store.placement import PlacementPlan, PlacementReport, verify
 from . import mappedtier, protocol
-from .checkpoint import Progress, TensorNames
-from .group import SingleProcessGroup, as_group
 from .mappedtier import check_tier
 from .membership import identity_key
 from .protocol import Built

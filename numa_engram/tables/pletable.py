@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..bindings import lookupkernel
+from ..checkpoints.checkpoint import Progress
 from ..errors import LookupIdError, StorageError
+from ..groups.group import SingleProcessGroup, as_group
 from ..histogram import LOOKUP_BUCKETS
 from ..host.hugepages import parse_page_size
 from ..host.topology import Topology, current_node
@@ -37,8 +39,6 @@ from ..model.spec import strict_int
 from ..store import fdhandover, serviceclient
 from ..store.placement import PlacementPlan, PlacementReport, verify
 from . import mappedtier, protocol
-from .checkpoint import Progress
-from .group import SingleProcessGroup, as_group
 from .mappedtier import check_tier
 from .protocol import Built
 from .request import CreateRequest, TableOptions, positive_seconds

@@ -3,7 +3,7 @@ safetensors files straight into a caller-given buffer (the mapped table).
 The files (found, headers read once, regular files only, checked unchanged
 before and after a load) are ``safetensorsfiles``'s; this module names a
 layer's tensors and checks them against the spec.  (Synthetic checkpoints
-in the same layout: ``sharing.synthetic``.)
+in the same layout: ``checkpoints.synthetic``.)
 
 A layer's tensors are resolved once (``resolve``: files, names, dtypes,
 shapes and offsets, every header entry checked against its file) into a

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from ..bindings import native
+from ..checkpoints.checkpoint import Progress, TensorNames
 from ..errors import SpecError
 from ..host import hugepages
 from ..host.topology import Topology
@@ -25,7 +26,6 @@ from ..model.sharding import ShardInfo
 from ..model.spec import strict_int
 from ..store.fileformat import Layout, ShardKey
 from ..store.placement import PlacementPlan
-from .checkpoint import Progress, TensorNames
 
 DEFAULT_POLICY = "gpu-local"
 # a load copies with at most this many threads by default: more saturate

@@ -5,7 +5,7 @@ part i holding ``PLESpec.part_rows``) and, for FP8, one fp32
 each rank's row range by overlap, and so does ``load_ple_rows``.  The
 files themselves (regular files only, headers read once, each file checked
 unchanged before and after the load) are ``safetensorsfiles``'s, as for
-Engram.  (The synthetic writer: ``sharing.synthetic``.)"""
+Engram.  (The synthetic writer: ``checkpoints.synthetic``.)"""
 
 from __future__ import annotations
 

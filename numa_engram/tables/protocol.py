@@ -30,7 +30,21 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..bindings import native
+from ..checkpoints.checkpoint import CheckpointPlan, Progress
+from ..checkpoints.familyreaders import reader_of
+from ..checkpoints.plecheckpoint import PLECheckpointPlan
 from ..errors import StorageError
+from ..groups.group import Group, SingleProcessGroup
+from ..groups.identity import HostIdentity
+from ..groups.steps import (
+    attempt,
+    every,
+    lead,
+    raise_failures,
+    raise_unless,
+    step_hook,
+    unless_failed,
+)
 from ..host import hugepages
 from ..host.topology import Topology
 from ..model.family import TableFamily
@@ -40,15 +54,9 @@ from ..store.fileformat import STATE_READY, ShardKey
 from ..store.placement import PlacementPlan, PlacementRange, PlacementReport, verify
 from ..store.serviceclient import TableRequest
 from ..store.storage import BackingFile
-from .checkpoint import CheckpointPlan, Progress
-from .familyreaders import reader_of
-from .group import Group, SingleProcessGroup
-from .identity import HostIdentity
 from .loading import bytes_done, load_part, load_parts, loaders_of, wait_for_parts
 from .membership import MemberInfo, decide, member_info, plan_for
-from .plecheckpoint import PLECheckpointPlan
 from .request import CreateRequest, shard_key, table_layout
-from .steps import attempt, every, lead, raise_failures, raise_unless, step_hook, unless_failed
 
 log = logging.getLogger(__name__)
 AnyPlan = CheckpointPlan | PLECheckpointPlan

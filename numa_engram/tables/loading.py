@@ -15,10 +15,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from ..checkpoints.familyreaders import reader_of
 from ..errors import GroupTimeout, PeerLoadFailed
 from ..store.fileformat import MAX_LOADERS, STATE_FAILED
 from ..store.storage import BackingFile
-from .familyreaders import reader_of
 
 DONE = 1 << 63
 POLL_S = 0.05
