@@ -1,6 +1,6 @@
 from numa_engram.model.sharding import WorldLayout, shard_heads
 from numa_engram.model.spec import EngramSpec
-from numa_engram.store.deployment import mode_memory, shard_bytes
+from numa_engram.store.deployment import mode_memory
 
 V4 = EngramSpec(layer_ids=[1, 14], engram_vocab_sizes=[16_000_000] * 3, max_ngram_size=4,
                 n_head_per_ngram=8, head_dim=256, compressed_vocab_size=99092, pad_id=2)
@@ -31,4 +31,4 @@ def test_two_nodes_each_hold_one_shared_copy():
 
 
 def test_shard_bytes():
-    assert shard_bytes(V4, 1, 1, 0) == V4.rows(1) * 264
+    assert V4.shard_bytes(1, 1, 0) == V4.rows(1) * 264

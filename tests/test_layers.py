@@ -1,6 +1,8 @@
-"""The torch-free folders import without torch (the layer order itself is
-import-linter's contract in pyproject.toml, run by tools/test.sh)."""
+"""The torch-free folders import without torch, and no module imports itself
+back (the layer order itself is import-linter's contract in pyproject.toml,
+run by tools/test.sh)."""
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -45,3 +47,73 @@ def test_only_the_layered_paths_import():
             "from numa_engram.cli import main\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Every import of the package's modules, at module level or inside a
+    function (a lazy import closes a circle as well), module -> modules."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+                base = ".".join(p for p in (base, node.module or "") if p)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                           for a in node.names]
+            else:
+                continue
+            edges.update(t for t in targets if t in modules and t != name)
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_imports_itself_back():
+    """No import circle, lazy imports included: the layer contract allows a
+    circle inside one folder (lookup/prefetch picking its own subclasses,
+    store/placement and store/deployment importing each other)."""
+    graph = _import_graph()
+    assert "numa_engram.lookup.cpuprefetch" in graph["numa_engram.lookup.prefetch"]
+    assert _circles(graph) == []
+
+
+def test_the_circle_check_finds_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

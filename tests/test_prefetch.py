@@ -758,9 +758,9 @@ def test_stats_count_every_decode_step_once_while_other_threads_read_them(small_
     threads switching as often as they can: every step is counted once
     (lookups and latency histogram alike), no read fails, and the waits
     leave fewer than SETTLE_AT queued."""
-    from numa_engram.lookup import cpuprefetch, prefetch
+    from numa_engram.lookup import cpuprefetch, scheduler
 
-    for module in (prefetch, cpuprefetch):  # (the modules that read it)
+    for module in (scheduler, cpuprefetch):  # (the modules that read it)
         monkeypatch.setattr(module, "SETTLE_AT", 4)
     spec, layer, table = small_table
     ids = ngram_hashes(spec, np.arange(6), layer)

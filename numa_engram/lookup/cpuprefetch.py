@@ -26,11 +26,11 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PrefetchError
-from .prefetch import Job, Lane, PrefetchScheduler, Staged
 from .prefetchmetrics import HANDOFF_S, SETTLE_AT, LayerMetrics
+from .scheduler import Job, Lane, Scheduler, Staged
 
 if TYPE_CHECKING:
-    from .prefetch import Rows
+    from .scheduler import Rows
 
 # A lookup that ran in its submit: (the rows wait() returns, its error or
 # None, the clock when it started and when it ended, its layer's metrics).
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 _Ran = tuple[Any, BaseException | None, float, float, LayerMetrics]
 
 
-class CPUScheduler(PrefetchScheduler):
+class CPUScheduler(Scheduler):
     """``PrefetchScheduler(..., backend="cpu")``."""
 
     backend = "cpu"

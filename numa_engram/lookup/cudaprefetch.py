@@ -14,15 +14,15 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PrefetchError
-from .prefetch import Job, PrefetchScheduler, Staged
+from .scheduler import Job, Scheduler, Staged
 
 if TYPE_CHECKING:
-    from .prefetch import Rows
+    from .scheduler import Rows
 
 _NONE_HELD: Mapping[Any, Any] = {}  # no lookup is held outside a job here
 
 
-class CUDAScheduler(PrefetchScheduler):
+class CUDAScheduler(Scheduler):
     """``PrefetchScheduler(..., backend="cuda")``."""
 
     backend = "cuda"

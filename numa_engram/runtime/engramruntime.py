@@ -36,6 +36,7 @@ from ..groups.group import Group
 from ..host.topology import Topology
 from ..literals import DEFAULT_DIRECTORY, RUNTIME_SHARING, PageSize, RuntimeSharing
 from ..lookup.prefetch import PrefetchScheduler
+from ..lookup.scheduler import Scheduler
 from ..model.hashstate import HashState
 from ..tables.request import TableOptions
 from .layers import (
@@ -68,7 +69,7 @@ class EngramRuntime:
     once the last one's layers are embedded."""
 
     def __init__(self, model: ModelDirectory, layers: dict[int, RuntimeLayer],
-                 hash_state: HashState, scheduler: PrefetchScheduler, gather: HeadGather, *,
+                 hash_state: HashState, scheduler: Scheduler, gather: HeadGather, *,
                  sharing: str, tp: TPGroup, edp: Group | None, max_tokens: int,
                  device: int | None, phases: dict[str, float]) -> None:
         self.model, self.spec = model, model.spec

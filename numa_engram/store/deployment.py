@@ -116,7 +116,7 @@ def _mapped_per_process(spec: TableFamily, world: WorldLayout, mode: str) -> dic
     out = {}
     for rank in range(min(world.world_size, world.gpus_per_host)):
         a = assign(mode, world, rank)
-        out[rank] = sum(shard_bytes(spec, layer, a.num_shards, a.shard_index)
+        out[rank] = sum(spec.shard_bytes(layer, a.num_shards, a.shard_index)
                         for layer in spec.layer_ids)
     return out
 
@@ -187,11 +187,6 @@ class ModeMemory:
         return sum(self.per_host.values())
 
 
-def shard_bytes(spec: TableFamily, layer_id: int, num_shards: int, rank: int) -> int:
-    """The family's own split: Engram by heads, PLE by row ranges."""
-    return int(spec.shard_bytes(layer_id, num_shards, rank))
-
-
 def mode_memory(spec: TableFamily, mode: str, world: WorldLayout) -> ModeMemory:
     """Host bytes per rank and per host of all Engram layers under a mode."""
     per_rank: dict[int, int] = {}
@@ -199,7 +194,7 @@ def mode_memory(spec: TableFamily, mode: str, world: WorldLayout) -> ModeMemory:
     holders: set[tuple[int, ...]] = set()
     for rank in range(world.world_size):
         a = assign(mode, world, rank)
-        size = sum(shard_bytes(spec, layer, a.num_shards, a.shard_index)
+        size = sum(spec.shard_bytes(layer, a.num_shards, a.shard_index)
                    for layer in spec.layer_ids)
         per_rank[rank] = size
         if a.sharing_group not in holders:  # one physical copy per sharing group

@@ -20,7 +20,7 @@ from ..bindings import native
 from ..errors import PlacementError, TopologyError
 from ..host.topology import Topology
 from ..model.family import TableFamily
-from ..model.sharding import WorldLayout
+from ..model.sharding import WorldLayout, assign
 from ..units import fmt_bytes, node_list, parse_cpulist, text_table, unit_for
 
 MPOL_MODES = {"bind": native.MPOL_BIND, "preferred": native.MPOL_PREFERRED,
@@ -328,9 +328,6 @@ def host_regions(spec: TableFamily, world: WorldLayout, mode: str,
     """The regions one host's tables occupy under ``mode`` (one per layer
     and distinct shard copy), each with the NUMA nodes of the GPUs that
     read it: what ``plan_placement`` places.  ``world``: the WorldLayout."""
-    from ..model.sharding import assign
-    from .deployment import shard_bytes
-
     per_host = world.gpus_per_host
     regions, offset, seen = [], 0, set()
     for rank in range(min(world.world_size, per_host)):  # the first host's ranks
@@ -342,7 +339,7 @@ def host_regions(spec: TableFamily, world: WorldLayout, mode: str,
         readers = tuple(topology.nearest_node(m % per_host) if topology.gpus
                         else topology.nodes[0].id for m in a.sharing_group)
         for layer in spec.layer_ids:
-            size = shard_bytes(spec, layer, a.num_shards, a.shard_index)
+            size = spec.shard_bytes(layer, a.num_shards, a.shard_index)
             regions.append(Region(f"L{layer}/s{a.shard_index}/r{rank}", offset, size, readers))
             offset += size
     return regions
