@@ -15,11 +15,11 @@ SHM = "/dev/shm"
 def pytest_configure(config):
     """A session that may start gloo worlds starts their forkserver first,
     so its imports (torch's) run beside the collection's.  The NUMA tests
-    start none (their worlds meet through SocketGroup, tests/socketworld.py),
+    start none (their worlds meet through SocketGroup, tests/support/socketworld.py),
     so a session of them alone, a guest's, starts no forkserver."""
     markexpr = config.option.markexpr or ""
     if "not multiproc" not in markexpr and "numa" not in markexpr:
-        from .dist_harness import start_forkserver
+        from .support.dist_harness import start_forkserver
 
         start_forkserver()
 

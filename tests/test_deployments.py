@@ -14,9 +14,9 @@ from numa_engram.errors import CudaUnavailable, NumaEngramError
 from numa_engram.groups.group import RankIdentity, identity_groups
 from numa_engram.groups.identity import HostIdentity
 
-from . import dist_scenarios as scenarios
-from .dist_harness import run_world
-from .dist_scenarios import make_spec
+from .support import dist_scenarios as scenarios
+from .support.dist_harness import run_world
+from .support.dist_scenarios import make_spec
 
 ROWS = 1500
 

@@ -10,8 +10,8 @@ from numa_engram import EngramSpec
 from numa_engram.errors import LookupIdError
 from numa_engram.runtime.dpsharded import ShardedHeads, pad_hash_ids
 
-from . import dist_scenarios as scenarios
-from .dist_harness import run_world
+from .support import dist_scenarios as scenarios
+from .support.dist_harness import run_world
 
 pytestmark = pytest.mark.multiproc
 COUNTS = [5, 0, 3, 9]  # by DP rank: replica 1 idle, replica 2 all DEAD

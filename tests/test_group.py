@@ -9,8 +9,8 @@ from numa_engram.groups.group import RankIdentity, caller_limit, identity_groups
 from numa_engram.groups.identity import HostIdentity
 from numa_engram.model.sharding import WorldLayout
 
-from . import dist_scenarios as scenarios
-from .dist_harness import run_world
+from .support import dist_scenarios as scenarios
+from .support.dist_harness import run_world
 
 
 def _groups(world, gpus_per_host=None, within=None):

@@ -9,7 +9,12 @@ from numa_engram.errors import SpecError
 from numa_engram.model.hashing import compress_ids, ngram_hashes, ngram_hashes_numpy, table_rows
 from numa_engram.model.spec import EngramSpec
 
-from .engram_reference import reference_hashes, reference_multipliers, reference_primes, scalar_hash
+from .support.engram_reference import (
+    reference_hashes,
+    reference_multipliers,
+    reference_primes,
+    scalar_hash,
+)
 
 
 def _reference(spec, ids_bt, layer):

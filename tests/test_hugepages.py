@@ -18,10 +18,10 @@ from numa_engram.lookup.cpu import reference_lookup
 from numa_engram.store.fileformat import PREFIX, Layout
 from numa_engram.store.storage import BackingFile
 
-from . import dist_scenarios as scenarios
 from .conftest import run_python
-from .dist_harness import run_world
-from .dist_scenarios import make_spec
+from .support import dist_scenarios as scenarios
+from .support.dist_harness import run_world
+from .support.dist_scenarios import make_spec
 
 MIB2 = 2 << 20
 ROWS_PER_HEAD = 4000  # ~4 MiB per layer: 3 huge pages with the header

@@ -7,9 +7,9 @@ import pytest
 
 from numa_engram.checkpoints.synthetic import write_synthetic_checkpoint
 
-from . import dist_scenarios as scenarios
-from .dist_harness import run_world, same_failure
-from .dist_scenarios import make_spec
+from .support import dist_scenarios as scenarios
+from .support.dist_harness import run_world, same_failure
+from .support.dist_scenarios import make_spec
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_the_leaders_progress_is_the_groups_to_the_end(ckpt):
 def _family_checkpoint(family, path, seed):
     from numa_engram.checkpoints.synthetic import write_ple_checkpoint
 
-    from .checkpoint_scenarios import ENGRAM_ROWS_PER_HEAD, PLE_SPEC
+    from .support.checkpoint_scenarios import ENGRAM_ROWS_PER_HEAD, PLE_SPEC
 
     if family == "engram":
         return str(write_synthetic_checkpoint(path, make_spec(ENGRAM_ROWS_PER_HEAD), seed=seed))
@@ -156,8 +156,8 @@ def test_a_checkpoint_damaged_during_a_shared_load_fails_every_member_alike(
     """One member truncates or replaces the checkpoint just before its part
     of the load: every member fails with a CheckpointError naming the file,
     and no table file is left behind."""
-    from . import checkpoint_scenarios
     from .conftest import shm_files
+    from .support import checkpoint_scenarios
 
     path = _family_checkpoint(family, tmp_path / "c.safetensors", seed=0)
     other = _family_checkpoint(family, tmp_path / "c-v2.safetensors", seed=1)

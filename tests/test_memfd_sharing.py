@@ -26,11 +26,11 @@ from numa_engram.errors import ServiceRefusal, StorageError
 from numa_engram.store import fdhandover, serviceclient
 from numa_engram.tables import protocol
 
-from . import memfd_scenarios as scenarios
 from .conftest import shm_files
-from .dist_harness import run_world
-from .dist_scenarios import LAYER, make_spec
-from .threadworld import run_threads
+from .support import memfd_scenarios as scenarios
+from .support.dist_harness import run_world
+from .support.dist_scenarios import LAYER, make_spec
+from .support.threadworld import run_threads
 
 ROOT = os.geteuid() == 0
 SHM_MIB = 64
@@ -130,8 +130,8 @@ def test_the_vllm_plugins_dp_shared_tables_above_a_64_mib_dev_shm(small_shm, run
     summed over the ranks is one copy."""
     from numa_engram import EngramSpec, write_synthetic_model
 
-    from . import vllm_harness as harness
-    from .vllm_scenarios import serve
+    from .support import vllm_harness as harness
+    from .support.vllm_scenarios import serve
 
     wheel, why = harness.wheel_sources()
     if wheel is None:

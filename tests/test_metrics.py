@@ -58,8 +58,8 @@ def test_two_processes_sharing_a_copy_are_scraped_with_labels_counted_once():
     """Each rank serves its own port; rank 0 scrapes both: rank and replica
     labels, latency histogram buckets, the bad-id and timeout counters
     moved, the shared copy's physical bytes counted once over the two."""
-    from . import dist_scenarios as scenarios
-    from .dist_harness import run_world
+    from .support import dist_scenarios as scenarios
+    from .support.dist_harness import run_world
 
     results = run_world(2, scenarios.scraped_metrics)
     for r in results:

@@ -19,8 +19,8 @@ from numa_engram.store.placement import PlacementPlan, PlacementRange, verify
 from numa_engram.store.storage import BackingFile
 
 from .conftest import run_python
-from .socket_scenarios import LAYER, make_spec
-from .socketworld import run_socket_world
+from .support.socket_scenarios import LAYER, make_spec
+from .support.socketworld import run_socket_world
 
 pytestmark = pytest.mark.numa
 MIB2 = 2 << 20

@@ -4,7 +4,7 @@ SocketGroup and import no torch."""
 
 import pytest
 
-from .socketworld import run_socket_world
+from .support.socketworld import run_socket_world
 
 pytestmark = [pytest.mark.numa, pytest.mark.multiproc]
 

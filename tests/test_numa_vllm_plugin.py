@@ -14,7 +14,7 @@ from numa_engram import EngramSpec, write_synthetic_model  # noqa: E402
 from numa_engram.bindings import native  # noqa: E402
 from numa_engram.host.topology import Topology  # noqa: E402
 
-from . import vllm_harness as harness  # noqa: E402
+from .support import vllm_harness as harness  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'numa_engram[test]')")
 pytest.importorskip("tokenizers", reason="the 'tokenizers' extra is not installed")

@@ -15,7 +15,7 @@ from numa_engram.lookup.ple import PLERows, bf16_lut, bf16_value, reference_rows
 from numa_engram.model.ple import PLESpec
 from numa_engram.model.plehashing import PLEHistory, ple_ids, ple_ids_numpy
 
-from . import vllm_harness as harness
+from .support import vllm_harness as harness
 
 torch = pytest.importorskip("torch")
 

@@ -17,8 +17,8 @@ from numa_engram.errors import CheckpointError, LookupIdError, StorageError, Top
 from numa_engram.model.ple import PLESpec
 from numa_engram.tables.pletable import SharedPLETable
 
-from . import ple_scenarios
-from .dist_harness import run_world
+from .support import ple_scenarios
+from .support.dist_harness import run_world
 
 torch = pytest.importorskip("torch")
 

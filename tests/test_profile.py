@@ -142,7 +142,7 @@ def test_a_ple_model_is_profiled_through_ple_ids(tmp_path):
     from numa_engram.model.ple import PLESpec
     from numa_engram.model.plehashing import ple_ids_numpy
 
-    from .ple_scenarios import write_ple_model
+    from .support.ple_scenarios import write_ple_model
 
     spec = PLESpec(layer_ids=[2, 5], ple_embed_dim=160, vocab_size=500, eos_token_id=7,
                    ngram_vocab_size_base=3000, split_ngram_parts=7, dtype="bfloat16")

@@ -12,12 +12,12 @@ from numa_engram.checkpoints.synthetic import synthetic_layer, write_synthetic_c
 from numa_engram.store import fdhandover
 from numa_engram.store.gc import gc_stale_files
 
-from . import dist_scenarios as scenarios
 from .conftest import shm_files
-from .dist_harness import run_world, same_failure
-from .dist_scenarios import LAYER, make_spec
+from .support import dist_scenarios as scenarios
+from .support.dist_harness import run_world, same_failure
+from .support.dist_scenarios import LAYER, make_spec
+from .support.threadworld import Fault, run_threads
 from .test_memfd_sharing import runtime_dir  # noqa: F401  (a fixture)
-from .threadworld import Fault, run_threads
 
 
 @pytest.fixture(scope="module")

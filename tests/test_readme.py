@@ -17,7 +17,7 @@ import pytest
 from numa_engram import EngramSpec
 from numa_engram.checkpoints.synthetic import write_synthetic_checkpoint
 
-from .dist_harness import free_port
+from .support.dist_harness import free_port
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 # after a program's last line: the ranks leave together (gloo aborts a
@@ -185,7 +185,7 @@ def test_the_readmes_qwen4_exp_example_runs_as_written(tmp_path):
     table, every TP rank ends with the whole table's rows."""
     from numa_engram.model.ple import PLESpec
 
-    from .ple_scenarios import write_ple_model
+    from .support.ple_scenarios import write_ple_model
 
     (program,) = re.findall(r"^```python ple\n(.*?)^```", README.read_text(), flags=re.M | re.S)
     spec = PLESpec(layer_ids=[2, 5], ple_embed_dim=160, vocab_size=5000, eos_token_id=7,

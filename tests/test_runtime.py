@@ -26,7 +26,7 @@ from numa_engram.errors import (
 )
 from numa_engram.runtime.tpgather import window
 
-from .runtime_plan import reference_rows, replica_plan, same_bits, v41_hashes
+from .support.runtime_plan import reference_rows, replica_plan, same_bits, v41_hashes
 
 pytest.importorskip("tokenizers", reason="the 'tokenizers' extra is not installed")
 
@@ -340,8 +340,8 @@ def test_an_unknown_lookback_id_hashes_as_pad_and_is_not_dead():
 # ------------------------------------------------- TP 2 x DP 2, 4 ranks --
 
 def _serve_world(model_dir, **kwargs):
-    from . import runtime_scenarios as scenarios
-    from .dist_harness import run_world
+    from .support import runtime_scenarios as scenarios
+    from .support.dist_harness import run_world
 
     results = run_world(4, scenarios.serve, timeout_s=240, model_dir=model_dir, tp=2, **kwargs)
     for r in results:
@@ -404,8 +404,8 @@ def test_tp_ranks_that_disagree_on_order_or_token_count_all_fail_naming_each_ran
     """Layers embedded in different orders, then steps of 3 and 4 tokens:
     every rank raises the same TopologyError (no wrong rows, no SIGABRT in
     gloo), and the next step they agree on gives the reference's rows."""
-    from . import runtime_scenarios as scenarios
-    from .dist_harness import run_world
+    from .support import runtime_scenarios as scenarios
+    from .support.dist_harness import run_world
 
     results = run_world(2, scenarios.disagree, timeout_s=240, model_dir=model_dir)
     for r in results:

@@ -188,8 +188,8 @@ def test_listen_fds_larger_than_what_was_passed_is_survived(tmp_path):
 
 
 def _family_model(family, root, seed):
-    from .checkpoint_scenarios import PLE_SPEC
-    from .ple_scenarios import write_ple_model
+    from .support.checkpoint_scenarios import PLE_SPEC
+    from .support.ple_scenarios import write_ple_model
 
     if family == "engram":
         return write_synthetic_model(root, SPEC, seed=seed)

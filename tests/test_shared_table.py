@@ -11,10 +11,10 @@ from numa_engram.errors import SpecMismatchError, StorageError, TopologyError
 from numa_engram.store import fdhandover
 from numa_engram.store.gc import gc_stale_files
 
-from . import dist_scenarios as scenarios
 from .conftest import shm_files
-from .dist_harness import run_world, same_failure
-from .dist_scenarios import make_spec
+from .support import dist_scenarios as scenarios
+from .support.dist_harness import run_world, same_failure
+from .support.dist_scenarios import make_spec
 from .test_memfd_sharing import runtime_dir  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.multiproc

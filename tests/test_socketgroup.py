@@ -1,5 +1,5 @@
 """SocketGroup: members meeting at a Unix socket with no torch, in real
-processes (tests/socketworld.py), and its refusals in this process."""
+processes (tests/support/socketworld.py), and its refusals in this process."""
 
 import math
 import os
@@ -18,9 +18,9 @@ from numa_engram.errors import GroupTimeout, NumaEngramError, StorageError, Topo
 from numa_engram.groups.group import Group, as_group
 from numa_engram.groups.socketgroup import SocketGroup
 
-from .dist_harness import is_stopped
-from .socket_scenarios import make_spec
-from .socketworld import run_socket_world
+from .support.dist_harness import is_stopped
+from .support.socket_scenarios import make_spec
+from .support.socketworld import run_socket_world
 
 multiproc = pytest.mark.multiproc
 

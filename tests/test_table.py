@@ -19,10 +19,10 @@ from numa_engram.errors import (
 from numa_engram.store.fileformat import Layout
 from numa_engram.store.storage import BackingFile
 
-from . import dist_scenarios as scenarios
 from .conftest import run_python, shm_files
-from .dist_harness import run_world, same_failure
-from .dist_scenarios import make_spec
+from .support import dist_scenarios as scenarios
+from .support.dist_harness import run_world, same_failure
+from .support.dist_scenarios import make_spec
 
 
 def test_attach_checks_layer_and_shard():

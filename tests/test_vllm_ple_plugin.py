@@ -1,5 +1,5 @@
 """The vLLM plugin's Qwen4-Exp part against vLLM 0.31.0's own qwen4_exp code
-(tests/vllm_harness.py loads it from the wheel under stubs): vLLM's
+(tests/support/vllm_harness.py loads it from the wheel under stubs): vLLM's
 Qwen4ExpNGramEmbedding, built and loaded by vLLM's code with the plugin's
 patch, holds its PLE table in ours, byte for byte what vLLM's own storage
 holds after vLLM's loader; a table service's tables are attached and
@@ -16,8 +16,8 @@ import torch  # noqa: E402
 from numa_engram.integrations.vllm.settings import PluginError  # noqa: E402
 from numa_engram.model.ple import PLESpec  # noqa: E402
 
-from . import ple_scenarios  # noqa: E402
-from . import vllm_harness as harness  # noqa: E402
+from .support import ple_scenarios  # noqa: E402
+from .support import vllm_harness as harness  # noqa: E402
 from .test_deployments import hosts as simulated_hosts  # noqa: E402, F401 (a fixture)
 
 pytest.importorskip("safetensors", reason="safetensors is not installed")
@@ -179,8 +179,8 @@ def test_vllms_loader_writing_into_an_attached_ple_table_is_a_plugin_error_not_a
     """Another part than the service's, handed by vLLM's loader to a table
     attached read-only, is refused before any write, in a process of its
     own (a SIGSEGV would fail the test, not end the run)."""
-    from .dist_harness import run_world
-    from .vllm_scenarios import write_into_attached_ple
+    from .support.dist_harness import run_world
+    from .support.vllm_scenarios import write_into_attached_ple
 
     [r] = run_world(1, write_into_attached_ple, timeout_s=300, model_dir=model_dir,
                     spec=SPEC.to_dict(), service=service)
@@ -245,7 +245,7 @@ def test_tp2_dp2_dp_shared_one_copy_per_tp_shard_holds_vllms_bytes(vllm, model_d
     of a TP rank share one table per layer (PSS summed over them is one
     copy), vLLM's loader writes it once, its bytes equal vLLM's own storage
     and the TP pair's all-reduced rows equal the whole table's."""
-    from .dist_harness import run_world
+    from .support.dist_harness import run_world
 
     results = run_world(4, ple_scenarios.vllm_plugin_dp_shared, timeout_s=300,
                         model_dir=model_dir, root=str(harness.cache_dir()),
@@ -267,7 +267,7 @@ import sys
 from pathlib import Path
 repo, tree = sys.argv[1], Path(sys.argv[2])
 sys.path.insert(0, repo)
-from tests import vllm_harness as harness
+from tests.support import vllm_harness as harness
 harness.ple_stubs(Path(sys.argv[3]))
 sys.modules["vllm"].__path__ = [str(tree / "vllm")]
 sys.modules["vllm.models"].__path__ = [str(tree / "vllm" / "models")]
@@ -371,7 +371,7 @@ def test_dp_replicas_on_two_hosts_fall_back_to_private_tables_saying_so(vllm, mo
     no peer that can map this rank's copy, and makes a private table with
     the line the Engram part logs (a StorageError "the sharing group has
     one member" before); bytes and rows still vLLM's."""
-    from .dist_harness import run_world
+    from .support.dist_harness import run_world
     from .test_deployments import _on
 
     simulated = request.getfixturevalue("simulated_hosts")  # (skips where it cannot be had)
@@ -396,11 +396,11 @@ def test_copies_socket_with_one_replica_per_socket_makes_private_ple_tables_sayi
     sharing group has one member" before), filled by vLLM's loader, its
     bytes vLLM's own storage's and its rows the checkpoint's.  Both GPUs on
     node 0: one shared copy, no such line.  The GPUs' nodes are a fake
-    (tests/vllm_scenarios.on_gpu_nodes: host.topology.gpu_node as
+    (tests/support/vllm_scenarios.on_gpu_nodes: host.topology.gpu_node as
     sharing_groups looks it up, in the spawned ranks only): this machine
     has no GPU."""
-    from .dist_harness import run_world
-    from .vllm_scenarios import on_gpu_nodes
+    from .support.dist_harness import run_world
+    from .support.vllm_scenarios import on_gpu_nodes
 
     results = run_world(2, on_gpu_nodes, timeout_s=300, nodes=nodes,
                         then=ple_scenarios.vllm_plugin_dp_shared, tp=1, model_dir=model_dir,

@@ -1,4 +1,4 @@
-"""The vLLM plugin against vLLM 0.31.0's own Engram code (tests/vllm_harness.py
+"""The vLLM plugin against vLLM 0.31.0's own Engram code (tests/support/vllm_harness.py
 loads it from the wheel under stubs; its lookup kernel runs under Triton's
 interpreter): vLLM's embedding over our tables returns the rows vLLM's own
 storage returns, loaded by vLLM's own weight loader from the same synthetic
@@ -18,8 +18,8 @@ from numa_engram import EngramSpec, write_synthetic_model  # noqa: E402
 from numa_engram.integrations.vllm.patch_vl_model import patch as patch_vl  # noqa: E402
 from numa_engram.integrations.vllm.settings import PluginError, PluginSettings  # noqa: E402
 
-from . import vllm_harness as harness  # noqa: E402
-from .vllm_scenarios import load_through_mapper, vl_module  # noqa: E402
+from .support import vllm_harness as harness  # noqa: E402
+from .support.vllm_scenarios import load_through_mapper, vl_module  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'numa_engram[test]')")
 pytest.importorskip("safetensors", reason="safetensors is not installed")
@@ -183,8 +183,8 @@ def test_tp2_dp2_dp_shared_tables_give_vllms_rows_with_one_copy(vllm, model_dir,
     peers of a TP rank share one table (PSS summed over the replicas is
     1.00 copies), vLLM's loader writes it once, and vLLM's forward with its
     TP all-gather returns the whole table's rows for each replica's ids."""
-    from .dist_harness import run_world
-    from .vllm_scenarios import serve
+    from .support.dist_harness import run_world
+    from .support.vllm_scenarios import serve
 
     additional = {}
     if page == "2M":  # a hugetlbfs mount every replica maps the copy from
@@ -291,8 +291,8 @@ def test_vllms_loader_writing_into_an_attached_table_is_a_plugin_error_not_a_cra
     loader hands that is not the service's rows (a weight update, another
     checkpoint) is refused before any write, in a process of its own (a
     SIGSEGV would fail the test, not end the run)."""
-    from .dist_harness import run_world
-    from .vllm_scenarios import write_into_attached
+    from .support.dist_harness import run_world
+    from .support.vllm_scenarios import write_into_attached
 
     [r] = run_world(1, write_into_attached, timeout_s=300, model_dir=model_dir,
                     root=str(harness.cache_dir()), service=service)
@@ -444,8 +444,8 @@ def test_tp2_dp2_dp_sharded_slices_are_numbered_tp_major_as_vllm_numbers_them(
     """vLLM's embedding_across_dp branch: each rank holds its TP-major head
     slice (TP rank x EDP size + EDP rank of 4) in a private table; vLLM's
     hash gather, row exchange and TP all-gather complete every head."""
-    from .dist_harness import run_world
-    from .vllm_scenarios import serve
+    from .support.dist_harness import run_world
+    from .support.vllm_scenarios import serve
 
     results = run_world(4, serve, timeout_s=300, model_dir=model_dir, mode="dp_sharded",
                         root=str(harness.cache_dir()), spec=SPEC.to_dict())
@@ -487,8 +487,8 @@ def test_the_package_declares_the_vllm_entry_point():
 
 @pytest.mark.multiproc
 def test_one_member_failing_fails_every_member_of_its_group_naming_it(vllm, model_dir):
-    from .dist_harness import run_world
-    from .vllm_scenarios import one_member_fails
+    from .support.dist_harness import run_world
+    from .support.vllm_scenarios import one_member_fails
 
     results = run_world(4, one_member_fails, timeout_s=300, model_dir=model_dir,
                         root=str(harness.cache_dir()))
@@ -666,8 +666,8 @@ def test_warm_restart_tp2_dp2_service_attaches_bit_exact_with_no_engram_loader_c
     table and vLLM's own storage, and vLLM's loader makes zero calls for
     Engram tensors (the EDP group shrank each rank's slice below the
     service's before: every attach refused)."""
-    from .dist_harness import run_world
-    from .vllm_scenarios import warm_restart
+    from .support.dist_harness import run_world
+    from .support.vllm_scenarios import warm_restart
 
     held = start_service(model_dir, tmp_path / "engram.sock", tp=2)
     try:
@@ -697,8 +697,8 @@ def test_dp_replicas_given_different_settings_all_fail_naming_them(vllm, model_d
     none: every rank raises the same PluginError naming the setting and
     each rank's value, within the bound (one returned early and the other
     hung in all_gather before)."""
-    from .dist_harness import run_world
-    from .vllm_scenarios import differing_settings
+    from .support.dist_harness import run_world
+    from .support.vllm_scenarios import differing_settings
 
     sock = str(tmp_path / "engram.sock")
     results = run_world(4, differing_settings, timeout_s=120, model_dir=model_dir,
@@ -717,8 +717,8 @@ def test_dp_replicas_given_different_settings_all_fail_naming_them(vllm, model_d
 def test_auto_without_a_service_shares_one_copy(vllm, model_dir, tmp_path, monkeypatch):
     """Issue 49.7: "service": "auto" where no service runs gives what no
     service gives: one DP-shared copy (a private copy per replica before)."""
-    from .dist_harness import run_world
-    from .vllm_scenarios import serve
+    from .support.dist_harness import run_world
+    from .support.vllm_scenarios import serve
 
     monkeypatch.setenv("NUMA_ENGRAM_SOCKET", str(tmp_path / "none.sock"))
     results = run_world(4, serve, timeout_s=300, model_dir=model_dir, mode="dp_shared",
@@ -740,11 +740,11 @@ def test_copies_socket_with_one_replica_per_socket_makes_private_tables_saying_s
     back line (a StorageError "the sharing group has one member" before),
     filled by vLLM's loader, rows bit-exact with the checkpoint's and with
     vLLM's own storage.  Both GPUs on node 0: one shared copy, no such
-    line.  The GPUs' nodes are a fake (tests/vllm_scenarios.on_gpu_nodes:
+    line.  The GPUs' nodes are a fake (tests/support/vllm_scenarios.on_gpu_nodes:
     host.topology.gpu_node as sharing_groups looks it up, in the spawned
     ranks only): this machine has no GPU."""
-    from .dist_harness import run_world
-    from .vllm_scenarios import on_gpu_nodes, serve
+    from .support.dist_harness import run_world
+    from .support.vllm_scenarios import on_gpu_nodes, serve
 
     results = run_world(2, on_gpu_nodes, timeout_s=300, nodes=nodes, then=serve, tp=1,
                         model_dir=model_dir, mode="dp_shared", root=str(harness.cache_dir()),

@@ -1,5 +1,5 @@
 """The vLLM plugin on each release it supports (manifest.py: 0.31.0 to
-0.34.0), against that release's own files (tests/vllm_harness.py loads any
+0.34.0), against that release's own files (tests/support/vllm_harness.py loads any
 of them under stubs; its kernels under Triton's interpreter): for V4.1 and
 Qwen4-Exp, our tables under vLLM's embeddings hold vLLM's bytes and give
 vLLM's rows and our lookup's; a table service's tables are attached with
@@ -31,9 +31,9 @@ from numa_engram.integrations.vllm.patch_vl_model import patch as patch_vl  # no
 from numa_engram.integrations.vllm.settings import PluginError  # noqa: E402
 from numa_engram.model.ple import PLESpec  # noqa: E402
 
-from . import ple_scenarios  # noqa: E402
-from . import vllm_harness as harness  # noqa: E402
-from .vllm_scenarios import load_through_mapper, vl_module  # noqa: E402
+from .support import ple_scenarios  # noqa: E402
+from .support import vllm_harness as harness  # noqa: E402
+from .support.vllm_scenarios import load_through_mapper, vl_module  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'numa_engram[test]')")
 pytest.importorskip("safetensors", reason="safetensors is not installed")
@@ -301,8 +301,8 @@ def test_tp2_dp2_dp_shared_one_copy_with_vllms_rows(version, model_dir):
     """Each release's DP-shared branch through the plugin: four real ranks
     as vLLM's TP 2 x DP 2, one copy per TP shard by PSS, vLLM's forward
     giving the whole table's rows and vLLM's own storage's."""
-    from .dist_harness import run_world
-    from .vllm_scenarios import serve
+    from .support.dist_harness import run_world
+    from .support.vllm_scenarios import serve
 
     results = run_world(4, serve, timeout_s=300, model_dir=model_dir, mode="dp_shared",
                         root=_root(version), spec=SPEC.to_dict(), version=version)
@@ -326,8 +326,8 @@ def test_tp2_dp2_warm_restart_attaches_with_no_engram_loader_call(version, model
     from numa_engram.runtime.modeldir import ModelDirectory
     from numa_engram.service.tableservice import TableService
 
-    from .dist_harness import run_world
-    from .vllm_scenarios import warm_restart
+    from .support.dist_harness import run_world
+    from .support.vllm_scenarios import warm_restart
 
     held = TableService(ModelDirectory.open(model_dir), str(tmp_path / "engram.sock"), tp=2)
     held.start()
@@ -353,7 +353,7 @@ import logging, shutil, sys
 from pathlib import Path
 repo, tree, version = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
 sys.path.insert(0, repo)
-from tests import vllm_harness as harness
+from tests.support import vllm_harness as harness
 harness.install_stubs(version)
 for name in ("vllm.models", "vllm.models.deepseek_v41", "vllm.models.deepseek_v41.common",
              "vllm.models.deepseek_v41.nvidia"):
@@ -447,7 +447,7 @@ def test_ple_tp2_dp2_dp_shared_one_copy_per_tp_shard_holds_vllms_bytes(version, 
     four real ranks as vLLM's TP 2 x DP 2, the DP replicas of a TP rank
     share one table per layer (PSS summed is one copy), its bytes equal
     vLLM's own storage and the TP pair's rows the whole table's."""
-    from .dist_harness import run_world
+    from .support.dist_harness import run_world
 
     results = run_world(4, ple_scenarios.vllm_plugin_dp_shared, timeout_s=300,
                         model_dir=ple_dir, root=_root(version), spec=PLE.to_dict(),

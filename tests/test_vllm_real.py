@@ -7,7 +7,7 @@ bit-exact; with a table service (``numa-engram serve``), two engines in a
 row attach every layer and vLLM's weights mapper hands no Engram tensor to
 the model.
 
-Each engine is tests/vllm_real_engine.py in the environment's python
+Each engine is tests/support/vllm_real_engine.py in the environment's python
 (vLLM's worker: plugins, process groups, model runner, loader; not the
 engine core, whose first step is a forward, and V4.1's Engram kernels are
 Triton-only).  It overrides the GPU-only steps vLLM's CPU platform refuses
@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiproc, pytest.mark.timeout(1500)
 
 OPT_IN = "NUMA_ENGRAM_VLLM_REAL"
 ROOT = Path(__file__).resolve().parent.parent
-ENGINE = Path(__file__).resolve().parent / "vllm_real_engine.py"
+ENGINE = Path(__file__).resolve().parent / "support" / "vllm_real_engine.py"
 SPEC = EngramSpec.small(rows_per_head=300, n_head_per_ngram=4, head_dim=64, max_ngram_size=3)
 CHOSEN = os.environ.get(OPT_IN, "")
 RELEASES = ["0.31.0"] if CHOSEN in ("", "1") else CHOSEN.split(",")

@@ -1,4 +1,4 @@
-"""The harness (tests/vllm_harness.py) against each vLLM release the plugin
+"""The harness (tests/support/vllm_harness.py) against each vLLM release the plugin
 serves, 0.31.0 to 0.34.0, with no plugin: vLLM's own DeepSeek V4.1
 ``ParallelEngramEmbedding`` and Qwen4-Exp ``Qwen4ExpNGramEmbedding``, built
 by vLLM's own code in each storage branch this machine can run (HBM as
@@ -27,8 +27,8 @@ import torch  # noqa: E402
 from numa_engram import EngramSpec, write_synthetic_model  # noqa: E402
 from numa_engram.model.ple import PLESpec  # noqa: E402
 
-from . import ple_scenarios  # noqa: E402
-from . import vllm_harness as harness  # noqa: E402
+from .support import ple_scenarios  # noqa: E402
+from .support import vllm_harness as harness  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'numa_engram[test]')")
 pytest.importorskip("safetensors", reason="safetensors is not installed")

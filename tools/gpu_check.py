@@ -91,8 +91,8 @@ def main() -> int:
     p.add_argument("--table-gib", type=float, default=16.0)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--vllm-cache", default=None,
-                   help="vLLM 0.31.0's files as tests/vllm_harness.py caches them (carry it "
-                        "to a machine without network); default its cache directory")
+                   help="vLLM 0.31.0's files as tests/support/vllm_harness.py caches them "
+                        "(carry it to a machine without network); default its cache directory")
     a = p.parse_args()
     doc: dict = {"ok": False}
 
@@ -320,7 +320,7 @@ def plugin_check(cache: str | None) -> dict:
     from numa_engram.integrations.vllm import patch
     from numa_engram.runtime.modeldir import ModelDirectory
     from numa_engram.service.tableservice import TableService
-    from tests import vllm_harness as harness
+    from tests.support import vllm_harness as harness
 
     root, why = harness.wheel_sources()
     if root is None:

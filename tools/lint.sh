@@ -18,5 +18,5 @@ fi
 # the C core's format (.clang-format; Debian 12's clang-format 14 wrote it)
 clang-format --dry-run --Werror "${c_files[@]}"
 "$PY" tools/check_c.py  # the C core compiled with the build's flags and -Werror
-"$PY" -m mypy  # the package and tests/typing_checks.py ([tool.mypy] in pyproject.toml)
+"$PY" -m mypy  # the package and tests/support/typing_checks.py ([tool.mypy] in pyproject.toml)
 "$(dirname "$PY")/lint-imports"  # the layer order ([tool.importlinter] in pyproject.toml)

@@ -10,7 +10,7 @@ and checked by hand), and the ``Release`` row to add.
     python tools/vllm_release.py path/to/vllm-0.35.0-*.whl
 
 Then add the row to numa_engram/integrations/vllm/manifest.py and the
-release's files to tests/vllm_harness.py's RELEASES, and run
+release's files to tests/support/vllm_harness.py's RELEASES, and run
 ``pytest tests/test_vllm_plugin_releases.py``.
 """
 

@@ -12,7 +12,7 @@ from .harness import best_interleaved
 def bench_hashing(tokens: int) -> None:
     from numa_engram import EngramSpec, ngram_hashes
     from numa_engram.model.hashing import ngram_hashes_numpy
-    from tests.engram_reference import reference_hashes
+    from tests.support.engram_reference import reference_hashes
 
     spec = EngramSpec(layer_ids=[1, 14], engram_vocab_sizes=[16_000_000] * 3, max_ngram_size=4,
                       n_head_per_ngram=8, head_dim=256, compressed_vocab_size=99092, pad_id=2)

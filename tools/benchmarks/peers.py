@@ -46,7 +46,7 @@ def _vllm_disk_offload(model: Path, spec, max_tokens: int):
     to the checkpoint by vLLM's own code under the test harness, or the
     reason it cannot be had.  The caller leaves ``harness.isolated()``."""
     try:
-        from tests import vllm_harness as harness
+        from tests.support import vllm_harness as harness
     except ImportError as exc:  # (run from the repository root: tools/bench.py is)
         return None, f"the vLLM test harness is not importable ({exc})", None
     version = "0.34.0"
@@ -133,7 +133,7 @@ def bench_peers(table_gib: float = 1.0, tokens_list: tuple[int, ...] = PEER_TOKE
     our mapped table's packed rows (the same bytes every peer returns;
     ``mapped bf16``: ours turned into BF16 too), rows checked equal first."""
     from numa_engram.tables.pletable import SharedPLETable
-    from tests import ple_scenarios  # (tools/bench.py puts the repository root on the path)
+    from tests.support import ple_scenarios  # (tools/bench.py puts the repository root on the path)
 
     spec = _spec(table_gib)
     rng = np.random.default_rng(0)

@@ -96,7 +96,7 @@ def _vllm_plugin_times(model: str, sock: str, size: int,
     and for a cold private table loaded by vLLM's loader (None where that
     does not fit beside the service); why not, where a release's sources
     cannot be had."""
-    from tests import vllm_harness as harness
+    from tests.support import vllm_harness as harness
 
     out: dict[str, tuple[float, float | None] | str] = {}
     for version in releases:

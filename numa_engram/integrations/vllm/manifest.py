@@ -13,7 +13,7 @@ To add a release: ``tools/vllm_release.py X.Y.Z`` downloads its wheel
 (``pip download --no-deps vllm==X.Y.Z``), prints its files' sha256 and the
 symbols of ``SYMBOLS`` it lacks; add its row below, then run
 ``tests/test_vllm_plugin_releases.py`` (the harness loads any release in
-``tests/vllm_harness.py``'s RELEASES).
+``tests/support/vllm_harness.py``'s RELEASES).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Checkpoint scenarios run by tests/dist_harness.py in spawned ranks (gloo,
+"""Checkpoint scenarios run by tests/support/dist_harness.py in spawned ranks (gloo,
 127.0.0.1), for both table families: one rank damages the checkpoint
 (truncates it, or replaces it with another version) just before its own
 part of a shared load."""

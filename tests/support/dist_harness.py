@@ -55,7 +55,7 @@ def enter_host(source: str, hostname: str, mount_at: str = "/dev/shm") -> None:
 
 
 # imported once, in the forkserver (before it forks any rank)
-PRELOAD = ["numpy", "torch", "torch.distributed", "numa_engram", "tests.dist_scenarios"]
+PRELOAD = ["numpy", "torch", "torch.distributed", "numa_engram", "tests.support.dist_scenarios"]
 
 
 def _context():
@@ -136,7 +136,7 @@ def is_stopped(pid: int) -> bool:
 
 def run_world(world, scenario, timeout_s=180, pg_timeout_s=60, resume_stopped=False,
               hosts=None, **kwargs):
-    """Run ``scenario`` (a module-level function of tests/dist_scenarios.py,
+    """Run ``scenario`` (a module-level function of tests/support/dist_scenarios.py,
     called as scenario(rank, world, **kwargs)) in ``world`` spawned ranks;
     each rank's result dict (ok, error_type, message, seconds, exitcode).
     ``resume_stopped``: once every rank that has not reported is stopped

@@ -1,4 +1,4 @@
-"""Scenarios run by tests/dist_harness.py in each spawned rank."""
+"""Scenarios run by tests/support/dist_harness.py in each spawned rank."""
 
 import hashlib
 import os

@@ -1,5 +1,5 @@
-"""vLLM plugin scenarios run by tests/dist_harness.py in each spawned rank:
-vLLM's own Engram modules (tests/vllm_harness.py) over the plugin's tables,
+"""vLLM plugin scenarios run by tests/support/dist_harness.py in each spawned rank:
+vLLM's own Engram modules (tests/support/vllm_harness.py) over the plugin's tables,
 with real gloo groups as vLLM's TP and Engram-DP groups (TP-minor ranks)."""
 
 import time

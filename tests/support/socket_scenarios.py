@@ -1,4 +1,4 @@
-"""Scenarios run by tests/socketworld.py in each rank: members meet
+"""Scenarios run by tests/support/socketworld.py in each rank: members meet
 through SocketGroup, and nothing here imports torch."""
 
 import hashlib

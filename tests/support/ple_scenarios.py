@@ -1,4 +1,4 @@
-"""PLE scenarios run by tests/dist_harness.py in spawned ranks (gloo,
+"""PLE scenarios run by tests/support/dist_harness.py in spawned ranks (gloo,
 127.0.0.1): vLLM's TP x DP layout, ETP = TP."""
 
 from __future__ import annotations

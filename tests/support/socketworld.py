@@ -1,9 +1,9 @@
-"""Run a scenario of tests/socket_scenarios.py in N real processes that
+"""Run a scenario of tests/support/socket_scenarios.py in N real processes that
 meet through ``SocketGroup`` and never import torch (the NUMA guests'
 worlds: torch's import alone is ~20 s under emulation), and collect each
 rank's JSON result.
 
-One launcher interpreter (``python -m tests.socketworld SPEC``) imports
+One launcher interpreter (``python -m tests.support.socketworld SPEC``) imports
 the scenarios once and forks the ranks from its single thread, so a world
 costs one interpreter start (~3 s under emulation), not one per rank.  A
 rank reports whether torch was imported."""
@@ -20,18 +20,18 @@ from pathlib import Path
 
 from .dist_harness import is_stopped
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 _MARK = "SOCKETWORLD-RESULTS "
 
 
 def run_socket_world(world, scenario, *, timeout_s=120, resume_stopped=False, **kwargs):
-    """``scenario`` (a function name of tests/socket_scenarios.py, called as
+    """``scenario`` (a function name of tests/support/socket_scenarios.py, called as
     scenario(rank, world, **kwargs)) in ``world`` processes; each rank's
     result dict (ok, error_type, message, torch_imported, exitcode).  Ranks
     left stopped (SIGSTOP) once the others are done get SIGCONT with
     ``resume_stopped`` (and are waited for), else SIGKILL."""
     spec = json.dumps([scenario, world, kwargs, timeout_s, resume_stopped])
-    launcher = subprocess.run([sys.executable, "-m", "tests.socketworld", spec], cwd=ROOT,
+    launcher = subprocess.run([sys.executable, "-m", "tests.support.socketworld", spec], cwd=ROOT,
                               capture_output=True, text=True, timeout=timeout_s + 60)
     lines = [line for line in launcher.stdout.splitlines() if line.startswith(_MARK)]
     assert lines, f"the launcher failed ({launcher.returncode}):\n{launcher.stderr[-3000:]}"
@@ -40,7 +40,7 @@ def run_socket_world(world, scenario, *, timeout_s=120, resume_stopped=False, **
 
 def _rank(scenario, rank, world, kwargs, fd) -> None:
     """A forked rank: run, write the result to ``fd``, leave at once."""
-    from tests import socket_scenarios
+    from tests.support import socket_scenarios
 
     result = {"rank": rank}
     try:
@@ -57,7 +57,7 @@ def _rank(scenario, rank, world, kwargs, fd) -> None:
 
 def _launch() -> None:
     scenario, world, kwargs, timeout_s, resume_stopped = json.loads(sys.argv[1])
-    from tests import socket_scenarios  # noqa: F401  (imported once, before the forks)
+    from tests.support import socket_scenarios  # noqa: F401  (imported once, before the forks)
 
     pids, ranks_of = [], {}  # the ranks' pids; each pipe's read end -> its rank
     for rank in range(world):

@@ -1,5 +1,5 @@
 """Scenarios of 4 KiB dp_shared tables handed over as memfds (store/fdhandover.py),
-run by tests/dist_harness.py in real processes (tests/test_memfd_sharing.py)."""
+run by tests/support/dist_harness.py in real processes (tests/test_memfd_sharing.py)."""
 
 import hashlib
 import os

@@ -1,4 +1,4 @@
-"""EngramRuntime scenarios run by tests/dist_harness.py in each spawned rank."""
+"""EngramRuntime scenarios run by tests/support/dist_harness.py in each spawned rank."""
 
 from types import SimpleNamespace
 
