@@ -12,6 +12,8 @@ from numa_engram.lookup.cpu import gather, lookup_rows, reference_lookup
 from numa_engram.lookup.outputs import OutputPool, aligned_empty
 from numa_engram.model.fp8 import random_rows
 
+from .support.kernel_paths import assert_prints_true
+
 SIZES = [97, 101, 103, 107, 109, 113, 127, 131]  # 8 heads, like vLLM's test
 DIM = 64
 
@@ -162,16 +164,7 @@ def test_every_kernel_path_is_bit_exact_for_every_byte_under_every_scale(disable
             ok = ok and torch.equal(got.view(torch.int16), want.view(torch.int16))
         print(ok)
     """
-    import os
-    import subprocess
-    import sys
-    import textwrap
-
-    env = dict(os.environ, **{name: "1" for name in disabled})
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                         text=True, env=env, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "True"
+    assert_prints_true(code, disabled)
 
 
 def test_rows_wider_than_the_staging_buffer_take_the_direct_path():

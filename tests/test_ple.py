@@ -16,6 +16,7 @@ from numa_engram.model.ple import PLESpec
 from numa_engram.model.plehashing import PLEHistory, ple_ids, ple_ids_numpy
 
 from .support import vllm_harness as harness
+from .support.kernel_paths import assert_prints_true
 
 torch = pytest.importorskip("torch")
 
@@ -264,16 +265,7 @@ def test_every_row_path_gives_the_byte_tables_bits(disabled):
                 ok = ok and np.array_equal(rows.rows_bf16(ids), want)
         print(ok)
     """
-    import os
-    import subprocess
-    import sys
-    import textwrap
-
-    env = dict(os.environ, **{name: "1" for name in disabled})
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                         text=True, env=env, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "True"
+    assert_prints_true(code, disabled)
 
 
 def test_bf16_rows_equal_vllms_lookup(vllm):
