@@ -10,7 +10,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -19,7 +18,7 @@ from numa_engram.integrations.vllm.patch_vl_model import patch as patch_vl  # no
 from numa_engram.integrations.vllm.settings import PluginError, PluginSettings  # noqa: E402
 
 from .support import vllm_harness as harness  # noqa: E402
-from .support.vllm_scenarios import load_through_mapper, vl_module  # noqa: E402
+from .support.vllm_scenarios import global_ids, load_through_mapper, vl_module  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'numa_engram[test]')")
 pytest.importorskip("safetensors", reason="safetensors is not installed")
@@ -45,16 +44,6 @@ def vllm():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return str(write_synthetic_model(tmp_path_factory.mktemp("v41"), SPEC))
-
-
-def global_ids(spec, layer, tokens, seed):
-    """Rows of the layer's whole table per head (V4.1's id format), some -1."""
-    rng = np.random.default_rng(seed)
-    sizes = np.asarray(spec.bucket_sizes(layer))
-    base = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-    ids = base + (rng.integers(0, 1 << 40, (tokens, len(sizes))) % sizes)
-    ids[rng.random(ids.shape) < 0.1] = -1
-    return torch.from_numpy(ids.astype(np.int64))
 
 
 def _vllms_own(nv, common, layout, index, model_dir, layer):

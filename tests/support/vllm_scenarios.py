@@ -65,7 +65,7 @@ def serve(rank, world, *, model_dir, root, spec, mode, tp=2, additional=None,
         out["modes"].append(table.mode)
         out["leaders"].append(table.leader)
         out["heads"].append([table.shard.head_start, table.shard.head_end])
-        ids = _global_ids(spec, layer, 40 + replica, seed=100 * replica + layer)
+        ids = global_ids(spec, layer, 40 + replica, seed=100 * replica + layer)
         got = emb(ids)
         with SharedEngramTable.create(spec, layer, shard_heads(spec.bucket_sizes(layer), 1, 0),
                                       checkpoint=model_dir, mode="independent",
@@ -133,7 +133,8 @@ def _free_huge_pages():
         return int(f.read())
 
 
-def _global_ids(spec, layer, tokens, seed):
+def global_ids(spec, layer, tokens, seed):
+    """Rows of the layer's whole table per head (V4.1's id format), some -1."""
     rng = np.random.default_rng(seed)
     sizes = np.asarray(spec.bucket_sizes(layer))
     base = np.concatenate(([0], np.cumsum(sizes)[:-1]))
@@ -246,7 +247,7 @@ def warm_restart(rank, world, *, model_dir, root, spec, service, tp=2, restarts=
             table = emb.numa_table
             out["modes"].append(table.mode)
             out["heads"].append([table.shard.head_start, table.shard.head_end])
-            ids = _global_ids(spec, layer, 40 + replica, seed=100 * replica + layer + restart)
+            ids = global_ids(spec, layer, 40 + replica, seed=100 * replica + layer + restart)
             got = emb(ids)
             with SharedEngramTable.create(spec, layer,
                                           shard_heads(spec.bucket_sizes(layer), 1, 0),
