@@ -40,7 +40,7 @@ from .shardrows import ShardRows
 if TYPE_CHECKING:
     import torch
 
-    Rows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    from .shardrows import Rows
 
 # (hash_ids, out) -> out; called (hash_ids, out, counts) when a submit
 # passes counts (the DP-sharded step's EDP token counts)

@@ -51,8 +51,8 @@ from .tablereports import ModeReport, TableStats, accounted_bytes, service_descr
 if TYPE_CHECKING:
     import torch
 
-    Rows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
     from ..lookup.gpu import DeviceShard
+    from ..lookup.shardrows import Rows
 
 log = logging.getLogger(__name__)
 
