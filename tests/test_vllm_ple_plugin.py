@@ -400,20 +400,12 @@ def test_copies_socket_with_one_replica_per_socket_makes_private_ple_tables_sayi
     sharing_groups looks it up, in the spawned ranks only): this machine
     has no GPU."""
     from .support.dist_harness import run_world
-    from .support.vllm_scenarios import on_gpu_nodes
+    from .support.vllm_scenarios import check_copies_socket, on_gpu_nodes
 
     results = run_world(2, on_gpu_nodes, timeout_s=300, nodes=nodes,
                         then=ple_scenarios.vllm_plugin_dp_shared, tp=1, model_dir=model_dir,
                         root=str(harness.cache_dir()), spec=SPEC.to_dict(),
                         additional={"copies": "socket"})
-    split = nodes[0] != nodes[1]
     for r in results:
-        assert r["ok"], r.get("traceback", r)
-        assert r["mismatches"] == [] and len(r["modes"]) == len(SPEC.layer_ids), r
-        assert set(r["modes"]) == {"independent" if split else "dp_shared"}, r
-        assert all(r["leaders"]) == (split or r["rank"] == 0), r
+        check_copies_socket(r, SPEC, nodes)
         assert r["rows"] == [list(SPEC.shard_rows(layer, 0, 1)) for layer in SPEC.layer_ids]
-        fell_back = [line for line in r["logs"] if "the DP peers cannot share one copy (no DP "
-                     "peer of this rank can map its copy" in line and "socket" in line
-                     and "one table per rank" in line]
-        assert len(fell_back) == (1 if split else 0), r["logs"]

@@ -733,18 +733,10 @@ def test_copies_socket_with_one_replica_per_socket_makes_private_tables_saying_s
     host.topology.gpu_node as sharing_groups looks it up, in the spawned
     ranks only): this machine has no GPU."""
     from .support.dist_harness import run_world
-    from .support.vllm_scenarios import on_gpu_nodes, serve
+    from .support.vllm_scenarios import check_copies_socket, on_gpu_nodes, serve
 
     results = run_world(2, on_gpu_nodes, timeout_s=300, nodes=nodes, then=serve, tp=1,
                         model_dir=model_dir, mode="dp_shared", root=str(harness.cache_dir()),
                         spec=SPEC.to_dict(), additional={"copies": "socket"})
-    split = nodes[0] != nodes[1]
     for r in results:
-        assert r["ok"], r.get("traceback", r)
-        assert r["mismatches"] == [] and len(r["modes"]) == len(SPEC.layer_ids), r
-        assert set(r["modes"]) == {"independent" if split else "dp_shared"}, r
-        assert all(r["leaders"]) == (split or r["rank"] == 0), r
-        fell_back = [line for line in r["logs"] if "the DP peers cannot share one copy (no DP "
-                     "peer of this rank can map its copy" in line and "socket" in line
-                     and "one table per rank" in line]
-        assert len(fell_back) == (1 if split else 0), r["logs"]
+        check_copies_socket(r, SPEC, nodes)

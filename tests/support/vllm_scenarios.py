@@ -365,3 +365,20 @@ def on_gpu_nodes(rank, world, *, nodes, then, **kwargs):
     assert callable(module.gpu_node)  # (renamed: the fake would miss; fail instead)
     module.gpu_node = lambda device, root=None: nodes[rank]
     return then(rank, world, **kwargs)
+
+
+def check_copies_socket(r, spec, nodes):
+    """A rank's result of ``on_gpu_nodes`` with "copies": "socket" and
+    dp_shared asked, DP 2 x TP 1 (either family): GPUs on two nodes, a
+    private table per rank, each its own leader, with the plugin's fall
+    back line once; both on one node, one shared copy led by rank 0 and no
+    such line.  Rows equal to vLLM's in every layer either way."""
+    split = nodes[0] != nodes[1]
+    assert r["ok"], r.get("traceback", r)
+    assert r["mismatches"] == [] and len(r["modes"]) == len(spec.layer_ids), r
+    assert set(r["modes"]) == {"independent" if split else "dp_shared"}, r
+    assert all(r["leaders"]) == (split or r["rank"] == 0), r
+    fell_back = [line for line in r["logs"] if "the DP peers cannot share one copy (no DP "
+                 "peer of this rank can map its copy" in line and "socket" in line
+                 and "one table per rank" in line]
+    assert len(fell_back) == (1 if split else 0), r["logs"]
