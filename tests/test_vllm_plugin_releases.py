@@ -21,7 +21,6 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -33,7 +32,7 @@ from numa_engram.model.ple import PLESpec  # noqa: E402
 
 from .support import ple_scenarios  # noqa: E402
 from .support import vllm_harness as harness  # noqa: E402
-from .support.vllm_scenarios import load_through_mapper, vl_module  # noqa: E402
+from .support.vllm_scenarios import global_ids, load_through_mapper, vl_module  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'numa_engram[test]')")
 pytest.importorskip("safetensors", reason="safetensors is not installed")
@@ -86,15 +85,6 @@ def ple_dir(tmp_path_factory):
     return str(ple_scenarios.write_ple_model(tmp_path_factory.mktemp("qwen4") / "m", PLE))
 
 
-def global_ids(layer, tokens, seed):
-    rng = np.random.default_rng(seed)
-    sizes = np.asarray(SPEC.bucket_sizes(layer))
-    base = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-    ids = base + (rng.integers(0, 1 << 40, (tokens, len(sizes))) % sizes)
-    ids[rng.random(ids.shape) < 0.1] = -1
-    return torch.from_numpy(ids.astype(np.int64))
-
-
 def _bits(t):
     return t.contiguous().view(torch.int16)
 
@@ -119,7 +109,7 @@ def _vllms_own(release, layout, index, model_dir, layer):
 def _rows_are_vllms(release, model_dir, layout, embs):
     compared = 0
     for index, (layer, emb) in enumerate(embs.items()):
-        ids = global_ids(layer, 64, seed=layer)
+        ids = global_ids(SPEC, layer, 64, seed=layer)
         got = emb(ids)
         theirs = _vllms_own(release, layout, index, model_dir, layer)(ids)
         assert torch.equal(_bits(got), _bits(theirs)), (release.version, layer)
