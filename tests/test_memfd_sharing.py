@@ -30,6 +30,7 @@ from .conftest import shm_files
 from .support import memfd_scenarios as scenarios
 from .support.dist_harness import run_world
 from .support.dist_scenarios import LAYER, make_spec
+from .support.stranger import ask_as_nobody
 from .support.threadworld import run_threads
 
 ROOT = os.geteuid() == 0
@@ -575,27 +576,6 @@ def test_a_hand_over_directory_another_user_owns_is_refused_and_left_alone(runti
             t.close()
 
 
-def _as_nobody(sock, request):
-    """Connect to ``sock`` as uid 65534 in a forked child and ask for the
-    table: what it got (a refusal's reason and how many descriptors), or
-    the error it met."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: plain sockets, no torch
-        try:
-            os.setgid(65534)
-            os.setuid(65534)
-            answer, fds, _ = serviceclient.ask(sock, request.to_dict())
-            os.write(write, f"{answer.get('reason', 'answered')} fds={len(fds)}".encode())
-        except BaseException as exc:
-            os.write(write, f"error {exc}".encode())
-        os._exit(0)
-    os.close(write)
-    os.waitpid(pid, 0)
-    with os.fdopen(read) as fh:
-        return fh.read()
-
-
 @pytest.mark.skipif(not ROOT, reason="needs root to connect as another uid (65534)")
 def test_a_stranger_uid_gets_nothing_even_where_the_modes_let_it_connect(monkeypatch):
     walkable = tempfile.mkdtemp(prefix="engram-uid-", dir="/tmp")  # uid 65534 walks to it
@@ -606,11 +586,11 @@ def test_a_stranger_uid_gets_nothing_even_where_the_modes_let_it_connect(monkeyp
     sock = fdhandover.holders(directory)[0]
     request = serviceclient.TableRequest(spec.fingerprint, tables[0]._backing.header.key, 4096)
     try:
-        got = _as_nobody(sock, request)
+        got = ask_as_nobody(sock, request.to_dict())
         assert got.startswith("error") and "permission denied" in got, got  # 0700 keeps it out
         os.chmod(directory, 0o711)
         os.chmod(sock, 0o666)  # opened up: the peer's credentials still refuse it
-        assert _as_nobody(sock, request) == "refused fds=0"
+        assert ask_as_nobody(sock, request.to_dict()) == "refused fds=0"
     finally:
         os.chmod(directory, 0o700)
         for t in tables:

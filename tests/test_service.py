@@ -29,6 +29,8 @@ from numa_engram.errors import StorageError
 from numa_engram.store import serviceclient
 from numa_engram.store.serviceclient import ServiceRefusal
 
+from .support.stranger import ask_as_nobody
+
 pytest.importorskip("tokenizers", reason="the 'tokenizers' extra is not installed")
 pytestmark = pytest.mark.multiproc
 
@@ -194,25 +196,6 @@ def test_refusals_name_their_reason(service):
         SharedEngramTable.attach(SPEC, 1, shard, service=sock + ".nothing")
 
 
-def _as_nobody(sock):
-    """Ask for status as uid 65534 in a forked child: its answer's reason."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: no torch, plain sockets
-        try:
-            os.setgid(65534)
-            os.setuid(65534)
-            answer, _, _ = serviceclient.ask(sock, {"op": "status"})
-            os.write(write, str(answer.get("reason", "answered")).encode())
-        except BaseException as exc:
-            os.write(write, f"error {exc}".encode())
-        os._exit(0)
-    os.close(write)
-    os.waitpid(pid, 0)
-    with os.fdopen(read) as fh:
-        return fh.read()
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
 def test_another_uid_is_refused_even_where_the_socket_lets_it_connect(model_dir):
     import shutil
@@ -225,10 +208,10 @@ def test_another_uid_is_refused_even_where_the_socket_lets_it_connect(model_dir)
     try:
         _wait_ready(sock, proc)
         assert oct(os.stat(sock).st_mode & 0o777) == "0o600"
-        assert "permission denied" in _as_nobody(sock)  # the modes keep it out
+        assert "permission denied" in ask_as_nobody(sock, {"op": "status"})  # the modes keep it out
         os.chmod(os.path.dirname(sock), 0o755)
         os.chmod(sock, 0o666)  # opened up: SO_PEERCRED still refuses it
-        assert _as_nobody(sock) == "refused"
+        assert ask_as_nobody(sock, {"op": "status"}) == "refused fds=0"
     finally:
         _stop(proc)
         shutil.rmtree(top, ignore_errors=True)
