@@ -93,6 +93,11 @@ class Mapping:
         ptr = lib.ne_map_shared(fd, length, 1 if writable else 0)
         if ptr == ffi.NULL:
             raise_errno("mmap", f"fd={fd} length={length} MAP_SHARED writable={writable}")
+        self._own(ptr, length, writable, page_size)
+
+    def _own(self, ptr: object, length: int, writable: bool, page_size: int) -> None:
+        """Hold the mapped range at ``ptr``: unmapped when the last object
+        that can reach it is gone (the ``mapped`` state then says so)."""
         self.length = length
         self.writable = writable
         self.page_size = page_size  # 4 KiB, or the huge page size of a hugetlb file
@@ -310,17 +315,7 @@ class FileMapping(Mapping):
                 raise SyscallError("mmap", err, f"fd={fd} offset={offset} length={n} "
                                    "PROT_READ MAP_SHARED")
             at += n
-        self.length, self.writable, self.page_size = length, False, PAGE_SIZE
-        self.address = int(ffi.cast("uintptr_t", base))
-        self._state = {"mapped": True}
-        state = self._state
-
-        def unmap(p: object) -> None:
-            lib.ne_unmap(p, length)
-            state["mapped"] = False
-
-        self._ptr = ffi.gc(base, unmap, size=length)
-        self._buffer = ffi.buffer(self._ptr, length)
+        self._own(base, length, False, PAGE_SIZE)
         self.describe_fault = describe_fault
         _file_mappings.add(self)
         if lib.ne_guard_install() != 0:
