@@ -17,7 +17,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from numpy.lib.array_utils import byte_bounds
+
+try:  # numpy >= 2.0 moved it here and off numpy's namespace
+    from numpy.lib.array_utils import byte_bounds
+except ImportError:  # numpy 1.24-1.26 (the lower bound in pyproject.toml)
+    from numpy import byte_bounds  # type: ignore[attr-defined,no-redef]
 
 from ..bindings import native
 from ..errors import CapacityError, SpecError
