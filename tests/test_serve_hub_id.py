@@ -7,12 +7,13 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 
 from numa_engram import EngramSpec, write_synthetic_model
 from numa_engram.runtime import hubcache
+
+from .support.service import wait_ready
 
 pytestmark = pytest.mark.multiproc
 
@@ -40,8 +41,6 @@ def _serve(args, env):
 
 
 def test_serve_a_hub_id_from_the_local_cache(tmp_path, monkeypatch):
-    from numa_engram.store import serviceclient
-
     model_dir = str(write_synthetic_model(tmp_path / "model", SPEC))
     hub_id, snapshot = fake_hub_cache(tmp_path / "hub", model_dir)
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub")}
@@ -50,12 +49,7 @@ def test_serve_a_hub_id_from_the_local_cache(tmp_path, monkeypatch):
     sock = str(tmp_path / "engram.sock")
     proc = _serve([hub_id, "--socket", sock], env)
     try:
-        deadline = time.monotonic() + 120
-        while not (os.path.exists(sock) and serviceclient.status(sock)["ready"]):
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            assert time.monotonic() < deadline, "the table service was not ready in 120 s"
-            time.sleep(0.2)
-        doc = serviceclient.status(sock)
+        doc = wait_ready(sock, proc)
         assert doc["model_dir"] == snapshot
         assert len(doc["tables"]) == len(SPEC.layer_ids)
     finally:

@@ -29,6 +29,7 @@ from numa_engram.errors import StorageError
 from numa_engram.store import serviceclient
 from numa_engram.store.serviceclient import ServiceRefusal
 
+from .support.service import wait_ready
 from .support.stranger import ask_as_nobody
 
 pytest.importorskip("tokenizers", reason="the 'tokenizers' extra is not installed")
@@ -70,22 +71,6 @@ def _python(*args, **kwargs):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
 
-def _wait_ready(path, proc, timeout_s=120):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the service exited: {proc.stderr.read()[-3000:]}")
-        if os.path.exists(path):
-            try:
-                doc = serviceclient.status(path)
-                if doc["ready"]:
-                    return doc
-            except Exception:
-                pass
-        time.sleep(0.05)
-    raise AssertionError("the service did not get ready")
-
-
 def _stop(proc):
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -113,7 +98,7 @@ def service(model_dir, tmp_path):
     sock = str(tmp_path / "run" / "engram.sock")
     proc = _serve(model_dir, sock)
     try:
-        _wait_ready(sock, proc)
+        wait_ready(sock, proc)
         yield proc, sock
     finally:
         _stop(proc)
@@ -206,7 +191,7 @@ def test_another_uid_is_refused_even_where_the_socket_lets_it_connect(model_dir)
     sock = os.path.join(top, "run", "engram.sock")
     proc = _serve(model_dir, sock)
     try:
-        _wait_ready(sock, proc)
+        wait_ready(sock, proc)
         assert oct(os.stat(sock).st_mode & 0o777) == "0o600"
         assert "permission denied" in ask_as_nobody(sock, {"op": "status"})  # the modes keep it out
         os.chmod(os.path.dirname(sock), 0o755)
@@ -282,7 +267,7 @@ def test_a_table_still_loading_answers_not_ready_with_progress(model_dir, tmp_pa
                               "--socket", sock], capture_output=True, text=True)
         assert out.returncode == 1 and "NOT ready" in out.stdout and "loading" in out.stdout
         open(release, "w").close()
-        _wait_ready(sock, proc)
+        wait_ready(sock, proc)
         out = subprocess.run([sys.executable, "-m", "numa_engram.cli.app", "status",
                               "--socket", sock], capture_output=True, text=True)
         assert out.returncode == 0 and "sealed" in out.stdout, out
@@ -395,7 +380,7 @@ def test_the_fd_store_keeps_every_table_across_a_service_restart(model_dir, tmp_
     for _, fd in stored:
         os.close(fd)
     try:
-        doc = _wait_ready(sock, second)
+        doc = wait_ready(sock, second)
         assert all(t["adopted"] and t["sealed"] for t in doc["tables"])
         assert time.monotonic() - started < 30
         engine, _ = _engine(sock)
@@ -418,7 +403,7 @@ def test_the_runtime_attaches_through_the_service(model_dir, tmp_path, monkeypat
     sock = str(tmp_path / "run" / "engram.sock")
     proc = _serve(model_dir, sock, tp=1)
     try:
-        _wait_ready(sock, proc)
+        wait_ready(sock, proc)
         _runtimes_agree(model_dir, sock, monkeypatch)
     finally:
         _stop(proc)

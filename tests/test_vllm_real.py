@@ -25,12 +25,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from numa_engram import EngramSpec, write_synthetic_model
+
+from .support.service import wait_ready
 
 # (the first test may wait for make test's install of the environment beside it)
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc, pytest.mark.timeout(1500)]
@@ -137,18 +138,12 @@ def test_a_model_directory_without_its_tokenizer_is_served_from_vllms_config(
 
 @pytest.fixture
 def service(model_dir, tmp_path):
-    from numa_engram.store import serviceclient
-
     sock = str(tmp_path / "run" / "engram.sock")
     proc = subprocess.Popen([sys.executable, "-m", "numa_engram", "serve", model_dir,
                              "--socket", sock], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not (os.path.exists(sock) and serviceclient.status(sock)["ready"]):
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            assert time.monotonic() < deadline, "the table service was not ready in 120 s"
-            time.sleep(0.2)
+        wait_ready(sock, proc)
         yield sock
     finally:
         proc.terminate()
