@@ -19,14 +19,20 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import CheckpointError, NumaEngramError, SpecMismatchError
 from ..model.spec import EngramSpec
 from ..store.chunks import for_each_chunk
+from .familyreaders import CheckpointReader, ChunkDone
 from .safetensorsfiles import INDEX_FILE as INDEX_FILE  # (the synthetic writer's)
 from .safetensorsfiles import Header, OpenFiles, TensorLocation, checkpoint_files, locate
+
+if TYPE_CHECKING:
+    from ..model.sharding import ShardInfo
+    from ..store.storage import BackingFile
 
 log = logging.getLogger(__name__)
 
@@ -186,3 +192,25 @@ def load_rows(paths, spec: EngramSpec, layer_id: int, row_start: int, row_end: i
                        total=n * spec.row_bytes, progress=progress, pin_cpus=cpus,
                        name="numa-engram-load")
         files.check_unchanged("while the table loaded")
+
+
+class EngramReader(CheckpointReader):
+    """The Engram family's reader (``model.families.EngramFamily.reader``)."""
+
+    plan_type = CheckpointPlan
+
+    def _resolve(self, paths: Any, spec: Any, layer_id: int,
+                 names: TensorNames | None) -> CheckpointPlan:
+        return resolve(paths, spec, layer_id, names)
+
+    def load(self, backing: BackingFile, plan: Any, spec: Any, layer_id: int,
+             shard: ShardInfo, part: tuple[int, int], names: TensorNames | None, *,
+             progress: ChunkDone, threads: int, cpus: Sequence[int]) -> None:
+        a, b = part
+        w = backing.region("weights").reshape(shard.num_rows, spec.head_dim)[a:b]
+        s = backing.region("scales").reshape(shard.num_rows, spec.scales_per_row)[a:b]
+        load_rows(plan, spec, layer_id, shard.row_start + a, shard.row_start + b, w, s,
+                  names=names, progress=progress, threads=threads, cpus=cpus)
+
+
+READER = EngramReader()

@@ -12,14 +12,20 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import CheckpointError
 from ..model.ple import PLESpec
 from ..store.chunks import for_each_chunk
+from .familyreaders import CheckpointReader, ChunkDone
 from .safetensorsfiles import Header, OpenFiles, TensorLocation, checkpoint_files, locate
+
+if TYPE_CHECKING:
+    from ..model.sharding import ShardInfo
+    from ..store.storage import BackingFile
+    from .checkpoint import TensorNames
 
 # vLLM's module path of a PLE layer's table (``layers.{index}``: the
 # 0-based decoder layer, one less than the 1-based ple_layer_ids entry)
@@ -144,3 +150,33 @@ def load_ple_rows(plan: PLECheckpointPlan, spec: PLESpec, row_start: int, row_en
         for_each_chunk(chunks, one, threads=threads, total=out.size, progress=progress,
                        pin_cpus=cpus, name="numa-engram-load")
         files.check_unchanged("while the table loaded")
+
+
+class PLEReader(CheckpointReader):
+    """The PLE family's reader (``model.families.PLEFamily.reader``); a
+    plan is one layer's, its tensors named by vLLM (no ``TensorNames``)."""
+
+    plan_type = PLECheckpointPlan
+
+    def _resolve(self, paths: Any, spec: Any, layer_id: int,
+                 names: TensorNames | None) -> PLECheckpointPlan:  # noqa: ARG002 (Engram's)
+        return resolve_ple(paths, spec, layer_id)
+
+    def load(self, backing: BackingFile, plan: Any, spec: Any, layer_id: int,  # noqa: ARG002
+             shard: ShardInfo, part: tuple[int, int],
+             names: TensorNames | None, *,  # noqa: ARG002
+             progress: ChunkDone, threads: int, cpus: Sequence[int]) -> None:
+        a, b = part
+        out = backing.region("weights").reshape(shard.num_rows, spec.row_bytes)[a:b]
+        load_ple_rows(plan, spec, shard.row_start + a, shard.row_start + b, out,
+                      threads=threads, progress=progress, cpus=cpus)
+
+    def finish(self, backing: BackingFile, plan: Any) -> None:
+        """The per-tensor scale into its fixed region (the leader's mapping
+        is writable until the table is sealed)."""
+        scale = read_scale(plan)
+        if scale is not None:
+            backing.region("scale")[:4] = np.frombuffer(np.float32(scale).tobytes(), np.uint8)
+
+
+READER = PLEReader()

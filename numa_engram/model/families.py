@@ -3,14 +3,21 @@ PLE above storage geometry (``family.TableFamily``), so the layers above ask
 the family and never test a spec's type or attributes.  A family here owns
 its spec type and config detection, which rows a rank holds, its tables'
 names in a service, a plan's notes and exchange bytes, and how a document's
-tokens become table rows; its checkpoint reader and table class live one
-layer up (``checkpoints/familyreaders.py``, ``tables/familytables.py``),
-keyed by ``Family.name``."""
+tokens become table rows.  Its parts above ``model/`` (checkpoint reader,
+table class, model directory class) it names as ``"module:attribute"``
+references, imported on first use (``Family.part``), so ``model/`` imports
+nothing above it and a new family edits no module above it: it is listed
+here, registered (``register_family``) or found through the
+``numa_engram.families`` entry point group."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+import functools
+import importlib
+import threading
+from collections.abc import Iterator
+from importlib.metadata import entry_points
+from typing import Any, Literal
 
 import numpy as np
 
@@ -21,6 +28,8 @@ from .sharding import ShardInfo, WorldLayout, shard_heads, valid_head_shard_coun
 from .spec import EngramSpec
 
 CHUNK_TOKENS = 1 << 16  # tokens hashed per HashState call in document_rows
+ENTRY_POINTS = "numa_engram.families"  # where installed packages add a family
+Part = Literal["reader", "table", "directory"]
 
 
 class Family:
@@ -32,6 +41,18 @@ class Family:
     # whether its hashing maps token ids through the tokenizer first
     # (Engram's compressed ids: a spec for hashing needs the tokenizer)
     needs_token_map: bool
+    # its parts above model/ ("module:attribute", imported by ``part``): the
+    # checkpoint reader (a ``checkpoints.familyreaders.CheckpointReader``),
+    # the table class (a ``tables.familytable.FamilyTable``), the model
+    # directory class (``open(path, tokenizer)``, ``spec``, ``checkpoint``,
+    # ``checkpoint_plans()``)
+    reader: str
+    table: str
+    directory: str
+
+    def part(self, kind: Part) -> Any:
+        """The family's ``reader``, ``table`` or ``directory``, imported."""
+        return load_reference(getattr(self, kind), f"the {self.title} family's {kind}")
 
     def matches_config(self, doc: object) -> bool:
         """Whether a config.json document describes this family's tables."""
@@ -66,6 +87,9 @@ class Family:
 
 class EngramFamily(Family):
     name, title, spec_type, needs_token_map = "engram", "Engram", EngramSpec, True
+    reader = "numa_engram.checkpoints.checkpoint:READER"
+    table = "numa_engram.tables.table:SharedEngramTable"
+    directory = "numa_engram.runtime.modeldir:ModelDirectory"
 
     def matches_config(self, doc: object) -> bool:
         return _has_field(doc, "engram_layer_ids")
@@ -109,6 +133,9 @@ class EngramFamily(Family):
 
 class PLEFamily(Family):
     name, title, spec_type, needs_token_map = "ple", "PLE", PLESpec, False  # raw token ids
+    reader = "numa_engram.checkpoints.plecheckpoint:READER"
+    table = "numa_engram.tables.pletable:SharedPLETable"
+    directory = "numa_engram.runtime.plemodeldir:PLEModelDirectory"
 
     def matches_config(self, doc: object) -> bool:
         return _has_field(doc, "ple_layer_ids")
@@ -148,7 +175,55 @@ class PLEFamily(Family):
 
 ENGRAM = EngramFamily()
 PLE = PLEFamily()
-FAMILIES: Sequence[Family] = (PLE, ENGRAM)  # detection order: the first that matches
+# detection order: the first that matches; Engram last, the fallback whose
+# own checks name what a config lacks
+_FAMILIES: list[Family] = [PLE, ENGRAM]
+_LOCK = threading.Lock()
+_LOADED: list[bool] = []  # the entry points read (once, on first ask)
+
+
+def families() -> tuple[Family, ...]:
+    """Every family: the two here, those registered and those installed
+    packages name in the ``numa_engram.families`` entry point group."""
+    with _LOCK:
+        if not _LOADED:
+            _LOADED.append(True)
+            for point in entry_points(group=ENTRY_POINTS):
+                _add(point.load(), f"entry point {point.name!r} of {ENTRY_POINTS}")
+        return tuple(_FAMILIES)
+
+
+def register_family(family: Family) -> Family:
+    """Add a family (an instance of a ``Family`` subclass) ahead of Engram in
+    detection; refused when its name or spec type is another's."""
+    with _LOCK:
+        _add(family, f"{type(family).__name__}")
+    return family
+
+
+def _add(family: Any, source: str) -> None:
+    if not isinstance(family, Family):
+        raise SpecError(f"{source} is {type(family).__name__}, not a numa_engram Family "
+                        "instance; register an instance of a Family subclass")
+    for known in _FAMILIES:
+        if known.name == family.name or known.spec_type is family.spec_type:
+            if known is family:
+                return
+            raise SpecError(f"{source}: a family named {known.name!r} (spec "
+                            f"{known.spec_type.__name__}) is already registered; give the "
+                            "new family its own name and spec type")
+    _FAMILIES.insert(len(_FAMILIES) - 1, family)
+
+
+@functools.cache
+def load_reference(ref: str, what: str) -> Any:
+    """``"module:attribute"`` imported (a family's part), or SpecError naming it."""
+    module, _, attribute = ref.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise SpecError(f"{what} {ref!r} cannot be imported ({exc}); name it as "
+                        "'package.module:attribute'") from None
 
 
 def _has_field(doc: object, name: str) -> bool:
@@ -162,28 +237,29 @@ def _has_field(doc: object, name: str) -> bool:
 
 def family_of(spec: object) -> Family:
     """The family of a spec (EngramSpec, PLESpec)."""
-    for family in FAMILIES:
+    for family in families():
         if isinstance(spec, family.spec_type):
             return family
-    raise SpecError(f"{type(spec).__name__} is no table family's spec; pass an EngramSpec "
-                    "or a PLESpec")
+    raise SpecError(f"{type(spec).__name__} is no table family's spec; pass one of "
+                    f"{[f.spec_type.__name__ for f in families()]}")
 
 
 def family_of_config(doc: object) -> Family:
     """The family a config.json document describes (Engram when no
     family's fields are there: its own checks then name what is missing)."""
-    return next((f for f in FAMILIES if f.matches_config(doc)), ENGRAM)
+    return next((f for f in families() if f.matches_config(doc)), ENGRAM)
 
 
 def has_tables(doc: object) -> bool:
     """Whether a config.json document has some family's table fields."""
-    return any(f.matches_config(doc) for f in FAMILIES)
+    return any(f.matches_config(doc) for f in families())
 
 
 def family_named(name: str) -> Family:
     """The family of ``Family.name``."""
-    for family in FAMILIES:
+    known = families()
+    for family in known:
         if family.name == name:
             return family
     raise SpecError(f"no table family is named {name!r}; the families are "
-                    f"{[f.name for f in FAMILIES]}")
+                    f"{[f.name for f in known]}")

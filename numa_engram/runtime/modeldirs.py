@@ -1,24 +1,30 @@
-"""A model directory of either family, opened as its config.json says:
-the family (``model.families.family_of_config``) picks the directory
-class, so ``serve`` and ``profile`` never sniff a config themselves."""
+"""A model directory of any family, opened as its config.json says: the
+family (``model.families.family_of_config``) names its directory class
+(``Family.directory``), so ``serve`` and ``profile`` never sniff a config
+themselves."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ..model.families import Family, family_of_config
-from .modeldir import ModelDirectory, read_config
-from .plemodeldir import PLEModelDirectory
+from .modeldir import read_config
 
-AnyModelDirectory = ModelDirectory | PLEModelDirectory
 
-# (path, tokenizer) -> the directory; PLE hashes raw token ids: no tokenizer
-OPENERS: dict[str, Callable[[str, Any], AnyModelDirectory]] = {
-    "engram": ModelDirectory.open,
-    "ple": lambda path, _tokenizer: PLEModelDirectory.open(path),
-}
+class FamilyModelDirectory(Protocol):
+    """What ``serve``, ``profile`` and the table service read of a model
+    directory, whatever its family (``ModelDirectory``, ``PLEModelDirectory``)."""
+
+    path: str
+
+    @property
+    def spec(self) -> Any: ...
+
+    @property
+    def checkpoint(self) -> str: ...
+
+    def checkpoint_plans(self) -> dict[int, Any]: ...
 
 
 def family_of_directory(path: str) -> Family:
@@ -30,6 +36,9 @@ def family_of_directory(path: str) -> Family:
     return family_of_config(read_config(os.path.abspath(path)))
 
 
-def open_model_directory(path: str, tokenizer: Any = None) -> AnyModelDirectory:
-    """The model directory at ``path``, of the family its config describes."""
-    return OPENERS[family_of_directory(path).name](path, tokenizer)
+def open_model_directory(path: str, tokenizer: Any = None) -> FamilyModelDirectory:
+    """The model directory at ``path``, of the family its config describes
+    (``tokenizer``: for a family that maps token ids through one)."""
+    directory: FamilyModelDirectory = \
+        family_of_directory(path).part("directory").open(path, tokenizer)
+    return directory

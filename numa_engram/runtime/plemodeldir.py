@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from ..checkpoints.plecheckpoint import PLECheckpointPlan, resolve_ple_layers
 from ..errors import SpecError
@@ -33,7 +34,9 @@ class PLEModelDirectory:
         return resolve_ple_layers(self.path, self.spec, self.spec.layer_ids)
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> PLEModelDirectory:
+    def open(cls, path: str | os.PathLike,
+             tokenizer: Any = None) -> PLEModelDirectory:  # noqa: ARG003 (raw token ids)
+        """The directory at ``path`` (``tokenizer``: Engram's, unused here)."""
         root = os.path.abspath(os.fspath(path))
         config = os.path.join(root, CONFIG_FILE)
         doc = read_config_file(config)  # a regular file under a bound, or an error naming it

@@ -43,7 +43,7 @@ from ..host.topology import Topology
 from ..model.families import ENGRAM, Family, family_of
 from ..model.family import TableFamily
 from ..model.sharding import ShardInfo
-from ..runtime.modeldirs import AnyModelDirectory
+from ..runtime.modeldirs import FamilyModelDirectory
 from ..store import serviceclient, unixsockets
 from ..store.fileformat import STATE_READY, ShardKey
 from ..store.storage import BackingFile, read_only_descriptor, seal_contents
@@ -115,7 +115,7 @@ class HeldTable:
 class TableService:
     """Holds ``model``'s tables for TP ``tp`` and serves them on ``socket_path``."""
 
-    def __init__(self, model: AnyModelDirectory, socket_path: str, *,
+    def __init__(self, model: FamilyModelDirectory, socket_path: str, *,
                  tp: int = 1,
                  placement: str = "interleave", page_size: Any = "4K",
                  group: str | None = None, load_threads: int | None = None,
