@@ -34,23 +34,12 @@ def plan_spec(args: argparse.Namespace):
     config = _config_doc(source, model=bool(args.model))
     if config is None:
         return EngramSpec.named(source)
-    path, doc = config
+    _, doc = config
     family = family_of_config(doc)
-    if not family.needs_token_map:  # the config alone is the spec
-        return family.spec_of_config(doc)
-    # Engram: the tokenizer's map where the directory has one
-    from ..model.spec import strict_int
-    from ..runtime.modeldir import ModelDirectory, engram_fields
-
-    if os.path.isdir(source) and os.path.lexists(os.path.join(source, "tokenizer.json")):
-        return ModelDirectory.open(source).spec
-    fields = engram_fields(doc)
-    # the sizes need no tokenizer: the compressed ids as their own map
-    size = strict_int(fields.get("engram_compressed_vocab_size"),
-                      f"{printable(path)}: engram_compressed_vocab_size")
-    import numpy as np
-
-    return EngramSpec.from_config(fields, (np.arange(size), size))
+    if family.needs_token_map and os.path.isdir(source) and \
+            os.path.lexists(os.path.join(source, "tokenizer.json")):
+        return family.part("directory").open(source).spec  # the hashing spec
+    return family.spec_of_config(doc)  # the sizes need no tokenizer
 
 
 def _config_doc(source: str, model: bool) -> tuple[str, dict] | None:
