@@ -19,7 +19,7 @@ from ...model.sharding import ShardInfo, shard_heads
 from ...model.spec import EngramSpec
 from ...tables.request import TableOptions
 from ...tables.table import SharedEngramTable
-from . import placement
+from . import mapped, placement
 from .settings import PluginError, PluginSettings, settings_of
 
 log = logging.getLogger("vllm." + __name__)
@@ -40,6 +40,8 @@ def build_embedding(nv: ModuleType, common: ModuleType, embedding: type, layout:
     engram = config.engram_config
     refuse_config(config)
     settings = settings_of(config)
+    if settings.tier == "mapped":
+        mapped.say_where(config, "Engram")
     layer = LayerTables(nv, common, config, settings, layout.layer_ids[layer_hash_index])
     return embedding(layout.num_embeddings[layer_hash_index], layout.head_dim,
                      tuple(size for order in layout.primes[layer_hash_index] for size in order),
@@ -155,6 +157,8 @@ class LayerTables:
         spec = model_spec(self.config)
         shard = vllm_shard(spec, self.layer_id, emb)
         device = placement.device()
+        if self.settings.tier == "mapped":
+            return self._mapped(spec, shard, emb, device)
         edp = self.nv.get_engram_dp_group()
         decision = placement.decide(self.config, self.settings, edp,
                                     shared_asked=bool(emb.dp_shared_memory))
@@ -179,6 +183,29 @@ class LayerTables:
                                          options=replace(options, directory=None))
         return TableStorage(self.nv, self.common, table, writer=True, group=None, filled=False,
                             config=self.config)
+
+    def _mapped(self, spec: EngramSpec, shard: ShardInfo, emb: Any,
+                device: int | None) -> TableStorage:
+        """The layer's TP slice mapped from the checkpoint vLLM loads (no
+        service, no group: every rank maps the files, the page cache holds
+        them once); the weights mapper drops its tensors, as an attached
+        table's."""
+        edp_size = self.nv.get_engram_dp_size()
+        if edp_size > 1 and not emb.dp_shared_memory:
+            raise PluginError(f"Engram layer {self.layer_id}: tier mapped maps each TP rank's "
+                              f"heads of the checkpoint (the page cache holds one copy for "
+                              f"every replica), but with engram_config.dp_shared_memory=False "
+                              f"vLLM splits them across its {edp_size} Engram DP replicas and "
+                              "exchanges rows between them: set dp_shared_memory=True, or use "
+                              "tier \"resident\"")
+        refuse_load(self.config, read_only=True)
+        table = SharedEngramTable.create(spec, self.layer_id, shard, mode="independent",
+                                         checkpoint=mapped.checkpoint_of(self.config),
+                                         tier="mapped")
+        placement.engine(self.config).attached.add(self.layer_id)
+        rows = int(self.config.scheduler_config.max_num_batched_tokens)
+        return MappedTableStorage(self.nv, self.common, table, config=self.config, rows=rows,
+                                  device=device)
 
     def _attach(self, spec: EngramSpec, shard: ShardInfo, emb: Any, service: str | None,
                 device: int | None) -> TableStorage:
@@ -396,6 +423,44 @@ class TableStorage:
         return accelerator_view(self.weight), accelerator_view(self.scales)
 
 
+class MappedTableStorage(TableStorage):
+    """A table of tier mapped under vLLM's embedding: its rows are the
+    checkpoint's (read-only; vLLM's loader is dropped by the weights mapper,
+    or only checked), and vLLM's lookup gathers them through fixed staging
+    buffers (``mapped.engram_lookup``) instead of reading the table from the
+    device: CUDA never maps the evictable pages."""
+
+    def __init__(self, nv: ModuleType, common: ModuleType, table: SharedEngramTable, *,
+                 config: Any, rows: int, device: int | None) -> None:
+        super().__init__(nv, common, table, writer=False, group=None, filled=True,
+                         config=config)
+        spec, shard = table.spec, table.shard
+        heads = shard.head_end - shard.head_start
+        self.staging = mapped.Staging(rows, {"weights": (heads, spec.head_dim),
+                                             "scales": (heads, spec.scales_per_row)},
+                                      (spec.n_hash_cols,), device)
+        self.read_ahead = mapped.ReadAhead()
+
+    def gather(self, indices: Any, out: Any) -> None:
+        """vLLM's ``ParallelEngramEmbedding.lookup`` on this table."""
+        mapped.engram_lookup(self.table, self.staging, self.read_ahead, indices, out)
+
+    def get_views(self, weight: Any, scales: Any) -> tuple[Any, Any]:  # noqa: ARG002 (vLLM's)
+        raise PluginError(f"Engram layer {self.table.layer_id} is tier mapped: its pages are "
+                          "the page cache's, which the kernel may evict, so they are never "
+                          "registered for the GPU to read; vLLM asked for the table's device "
+                          "views outside ParallelEngramEmbedding.lookup, a path tier mapped "
+                          "does not serve: use tier \"resident\"")
+
+    def report(self) -> dict:
+        """The layer's line (report.layer_line, source checkpoint)."""
+        from .report import layer_line
+
+        shard = self.table.shard
+        return layer_line("Engram", self.table, f"heads [{shard.head_start}, {shard.head_end})",
+                          "checkpoint", f", rows from {self.table.path}")
+
+
 def check_loaded(model: Any) -> None:
     """At the end of vLLM's load (the model's ``load_weights``, or a PLE
     layer's post-load hook): every numa_engram table under ``model`` holds
@@ -425,6 +490,9 @@ def can_share(nv: ModuleType, layout: Any,  # noqa: ARG001 (vLLM's signature)
                     "table per rank")
         return False
     config = nv.get_current_vllm_config()
-    decision = placement.decide(config, settings_of(config), nv.get_engram_dp_group(),
+    settings = settings_of(config)
+    if settings.tier == "mapped":  # every replica maps its TP slice: the page cache's one copy
+        return True
+    decision = placement.decide(config, settings, nv.get_engram_dp_group(),
                                 shared_asked=True)
     return decision.source != "independent"

@@ -23,7 +23,7 @@ import hashlib
 import logging
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -56,6 +56,10 @@ class Release:
     # Qwen4-Exp's PLE tables may stay in the checkpoint files (0.34:
     # engram_config.disk_offload): passed through untouched
     ple_disk_offload: bool = False
+    # tier "mapped", by family: (where vLLM computes the hash ids, inside the
+    # model's forward; where it reads the rows), files under vllm/models/:
+    # the plugin gathers the rows there, not before the forward (logged)
+    ids_in_forward: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
     def file_of(self, module: str) -> str:
         """vLLM's file of ``module``, relative to the vllm package."""
@@ -69,27 +73,47 @@ RELEASES: dict[str, Release] = {r.version: r for r in (
         VL: "627a321c526295547c065778b610b62b16d4cacc9f73572e987b5cfc8949ea80",
         PLE_COMMON: "1392f51ccf0b610542bf05c3021271bf6754221d9616ff92831b94f79fc3a892",
         PLE_HELPERS: "585fabb01a14f8071251e52891843cdc1340f75b4d7173abf4748e2ba8746b76",
-        PLE_MODEL: "7c3f00b5b77b364062dd28b49f3fc43c52fd74b7b0d63a32870937eb10ff16e4"}),
+        PLE_MODEL: "7c3f00b5b77b364062dd28b49f3fc43c52fd74b7b0d63a32870937eb10ff16e4"},
+        ids_in_forward={
+            "Engram": ("deepseek_v41/nvidia/model.py:870",
+                       "deepseek_v41/common/engram.py:706, from nvidia/engram.py:473"),
+            "PLE": ("qwen4_exp/nvidia/model.py:483 -> nvidia/ngram_embedding.py:377",
+                    "qwen4_exp/common/ngram_embedding.py:443")}),
     Release("0.32.0", ENGRAM_COMMON, {
         ENGRAM_COMMON: "80d6f14973c99be431029e0fba4a6a784a428501bd6ba1726cff0879e0e1627f",
         VL: "ff2c16614dc694f0c07a45929def3c76f30cb547f897b57c18c70bb99587171c",
         PLE_COMMON: "ad4de618a5810aec3b02f6152b4f5c422a648ca930aa3c3e747524498489f53d",
         PLE_HELPERS: "585fabb01a14f8071251e52891843cdc1340f75b4d7173abf4748e2ba8746b76",
-        PLE_MODEL: "54e264b837b017bf727c20742202ff0402aac1b30329c558b1271f3479fd5d44"}),
+        PLE_MODEL: "54e264b837b017bf727c20742202ff0402aac1b30329c558b1271f3479fd5d44"},
+        ids_in_forward={
+            "Engram": ("deepseek_v41/nvidia/model.py:966",
+                       "deepseek_v41/common/engram.py:1110, from :1617"),
+            "PLE": ("qwen4_exp/nvidia/model.py:513 -> nvidia/ngram_embedding.py:405",
+                    "qwen4_exp/common/ngram_embedding.py:469")}),
     Release("0.33.0", ENGRAM_COMMON, {
         ENGRAM_COMMON: "720923ccd796dfdeab4b396eeeea79cd4c11a9dcd2e6ef8d57c0390fa4cf7ab2",
         VL: "517f135eb8fb75b112d335c60f94175e1622c254f339d7ef854f6051b29d78f9",
         PLE_COMMON: "ef0319508554d26da0870c5b8894d4a96b6d82ad069695558d2497c6814102f8",
         PLE_HELPERS: "80bdf7ddc951f35b5daca478dbe4024c193942459040254ca7e93b4a4ffced9a",
         PLE_MODEL: "8442e161d90d09ccc0aab06aea809e8f1fc387c8af348a32a9424bfa1f755533"},
-        meta_branch=True),
+        meta_branch=True,
+        ids_in_forward={
+            "Engram": ("deepseek_v41/nvidia/model.py:1029",
+                       "deepseek_v41/common/engram.py:1180, from :1691"),
+            "PLE": ("qwen4_exp/nvidia/model.py:506 -> nvidia/ngram_embedding.py:410",
+                    "qwen4_exp/common/ngram_embedding.py:682")}),
     Release("0.34.0", ENGRAM_COMMON, {
         ENGRAM_COMMON: "9a35baf05fd869e9f757ff88a541101d42612ed90f01cf08cb3d0a6b09c6a270",
         VL: "cc514a12874e7d04fcea9451cae16c92e479bd829de8bf871e5de46320d57211",
         PLE_COMMON: "0b06fffed140b15c60ee7faf3078dc839270e807942e753a14af917978f017b8",
         PLE_HELPERS: "7d6a26c25aced1ad5f12d85f3ab9605956bb7f1a1d46351b43ccfbf009c3f3a1",
         PLE_MODEL: "ff487547c74bef0cc2d0e69a4bdaad41fc4ed14e49b585aac6473a3165c2c833"},
-        meta_branch=True, storage_reads=("huge_pages",), ple_disk_offload=True),
+        meta_branch=True, storage_reads=("huge_pages",), ple_disk_offload=True,
+        ids_in_forward={
+            "Engram": ("deepseek_v41/nvidia/model.py:1054",
+                       "deepseek_v41/common/engram.py:1129, from :1646"),
+            "PLE": ("qwen4_exp/nvidia/model.py:532 -> nvidia/ngram_embedding.py:633",
+                    "qwen4_exp/common/ngram_embedding.py:712")}),
 )}
 
 # every vLLM name the plugin reads or replaces, by the module it is read from
@@ -97,7 +121,8 @@ RELEASES: dict[str, Release] = {r.version: r for r in (
 SYMBOLS: dict[str, tuple[str, ...]] = {
     "engram": ("Engram", "Engram._create_embedding", "ParallelEngramEmbedding",
                "ParallelEngramEmbedding._allocate_weights",
-               "ParallelEngramEmbedding._get_shard_info", "can_share_engram_tables",
+               "ParallelEngramEmbedding._get_shard_info", "ParallelEngramEmbedding.lookup",
+               "can_share_engram_tables",
                "get_current_vllm_config", "get_engram_dp_group", "get_engram_dp_size",
                "get_tensor_model_parallel_rank", "get_accelerator_view_from_cpu_tensor"),
     ENGRAM_COMMON: ("_engram_head_shard_weight_loader", "EngramLayout"),
@@ -106,7 +131,7 @@ SYMBOLS: dict[str, tuple[str, ...]] = {
     # (the pinned embedding's weight_loader is PLEVocabParallelEmbedding's, inherited)
     PLE_COMMON: ("Qwen4ExpPLEPinnedHostEmbedding",
                  "Qwen4ExpPLEPinnedHostEmbedding.allocate_embedding_weight",
-                 "get_dp_group", "get_tp_group"),
+                 "Qwen4ExpPLEPinnedHostEmbedding._lookup", "get_dp_group", "get_tp_group"),
     PLE_HELPERS: ("PLEVocabParallelEmbedding", "PLEVocabParallelEmbedding.weight_loader"),
     PLE_MODEL: ("Qwen4ExpNGramEmbedding", "Qwen4ExpNGramEmbedding.__init__"),
 }

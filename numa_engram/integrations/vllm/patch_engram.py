@@ -17,7 +17,9 @@ of our tables and whose ``_shared_memory`` is a ``layers.TableStorage``
 ``can_share_engram_tables`` answers from the plugin's placement decision,
 alike on every EDP rank (a service's tables or one shared copy: True).
 Tables kept in GPU memory (``cpu_offload=False``, 0.33's peer rows) pass
-through to vLLM's own ``_create_embedding`` with one INFO line.
+through to vLLM's own ``_create_embedding`` with one INFO line.  With tier
+mapped the subclass's ``lookup`` gathers through the storage's staging
+(``layers.MappedTableStorage``; ``mapped.py``).
 
 Mirrors: vLLM's ``Engram._create_embedding`` (the same constructor call,
 identical in 0.31-0.34) and its ``DPSharedEngramStorage``.
@@ -114,6 +116,14 @@ def _embedding_class(base: type) -> type:
             self._shared_memory = storage
             self._weight_loader = storage.load_weight  # read by the base constructor
             return storage.weight, storage.scales
+
+        def lookup(self, indices: Any, out: Any, background: bool = False) -> None:
+            # tier mapped: the rows gathered through the plugin's staging
+            # (layers.MappedTableStorage), never read by the device in place
+            rows = getattr(self._shared_memory, "gather", None)
+            if rows is None:
+                return super().lookup(indices, out, background)
+            return rows(indices, out)
 
     return NumaEngramEmbedding
 

@@ -2,9 +2,11 @@
 (with ``common/ple.py``, whose ``weight_loader`` it inherits) and
 ``nvidia/ngram_embedding.py``.
 
-Replaces: ``Qwen4ExpPLEPinnedHostEmbedding.allocate_embedding_weight`` and
-``.weight_loader``; wraps ``Qwen4ExpNGramEmbedding.__init__`` and the PLE
-embedding quant methods' ``process_weights_after_loading`` (the end of
+Replaces: ``Qwen4ExpPLEPinnedHostEmbedding.allocate_embedding_weight``,
+``.weight_loader`` and ``._lookup`` (tier mapped: the rows gathered
+through the plugin's staging, ``ple.MappedPLEStorage``; else vLLM's
+own); wraps ``Qwen4ExpNGramEmbedding.__init__`` and the PLE embedding
+quant methods' ``process_weights_after_loading`` (the end of
 vLLM's load for each PLE table: one not loaded nor attached is refused
 there).
 
@@ -61,6 +63,7 @@ def patch(common: Any, ple: Any = None) -> None:
         return  # nothing to wrap: Qwen4ExpNGramEmbedding's construction raises
     pinned = common.Qwen4ExpPLEPinnedHostEmbedding
     allocate, load = pinned.allocate_embedding_weight, pinned.weight_loader
+    lookup = pinned._lookup
 
     def allocate_embedding_weight(self: Any, num_embeddings: int, embedding_dim: int,
                                   dtype: Any) -> Any:
@@ -72,7 +75,7 @@ def patch(common: Any, ple: Any = None) -> None:
             return allocate(self, num_embeddings, embedding_dim, dtype)
         storage = PLEStorage.allocate(common, self, num_embeddings, embedding_dim, dtype)
         self._numa_ple = storage
-        return storage.weight
+        return storage.parameter()
 
     def weight_loader(self: Any, param: Any, loaded_weight: Any,
                       checkpoint_start: int | None = None) -> None:
@@ -86,10 +89,25 @@ def patch(common: Any, ple: Any = None) -> None:
             load(self, param, loaded_weight, checkpoint_start)
             storage.load_scale(param)
 
+    def _lookup(self: Any, input_ids: Any, output: Any = None) -> Any:
+        # tier mapped: the rows gathered through the plugin's staging
+        # (ple.MappedPLEStorage), never read by the device in place
+        gather = getattr(getattr(self, "_numa_ple", None), "gather", None)
+        if gather is None:
+            return lookup(self, input_ids, output)
+        if output is None:
+            import torch
+
+            output = torch.empty((*input_ids.shape, self.embedding_dim),
+                                 dtype=self.weight.dtype, device=input_ids.device)
+        return gather(input_ids, output)
+
     allocate_embedding_weight.__wrapped__ = allocate  # type: ignore[attr-defined]
     weight_loader.__wrapped__ = load  # type: ignore[attr-defined]
+    _lookup.__wrapped__ = lookup  # type: ignore[attr-defined]
     pinned.allocate_embedding_weight = allocate_embedding_weight
     pinned.weight_loader = weight_loader
+    pinned._lookup = _lookup
     for method in _embedding_methods(common):
         _check_after_loading(method)
     log.info("numa_engram: vLLM %s's Qwen4-Exp PLE storage patched%s",

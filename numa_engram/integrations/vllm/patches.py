@@ -26,11 +26,11 @@ def fired(module: str) -> tuple[bool, str | None]:
     return module in FIRED, FIRED.get(module)
 
 
-def say_once(config: Any, key: str, message: str, *args: Any) -> None:
-    """An INFO line, once per engine."""
+def say_once(config: Any, key: str, message: str, *args: Any, level: int = logging.INFO) -> None:
+    """A line (INFO unless ``level``), once per engine."""
     from .placement import engine
 
     said = engine(config).said
     if key not in said:
         said.add(key)
-        log.info(message, *args)
+        log.log(level, message, *args)

@@ -19,7 +19,7 @@ from ...model.families import PLE
 from ...model.ple import PLESpec
 from ...tables.pletable import SharedPLETable
 from ...tables.request import TableOptions
-from . import placement
+from . import mapped, placement
 from .layers import TABLES, config_spec, refuse_config, refuse_load, serve_metrics
 from .settings import PluginError, PluginSettings, settings_of
 
@@ -113,8 +113,14 @@ class PLEStorage:
         spec = model_spec(config)
         layer = layer_of(emb.prefix)
         check_layer(spec, layer, emb, rows, dim, dtype)
-        storage = cls._tables(config, settings, spec, layer, common.get_dp_group(), emb, dtype,
-                              shared_asked=_shared_asked(config, emb, common.get_tp_group()))
+        if settings.tier == "mapped":
+            mapped.say_where(config, "PLE")
+            storage: PLEStorage = MappedPLEStorage.make(config, spec, layer, emb, dtype,
+                                                        common.get_tp_group())
+        else:
+            storage = cls._tables(config, settings, spec, layer, common.get_dp_group(), emb,
+                                  dtype, shared_asked=_shared_asked(config, emb,
+                                                                    common.get_tp_group()))
         TABLES.append(storage.table)
         serve_metrics(settings)
         storage.dummy_load = str(getattr(config.load_config, "load_format", "auto")) == "dummy"
@@ -124,6 +130,10 @@ class PLEStorage:
         if storage.filled:
             storage.report()  # attached: nothing for vLLM's loader to do
         return storage
+
+    def parameter(self) -> Any:
+        """What vLLM's ``allocate_embedding_weight`` returns: the table's rows."""
+        return self.weight
 
     @property
     def ready(self) -> bool:
@@ -263,3 +273,67 @@ def _shared_asked(config: Any, emb: Any, tp: Any) -> bool:
     etp_data_parallel_size only after allocating)."""
     engram = config.engram_config
     return bool(getattr(engram, "dp_shared_memory", False)) and emb.tp_size == tp.world_size
+
+
+class MappedPLEStorage(PLEStorage):
+    """A PLE table of tier mapped: the checkpoint's rows, read in place.
+    vLLM's ``weight`` is an empty placeholder (pinned where CUDA runs, as
+    vLLM's UVA view asks: the mapping's evictable pages are never
+    registered), its ``_lookup`` gathers through fixed staging buffers
+    (``mapped.ple_lookup``), and its loader's parts are counted, neither
+    written nor compared (they are these very bytes)."""
+
+    def __init__(self, table: SharedPLETable, dtype: Any, *, rows: int,
+                 device: int | None) -> None:
+        super().__init__(table, dtype, writer=False, group=None, filled=True)
+        self.device = device
+        self.staging = mapped.Staging(rows, {"rows": (table.spec.row_bytes,)}, (), device)
+        self.read_ahead = mapped.ReadAhead()
+
+    @classmethod
+    def make(cls, config: Any, spec: PLESpec, layer: int, emb: Any, dtype: Any,
+             tp: Any) -> MappedPLEStorage:
+        """The layer's ETP row range mapped from the checkpoint vLLM loads;
+        staging for vLLM's largest lookup (max_num_batched_tokens tokens of
+        every head, of each DP replica sharing the ETP group)."""
+        refuse_load(config, read_only=True)
+        table = SharedPLETable.create(spec, layer, etp_rank=emb.tp_rank, etp_size=emb.tp_size,
+                                      mode="independent", tier="mapped",
+                                      checkpoint=mapped.checkpoint_of(config))
+        replicas = max(1, emb.tp_size // max(1, tp.world_size))
+        rows = int(config.scheduler_config.max_num_batched_tokens) * spec.n_heads * replicas
+        return cls(table, dtype, rows=rows, device=placement.device())
+
+    def parameter(self) -> Any:
+        import torch
+
+        return torch.empty(0, self.weight.shape[1], dtype=self.weight.dtype,
+                           pin_memory=self.device is not None)
+
+    def gather(self, ids: Any, output: Any) -> Any:
+        """vLLM's ``Qwen4ExpPLEPinnedHostEmbedding._lookup`` on this table."""
+        return mapped.ple_lookup(self.table, self.staging, self.read_ahead, ids, output)
+
+    def load_rows(self, write: Any, loaded_weight: Any,  # noqa: ARG002 (nothing written)
+                  checkpoint_start: int | None) -> None:
+        """A part from vLLM's loader: its width checked and counted; past
+        the checkpoint's parts, a weight update, refused (the rows are the
+        checkpoint files')."""
+        if checkpoint_start is None:
+            raise PluginError("vLLM's loader handed the whole PLE table at once; the numa_engram "
+                              "plugin takes the split-parts checkpoint (shard_{i}.weight)")
+        self._check_width(loaded_weight)
+        if not self._covers(checkpoint_start, checkpoint_start + loaded_weight.shape[0]):
+            return
+        if self.parts_loaded >= self.parts_expected:
+            raise PluginError(f"a weight update would write into PLE layer "
+                              f"{self.table.layer_id}'s table of tier mapped, whose rows are the "
+                              "checkpoint files' (read-only): write a new checkpoint and restart "
+                              "on it, or use tier \"resident\"")
+        self.parts_loaded += 1
+
+    def report(self) -> dict:
+        from .report import layer_line
+
+        return layer_line("PLE", self.table, self.where, "checkpoint",
+                          f", rows from {self.table.backing.path}")

@@ -1,18 +1,23 @@
 """The per-layer line the plugin logs at INFO under vLLM's ``vllm`` logger,
 one per table once its rows are in: family, layer and rows, mode, source
 (built: loaded by vLLM's loader into a table made here; attached: from
-the table service), page size, bytes and pages per NUMA node."""
+the table service; checkpoint: read in place from it, tier mapped), page
+size, bytes, pages per NUMA node and tier."""
 
 from __future__ import annotations
 
 import logging
+import mmap
 from typing import Any
 
 log = logging.getLogger("vllm." + __name__)
 
 
 def page_size(table: Any) -> int:
-    """The table's page size in bytes (its backing file's)."""
+    """The table's page size in bytes (its backing file's; a mapped
+    table's: the page cache's)."""
+    if getattr(table, "tier", "resident") == "mapped":
+        return mmap.PAGESIZE
     backing = getattr(table, "_backing", None) or table.backing
     return int(backing.layout.page_size)
 
@@ -29,10 +34,10 @@ def layer_line(family: str, table: Any, where: str, source: str, extra: str = ""
     doc = {"family": family, "layer": table.layer_id, "where": where, "mode": table.mode,
            "source": source, "page_size": name_of(page_size(table)),
            "bytes": table.backing_bytes,
-           "pages_per_node": per_node}
+           "pages_per_node": per_node, "tier": getattr(table, "tier", "resident")}
     log.info("numa_engram: %s layer %d %s: %s, source %s, %s pages, %d bytes, pages per node "
-             "%s%s", family, doc["layer"], where, doc["mode"], source, doc["page_size"],
-             doc["bytes"], doc["pages_per_node"], extra)
+             "%s, tier=%s%s", family, doc["layer"], where, doc["mode"], source, doc["page_size"],
+             doc["bytes"], doc["pages_per_node"], doc["tier"], extra)
     return doc
 
 

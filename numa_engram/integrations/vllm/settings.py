@@ -5,7 +5,7 @@ it accepts)."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from ...errors import NumaEngramError
@@ -15,7 +15,23 @@ PAGE_SIZES = ("4K", "2M", "1G")
 COPIES = ("node", "socket")
 PLACEMENTS = ("gpu-local", "interleave", "node:N")
 KEYS = ("page_size", "placement", "copies", "service", "load_threads", "metrics_port",
-        "directory", "service_uids", "allow_unsealed")
+        "directory", "service_uids", "allow_unsealed", "tier")
+TIERS = ("resident", "mapped")
+# what tier "mapped" has no use for, each with why: its rows are the
+# checkpoint files' pages, which every rank maps itself and the page cache
+# holds once per host (docs/design.md, "Tiers")
+MAPPED_CONFLICTS = {
+    "service": "a table service hands out resident tables it loaded; a mapped table needs "
+               "none (every rank maps the checkpoint itself)",
+    "service_uids": "it names the table service's uids, and a mapped table has no service",
+    "allow_unsealed": "it is a table service's setting, and a mapped table has no service",
+    "placement": "the page cache places a file's pages, no NUMA policy of the plugin does",
+    "page_size": "the page cache's pages are 4 KiB (huge pages are the resident tier's)",
+    "copies": "it chooses dp_shared copies, and the page cache already holds one copy per "
+              "host for every rank",
+    "directory": "it is dp_shared's table directory, and a mapped table makes no table file",
+    "load_threads": "a mapped table loads nothing (its rows are read in place)",
+}
 
 
 class PluginError(NumaEngramError, RuntimeError):
@@ -33,6 +49,7 @@ class PluginSettings:
     directory: str | None = None    # dp_shared's directory (None: /dev/shm or hugetlbfs)
     service_uids: tuple[int, ...] = ()
     allow_unsealed: bool = False
+    tier: str = "resident"          # "mapped": rows read in place from vLLM's checkpoint files
 
     @classmethod
     def of(cls, additional_config: Any) -> PluginSettings:
@@ -46,10 +63,15 @@ class PluginSettings:
             raise PluginError(f"additional_config numa_engram: unknown key(s) {unknown}; "
                               f"the keys are {', '.join(KEYS)}")
         out = cls(**doc)
-        out.check()
+        out.check(given=set(doc))
         return out
 
-    def check(self) -> None:
+    def check(self, given: set[str] | None = None) -> None:
+        """Each value, and the keys ``given`` (default: those not at their
+        default) against the tier."""
+        _one_of("tier", self.tier, TIERS)
+        if self.tier == "mapped":
+            self._check_mapped(self._given() if given is None else given)
         _one_of("page_size", self.page_size, PAGE_SIZES)
         _one_of("copies", self.copies, COPIES)
         if not (self.placement in PLACEMENTS[:2] or (
@@ -79,6 +101,23 @@ class PluginSettings:
             raise PluginError("additional_config numa_engram.service_uids must be a list of "
                               "uids")
 
+    def _given(self) -> set[str]:
+        return {f.name for f in fields(self) if getattr(self, f.name) != f.default}
+
+    def _check_mapped(self, given: set[str]) -> None:
+        """Tier "mapped" with a key it has no use for (given, and not null,
+        empty or false; page_size other than 4K): a PluginError naming each
+        such key, why, and what to do."""
+        clash = [key for key in MAPPED_CONFLICTS if key in given
+                 and getattr(self, key) not in (None, (), [], False)
+                 and not (key == "page_size" and self.page_size == "4K")]
+        if clash:
+            why = "; ".join(f"{key}: {MAPPED_CONFLICTS[key]}" for key in clash)
+            raise PluginError(f"additional_config numa_engram.tier is \"mapped\" with "
+                              f"{', '.join(clash)}, which it has no use for ({why}): drop "
+                              f"{', '.join(clash)}, or use tier \"resident\" (the default) "
+                              "for a table service, dp_shared copies, a placement or huge "
+                              "pages")
 
     def check_metrics_port(self, ranks: int) -> None:
         """Each of ``ranks`` workers serves ``metrics_port`` + its global

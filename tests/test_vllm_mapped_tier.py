@@ -1,0 +1,314 @@
+"""The vLLM plugin's tier "mapped" (``"tier": "mapped"``) on each release it
+supports, against that release's own files (tests/support/vllm_harness.py):
+for V4.1 and Qwen4-Exp, each layer's table is the checkpoint vLLM loads
+from, mapped in place (its address lies in the checkpoint file's mapping,
+vLLM holds no copy, its loader writes nothing), and vLLM's own row path
+over it (its embedding's forward, ``sync_lookup``) gives vLLM's own
+storage's rows bit for bit, read ahead by hash id (the counters move);
+startup says once where vLLM's code puts the gather inside the forward
+(the release's file:line); settings that combine the tier with a service,
+dp_shared, a placement or huge pages are refused naming them; a checkpoint
+truncated under the tables is a CheckpointError naming the file at the
+next lookup (in a child process: a regression would kill it, not pytest)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+
+import logging  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from numa_engram import EngramSpec, write_synthetic_model  # noqa: E402
+from numa_engram.integrations.vllm import manifest, patch, patch_ple, patches  # noqa: E402
+from numa_engram.integrations.vllm.patch_vl_model import patch as patch_vl  # noqa: E402
+from numa_engram.integrations.vllm.settings import PluginError  # noqa: E402
+from numa_engram.model.ple import PLESpec  # noqa: E402
+
+from .conftest import run_python  # noqa: E402
+from .support import ple_scenarios  # noqa: E402
+from .support import vllm_harness as harness  # noqa: E402
+from .support.vllm_scenarios import global_ids, load_through_mapper, vl_module  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed (pip install 'numa_engram[test]')")
+pytest.importorskip("safetensors", reason="safetensors is not installed")
+
+SPEC = EngramSpec.small(rows_per_head=300, n_head_per_ngram=4, head_dim=64, max_ngram_size=3)
+PLE = PLESpec(layer_ids=[2, 5], ple_embed_dim=160, vocab_size=5000, eos_token_id=7,
+              ngram_vocab_size_base=3000, split_ngram_parts=7)
+MAPPED = {"tier": "mapped"}
+
+
+@pytest.fixture(scope="module", params=sorted(manifest.RELEASES))
+def release(request):
+    """One release's V4.1 and Qwen4-Exp modules, patched by the plugin,
+    loaded apart from any other release's (restored after)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("TRITON_INTERPRET is not 1 in this process: vLLM's kernels need the "
+                    "interpreter on CPU tensors")
+    version = request.param
+    root, why = harness.wheel_sources(version)
+    if root is None:
+        pytest.skip(why)
+    saved = dict(patches.FIRED)
+    patches.FIRED.clear()
+    with harness.isolated():
+        nv, common = harness.vllm_modules(root, version)
+        ple = harness.ple_modules(root, version)
+        patch(nv, common)
+        patch_ple(ple.common, ple.ple, ple.nv)
+        vl = vl_module(root)
+        patch_vl(vl)
+        yield SimpleNamespace(version=version, root=root, nv=nv, common=common, ple=ple,
+                              vl=vl)
+    patches.FIRED.clear()
+    patches.FIRED.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _one_rank():
+    harness.State.tp = harness.State.edp = harness.State.dp = None
+    yield
+    harness.State.tp = harness.State.edp = harness.State.dp = None
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(write_synthetic_model(tmp_path_factory.mktemp("v41"), SPEC))
+
+
+@pytest.fixture(scope="module")
+def ple_dir(tmp_path_factory):
+    return str(ple_scenarios.write_ple_model(tmp_path_factory.mktemp("qwen4") / "m", PLE))
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int16)
+
+
+def _mapped_file(address):
+    """The file /proc/self/maps names for ``address`` ("" for anonymous)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            low, high = (int(bound, 16) for bound in fields[0].split("-"))
+            if low <= address < high:
+                return fields[5].strip() if len(fields) > 5 else ""
+    return None
+
+
+def _engine(release, model_dir, **config):
+    harness.State.config = harness.config(model_dir, **config)
+    layout = harness.layout_of(release.common, model_dir)
+    return layout, {layer: release.nv.Engram._create_embedding(
+        harness.thin_engram(release.nv, index), layout, index)
+        for index, layer in enumerate(layout.layer_ids)}
+
+
+def _vllms_own(release, layout, index, model_dir, layer):
+    """vLLM's embedding on its own storage (HBM tensors, cpu_offload=False)."""
+    emb = release.nv.ParallelEngramEmbedding(
+        layout.num_embeddings[index], layout.head_dim,
+        tuple(s for order in layout.primes[index] for s in order), cpu_offload=False)
+    harness.load_checkpoint(emb, model_dir, layer)
+    return emb
+
+
+def _said_where(caplog, release, family):
+    """The startup WARNING naming the release's lines, said once."""
+    where = manifest.RELEASES[release.version].ids_in_forward[family]
+    said = [r for r in caplog.records if r.levelno == logging.WARNING
+            and f"tier mapped, {family} tables" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
+    text = said[0].getMessage()
+    assert said[0].name.startswith("vllm.numa_engram")
+    assert f"vllm/models/{where[0]}" in text and f"vllm/models/{where[1]}" in text, text
+    assert "never registered with CUDA" in text
+    return text
+
+
+def test_v41_mapped_tables_are_the_checkpoint_and_serve_vllms_rows(release, model_dir,
+                                                                   caplog):
+    """No copy: vLLM's Engram parameters are the checkpoint file's mapped
+    pages and its loader is handed no Engram tensor; vLLM's forward over
+    them gives its own storage's rows (BF16 and, where vLLM has it, packed),
+    read ahead by hash id first; one line per layer with tier=mapped."""
+    files = {os.path.realpath(os.path.join(model_dir, name)) for name in os.listdir(model_dir)
+             if name.endswith(".safetensors")}
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        layout, embs = _engine(release, model_dir, additional=MAPPED)
+        calls = load_through_mapper(release.vl, embs, model_dir)
+    assert calls == 0  # the weights mapper drops the mapped layers' tensors: nothing copied
+    _said_where(caplog, release, "Engram")
+    for index, (layer, emb) in enumerate(embs.items()):
+        table = emb.numa_table
+        assert table.tier == "mapped"
+        assert emb.weight.data_ptr() == table.weights.ctypes.data
+        assert emb.weight_scale_inv.data_ptr() == table.scales.ctypes.data
+        assert _mapped_file(table.weights.ctypes.data) in files
+        assert _mapped_file(table.scales.ctypes.data) in files
+        ids = global_ids(SPEC, layer, 64, seed=layer)
+        theirs = _vllms_own(release, layout, index, model_dir, layer)
+        storage = emb._shared_memory
+        before = storage.read_ahead.as_dict()
+        got = emb(ids)
+        assert torch.equal(_bits(got), _bits(theirs(ids))), (release.version, layer)
+        after = storage.read_ahead.as_dict()
+        assert after["lookups"] == before["lookups"] + 1 and after["pages"] > before["pages"]
+        if release.version != "0.31.0":  # (0.31's kernel writes BF16 only)
+            width = SPEC.head_dim + SPEC.scales_per_row
+            ours = torch.zeros((64, emb.part_n_hash_cols, width), dtype=torch.uint8)
+            want = torch.zeros_like(ours)
+            emb.lookup(ids, ours)
+            theirs.lookup(ids, want)
+            assert torch.equal(ours, want), (release.version, layer)
+        print(f"vLLM {release.version} Engram layer {layer}: {got.numel()} values bit-exact "
+              f"with vLLM's own storage, read ahead {after}")
+    lines = [r.getMessage() for r in caplog.records
+             if r.name.startswith("vllm.numa_engram") and "Engram layer" in r.getMessage()]
+    assert len(lines) == len(embs), lines
+    assert all("source checkpoint, 4K pages" in line and "tier=mapped" in line
+               and any(f"rows from {f}" in line for f in files) for line in lines), lines
+
+
+def _ple_module(release, ple_dir, layer, **config):
+    harness.State.config = harness.config(ple_dir, **config)
+    return harness.ple_layer(release.ple.nv, PLE.to_dict(), layer)
+
+
+def test_ple_mapped_tables_are_the_checkpoint_and_serve_vllms_rows(release, ple_dir, caplog):
+    """No copy: vLLM's PLE weight is an empty placeholder, the rows are the
+    checkpoint file's mapped pages and vLLM's loader writes none of them;
+    vLLM's own lookup (sync_lookup) and dequantisation over them give its
+    own storage's bytes and rows; read ahead by hash id first."""
+    checkpoint = os.path.join(ple_dir, "model.safetensors")
+    harness.State.tp = harness.Coordinator([0], None)
+    vllms = {}
+    for layer in PLE.layer_ids:  # vLLM's own storage
+        vllms[layer] = _ple_module(release, ple_dir, layer, cpu_offload=False)
+        harness.load_ple_checkpoint(vllms[layer], checkpoint, layer)
+    harness.State.config = harness.config(ple_dir, additional=MAPPED)  # one engine
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        modules = {layer: harness.ple_layer(release.ple.nv, PLE.to_dict(), layer)
+                   for layer in PLE.layer_ids}
+        handed = [harness.load_ple_checkpoint(modules[layer], checkpoint, layer)
+                  for layer in PLE.layer_ids]
+    assert handed == [PLE.split_ngram_parts + 1] * len(PLE.layer_ids)
+    for layer, module in modules.items():
+        theirs = vllms[layer].ngram_embedding
+        emb = module.ngram_embedding
+        storage = emb._numa_ple
+        table = storage.table
+        assert table.tier == "mapped" and emb.weight.numel() == 0
+        assert _mapped_file(table.weights.ctypes.data) == os.path.realpath(checkpoint)
+        assert float(emb.weight_scale) == float(theirs.weight_scale) == table.scale
+        ids = torch.from_numpy(np.random.default_rng(layer).integers(
+            0, PLE.rows(layer), (48, PLE.n_heads)))
+        got = emb.sync_lookup(ids)
+        want = release.ple.vocab.VocabParallelEmbedding.forward(theirs, ids)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(_bits(emb.dequantize(got, torch.bfloat16)),
+                           _bits(theirs.dequantize(want, torch.bfloat16)))
+        assert storage.read_ahead.lookups == 1 and storage.read_ahead.pages > 0
+        assert f"PLE layer {layer} rows [0, {PLE.rows(layer)}) of ETP rank 0/1: " \
+               f"{table.mode}, source checkpoint, 4K pages" in caplog.text, caplog.text
+        print(f"vLLM {release.version} PLE layer {layer}: {got.numel()} bytes equal vLLM's own "
+              f"storage, read ahead {storage.read_ahead.as_dict()}")
+        table.close()
+    text = _said_where(caplog, release, "PLE")
+    assert ("Qwen4ExpPLEDiskOffloadEmbedding" in text) == \
+        manifest.RELEASES[release.version].ple_disk_offload
+
+
+@pytest.mark.parametrize("given, named", [
+    ({"service": "auto"}, "service"), ({"placement": "interleave"}, "placement"),
+    ({"page_size": "2M"}, "page_size"), ({"copies": "socket"}, "copies"),
+    ({"directory": "/dev/shm", "placement": "node:0"}, "placement, directory")])
+def test_mapped_with_a_service_dp_shared_placement_or_huge_pages_is_refused_naming_them(
+        release, model_dir, ple_dir, given, named):
+    for family in ("Engram", "PLE"):
+        with pytest.raises(PluginError, match=f"tier is \"mapped\" with {named}, which"):
+            if family == "Engram":
+                _engine(release, model_dir, additional={**MAPPED, **given})
+            else:
+                harness.State.tp = harness.Coordinator([0], None)
+                _ple_module(release, ple_dir, PLE.layer_ids[0], additional={**MAPPED, **given})
+
+
+def test_mapped_with_vllms_dp_sharded_engram_tables_is_refused_naming_it(release, model_dir):
+    """Two Engram DP replicas without dp_shared_memory: vLLM would split the
+    heads across them; the plugin says to set dp_shared_memory=True."""
+    harness.State.edp = harness.Coordinator([0, 1], None)
+    with pytest.raises(PluginError, match="dp_shared_memory=False.*set dp_shared_memory=True"):
+        _engine(release, model_dir, additional=MAPPED)
+
+
+TRUNCATED = """
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+from pathlib import Path
+import torch
+from numa_engram.errors import CheckpointError
+from numa_engram.integrations.vllm import patch, patch_ple
+from numa_engram.model.ple import PLESpec
+from tests.support import vllm_harness as harness
+from tests.support.vllm_scenarios import global_ids
+from numa_engram import EngramSpec
+
+version, v41, qwen = sys.argv[1], sys.argv[2], sys.argv[3]
+root = Path(sys.argv[4])
+nv, common = harness.vllm_modules(root, version)
+ple = harness.ple_modules(root, version)
+patch(nv, common)
+patch_ple(ple.common, ple.ple, ple.nv)
+spec = EngramSpec.small(rows_per_head=300, n_head_per_ngram=4, head_dim=64, max_ngram_size=3)
+harness.State.config = harness.config(v41, additional={"tier": "mapped"})
+layout = harness.layout_of(common, v41)
+emb = nv.Engram._create_embedding(harness.thin_engram(nv, 0), layout, 0)
+pspec = PLESpec(layer_ids=[2, 5], ple_embed_dim=160, vocab_size=5000, eos_token_id=7,
+                ngram_vocab_size_base=3000, split_ngram_parts=7)
+harness.State.tp = harness.Coordinator([0], None)
+harness.State.config = harness.config(qwen, additional={"tier": "mapped"})
+module = harness.ple_layer(ple.nv, pspec.to_dict(), 5)
+layer = layout.layer_ids[0]
+ids = global_ids(spec, layer, 64, seed=1)
+ple_ids = torch.tensor([[pspec.rows(5) - 1] * pspec.n_heads])
+emb(ids)
+module.ngram_embedding.sync_lookup(ple_ids)
+for model in (v41, qwen):
+    for name in os.listdir(model):
+        if name.endswith(".safetensors"):
+            os.truncate(os.path.join(model, name), 4096)
+for name, look in (("ENGRAM", lambda: emb(ids)),
+                   ("PLE", lambda: module.ngram_embedding.sync_lookup(ple_ids))):
+    try:
+        look()
+        print(name, "NO ERROR")
+    except CheckpointError as exc:
+        print(name, "ERROR", exc)
+print("ALIVE")
+"""
+
+
+def test_a_checkpoint_truncated_under_mapped_tables_is_an_error_naming_it(tmp_path):
+    """Both families' checkpoints truncated under vLLM's mapped tables (the
+    newest release): the next lookup of each raises a CheckpointError naming
+    its file, and the engine process lives."""
+    version = max(manifest.RELEASES)
+    root, why = harness.wheel_sources(version)
+    if root is None:
+        pytest.skip(why)
+    v41 = str(write_synthetic_model(tmp_path / "v41", SPEC))
+    qwen = str(ple_scenarios.write_ple_model(tmp_path / "qwen4", PLE))
+    result = run_python(TRUNCATED, version, v41, qwen, str(root), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "ALIVE", result.stdout
+    for name, model in (("ENGRAM", v41), ("PLE", qwen)):
+        line = next(ln for ln in lines if ln.startswith(name))
+        assert line.startswith(f"{name} ERROR") and "truncated under the table" in line, line
+        assert any(os.path.join(os.path.realpath(model), f) in line
+                   for f in os.listdir(model) if f.endswith(".safetensors")), line
