@@ -196,7 +196,9 @@ class LayerTables:
                               f"heads of the checkpoint (the page cache holds one copy for "
                               f"every replica), but with engram_config.dp_shared_memory=False "
                               f"vLLM splits them across its {edp_size} Engram DP replicas and "
-                              "exchanges rows between them: set dp_shared_memory=True, or use "
+                              "exchanges rows between them (from 0.32 on, its peer exchange "
+                              "reads the tables' memory from the device: deepseek_v41/nvidia/"
+                              "ops/engram_peer.py:107): set dp_shared_memory=True, or use "
                               "tier \"resident\"")
         refuse_load(self.config, read_only=True)
         table = SharedEngramTable.create(spec, self.layer_id, shard, mode="independent",
