@@ -145,7 +145,9 @@ def test_v41_mapped_tables_are_the_checkpoint_and_serve_vllms_rows(release, mode
     _said_where(caplog, release, "Engram")
     for index, (layer, emb) in enumerate(embs.items()):
         table = emb.numa_table
-        assert table.tier == "mapped"
+        assert table.tier == "mapped" and table.registration is None  # never pinned for CUDA
+        for name in manifest.RELEASES[release.version].storage_reads:  # 0.34: huge_pages
+            assert getattr(emb._shared_memory, name) is False
         assert emb.weight.data_ptr() == table.weights.ctypes.data
         assert emb.weight_scale_inv.data_ptr() == table.scales.ctypes.data
         assert _mapped_file(table.weights.ctypes.data) in files
@@ -202,7 +204,8 @@ def test_ple_mapped_tables_are_the_checkpoint_and_serve_vllms_rows(release, ple_
         emb = module.ngram_embedding
         storage = emb._numa_ple
         table = storage.table
-        assert table.tier == "mapped" and emb.weight.numel() == 0
+        assert table.tier == "mapped" and table.registration is None
+        assert emb.weight.numel() == 0
         assert _mapped_file(table.weights.ctypes.data) == os.path.realpath(checkpoint)
         assert float(emb.weight_scale) == float(theirs.weight_scale) == table.scale
         ids = torch.from_numpy(np.random.default_rng(layer).integers(
@@ -312,3 +315,79 @@ def test_a_checkpoint_truncated_under_mapped_tables_is_an_error_naming_it(tmp_pa
         assert line.startswith(f"{name} ERROR") and "truncated under the table" in line, line
         assert any(os.path.join(os.path.realpath(model), f) in line
                    for f in os.listdir(model) if f.endswith(".safetensors")), line
+
+
+def test_the_staging_is_allocated_once_and_a_larger_lookup_is_refused(release, model_dir,
+                                                                      ple_dir):
+    """The gathers reuse the buffers made at allocation (sized for
+    max_num_batched_tokens, 64 here); a lookup of more rows is a
+    PluginError naming the setting, nothing written past them."""
+    _, embs = _engine(release, model_dir, additional=MAPPED)
+    layer, emb = next(iter(embs.items()))
+    staging = emb._shared_memory.staging
+    held = {name: t.data_ptr() for name, t in staging.host.items()}
+    for tokens in (64, 3, 64):
+        emb(global_ids(SPEC, layer, tokens, seed=tokens))
+    assert {name: t.data_ptr() for name, t in staging.host.items()} == held
+    with pytest.raises(PluginError, match="65 rows, but the plugin's staging holds 64 "
+                                          r"\(max_num_batched_tokens\)"):
+        emb(global_ids(SPEC, layer, 65, seed=0))
+    harness.State.tp = harness.Coordinator([0], None)
+    module = _ple_module(release, ple_dir, PLE.layer_ids[0], additional=MAPPED)
+    emb = module.ngram_embedding
+    rows = 64 * PLE.n_heads
+    assert emb._numa_ple.staging.rows == rows
+    emb.sync_lookup(torch.zeros((64, PLE.n_heads), dtype=torch.int64))
+    with pytest.raises(PluginError, match=f"{rows + PLE.n_heads} rows, but the plugin's "
+                                          f"staging holds {rows}"):
+        emb.sync_lookup(torch.zeros((65, PLE.n_heads), dtype=torch.int64))
+    emb._numa_ple.table.close()
+
+
+class _OneRankOf(harness.Coordinator):
+    """Rank ``rank`` of a group of ``size`` whose collectives this process
+    stands in for alone (its all-reduce: this rank's part)."""
+
+    def __init__(self, rank, size):
+        super().__init__(list(range(size)), None)
+        self.rank_in_group = rank
+
+    def all_reduce(self, tensor):
+        return tensor
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tp2_shards_serve_their_heads_and_rows_as_vllms_own(release, model_dir, ple_dir, rank):
+    """TP (ETP) rank ``rank`` of 2: its V4.1 heads and its PLE row range
+    mapped from the checkpoint, vLLM's lookups over them (V4.1's local
+    heads; PLE's rows, zeros where the other rank holds them) equal vLLM's
+    own storage's on the same rank."""
+    harness.State.tp = _OneRankOf(rank, 2)
+    layout, embs = _engine(release, model_dir, additional=MAPPED)
+    for index, (layer, emb) in enumerate(embs.items()):
+        assert emb.numa_table.shard.head_start == emb.head_start
+        ids = global_ids(SPEC, layer, 32, seed=rank)
+        theirs = _vllms_own(release, layout, index, model_dir, layer)
+        ours = torch.zeros((32, emb.part_n_hash_cols, SPEC.head_dim), dtype=torch.bfloat16)
+        want = torch.zeros_like(ours)
+        emb.lookup(ids, ours)
+        theirs.lookup(ids, want)
+        assert torch.equal(_bits(ours), _bits(want)), (release.version, rank, layer)
+    checkpoint = os.path.join(ple_dir, "model.safetensors")
+    layer = PLE.layer_ids[1]
+    own = _ple_module(release, ple_dir, layer, cpu_offload=False)
+    harness.load_ple_checkpoint(own, checkpoint, layer)
+    module = _ple_module(release, ple_dir, layer, additional=MAPPED)
+    harness.load_ple_checkpoint(module, checkpoint, layer)
+    emb = module.ngram_embedding
+    start, end = PLE.shard_rows(layer, rank, 2)
+    assert (emb._numa_ple.table.shard.row_start, emb._numa_ple.table.shard.row_end) == \
+        (start, end)
+    ids = torch.from_numpy(np.random.default_rng(rank).integers(
+        0, PLE.rows(layer), (48, PLE.n_heads)))
+    got = emb.sync_lookup(ids)
+    want = release.ple.vocab.VocabParallelEmbedding.forward(own.ngram_embedding, ids)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    inside = ((ids >= start) & (ids < end)).sum().item()
+    assert 0 < inside < ids.numel()  # both this rank's rows and the other's were asked
+    emb._numa_ple.table.close()

@@ -96,6 +96,9 @@ class Staging:
         self.device = self.host if device is None else {
             name: torch.zeros_like(t, device=f"cuda:{device}") for name, t in self.host.items()}
         self.ids = torch.zeros((rows, *id_cols), dtype=torch.int64, pin_memory=pin)
+        # the last copy to the device, on whichever stream vLLM ran it: the
+        # host buffers are written again only once it is done
+        self._copied = torch.cuda.Event() if pin else None
 
     def host_ids(self, ids: Any, what: str) -> np.ndarray:
         """``ids`` on the host, as int64 numpy (a device tensor copied into
@@ -104,6 +107,8 @@ class Staging:
         import torch
 
         count = ids.shape[0]
+        if self._copied is not None:
+            self._copied.synchronize()
         if count > self.rows:
             raise PluginError(f"{what}: a lookup of {count} rows, but the plugin's staging "
                               f"holds {self.rows} (max_num_batched_tokens): raise "
@@ -128,6 +133,8 @@ class Staging:
             if dev.data_ptr() != host.data_ptr():
                 dev.copy_(host[:count], non_blocking=True)
             out[name] = dev
+        if self._copied is not None:
+            self._copied.record()
         return out
 
 
