@@ -100,6 +100,15 @@ def _mapped_file(address):
     return None
 
 
+def _private_kib():
+    """This process's anonymous and shared (memfd, tmpfs) resident memory,
+    KiB: where a table copy lives; a mapped checkpoint's pages are file
+    pages (RssFile), the page cache's."""
+    with open("/proc/self/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
+    return sum(int(fields[key].split()[0]) for key in ("RssAnon", "RssShmem"))
+
+
 def _engine(release, model_dir, **config):
     harness.State.config = harness.config(model_dir, **config)
     layout = harness.layout_of(release.common, model_dir)
@@ -391,3 +400,40 @@ def test_tp2_shards_serve_their_heads_and_rows_as_vllms_own(release, model_dir, 
     inside = ((ids >= start) & (ids < end)).sum().item()
     assert 0 < inside < ids.numel()  # both this rank's rows and the other's were asked
     emb._numa_ple.table.close()
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory):
+    """A V4.1 model whose two Engram tables hold ~50 MiB (a copy measurable
+    in a process's RSS)."""
+    spec = EngramSpec.small(rows_per_head=50_000, n_head_per_ngram=4, head_dim=64,
+                            max_ngram_size=3)
+    return spec, str(write_synthetic_model(tmp_path_factory.mktemp("v41big"), spec))
+
+
+def test_mapped_tables_add_no_copy_to_the_process_where_resident_ones_add_one(release,
+                                                                               big_model):
+    """Measured: building vLLM's Engram layers and running its loader adds
+    to this process's anonymous and shared memory less than 5% of the
+    tables' bytes with tier mapped (the staging), and at least 90% of them
+    (the copy) with tier resident; the mapped tables' pages are the
+    checkpoint file's."""
+    spec, model = big_model
+    tables = sum(spec.rows(layer) * (spec.head_dim + spec.scales_per_row)
+                 for layer in spec.layer_ids)
+    grown = {}
+    for tier in ("mapped", "resident"):
+        before = _private_kib()
+        _, embs = _engine(release, model, additional={"tier": tier})
+        load_through_mapper(release.vl, embs, model)
+        for layer, emb in embs.items():
+            emb(global_ids(spec, layer, 64, seed=layer))
+        grown[tier] = (_private_kib() - before) * 1024
+        for emb in embs.values():
+            assert emb.numa_table.tier == tier
+            emb.numa_table.close()
+    print(f"vLLM {release.version}: {tables} bytes of tables; the process's anonymous + shared "
+          f"memory grew {grown['mapped']} bytes with tier mapped, {grown['resident']} with "
+          "tier resident")
+    assert grown["mapped"] < 0.05 * tables, grown
+    assert grown["resident"] >= 0.9 * tables, grown
