@@ -2,12 +2,17 @@
 supports, against that release's own files (tests/support/vllm_harness.py):
 for V4.1 and Qwen4-Exp, each layer's table is the checkpoint vLLM loads
 from, mapped in place (its address lies in the checkpoint file's mapping,
-vLLM holds no copy, its loader writes nothing), and vLLM's own row path
-over it (its embedding's forward, ``sync_lookup``) gives vLLM's own
-storage's rows bit for bit, read ahead by hash id (the counters move);
-startup says once where vLLM's code puts the gather inside the forward
-(the release's file:line); settings that combine the tier with a service,
-dp_shared, a placement or huge pages are refused naming them; a checkpoint
+vLLM holds no copy, its loader writes nothing; measured: the process's
+anonymous and shared memory do not grow by the tables' bytes, as they do
+with tier resident), never registered for CUDA, and vLLM's own row paths
+over it (its embedding's forward and lookup, its Engram's
+prepare_embeddings then embed, the PLE ``sync_lookup``) give vLLM's own
+storage's rows bit for bit, on one rank and on each of two TP (ETP) ranks,
+read ahead by hash id (the counters move), through staging allocated once
+(a larger lookup refused by name); startup says once where vLLM's code
+puts the gather inside the forward (the release's file:line); settings that
+combine the tier with a service, dp_shared, a placement or huge pages are
+refused naming them, as are vLLM's DP-sharded Engram tables; a checkpoint
 truncated under the tables is a CheckpointError naming the file at the
 next lookup (in a child process: a regression would kill it, not pytest)."""
 
@@ -126,6 +131,18 @@ def _vllms_own(release, layout, index, model_dir, layer):
     return emb
 
 
+def _step(release, emb, index, ids):
+    """vLLM's per-step path over ``emb``: its Engram's prepare_embeddings
+    (before the decoder layers: the lookup into its staged rows) then embed
+    (at the layer); no CUDA here, so the lookup runs inline."""
+    engram = harness.thin_engram(release.nv, index)
+    engram.__dict__.update(embed_tokens=emb, _prefetch_done=None, _batch=None,
+                           staged_rows=torch.zeros((ids.shape[0], emb.part_n_hash_cols,
+                                                    emb.dim), dtype=torch.bfloat16))
+    engram.prepare_embeddings(ids)
+    return engram.embed(ids)
+
+
 def _said_where(caplog, release, family):
     """The startup WARNING naming the release's lines, said once."""
     where = manifest.RELEASES[release.version].ids_in_forward[family]
@@ -169,6 +186,8 @@ def test_v41_mapped_tables_are_the_checkpoint_and_serve_vllms_rows(release, mode
         assert torch.equal(_bits(got), _bits(theirs(ids))), (release.version, layer)
         after = storage.read_ahead.as_dict()
         assert after["lookups"] == before["lookups"] + 1 and after["pages"] > before["pages"]
+        step = _step(release, emb, index, ids)  # vLLM's step: prepare_embeddings, then embed
+        assert torch.equal(_bits(step), _bits(got)), (release.version, layer)
         if release.version != "0.31.0":  # (0.31's kernel writes BF16 only)
             width = SPEC.head_dim + SPEC.scales_per_row
             ours = torch.zeros((64, emb.part_n_hash_cols, width), dtype=torch.uint8)
