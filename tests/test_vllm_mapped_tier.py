@@ -21,6 +21,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 
 import logging  # noqa: E402
+import shutil  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -456,3 +457,23 @@ def test_mapped_tables_add_no_copy_to_the_process_where_resident_ones_add_one(re
           "tier resident")
     assert grown["mapped"] < 0.05 * tables, grown
     assert grown["resident"] >= 0.9 * tables, grown
+
+
+def test_a_checkpoint_the_tier_cannot_read_in_place_is_refused_naming_it(
+        release, model_dir, tmp_path, monkeypatch):
+    """A hub id not in the local hub cache (the tables are mapped before vLLM
+    would download it), and a model directory that lacks the file of a
+    layer's tensors: PluginErrors naming the model or the layer, the
+    checkpoint and what to do."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(PluginError, match="tier \"mapped\" reads the rows from the checkpoint "
+                                          "files vLLM loads: .*huggingface-cli download "
+                                          "deepseek-ai/Not-Cached"):
+        _engine(release, model_dir, additional=MAPPED, model="deepseek-ai/Not-Cached")
+    lacking = tmp_path / "lacking"
+    shutil.copytree(model_dir, lacking)
+    (lacking / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(PluginError, match=f"Engram layer 1: tier mapped cannot read its rows in "
+                                          f"place from {lacking} \\(.*No such file.*\\); tier "
+                                          "\"resident\" loads them"):
+        _engine(release, str(lacking), additional=MAPPED)

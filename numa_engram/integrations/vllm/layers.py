@@ -201,9 +201,10 @@ class LayerTables:
                               "ops/engram_peer.py:107): set dp_shared_memory=True, or use "
                               "tier \"resident\"")
         refuse_load(self.config, read_only=True)
-        table = SharedEngramTable.create(spec, self.layer_id, shard, mode="independent",
-                                         checkpoint=mapped.checkpoint_of(self.config),
-                                         tier="mapped")
+        table = mapped.create(self.config, f"Engram layer {self.layer_id}", lambda path:
+                              SharedEngramTable.create(spec, self.layer_id, shard,
+                                                       mode="independent", checkpoint=path,
+                                                       tier="mapped"))
         placement.engine(self.config).attached.add(self.layer_id)
         rows = int(self.config.scheduler_config.max_num_batched_tokens)
         return MappedTableStorage(self.nv, self.common, table, config=self.config, rows=rows,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,20 @@ def checkpoint_of(config: Any) -> str:
                           f"the checkpoint files vLLM loads, and vLLM's model {name!r} is no "
                           "local file or directory: pass the model's directory")
     return path
+
+
+def create(config: Any, what: str, make: Callable[[str], Any]) -> Any:
+    """``make(checkpoint)``: a table of tier mapped over the checkpoint vLLM
+    loads; what the library refuses of it (a tensor missing, parts it cannot
+    map as one array, a file system it cannot map) a PluginError naming
+    ``what``, the checkpoint and the library's reason."""
+    path = checkpoint_of(config)
+    try:
+        return make(path)
+    except NumaEngramError as exc:
+        raise PluginError(f"{what}: tier mapped cannot read its rows in place from {path} "
+                          f"({exc}); tier \"resident\" loads them into a table instead"
+                          ) from exc
 
 
 def say_where(config: Any, family: str) -> None:

@@ -297,9 +297,9 @@ class MappedPLEStorage(PLEStorage):
         staging for vLLM's largest lookup (max_num_batched_tokens tokens of
         every head, of each DP replica sharing the ETP group)."""
         refuse_load(config, read_only=True)
-        table = SharedPLETable.create(spec, layer, etp_rank=emb.tp_rank, etp_size=emb.tp_size,
-                                      mode="independent", tier="mapped",
-                                      checkpoint=mapped.checkpoint_of(config))
+        table = mapped.create(config, f"PLE layer {layer}", lambda path: SharedPLETable.create(
+            spec, layer, etp_rank=emb.tp_rank, etp_size=emb.tp_size, mode="independent",
+            tier="mapped", checkpoint=path))
         replicas = max(1, emb.tp_size // max(1, tp.world_size))
         rows = int(config.scheduler_config.max_num_batched_tokens) * spec.n_heads * replicas
         return cls(table, dtype, rows=rows, device=placement.device())
