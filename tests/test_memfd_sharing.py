@@ -433,7 +433,7 @@ def test_a_late_attach_gets_a_ple_table_from_its_group_and_holds_it_after(runtim
         again.close()
         with pytest.raises(ServiceRefusal, match="asked for"):
             SharedPLETable.attach(spec, 5, peers=directory, etp_size=2, etp_rank=1)
-        with pytest.raises(ValueError, match="exactly one of service= or peers="):
+        with pytest.raises(ValueError, match="exactly one of path=, fd=, service= or peers="):
             SharedPLETable.attach(spec, 5)
     finally:
         late.close()

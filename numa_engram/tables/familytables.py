@@ -12,11 +12,12 @@ from typing import Any
 from ..errors import SpecError
 from ..model.families import family_of
 from ..model.sharding import ShardInfo
+from .familytable import FamilyTable
 from .pletable import SharedPLETable
 from .request import TableOptions
 from .table import SharedEngramTable
 
-AnyTable = SharedEngramTable | SharedPLETable
+AnyTable = FamilyTable  # (every family's table class is one)
 # (spec, layer, shard, tp rank, tp, checkpoint, options) -> the table
 Create = Callable[[Any, int, ShardInfo, int, int, Any, TableOptions], AnyTable]
 

@@ -11,12 +11,14 @@ cache's pages, and CUDA never registers them (pinning evictable pages is
 what the tier exists not to do).  A ``MappedBacking`` stands where a
 ``BackingFile`` stands in a table, with the same surface the tables read
 (its regions are uint8 views of the mapped tensors), so every lookup path
-runs unchanged over it.
+runs unchanged over it.  ``MAPPED`` is the tier's entry in ``tiers.TIERS``:
+each family's builder, by ``Family.name``.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -29,19 +31,13 @@ from ..checkpoints.plecheckpoint import read_scale
 from ..errors import SpecError, StorageError
 from ..host.topology import Topology, current_node
 from ..lookup.cpu import check_hash_ids
+from ..model.families import family_of
 from ..model.ple import PLESpec
 from ..model.sharding import ShardInfo, prefix_offsets
 from ..model.spec import EngramSpec
 from . import protocol
 from .protocol import Built
-from .request import TableOptions, shard_key
-
-TIERS = ("resident", "mapped")
-
-
-def check_tier(tier: str) -> None:
-    if tier not in TIERS:
-        raise SpecError(f"tier must be one of {TIERS}, got {tier!r}")
+from .request import CreateRequest, TableOptions, shard_key
 
 
 @dataclass(frozen=True)
@@ -52,13 +48,16 @@ class _Size:
 class MappedBacking:
     """What a table reads of its backing, for rows mapped from the
     checkpoint: ``region(name)``, ``mapping`` (its address and length),
-    ``path``, ``layout.file_size``, ``close()``; no descriptor to hand over."""
+    ``path``, ``layout.file_size``, ``close()``; no descriptor to hand over.
+    ``fixed``: the values of the family's fixed regions (PLE's scale), read
+    from the checkpoint (``fixed_region``)."""
 
     tier = "mapped"
     handover_directory = None
 
-    def __init__(self, arrays: MappedArrays, regions: dict[str, np.ndarray]) -> None:
-        self.arrays, self._regions = arrays, regions
+    def __init__(self, arrays: MappedArrays, regions: dict[str, np.ndarray],
+                 fixed: dict[str, np.ndarray] | None = None) -> None:
+        self.arrays, self._regions, self.fixed = arrays, regions, fixed or {}
         self.mapping = arrays.mapping
         self.path = ", ".join(arrays.identity_paths())
         self.layout = _Size(sum(a.nbytes for a in regions.values()))
@@ -83,6 +82,12 @@ class MappedBacking:
 def mapped_arrays(backing: object) -> MappedArrays | None:
     """The mapped files of a table's backing (None: a resident table's)."""
     return backing.arrays if isinstance(backing, MappedBacking) else None
+
+
+def fixed_region(backing: Any, name: str) -> np.ndarray:
+    """The bytes of a fixed region (PLE's scale): a table file's region, or
+    the value a mapped table read from its checkpoint."""
+    return backing.fixed[name] if isinstance(backing, MappedBacking) else backing.region(name)
 
 
 def _check_options(mode: str, checkpoint: Any, options: TableOptions) -> None:
@@ -148,10 +153,10 @@ def _ple_segments(plan: Any, spec: PLESpec, shard: ShardInfo) -> list[Segment]:
 
 
 def ple_mapped(spec: PLESpec, layer_id: int, shard: ShardInfo, mode: str, checkpoint: Any,
-               options: TableOptions) -> tuple[Built, float | None]:
+               options: TableOptions) -> Built:
     """A PLE shard's rows mapped from vLLM's split-parts checkpoint (the
-    parts it spans must lie end to end, or meet at page boundaries), and
-    the per-tensor scale read from its file."""
+    parts it spans must lie end to end, or meet at page boundaries), the
+    per-tensor scale read from its file as the table's fixed ``scale``."""
     _check_options(mode, checkpoint, options)
     started = time.perf_counter()
     plan = reader_of(spec).resolve(checkpoint, spec, layer_id)
@@ -161,11 +166,36 @@ def ple_mapped(spec: PLESpec, layer_id: int, shard: ShardInfo, mode: str, checkp
                           f"{shard.row_end})")
     try:
         regions = {"weights": arrays.array("weights")}
-        return _built(MappedBacking(arrays, regions), spec, layer_id, shard, options.topology,
-                      started), scale
+        fixed = {} if scale is None else {"scale": np.frombuffer(np.float32(scale).tobytes(),
+                                                                 dtype=np.uint8)}
+        return _built(MappedBacking(arrays, regions, fixed), spec, layer_id, shard,
+                      options.topology, started)
     except BaseException:
         arrays.close()
         raise
+
+
+# (spec, layer, shard, mode, checkpoint, checked options) -> the member's table
+Builder = Callable[[Any, int, ShardInfo, str, Any, TableOptions], Built]
+
+
+class MappedTier:
+    """``tier="mapped"`` (``tiers.TIERS``): each family's shard mapped from
+    its checkpoint, by ``Family.name``.  Not collective: every process maps
+    the files itself, so the group is not asked."""
+
+    builders: dict[str, Builder] = {"engram": engram_mapped, "ple": ple_mapped}
+
+    def build(self, group: Any, req: CreateRequest) -> Built:  # noqa: ARG002
+        family = family_of(req.spec)
+        if family.name not in self.builders:
+            raise SpecError(f"tier='mapped' holds no {family.title} tables yet; use "
+                            "tier='resident'")
+        return self.builders[family.name](req.spec, req.layer_id, req.shard, req.mode,
+                                          req.checkpoint, req.options)
+
+
+MAPPED = MappedTier()
 
 
 def engram_rows(spec: EngramSpec, layer_id: int, shard: ShardInfo, ids: Any,

@@ -13,10 +13,7 @@ out tensors.
 
 from __future__ import annotations
 
-import logging
-import os
 import threading
-import time
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -26,23 +23,19 @@ import numpy as np
 from ..bindings import lookupkernel
 from ..checkpoints.checkpoint import Progress
 from ..errors import LookupIdError, StorageError
-from ..groups.group import SingleProcessGroup, as_group
 from ..histogram import LOOKUP_BUCKETS
-from ..host.hugepages import parse_page_size
-from ..host.topology import Topology, current_node
+from ..host.topology import Topology
 from ..literals import DEFAULT_DIRECTORY, CreateMode, PageSize
 from ..lookup.cpu import default_lookup_threads
 from ..lookup.ple import PLERows, row_ids
 from ..model.ple import PLESpec
 from ..model.sharding import ShardInfo
 from ..model.spec import strict_int
-from ..store import fdhandover, serviceclient
-from ..store.placement import PlacementPlan, PlacementReport, verify
-from . import mappedtier, protocol
-from .mappedtier import check_tier
+from ..store.placement import PlacementPlan
+from .familytable import Counts, FamilyTable
+from .mappedtier import fixed_region
 from .protocol import Built
-from .request import CreateRequest, TableOptions, positive_seconds
-from .tablereports import TableStats, accounted_bytes, service_descriptor
+from .request import TableOptions
 
 if TYPE_CHECKING:
     import torch
@@ -50,17 +43,18 @@ if TYPE_CHECKING:
     from ..lookup.gpu import PLEDeviceRows
     from ..lookup.outputs import PreparedOutput
 
-log = logging.getLogger(__name__)
 
+class SharedPLETable(FamilyTable):
+    """Rows ``shard.row_start .. shard.row_end`` of a PLE layer's table (the
+    lifecycle: ``FamilyTable``)."""
 
-class SharedPLETable:
-    """Rows ``shard.row_start .. shard.row_end`` of a PLE layer's table."""
+    spec: PLESpec
 
-    def __init__(self, spec: PLESpec, layer_id: int, shard: ShardInfo, built: Built, *,
-                 lookup_threads: int | None = None, built_scale: float | None = None) -> None:
-        """A table from what the protocol (or an attach) made: ``built``
-        (``built_scale``: a mapped table's scale, read from the checkpoint)."""
-        self.spec, self.layer_id, self.shard = spec, layer_id, shard
+    def _open_rows(self, built: Built, lookup_threads: int | None) -> None:
+        spec, shard = self.spec, self.shard
+        # the ETP rank and size the row range is of (ranks split the rows evenly)
+        self.etp_rank = shard.row_start // shard.num_rows
+        self.etp_size = spec.rows(self.layer_id) // shard.num_rows
         self.lookup_cpus = built.lookup_cpus
         self.lookup_threads = default_lookup_threads(self.lookup_cpus) \
             if lookup_threads is None else max(1, int(lookup_threads))
@@ -69,26 +63,13 @@ class SharedPLETable:
             if self.lookup_threads > 1 else None
         self._release = None if self._workers is None else \
             weakref.finalize(self, lookupkernel.release_workers, self._workers)
-        self.registration = built.registration  # a cudart.RegistrationLease, or None
         self._device_rows: PLEDeviceRows | None = None
-        self._report: PlacementReport | None = None
-        self._counts = [0, 0, 0.0, 0, 0]  # (lookups, rows, seconds: _state's), bad ids, failed
-        # the kernel counts the lookups (rows, time) and refuses them once closed
+        self._failures = {"bad_ids": 0, "failed": 0}  # (the kernel counts the rest)
+        # the kernel counts the lookups (rows, time, latency) and refuses them once closed
         self._state = lookupkernel.TableState(LOOKUP_BUCKETS)
         self._count_lock = threading.Lock()
-        self.startup_phases = dict(built.phases)
-        self.mode, self.members, self.leader = built.mode, built.members, built.leader
-        self.plan = built.plan
-        self.backing = backing = built.backing
-        # "resident" (a table file) or "mapped" (the checkpoint's pages: mappedtier)
-        self.tier: str = getattr(backing, "tier", "resident")
-        # where a process that was not in the create attaches (peers=): the
-        # hand-over directory of a 4 KiB dp_shared table, else None
-        self.handover = backing.handover_directory
-        self.backing_bytes = backing.layout.file_size
-        self.weights = backing.region("weights").reshape(shard.num_rows, spec.row_bytes)
-        self.scale = built_scale if self.tier == "mapped" else \
-            float(backing.region("scale")[:4].view(np.float32)[0]) \
+        self.weights = self._backing.region("weights").reshape(shard.num_rows, spec.row_bytes)
+        self.scale = float(fixed_region(self._backing, "scale")[:4].view(np.float32)[0]) \
             if spec.dtype == "float8_e4m3fn" else None
         self.rows = self._rows()
 
@@ -114,31 +95,17 @@ class SharedPLETable:
         ``tier="mapped"``: the rows read in place from the checkpoint's parts
         (as ``SharedEngramTable.create``'s; the parts a shard spans must lie
         end to end in one file or meet at page boundaries)."""
-        shard = spec.shard(layer_id, strict_int(etp_rank, "etp_rank"),
-                           strict_int(etp_size, "etp_size"))
         asked = TableOptions(
             placement=placement, directory=directory, page_size=page_size,
             register_device=register_device, timeout_s=timeout_s, topology=topology,
-            progress=progress, lookup_threads=lookup_threads,
-            load_threads=load_threads).given_once(options)
-        check_tier(tier)
-        req = CreateRequest.of(spec, layer_id, shard, mode, checkpoint, asked)
-        scale = None
-        if tier == "mapped":
-            built, scale = mappedtier.ple_mapped(spec, layer_id, shard, mode, checkpoint,
-                                                 req.options)
-        else:
-            grp = SingleProcessGroup() if group is None else as_group(group)
-            with grp.bounded(req.options.timeout_s):
-                built = protocol.create(grp, req)
-        table = cls(spec, layer_id, shard, built, lookup_threads=req.options.lookup_threads,
-                    built_scale=scale)
-        log.info("PLE table: layer %d rows [%d, %d) %s, %d member(s)", layer_id,
-                 shard.row_start, shard.row_end, built.mode, len(built.members))
-        return table
+            progress=progress, lookup_threads=lookup_threads, load_threads=load_threads)
+        return cls._create(spec, layer_id, _shard(spec, layer_id, etp_rank, etp_size),
+                           group=group, mode=mode, checkpoint=checkpoint, tier=tier, asked=asked,
+                           options=options)
 
     @classmethod
-    def attach(cls, spec: PLESpec, layer_id: int, *, service: str | None = None,
+    def attach(cls, spec: PLESpec, layer_id: int, *, path: str | None = None,
+               fd: int | None = None, service: str | None = None,
                peers: str | None = None, etp_rank: int = 0,
                etp_size: int = 1, node: int | None = None, page_size: PageSize | int = "4K",
                timeout_s: float = 10.0, service_uids: Sequence[int] | None = None,
@@ -146,40 +113,18 @@ class SharedPLETable:
                register_device: int | None = None,
                lookup_threads: int | None = None) -> SharedPLETable:
         """Map the READY table of this ETP shard, read-only, after the checks
-        a peer makes: the one the table service on ``service`` holds (its
-        copy on ``node``, default this thread's; the service believed under
-        the same rules as for Engram tables), or from any process still
-        holding a 4 KiB dp_shared table at its hand-over directory ``peers``
-        (a member's ``table.handover``), which this process then holds and
-        hands over in turn until close (``SharedEngramTable.attach``)."""
-        shard = spec.shard(layer_id, strict_int(etp_rank, "etp_rank"),
-                           strict_int(etp_size, "etp_size"))
-        if (service is None) == (peers is None):
-            raise ValueError("give exactly one of service= or peers=")
-        timeout_s = positive_seconds(timeout_s)
-        peers = None if peers is None else fdhandover.handover_path(peers)
-        started = time.perf_counter()
-        here = current_node(Topology.detect()) if node is None else node
-        if service is not None:
-            trust = serviceclient.ServiceTrust.of(service_uids, allow_unsealed)
-            fd, uid = service_descriptor(spec, layer_id, shard, service, here, page_size,
-                                         timeout_s, trust)
-        else:
-            assert peers is not None  # (exactly one)
-            fd, uid = protocol.late_descriptor(spec, layer_id, shard, parse_page_size(page_size),
-                                               peers, timeout_s)
-        try:
-            built = protocol.attach_backing(spec, layer_id, shard,
-                                            "service" if service is not None else "dp_shared",
-                                            here, started, fd=fd, owner_uid=uid, peers=peers,
-                                            register_device=register_device)
-        finally:
-            os.close(fd)  # the backing holds its own duplicate
-        try:
-            return cls(spec, layer_id, shard, built, lookup_threads=lookup_threads)
-        except BaseException:
-            protocol.release(built)
-            raise
+        a peer makes, as ``SharedEngramTable.attach`` does: by its ``path``,
+        an ``fd``, from the table service on ``service`` (its copy on
+        ``node``, default this thread's; the service believed under the same
+        rules as for Engram tables), or from any process still holding a
+        4 KiB dp_shared table at its hand-over directory ``peers`` (a
+        member's ``table.handover``), which this process then holds and
+        hands over in turn until close."""
+        return cls._attach(spec, layer_id, _shard(spec, layer_id, etp_rank, etp_size),
+                           path=path, fd=fd, service=service, peers=peers, node=node,
+                           page_size=page_size, register_device=register_device,
+                           timeout_s=timeout_s, service_uids=service_uids,
+                           allow_unsealed=allow_unsealed, lookup_threads=lookup_threads)
 
     def store_scale(self, scale: float, *, write: bool = True) -> None:
         """The per-tensor scale a loader that fills the rows itself (vLLM's,
@@ -188,7 +133,7 @@ class SharedPLETable:
         self._check_open()
         if self.spec.dtype != "float8_e4m3fn":
             raise StorageError(f"a {self.spec.dtype} PLE table has no scale")
-        region = self.backing.region("scale")
+        region = self._backing.region("scale")
         if write and not region.flags.writeable:
             raise StorageError("this PLE table is mapped read-only here; its writer stores "
                                "the scale")
@@ -198,85 +143,67 @@ class SharedPLETable:
         self.rows = self._rows()
 
     def _rows(self) -> PLERows:
-        mapping = self.backing.mapping  # no out= may share its bytes (read-only: a SIGSEGV)
+        mapping = self._backing.mapping  # no out= may share its bytes (read-only: a SIGSEGV)
         return PLERows(self.weights, dtype=self.spec.dtype, row_start=self.shard.row_start,
                        total_rows=self.spec.rows(self.layer_id), scale=self.scale,
                        workers=self._workers,
                        mapped=(mapping.address, mapping.address + mapping.length),
                        state=self._state)
 
-    def dup_descriptor(self) -> int:
-        """A new descriptor of the table's file (the caller closes it): what
-        the table service keeps and hands over."""
-        self._check_open()
-        return os.dup(self.backing.fd)
-
     def readahead(self, ids: Any, *, advise: bool = True) -> tuple[int, int]:
         """A mapped table: the pages of this shard's rows among ``ids``
         (layer row ids, as ``lookup`` takes them) counted, those not in
         memory asked for (MADV_WILLNEED) unless ``advise`` is False;
         returns (pages resident before, pages).  (0, 0) when resident."""
-        self._check_open()
-        arrays = mappedtier.mapped_arrays(self.backing)
-        if arrays is None:
-            return 0, 0
+        return self._read_ahead(lambda: self._local_rows(ids), advise)
+
+    def _local_rows(self, ids: Any) -> np.ndarray:
         local = row_ids(ids).reshape(-1) - self.shard.row_start
-        rows = np.unique(local[(local >= 0) & (local < self.shard.num_rows)])
-        return arrays.readahead("weights", rows, self.spec.row_bytes, advise=advise)
+        return np.unique(local[(local >= 0) & (local < self.shard.num_rows)])
 
-    def check_checkpoint(self) -> None:
-        """A mapped table: CheckpointError naming a checkpoint file
-        truncated, rewritten or replaced since it was mapped."""
-        self._check_open()
-        arrays = mappedtier.mapped_arrays(self.backing)
-        if arrays is not None:
-            arrays.check_unchanged()
-
-    def placement_report(self, refresh: bool = True) -> PlacementReport | None:
-        """Where the table's pages are now against its plan, page by page
-        (None without a plan); ``refresh=False``: the last report."""
-        self._check_open()
-        if refresh and self.plan is not None:
-            self._report = verify(self.backing.mapping, self.plan)
-        return self._report
-
-    @property
-    def closed(self) -> bool:
-        """Whether close() has run (metrics reads it of either table class)."""
-        return self.backing is None
-
-    def stats(self) -> TableStats:
-        """Counters since creation and the last placement report's figures
-        (the metrics endpoint's; heads: every head, a PLE shard being a
-        row range)."""
+    # ----------------------------------------------------- family hooks --
+    def _lookup_counts(self) -> Counts:
         with self._count_lock:
-            _, _, _, bad, failed = self._counts
-        lookups, rows, seconds, _ = self._state.counts()
-        report = self._report
-        physical = accounted_bytes(self.mode, self.leader, self.backing_bytes)
-        return TableStats(self.layer_id, 0, self.spec.n_heads, self.mode, self.backing_bytes,
-                          int(lookups), int(rows), int(rows) * self.spec.row_bytes,
-                          float(seconds), None if report is None else report.fraction_on_plan,
-                          report.bytes_per_node() if report is not None else {}, physical,
-                          int(bad), int(failed))
+            failures = dict(self._failures)
+        lookups, rows, seconds, buckets = self._state.counts()
+        return int(lookups), int(rows), float(seconds), buckets, failures
 
+    def _family_report(self) -> dict[str, Any]:
+        return {"etp_rank": self.etp_rank, "etp_size": self.etp_size}
+
+    def _describe(self) -> str:
+        return (f"layer {self.layer_id} rows [{self.shard.row_start}, {self.shard.row_end}) "
+                f"of ETP rank {self.etp_rank}/{self.etp_size}")
+
+    def _close_rows(self) -> None:
+        self._state.close()  # later lookups refused; the running ones finish first
+        empty = np.empty((0, self.spec.row_bytes), dtype=np.uint8)
+        self.weights = empty
+        self.rows = PLERows(empty, dtype=self.spec.dtype, row_start=0, total_rows=0,
+                            scale=self.scale)
+        if self._release is not None:
+            self._release()  # the last table on these CPUs stops the threads
+        self._workers = None
+        self._device_rows = None  # device views still alive keep the registration
+
+    # ------------------------------------------------------------ lookup --
     def _counted(self, look: Any, ids: Any, *args: Any) -> Any:
         """``look(ids, *args)``, its failure counted (the kernel counts the
         lookups: no clock or lock per call here, the decode budget)."""
         try:
             return look(ids, *args)
         except (LookupIdError, StorageError) as exc:
-            if self.closed:  # close() ran since the open check: not a lookup
+            if self._closed:  # close() ran since the open check: not a lookup
                 raise self._closed_error() from None
-            self._count_failure(3 if isinstance(exc, LookupIdError) else 4)
+            self._count_failure("bad_ids" if isinstance(exc, LookupIdError) else "failed")
             raise
         except Exception:
-            self._count_failure(4)
+            self._count_failure("failed")
             raise
 
-    def _count_failure(self, slot: int) -> None:
+    def _count_failure(self, failure: str) -> None:
         with self._count_lock:
-            self._counts[slot] += 1
+            self._failures[failure] += 1
 
     def lookup(self, ids: Any, out: torch.Tensor | None = None) -> torch.Tensor:
         """BF16 ``[*ids.shape, head_dim]``: this shard's rows of layer-table
@@ -322,37 +249,11 @@ class SharedPLETable:
         self._check_open()
         return self._counted(self.rows.rows_packed, ids)
 
-    def _check_open(self) -> None:
-        if self.backing is None:
-            raise self._closed_error()
 
-    def _closed_error(self) -> StorageError:
-        return StorageError(f"PLE table layer {self.layer_id} is closed; create or attach it "
-                            "again")
-
-    def close(self) -> None:
-        """Unmap (idempotent); later lookups fail."""
-        if self.backing is None:
-            return
-        # closed first: a lookup meeting the emptied rows below says closed
-        backing, self.backing = self.backing, None  # type: ignore[assignment]
-        self._state.close()  # later lookups refused; the running ones finish first
-        empty = np.empty((0, self.spec.row_bytes), dtype=np.uint8)
-        self.weights = empty
-        self.rows = PLERows(empty, dtype=self.spec.dtype, row_start=0, total_rows=0,
-                            scale=self.scale)
-        if self._release is not None:
-            self._release()  # the last table on these CPUs stops the threads
-        self._workers = None
-        # device views still alive keep the registration (and the memory)
-        self._device_rows, self.registration = None, None
-        backing.close()
-
-    def __enter__(self) -> SharedPLETable:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def _shard(spec: PLESpec, layer_id: int, etp_rank: Any, etp_size: Any) -> ShardInfo:
+    """ETP rank ``etp_rank`` of ``etp_size``'s rows of the layer."""
+    return spec.shard(layer_id, strict_int(etp_rank, "etp_rank"),
+                      strict_int(etp_size, "etp_size"))
 
 
 def reduce_rows(table: SharedPLETable, ids: Any, process_group: Any = None) -> torch.Tensor:

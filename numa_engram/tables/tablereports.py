@@ -55,16 +55,13 @@ class PlacementSummary(TypedDict):
     pages_per_node: dict[int, int] | None
 
 
-class ModeReport(TypedDict):
-    """What ``mode_report()`` says a member really runs (JSON-ready)."""
-
-    mode: str  # dp_shared | independent | attached | service
+class _CommonReport(TypedDict):
+    family: str  # model.families.Family.name
+    tier: str  # resident | mapped
+    mode: str  # dp_shared | independent | attached | service | mapped
     requested_mode: str  # auto | dp_shared | independent | attach | service
     fallback_reason: str
-    embedding_dp_size: int
     layer_id: int
-    head_start: int
-    head_end: int
     row_start: int
     row_end: int
     num_rows: int
@@ -80,6 +77,17 @@ class ModeReport(TypedDict):
     identity: dict[str, Any]
     startup_s: dict[str, float]  # this member's create (or attach) steps, in seconds
     startup_gib_per_s: dict[str, float]
+
+
+class ModeReport(_CommonReport, total=False):
+    """What ``mode_report()`` says a member really runs (JSON-ready): the
+    keys every table has, then its family's (how its shard is named)."""
+
+    embedding_dp_size: int  # Engram
+    head_start: int  # Engram
+    head_end: int  # Engram
+    etp_rank: int  # PLE
+    etp_size: int  # PLE
 
 
 def service_descriptor(spec: TableFamily, layer_id: int, shard: ShardInfo, service: str,
