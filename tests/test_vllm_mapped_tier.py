@@ -477,3 +477,60 @@ def test_a_checkpoint_the_tier_cannot_read_in_place_is_refused_naming_it(
                                           f"place from {lacking} \\(.*No such file.*\\); tier "
                                           "\"resident\" loads them"):
         _engine(release, str(lacking), additional=MAPPED)
+
+
+def _step_inputs(seed):
+    """A step of two requests (20 and 28 tokens) as vLLM's model runner
+    hands the PLE module: token ids, query_start_loc, n-gram context."""
+    rng = np.random.default_rng(seed)
+    tokens = torch.from_numpy(rng.integers(0, PLE.vocab_size, 48))
+    context = torch.full((2, PLE.ngram_size - 1), PLE.eos_token_id, dtype=torch.int32)
+    return tokens, torch.tensor([0, 20, 48], dtype=torch.int32), context
+
+
+def test_ple_disk_offload_with_tier_mapped_stages_the_rows_before_the_forward(release, ple_dir,
+                                                                             caplog):
+    """0.34's disk_offload with tier mapped: vLLM's own pre-forward staging
+    (stage_checkpoint_rows, as its model runner's prepare_inputs calls it)
+    reads the step's rows from the plugin's mapping, read ahead by hash id,
+    into vLLM's fixed buffers; vLLM's forward then gives what its own
+    disk_offload (preadv from the files) and its own device storage give."""
+    if not manifest.RELEASES[release.version].ple_disk_offload:
+        pytest.skip(f"vLLM {release.version} has no PLE disk_offload (0.34+): its PLE ids are "
+                    "computed inside the forward, and tier mapped gathers there")
+    checkpoint = os.path.join(ple_dir, "model.safetensors")
+    harness.State.tp = harness.Coordinator([0], None)
+    layer = PLE.layer_ids[1]
+    built = {}
+    for name, additional in (("vllm", {}), ("mapped", MAPPED)):
+        with caplog.at_level(logging.INFO, logger="vllm"):
+            module = _ple_module(release, ple_dir, layer, disk_offload=True,
+                                 additional=additional)
+            harness.load_ple_checkpoint(module, checkpoint, layer)
+        emb = module.ngram_embedding
+        assert type(emb).__name__ == "Qwen4ExpPLEDiskOffloadEmbedding"
+        assert emb.weight.shape[0] == 0
+        emb.bind_file_shards()
+        built[name] = module
+    storage = built["mapped"].ngram_embedding._numa_ple
+    assert storage.table.tier == "mapped" and not hasattr(built["vllm"].ngram_embedding,
+                                                          "_numa_ple")
+    assert "vLLM stages the Qwen4-Exp PLE rows before the forward" in caplog.text
+    assert f"PLE layer {layer} rows [0, {PLE.rows(layer)}) staged by vLLM's disk_offload: " \
+           "mapped, source checkpoint, 4K pages" in caplog.text and "tier=mapped" in caplog.text
+    own = _ple_module(release, ple_dir, layer, cpu_offload=False)
+    harness.load_ple_checkpoint(own, checkpoint, layer)
+    for seed in (1, 2):
+        tokens, starts, context = _step_inputs(seed)
+        rows = {}
+        for name, module in built.items():
+            release.ple.nv.stage_checkpoint_rows([(module, module.ngram_embedding)], tokens,
+                                                 starts, context)
+            rows[name] = module(torch.zeros(48, 1), tokens, starts, context)
+        ids = own.compute_ngram_ids(tokens, starts, context)
+        want = release.ple.vocab.VocabParallelEmbedding.forward(own.ngram_embedding,
+                                                                ids).flatten(-2)
+        assert torch.equal(rows["mapped"].view(torch.uint8), rows["vllm"].view(torch.uint8))
+        assert torch.equal(rows["mapped"].view(torch.uint8), want.view(torch.uint8))
+        assert storage.read_ahead.lookups == seed and storage.read_ahead.pages > 0
+    storage.table.close()

@@ -34,9 +34,14 @@ log = logging.getLogger("vllm." + __name__)
 
 DISK_OFFLOAD_034 = ("vLLM stages rows before the forward only for its own "
                     "Qwen4ExpPLEDiskOffloadEmbedding (qwen4_exp/nvidia/model_state.py:64-69 and "
-                    "nvidia/ngram_embedding.py:612 pick it by isinstance): "
-                    "engram_config.disk_offload=True is that path, vLLM's own reads, without "
-                    "the plugin")
+                    "nvidia/ngram_embedding.py:612 pick it by isinstance): set "
+                    "engram_config.disk_offload=True, and vLLM stages them there, read from the "
+                    "plugin's mapping")
+STAGED_034 = ("numa_engram: tier mapped with engram_config.disk_offload: vLLM stages the "
+              "Qwen4-Exp PLE rows before the forward (qwen4_exp/nvidia/model_state.py:114, "
+              "stage_checkpoint_rows) into its fixed pinned and device buffers, and the plugin "
+              "reads them from its mapping of the checkpoint, read ahead by hash id "
+              "(Qwen4ExpPLEDiskOffloadEmbedding.stage_rows), instead of a preadv per row")
 
 
 def checkpoint_of(config: Any) -> str:
@@ -199,6 +204,18 @@ def engram_lookup(table: Any, staging: Staging, read_ahead: ReadAhead, indices: 
         out.copy_(dequantize_rows(weights, scales, table.spec.block))
 
 
+def gather_ple(table: Any, read_ahead: ReadAhead, ids: np.ndarray, out: Any) -> None:
+    """This shard's stored rows of ``ids`` (1-D layer row ids; zeros for
+    another shard's) into ``out``, a host uint8 ``[len(ids), row_bytes]``
+    tensor, their pages read ahead first."""
+    import torch
+
+    read_ahead.count(table.readahead(ids))
+    # (lookup_packed returns its own array: the table has no gather into a
+    # caller's buffer for stored PLE bytes)
+    out.copy_(torch.from_numpy(table.lookup_packed(ids)))
+
+
 def ple_lookup(table: Any, staging: Staging, read_ahead: ReadAhead, ids: Any,
                output: Any) -> Any:
     """vLLM's ``Qwen4ExpPLEPinnedHostEmbedding._lookup`` on a mapped table:
@@ -212,10 +229,7 @@ def ple_lookup(table: Any, staging: Staging, read_ahead: ReadAhead, ids: Any,
     if count == 0:
         return output
     host = staging.host_ids(flat, f"PLE layer {table.layer_id}")
-    read_ahead.count(table.readahead(host))
-    # (lookup_packed returns its own array: the table has no gather into a
-    # caller's buffer for stored PLE bytes)
-    staging.host["rows"][:count].copy_(torch.from_numpy(table.lookup_packed(host)))
+    gather_ple(table, read_ahead, host, staging.host["rows"][:count])
     rows = staging.to_device(count)["rows"]
     output.view(torch.uint8).reshape(count, -1).copy_(rows)
     return output

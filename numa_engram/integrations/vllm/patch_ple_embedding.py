@@ -27,6 +27,11 @@ one INFO line, and where the plugin's settings were given an unpatched
 PLE module (its hook never fired, or not the checked file) is a
 PluginError.
 
+Tier mapped on 0.34 with ``disk_offload``: ``Qwen4ExpNGramEmbedding``'s
+constructor gives vLLM's ``Qwen4ExpPLEDiskOffloadEmbedding`` a mapped
+table (``ple.MappedStagedPLE``) and its ``stage_rows`` (vLLM's pre-forward
+staging) reads the rows from it instead of a ``preadv`` per row.
+
 Mirrors: vLLM's ``Qwen4ExpPLEPinnedHostEmbedding.allocate_embedding_weight``
 (``torch.empty(n, d, dtype, pin_memory=True)``, identical in 0.31-0.34) and
 ``PLEVocabParallelEmbedding.weight_loader``.
@@ -161,13 +166,38 @@ def patch_model(model: Any) -> None:
         return
     klass = model.Qwen4ExpNGramEmbedding
     original = klass.__init__
+    disk = getattr(model, "Qwen4ExpPLEDiskOffloadEmbedding", None)  # 0.34+
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        check_construction(_config())
+        config = _config()
+        check_construction(config)
         original(self, *args, **kwargs)
+        if disk is not None and isinstance(self.ngram_embedding, disk) and \
+                settings_given(config):
+            from .ple import MappedStagedPLE
+
+            MappedStagedPLE.attach(config, self.ngram_embedding)
 
     __init__.__wrapped__ = original  # type: ignore[attr-defined]
     klass.__init__ = __init__
+    if disk is not None and callable(getattr(disk, "stage_rows", None)):
+        _stage_mapped(disk)
+
+
+def _stage_mapped(disk: type) -> None:
+    """Wrap 0.34's ``Qwen4ExpPLEDiskOffloadEmbedding.stage_rows``: an
+    embedding given a mapped table (``ple.MappedStagedPLE``) reads its rows
+    from it, vLLM's own otherwise."""
+    stage = disk.stage_rows  # type: ignore[attr-defined]
+
+    def stage_rows(self: Any, num_tokens: int) -> None:
+        storage = getattr(self, "_numa_ple", None)
+        if storage is None:
+            return stage(self, num_tokens)
+        return storage.stage(self, num_tokens)
+
+    stage_rows.__wrapped__ = stage  # type: ignore[attr-defined]
+    disk.stage_rows = stage_rows  # type: ignore[attr-defined]
 
 
 def check_construction(config: Any) -> None:
@@ -178,9 +208,10 @@ def check_construction(config: Any) -> None:
     rel = manifest.release()
     if engram is not None and getattr(engram, "disk_offload", False) and \
             rel is not None and rel.ple_disk_offload:
-        say_once(config, "disk", "numa_engram: engram_config.disk_offload keeps the Qwen4-Exp "
-                 "PLE tables in the checkpoint files, read per step: vLLM's own, untouched by "
-                 "the plugin")
+        if not _tier_mapped(config):
+            say_once(config, "disk", "numa_engram: engram_config.disk_offload keeps the "
+                     "Qwen4-Exp PLE tables in the checkpoint files, read per step: vLLM's own, "
+                     "untouched by the plugin")
         return
     if engram is None or not engram.cpu_offload:
         say_once(config, "ple-gpu", "numa_engram: engram_config.cpu_offload is off: the "
@@ -195,6 +226,13 @@ def check_construction(config: Any) -> None:
                           f"own, not the plugin's; {manifest.INSTALL}")
     if problem or FIRED.get(manifest.PLE_MODEL):
         raise PluginError(problem or str(FIRED[manifest.PLE_MODEL]))
+
+
+def _tier_mapped(config: Any) -> bool:
+    """Whether the plugin's settings ask for tier mapped."""
+    from .settings import settings_of
+
+    return settings_given(config) and settings_of(config).tier == "mapped"
 
 
 def _config() -> Any:

@@ -337,3 +337,75 @@ class MappedPLEStorage(PLEStorage):
 
         return layer_line("PLE", self.table, self.where, "checkpoint",
                           f", rows from {self.table.backing.path}")
+
+
+class MappedStagedPLE:
+    """vLLM 0.34's ``Qwen4ExpPLEDiskOffloadEmbedding`` (``disk_offload``)
+    reading a table of tier mapped: vLLM stages each step's rows before the
+    forward (``stage_checkpoint_rows``, from its model runner's
+    ``prepare_inputs``) into its own fixed pinned and device buffers, and
+    its forward reads them; the plugin's part is the read, the rows' pages
+    asked for by hash id and the guarded C gather from the mapping, where
+    vLLM reads a row at a time with ``preadv``.  Every ETP rank stages full
+    rows there, so the table is the layer's whole."""
+
+    def __init__(self, table: SharedPLETable) -> None:
+        self.table = table
+        self.read_ahead = mapped.ReadAhead()
+        self.where = f"rows [0, {table.shard.row_end}) staged by vLLM's disk_offload"
+
+    @classmethod
+    def attach(cls, config: Any, emb: Any) -> None:
+        """Give ``emb`` (vLLM's disk-offload embedding) its layer's mapped
+        table, where the settings ask for tier mapped."""
+        from .patches import say_once
+
+        settings = settings_of(config)
+        if settings.tier != "mapped":
+            return
+        refuse_load(config, read_only=True)
+        spec, layer = model_spec(config), layer_of(emb.prefix)
+        if layer not in spec.layer_ids:
+            raise PluginError(f"vLLM builds a PLE table for layer {layer} ({emb.prefix}); the "
+                              f"hf_config's ple_layer_ids are {list(spec.layer_ids)}")
+        planes = {name: plane[1] for name, plane in emb._planes.items()}
+        theirs = (sorted(planes), emb.num_embeddings_padded, planes["weight"].shape[-1],
+                  planes["weight"].dtype) if "weight" in planes else (sorted(planes),)
+        ours = (["weight"], spec.rows(layer), spec.head_dim, _torch_dtype(spec.dtype))
+        if theirs != ours:
+            raise PluginError(f"PLE layer {layer}: vLLM's disk_offload stages (planes, rows, "
+                              f"width, dtype) {theirs}, its hf_config's spec gives {ours}: "
+                              "tier mapped serves FP8 and BF16 tables (not NVFP4)")
+        say_once(config, "mapped-staged", mapped.STAGED_034)
+        table = mapped.create(config, f"PLE layer {layer}", lambda path: SharedPLETable.create(
+            spec, layer, mode="independent", tier="mapped", checkpoint=path))
+        storage = cls(table)
+        TABLES.append(table)
+        serve_metrics(settings)
+        emb._numa_ple = storage
+        storage.report()
+
+    def stage(self, emb: Any, num_tokens: int) -> None:
+        """vLLM's ``stage_rows(num_tokens)``: the rows of its host ids into
+        its pinned buffer, then its own copy to its device staging."""
+        ids = emb._host_ids[:num_tokens].reshape(-1)
+        host = emb._planes["weight"][1][:num_tokens]
+        mapped.gather_ple(self.table, self.read_ahead, ids.numpy(),
+                          host.view(torch_uint8()).reshape(ids.numel(), -1))
+        for staging, plane, _ in emb._planes.values():
+            staging[:num_tokens].copy_(plane[:num_tokens], non_blocking=True)
+
+    def unready(self) -> str | None:
+        return None  # the rows are the checkpoint's from the start
+
+    def report(self) -> dict:
+        from .report import layer_line
+
+        return layer_line("PLE", self.table, self.where, "checkpoint",
+                          f", rows from {self.table.backing.path}")
+
+
+def torch_uint8() -> Any:
+    import torch
+
+    return torch.uint8
