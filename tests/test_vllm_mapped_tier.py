@@ -534,3 +534,42 @@ def test_ple_disk_offload_with_tier_mapped_stages_the_rows_before_the_forward(re
         assert torch.equal(rows["mapped"].view(torch.uint8), want.view(torch.uint8))
         assert storage.read_ahead.lookups == seed and storage.read_ahead.pages > 0
     storage.table.close()
+
+
+@pytest.fixture(scope="module")
+def mid_model(tmp_path_factory):
+    """A V4.1 model of ~3 MiB of Engram tables: each TP slice spans
+    hundreds of pages, so the pages two slices share at their edges are
+    a rounding in the count of copies."""
+    spec = EngramSpec.small(rows_per_head=3000, n_head_per_ngram=4, head_dim=64,
+                            max_ngram_size=3)
+    return spec, str(write_synthetic_model(tmp_path_factory.mktemp("v41mid"), spec))
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("version", sorted(manifest.RELEASES))
+def test_tp2_dp2_mapped_one_copy_in_the_page_cache_with_vllms_rows(version, mid_model):
+    """Four real ranks as vLLM's TP 2 x DP 2 with dp_shared_memory and tier
+    mapped: vLLM may share (every replica maps its TP slice, no collective
+    asked), its loader is handed no Engram tensor, the checkpoint's pages
+    are held once for the four ranks (PSS), and vLLM's forward with its TP
+    gather gives the whole table's rows and vLLM's own storage's."""
+    from .support.dist_harness import run_world
+    from .support.vllm_mapped_scenarios import tp2_dp2_mapped
+
+    root, why = harness.wheel_sources(version)
+    if root is None:
+        pytest.skip(why)
+    spec, model = mid_model
+    results = run_world(4, tp2_dp2_mapped, timeout_s=300, model_dir=model, root=str(root),
+                        spec=spec.to_dict(), version=version)
+    for r in results:
+        assert r["ok"], r.get("traceback", r)
+        assert r["shareable"] is True and r["loader_calls"] == 0, r
+        assert set(r["tiers"]) == {"mapped"} and r["mismatches"] == [], r
+        assert all(ra["lookups"] == 1 and ra["pages"] > 0 for ra in r["read_ahead"]), r
+    one_copy = sum(r["mapped_bytes"] for r in results if r["rank"] < 2)
+    copies = sum(r["pss"] for r in results) / one_copy
+    print(f"vLLM {version} TP 2 x DP 2 tier mapped: {one_copy} bytes of the checkpoint mapped "
+          f"per replica, {copies:.3f} copies by PSS over the four ranks")
+    assert abs(copies - 1.0) < 0.03, copies
