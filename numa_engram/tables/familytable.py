@@ -73,11 +73,6 @@ class FamilyTable:
         self.plan, self._report = built.plan, built.report
         self.registration = built.registration  # a cudart.RegistrationLease, or None
         self.fallback_reason = built.fallback_reason
-        self.path = backing.path
-        # where a process that was not in the create attaches (peers=): the
-        # hand-over directory of a 4 KiB dp_shared table, else None
-        self.handover = backing.handover_directory
-        self.backing_bytes = backing.layout.file_size
         self._closed = False
         self._close_lock = threading.Lock()
         self._open_rows(built, lookup_threads)
@@ -173,6 +168,25 @@ class FamilyTable:
         the table service keeps and hands over."""
         self._check_open()
         return os.dup(self._backing.fd)
+
+    # (what the backing knows is asked of it: an instance's attributes stay
+    # few enough for CPython to share their keys, which a lookup's reads of
+    # them cost least with)
+    @property
+    def path(self) -> str:
+        """The table's file (a memfd's name), or a mapped table's checkpoint files."""
+        return self._backing.path
+
+    @property
+    def handover(self) -> str | None:
+        """Where a process that was not in the create attaches (``peers=``):
+        the hand-over directory of a 4 KiB dp_shared table, else None."""
+        return self._backing.handover_directory
+
+    @property
+    def backing_bytes(self) -> int:
+        """The bytes of the table's file (a mapped table: of its rows)."""
+        return int(self._backing.layout.file_size)
 
     @property
     def backing(self) -> Any:

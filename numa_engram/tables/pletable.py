@@ -52,9 +52,6 @@ class SharedPLETable(FamilyTable):
 
     def _open_rows(self, built: Built, lookup_threads: int | None) -> None:
         spec, shard = self.spec, self.shard
-        # the ETP rank and size the row range is of (ranks split the rows evenly)
-        self.etp_rank = shard.row_start // shard.num_rows
-        self.etp_size = spec.rows(self.layer_id) // shard.num_rows
         self.lookup_cpus = built.lookup_cpus
         self.lookup_threads = default_lookup_threads(self.lookup_cpus) \
             if lookup_threads is None else max(1, int(lookup_threads))
@@ -72,6 +69,15 @@ class SharedPLETable(FamilyTable):
         self.scale = float(fixed_region(self._backing, "scale")[:4].view(np.float32)[0]) \
             if spec.dtype == "float8_e4m3fn" else None
         self.rows = self._rows()
+
+    @property
+    def etp_rank(self) -> int:
+        """The ETP rank whose rows these are (ranks split the rows evenly)."""
+        return self.shard.row_start // self.shard.num_rows
+
+    @property
+    def etp_size(self) -> int:
+        return int(self.spec.rows(self.layer_id)) // self.shard.num_rows
 
     @classmethod
     def create(cls, spec: PLESpec, layer_id: int, *, etp_rank: int = 0, etp_size: int = 1,
