@@ -14,7 +14,10 @@ puts the gather inside the forward (the release's file:line); settings that
 combine the tier with a service, dp_shared, a placement or huge pages are
 refused naming them, as are vLLM's DP-sharded Engram tables; a checkpoint
 truncated under the tables is a CheckpointError naming the file at the
-next lookup (in a child process: a regression would kill it, not pytest)."""
+next lookup (in a child process: a regression would kill it, not pytest).
+0.34's PLE disk_offload with the tier: vLLM's own staging before the
+forward reads the mapping.  TP 2 x DP 2 in real ranks: one copy of the
+checkpoint's pages by PSS, vLLM's rows."""
 
 import os
 

@@ -143,7 +143,9 @@ SYMBOLS: dict[str, tuple[str, ...]] = {
 # part_n_hash_cols, vocab_start_idx, vocab_end_idx, dp_shared_memory and
 # its params' engram_vocab_start (0.33+ set from row_start, equal to
 # vocab_start_idx on every host branch); a PLE embedding's prefix, tp_rank,
-# tp_size, num_embeddings_padded, shard_indices, weight, weight_scale;
+# tp_size, num_embeddings_padded, shard_indices, weight, weight_scale; with
+# tier mapped on 0.34, Qwen4ExpPLEDiskOffloadEmbedding's stage_rows (wrapped),
+# _host_ids and _planes (its fixed buffers, written by the plugin's gather);
 # vllm.config.get_current_vllm_config, vllm.platforms.current_platform.
 OBJECT_READS = ("engram_config", "additional_config", "model_config.hf_config",
                 "load_config.load_format", "vocab_start_idx", "engram_vocab_start")

@@ -13,9 +13,11 @@ device buffers and dequantised there, where vLLM reads its table
 runs at an eager break of its piecewise CUDA graphs.  Not before the
 forward, as 0.34's PLE ``disk_offload`` stages its rows: every release
 computes the hash ids inside the model's forward (``manifest.Release.
-ids_in_forward`` names the lines), said once per engine at startup.  CUDA
-never registers the mapped pages (the kernel may evict them; the table
-refuses ``register_device`` itself): the device reads the staging."""
+ids_in_forward`` names the lines), said once per engine at startup; only
+0.34's own ``disk_offload`` embedding is staged before it, and with tier
+mapped its reads are the plugin's (``ple.MappedStagedPLE``).  CUDA never
+registers the mapped pages (the kernel may evict them; the table refuses
+``register_device`` itself): the device reads the staging."""
 
 from __future__ import annotations
 
