@@ -47,7 +47,8 @@ from ..runtime.modeldirs import FamilyModelDirectory
 from ..store import serviceclient, unixsockets
 from ..store.fileformat import STATE_READY, ShardKey
 from ..store.storage import BackingFile, read_only_descriptor, seal_contents
-from ..tables.familytables import AnyTable, create_shard
+from ..tables.familytable import FamilyTable
+from ..tables.familytables import create_shard
 from ..tables.request import TableOptions, shard_key, table_layout
 from . import systemd
 from .listener import Listener
@@ -221,11 +222,11 @@ class TableService:
 
         def progress(done: int, total: int) -> None:
             table.done, table.total = done, total
-        created: AnyTable
+        created: FamilyTable
         options = TableOptions(directory=None, placement=table.policy, page_size=self.page_size,
                                load_threads=self.load_threads, progress=progress,
                                topology=self.topology)
-        created = create_shard(self.spec, table.layer_id, table.shard, table.tp_rank, self.tp,
+        created = create_shard(self.spec, table.layer_id, table.shard,
                                self._checkpoint_of(table.layer_id), options)
         try:
             report = created.placement_report()

@@ -113,6 +113,16 @@ class FamilyTable:
         return table
 
     @classmethod
+    def create_shard(cls: type[T], spec: TableFamily, layer_id: int, shard: ShardInfo, *,
+                     checkpoint: Any, options: TableOptions) -> T:
+        """The table of ``shard`` (the rows the family gives one TP rank:
+        ``Family.shard``) made alone, resident, mode independent: what the
+        table service holds, whatever the family."""
+        return cls._create(spec, layer_id, shard, group=None, mode="independent",
+                           checkpoint=checkpoint, tier="resident", asked=TableOptions(),
+                           options=options)
+
+    @classmethod
     def _made(cls: type[T], spec: TableFamily, layer_id: int, shard: ShardInfo, built: Built,
               requested_mode: str, lookup_threads: int | None) -> T:
         """The table of ``built``, which is released if that fails."""
