@@ -576,3 +576,28 @@ def test_tp2_dp2_mapped_one_copy_in_the_page_cache_with_vllms_rows(version, mid_
     print(f"vLLM {version} TP 2 x DP 2 tier mapped: {one_copy} bytes of the checkpoint mapped "
           f"per replica, {copies:.3f} copies by PSS over the four ranks")
     assert abs(copies - 1.0) < 0.03, copies
+
+
+def test_vllms_loader_writes_nothing_into_mapped_tables_and_an_update_is_refused(
+        release, model_dir, ple_dir):
+    """A loader that hands the tensors anyway (no weights mapper drops them)
+    writes nothing, the rows stay the file's; a second load, a weight
+    update, is a PluginError naming the layer and the tier, for both
+    families."""
+    _, embs = _engine(release, model_dir, additional=MAPPED)
+    layer, emb = next(iter(embs.items()))
+    before = emb.numa_table.weights.copy()
+    assert harness.load_checkpoint(emb, model_dir, layer) == 2
+    assert (emb.numa_table.weights == before).all()
+    with pytest.raises(PluginError, match=f"weight update would write into Engram layer "
+                                          f"{layer}'s table of tier mapped"):
+        harness.load_checkpoint(emb, model_dir, layer)
+    checkpoint = os.path.join(ple_dir, "model.safetensors")
+    harness.State.tp = harness.Coordinator([0], None)
+    layer = PLE.layer_ids[0]
+    module = _ple_module(release, ple_dir, layer, additional=MAPPED)
+    harness.load_ple_checkpoint(module, checkpoint, layer)
+    with pytest.raises(PluginError, match=f"weight update would write into PLE layer {layer}'s "
+                                          "table of tier mapped"):
+        harness.load_ple_checkpoint(module, checkpoint, layer)
+    module.ngram_embedding._numa_ple.table.close()

@@ -444,6 +444,18 @@ class MappedTableStorage(TableStorage):
                                       (spec.n_hash_cols,), device)
         self.read_ahead = mapped.ReadAhead()
 
+    def load_weight(self, param: Any, loaded_weight: Any) -> None:  # noqa: ARG002 (vLLM's)
+        """A tensor from vLLM's loader (a model whose weights mapper keeps
+        the Engram tensors): the rows are this table's own bytes, so
+        nothing is written or compared; past the checkpoint's two tensors,
+        a weight update, refused."""
+        if self._loads >= 2:
+            raise PluginError(f"a weight update would write into Engram layer "
+                              f"{self.table.layer_id}'s table of tier mapped, whose rows are the "
+                              "checkpoint files' (read-only): write a new checkpoint and restart "
+                              "on it, or use tier \"resident\"")
+        self._loads += 1
+
     def gather(self, indices: Any, out: Any) -> None:
         """vLLM's ``ParallelEngramEmbedding.lookup`` on this table."""
         mapped.engram_lookup(self.table, self.staging, self.read_ahead, indices, out)
