@@ -7,9 +7,13 @@ The folders are the layers, each importing only those below it (see
 CONTRIBUTING.md): ``bindings`` (the C core, the CUDA runtime), ``model``
 (spec, sharding, hashes, FP8), ``host`` (/proc, /sys, topology, huge pages,
 accounting), ``store`` (file format, backing files, placement, gc),
-``lookup`` (CPU, GPU, prefetch), ``sharing`` (the shared table and its
-protocol), ``runtime`` (the model directory and ``EngramRuntime``) and
-``cli``.
+``lookup`` (CPU, GPU, prefetch), ``groups`` (process groups: torch and
+socket), ``checkpoints`` (safetensors readers of each family),
+``tables`` (the table base class, the Engram and PLE tables, their create
+protocol), ``runtime`` (model directories and ``EngramRuntime``),
+``service`` (the table service) and ``cli``.  A table family is one
+object (``Family``, ``register_family``): docs/design.md, "Adding a
+family".
 """
 
 from __future__ import annotations
@@ -47,6 +51,11 @@ _LAZY = {
     "dequantize_rows": "model.fp8",
     "quantize_rows": "model.fp8",
     "SharedEngramTable": "tables.table",
+    "SharedPLETable": "tables.pletable",
+    "FamilyTable": "tables.familytable",
+    "PLESpec": "model.ple",
+    "Family": "model.families",
+    "register_family": "model.families",
     "TableOptions": "tables.request",
     "PrefetchScheduler": "lookup.prefetch",
     "lookup_rows": "lookup.cpu",
@@ -71,12 +80,16 @@ if TYPE_CHECKING:  # what _LAZY gives, as the real names for type checkers
     from .groups.socketgroup import SocketGroup
     from .lookup.cpu import lookup_rows
     from .lookup.prefetch import PrefetchScheduler
+    from .model.families import Family, register_family
     from .model.fp8 import dequantize_rows, quantize_rows
     from .model.hashstate import HashState
+    from .model.ple import PLESpec
     from .model.tokenmap import build_token_map
     from .runtime.dpsharded import DPShardedLookup, ShardedHeads
     from .runtime.engramruntime import EngramRuntime
     from .runtime.modeldir import ModelDirectory, write_synthetic_model
+    from .tables.familytable import FamilyTable
+    from .tables.pletable import SharedPLETable
     from .tables.request import TableOptions
     from .tables.table import SharedEngramTable
 
@@ -100,6 +113,7 @@ __all__ = [
     "WorldLayout", "as_group", "build_token_map", "compress_ids", "dequantize_rows",
     "lookup_rows", "ngram_hashes", "plan_placement", "quantize_rows", "shard_heads", "shard_rows",
     "sharing_groups", "write_synthetic_model", "TensorNames", "write_synthetic_checkpoint",
-    "TableOptions", "SocketGroup",
+    "TableOptions", "SocketGroup", "SharedPLETable", "FamilyTable", "PLESpec", "Family",
+    "register_family",
 ]
 assert set(_LAZY) <= set(__all__)
