@@ -601,3 +601,33 @@ def test_vllms_loader_writes_nothing_into_mapped_tables_and_an_update_is_refused
                                           "table of tier mapped"):
         harness.load_ple_checkpoint(module, checkpoint, layer)
     module.ngram_embedding._numa_ple.table.close()
+
+
+def _line(root, relative, number):
+    return (root / "vllm/models" / relative).read_text().splitlines()[number - 1]
+
+
+def test_the_lines_the_startup_warning_names_are_what_it_says(release):
+    """Each release's ids_in_forward, against the release's own files the
+    harness holds: the rows are read at vLLM's lookup (V4.1) or _lookup
+    (PLE), called from _start_prefetch; the PLE ids are computed there by
+    compute_ngram_ids; 0.34's forward tests the disk-offload class (the
+    models' nvidia/model.py lines were read in the wheels by hand: the
+    harness does not hold those files)."""
+    import re
+
+    rel = manifest.RELEASES[release.version]
+    _, read = rel.ids_in_forward["Engram"]
+    path, number, caller = re.fullmatch(r"(\S+):(\d+), from (\S*):(\d+)", read).group(1, 2, 4)
+    assert "def lookup(" in _line(release.root, path, int(number))
+    where = "deepseek_v41/nvidia/engram.py" if not harness.merged(release.version) else path
+    assert "def _start_prefetch(" in _line(release.root, where, int(caller))
+    computed, read = rel.ids_in_forward["PLE"]
+    ids_at = int(computed.rsplit(":", 1)[1])
+    assert "self.compute_ngram_ids(" in _line(release.root,
+                                              "qwen4_exp/nvidia/ngram_embedding.py", ids_at)
+    path, number = read.split(":")
+    assert "def _lookup(" in _line(release.root, path, int(number))
+    if rel.ple_disk_offload:
+        assert "isinstance(embedding, Qwen4ExpPLEDiskOffloadEmbedding)" in _line(
+            release.root, "qwen4_exp/nvidia/ngram_embedding.py", 612)
