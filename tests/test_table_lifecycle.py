@@ -192,6 +192,28 @@ def test_a_late_process_attaches_from_the_groups_holders(family, runtime_dir, tm
     assert not os.listdir(runtime_dir)
 
 
+def test_a_table_that_cannot_be_made_of_what_was_built_keeps_nothing(family, monkeypatch):
+    """A table whose rows cannot be made (the rows object refused) of what
+    a create or an attach built raises that and keeps no descriptor."""
+    with family.create(mode="independent", directory=None) as table:
+        fd = table.dup_descriptor()
+    before = sorted(os.listdir("/proc/self/fd"))
+
+    def refused(*args, **kwargs):  # noqa: ARG001
+        raise MemoryError("no room for the rows")
+    # the family's rows object, as its table module names it
+    monkeypatch.setattr(sys.modules[family.cls.__module__],
+                        "ShardRows" if family.name == "engram" else "PLERows", refused)
+    try:
+        with pytest.raises(MemoryError, match="no room"):
+            family.create(mode="independent", directory=None)
+        with pytest.raises(MemoryError, match="no room"):
+            family.attach(fd=fd)
+        assert sorted(os.listdir("/proc/self/fd")) == before
+    finally:
+        os.close(fd)
+
+
 # ------------------------------------------------------------ reports --
 
 def test_stats_carry_the_lookups_latency(family):
