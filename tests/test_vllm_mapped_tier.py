@@ -192,6 +192,11 @@ def test_v41_mapped_tables_are_the_checkpoint_and_serve_vllms_rows(release, mode
         assert after["lookups"] == before["lookups"] + 1 and after["pages"] > before["pages"]
         step = _step(release, emb, index, ids)  # vLLM's step: prepare_embeddings, then embed
         assert torch.equal(_bits(step), _bits(got)), (release.version, layer)
+        # rows not contiguous (as a device's would be reached): through the
+        # staging and the torch dequantisation the GPU path runs
+        wide = torch.zeros((64, emb.part_n_hash_cols, 2 * SPEC.head_dim), dtype=torch.bfloat16)
+        emb.lookup(ids, wide[..., :SPEC.head_dim])
+        assert torch.equal(_bits(wide[..., :SPEC.head_dim]), _bits(got[:, :emb.part_n_hash_cols]))
         if release.version != "0.31.0":  # (0.31's kernel writes BF16 only)
             width = SPEC.head_dim + SPEC.scales_per_row
             ours = torch.zeros((64, emb.part_n_hash_cols, width), dtype=torch.uint8)

@@ -184,7 +184,8 @@ def engram_lookup(table: Any, staging: Staging, read_ahead: ReadAhead, indices: 
     table: ``indices [T, n_hash_cols]`` (global ids) gathered packed into
     the staging, copied to the device and written to ``out``, BF16 ``[T,
     heads, dim]`` (dequantised there) or vLLM's packed uint8 ``[T, heads,
-    dim + dim / block]``."""
+    dim + dim / block]``; a contiguous BF16 ``out`` on the CPU (no device)
+    gets the C kernel's rows directly."""
     import torch
 
     from ...model.fp8 import dequantize_rows
@@ -194,6 +195,10 @@ def engram_lookup(table: Any, staging: Staging, read_ahead: ReadAhead, indices: 
         return
     ids = staging.host_ids(indices, f"Engram layer {table.layer_id}")
     read_ahead.count(table.readahead(ids, id_format="global"))
+    if out.device.type == "cpu" and out.dtype == torch.bfloat16 and out.is_contiguous():
+        # no device: the C kernel dequantises straight into vLLM's rows
+        table.lookup(ids, out=out, id_format="global")
+        return
     table.lookup(ids, out=(staging.host["weights"][:count], staging.host["scales"][:count]),
                  id_format="global", packed=True)
     rows = staging.to_device(count)
@@ -231,7 +236,10 @@ def ple_lookup(table: Any, staging: Staging, read_ahead: ReadAhead, ids: Any,
     if count == 0:
         return output
     host = staging.host_ids(flat, f"PLE layer {table.layer_id}")
+    if output.device.type == "cpu" and output.is_contiguous():  # no device: straight into it
+        gather_ple(table, read_ahead, host, output.view(torch.uint8).view(count, -1))
+        return output
     gather_ple(table, read_ahead, host, staging.host["rows"][:count])
     rows = staging.to_device(count)["rows"]
-    output.view(torch.uint8).reshape(count, -1).copy_(rows)
+    output.view(torch.uint8).view(count, -1).copy_(rows)
     return output

@@ -391,7 +391,7 @@ class MappedStagedPLE:
         ids = emb._host_ids[:num_tokens].reshape(-1)
         host = emb._planes["weight"][1][:num_tokens]
         mapped.gather_ple(self.table, self.read_ahead, ids.numpy(),
-                          host.view(torch_uint8()).reshape(ids.numel(), -1))
+                          host.view(torch_uint8()).view(ids.numel(), -1))
         for staging, plane, _ in emb._planes.values():
             staging[:num_tokens].copy_(plane[:num_tokens], non_blocking=True)
 
