@@ -219,7 +219,7 @@ def _ple_module(release, ple_dir, layer, **config):
 
 
 def test_ple_mapped_tables_are_the_checkpoint_and_serve_vllms_rows(release, ple_dir, caplog):
-    """No copy: vLLM's PLE weight is an empty placeholder, the rows are the
+    """No copy: vLLM's PLE weight is a one-row placeholder, the rows are the
     checkpoint file's mapped pages and vLLM's loader writes none of them;
     vLLM's own lookup (sync_lookup) and dequantisation over them give its
     own storage's bytes and rows; read ahead by hash id first."""
@@ -242,7 +242,7 @@ def test_ple_mapped_tables_are_the_checkpoint_and_serve_vllms_rows(release, ple_
         storage = emb._numa_ple
         table = storage.table
         assert table.tier == "mapped" and table.registration is None
-        assert emb.weight.numel() == 0
+        assert tuple(emb.weight.shape) == (1, PLE.head_dim)  # a placeholder for vLLM's UVA view
         assert _mapped_file(table.weights.ctypes.data) == os.path.realpath(checkpoint)
         assert float(emb.weight_scale) == float(theirs.weight_scale) == table.scale
         ids = torch.from_numpy(np.random.default_rng(layer).integers(

@@ -277,7 +277,7 @@ def _shared_asked(config: Any, emb: Any, tp: Any) -> bool:
 
 class MappedPLEStorage(PLEStorage):
     """A PLE table of tier mapped: the checkpoint's rows, read in place.
-    vLLM's ``weight`` is an empty placeholder (pinned where CUDA runs, as
+    vLLM's ``weight`` is a one-row placeholder (pinned where CUDA runs, as
     vLLM's UVA view asks: the mapping's evictable pages are never
     registered), its ``_lookup`` gathers through fixed staging buffers
     (``mapped.ple_lookup``), and its loader's parts are counted, neither
@@ -307,7 +307,9 @@ class MappedPLEStorage(PLEStorage):
     def parameter(self) -> Any:
         import torch
 
-        return torch.empty(0, self.weight.shape[1], dtype=self.weight.dtype,
+        # one row of zeros, never read: vLLM's constructor takes its UVA
+        # view, which an empty tensor (no address) may not have
+        return torch.zeros(1, self.weight.shape[1], dtype=self.weight.dtype,
                            pin_memory=self.device is not None)
 
     def gather(self, ids: Any, output: Any) -> Any:
