@@ -654,3 +654,28 @@ def test_a_real_vllm_engine_builds_mapped_tables_and_hands_no_engram_tensor(
     report = engine(vllm_python, model_dir, MAPPED)
     assert {t["mode"] for t in report["layers"]} == {"mapped"}
     assert report["engram_tensors_mapped"] == [] and report["tensors_mapped"] == 0
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("family", ["Engram", "PLE"])
+def test_dp_replicas_given_different_tiers_all_fail_naming_it(family, model_dir, ple_dir):
+    """Two DP replicas, one given tier mapped and one the resident default:
+    both fail at construction with the same PluginError naming the tier of
+    each (one bounded collective, as for any setting that differs), none
+    waits for the other."""
+    from .support.dist_harness import run_world
+    from .support.vllm_mapped_scenarios import tiers_differ
+
+    version = max(manifest.RELEASES)
+    root, why = harness.wheel_sources(version)
+    if root is None:
+        pytest.skip(why)
+    results = run_world(2, tiers_differ, timeout_s=300, root=str(root), version=version,
+                        family=family, model_dir=model_dir if family == "Engram" else ple_dir,
+                        ple_spec=PLE.to_dict())
+    for r in results:
+        assert r["ok"], r.get("traceback", r)
+        assert r["raised"] is not None and r["raised"].startswith("PluginError: the DP "
+                                                                  "replicas were given "
+                                                                  "different"), r
+        assert "tier: rank 0 'mapped', rank 1 'resident'" in r["raised"], r

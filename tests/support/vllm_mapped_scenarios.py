@@ -68,3 +68,30 @@ def tp2_dp2_mapped(rank, world, *, model_dir, root, spec, version, tp=2):
     for emb in embs.values():
         emb.numa_table.close()
     return out
+
+
+def tiers_differ(rank, world, *, model_dir, root, version, family, ple_spec=None):
+    """Two DP replicas (TP 1) given different tiers (rank 0 mapped, rank 1
+    resident): what each rank's construction raised (V4.1: vLLM's
+    can_share_engram_tables then the layer, as its model asks with
+    dp_shared_memory; PLE: the layer of ``ple_spec``)."""
+    harness.State.tp, harness.State.edp = _groups(rank, world, 1)
+    harness.State.dp = harness.State.edp
+    additional = {"tier": "mapped"} if rank == 0 else {}
+    harness.State.config = harness.config(model_dir, dp_shared=True, additional=additional)
+    try:
+        if family == "Engram":
+            nv, common = harness.vllm_modules(Path(root), version)
+            patch(nv, common)
+            layout = harness.layout_of(common, model_dir)
+            nv.can_share_engram_tables(layout)
+            nv.Engram._create_embedding(harness.thin_engram(nv, 0), layout, 0)
+        else:
+            from numa_engram.integrations.vllm import patch_ple
+
+            ple = harness.ple_modules(Path(root), version)
+            patch_ple(ple.common, ple.ple, ple.nv)
+            harness.ple_layer(ple.nv, ple_spec, ple_spec["layer_ids"][0], dp_rank=rank)
+    except Exception as exc:
+        return {"raised": f"{type(exc).__name__}: {exc}"}
+    return {"raised": None}

@@ -157,9 +157,9 @@ class LayerTables:
         spec = model_spec(self.config)
         shard = vllm_shard(spec, self.layer_id, emb)
         device = placement.device()
-        if self.settings.tier == "mapped":
-            return self._mapped(spec, shard, emb, device)
         edp = self.nv.get_engram_dp_group()
+        if self.settings.tier == "mapped":
+            return self._mapped(spec, shard, emb, edp, device)
         decision = placement.decide(self.config, self.settings, edp,
                                     shared_asked=bool(emb.dp_shared_memory))
         if decision.source == "service":
@@ -184,7 +184,7 @@ class LayerTables:
         return TableStorage(self.nv, self.common, table, writer=True, group=None, filled=False,
                             config=self.config)
 
-    def _mapped(self, spec: EngramSpec, shard: ShardInfo, emb: Any,
+    def _mapped(self, spec: EngramSpec, shard: ShardInfo, emb: Any, edp: Any,
                 device: int | None) -> TableStorage:
         """The layer's TP slice mapped from the checkpoint vLLM loads (no
         service, no group: every rank maps the files, the page cache holds
@@ -200,6 +200,7 @@ class LayerTables:
                               "reads the tables' memory from the device: deepseek_v41/nvidia/"
                               "ops/engram_peer.py:107): set dp_shared_memory=True, or use "
                               "tier \"resident\"")
+        placement.agree_mapped(self.config, self.settings, edp)
         refuse_load(self.config, read_only=True)
         table = mapped.create(self.config, f"Engram layer {self.layer_id}", lambda path:
                               SharedEngramTable.create(spec, self.layer_id, shard,
@@ -507,6 +508,7 @@ def can_share(nv: ModuleType, layout: Any,  # noqa: ARG001 (vLLM's signature)
     config = nv.get_current_vllm_config()
     settings = settings_of(config)
     if settings.tier == "mapped":  # every replica maps its TP slice: the page cache's one copy
+        placement.agree_mapped(config, settings, nv.get_engram_dp_group())
         return True
     decision = placement.decide(config, settings, nv.get_engram_dp_group(),
                                 shared_asked=True)

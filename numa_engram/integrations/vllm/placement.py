@@ -157,6 +157,19 @@ def _decide(settings: PluginSettings, dp: Any, shared_asked: bool,
     return Decision("dp_shared")
 
 
+def agree_mapped(config: Any, settings: PluginSettings, dp: Any) -> None:
+    """Tier mapped decides nothing (every rank maps the checkpoint itself),
+    but its DP peers must have been given the same settings, as ``decide``
+    checks them: the same bounded collective, once per engine and group
+    (a peer given another tier meets it there, and every member raises the
+    same PluginError naming the setting)."""
+    state = engine(config)
+    key = tuple(dp.ranks) if dp is not None and hasattr(dp, "ranks") else (id(dp),)
+    if key not in state.decisions:
+        agree(dp, {"settings": asdict(settings), "service": None, "here": (True, (), "")})
+        state.decisions[key] = Decision("independent")
+
+
 def agree(dp: Any, mine: dict) -> list[dict]:
     """Every DP peer's ``mine`` (one bounded collective over ``dp``), after
     checking that they were given the same settings: else every member

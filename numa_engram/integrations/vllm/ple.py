@@ -115,6 +115,7 @@ class PLEStorage:
         check_layer(spec, layer, emb, rows, dim, dtype)
         if settings.tier == "mapped":
             mapped.say_where(config, "PLE")
+            placement.agree_mapped(config, settings, common.get_dp_group())
             storage: PLEStorage = MappedPLEStorage.make(config, spec, layer, emb, dtype,
                                                         common.get_tp_group())
         else:
