@@ -560,8 +560,8 @@ def mid_model(tmp_path_factory):
 @pytest.mark.parametrize("version", sorted(manifest.RELEASES))
 def test_tp2_dp2_mapped_one_copy_in_the_page_cache_with_vllms_rows(version, mid_model):
     """Four real ranks as vLLM's TP 2 x DP 2 with dp_shared_memory and tier
-    mapped: vLLM may share (every replica maps its TP slice, no collective
-    asked), its loader is handed no Engram tensor, the checkpoint's pages
+    mapped: vLLM may share (every replica maps its TP slice, their settings
+    agreed), its loader is handed no Engram tensor, the checkpoint's pages
     are held once for the four ranks (PSS), and vLLM's forward with its TP
     gather gives the whole table's rows and vLLM's own storage's."""
     from .support.dist_harness import run_world

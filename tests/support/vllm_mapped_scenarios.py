@@ -20,8 +20,8 @@ from .vllm_scenarios import _groups, _vllms_own, global_ids, load_through_mapper
 
 def tp2_dp2_mapped(rank, world, *, model_dir, root, spec, version, tp=2):
     """Every layer's embedding built by vLLM's Engram through the plugin with
-    tier mapped, in vLLM's DP-shared branch: whether vLLM may share (no
-    collective asked), the loader calls the weights mapper lets through,
+    tier mapped, in vLLM's DP-shared branch: whether vLLM may share (the
+    settings agreed), the loader calls the weights mapper lets through,
     each table's tier, the checkpoint files' pages this rank holds (PSS:
     the replicas of a TP rank map the same pages), and vLLM's forward with
     its TP gather against the whole table's rows and vLLM's own storage's."""
