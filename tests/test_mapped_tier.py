@@ -544,6 +544,52 @@ def test_read_ahead_asks_for_exactly_the_rows_pages(tmp_path):
         assert table.readahead(ids[:0]) == (0, 0)
 
 
+def test_the_plugins_read_ahead_rests_while_the_page_cache_is_warm(tmp_path):
+    """The vLLM plugin's per-lookup read-ahead (integrations/vllm/mapped.py):
+    asked at every lookup while pages are missing; once one finds every
+    page in memory, the next lookups skip its mincore calls for a spell
+    that doubles (1, 3, 7, ... QUIET_MAX) while they stay there; pages
+    dropped meanwhile are seen at the next one asked, which ends it."""
+    from numa_engram.integrations.vllm.mapped import ReadAhead
+
+    spec = EngramSpec.small(rows_per_head=40000, n_head_per_ngram=4, head_dim=128, seed=0)
+    layer = spec.layer_ids[0]
+    path = str(write_synthetic_checkpoint(tmp_path / "model.safetensors", spec, seed=1))
+    shard = shard_heads(spec.bucket_sizes(layer), 1, 0)
+    ids = np.random.default_rng(4).integers(0, min(spec.bucket_sizes(layer)),
+                                            size=(8, spec.n_hash_cols))
+    with SharedEngramTable.create(spec, layer, shard, checkpoint=path, tier="mapped") as table:
+        _drop_pages(path)
+        ahead = ReadAhead()
+
+        def lookups(n):
+            asked = []
+            for _ in range(n):
+                before = ahead.pages
+                ahead.ahead(lambda: table.readahead(ids))
+                asked.append(ahead.pages > before)
+            return asked
+
+        assert lookups(1) == [True]  # cold: every page asked for
+        pages = ahead.pages
+        assert pages > 0 and ahead.resident == 0
+        deadline = time.monotonic() + 10
+        while table.readahead(ids, advise=False) != (pages, pages):  # the kernel's reads
+            assert time.monotonic() < deadline, table.readahead(ids, advise=False)
+            time.sleep(0.01)
+        # asked again (misses last time), all in memory: quiet 1, then 3, then 7
+        assert lookups(1 + 1 + 1 + 3 + 1 + 7) == [True, False, True, False, False, False,
+                                                  True] + [False] * 7
+        assert (ahead.pages, ahead.resident) == (4 * pages, 3 * pages)
+        _drop_pages(path)  # evicted (read ahead, never faulted into this process)
+        assert lookups(1) == [True]  # the next one asked sees the misses: the spell ends
+        assert lookups(2) == [True, True]  # (asked for again meanwhile)
+        assert ahead.skipped == 1 + 3 + 7
+        warm = lookups(400)  # the spell grows to QUIET_MAX and stays there
+        assert warm.count(True) <= 7 + 400 // (ReadAhead.QUIET_MAX + 1)
+        assert warm[-ReadAhead.QUIET_MAX - 1:].count(True) == 1
+
+
 def test_the_prefetch_scheduler_reads_a_mapped_tables_rows_ahead_and_counts(ckpt):
     from numa_engram.lookup.prefetch import PrefetchScheduler
 
