@@ -313,6 +313,7 @@ def test_an_attached_tables_report_line_gives_its_measured_pages_per_node(
         found = re.search(r"source attached, 4K pages, \d+ bytes, pages per node (\{[^}]*\})",
                           line)
         assert found, line
+        assert "copies by PSS not measured (attached" in line, line  # not "0.0 copies"
         per_node = ast.literal_eval(found.group(1))
         regions = table._backing.layout.regions
         assert sum(per_node.values()) == sum(-(-r.length // 4096) for r in regions), line

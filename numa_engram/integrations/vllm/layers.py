@@ -383,11 +383,15 @@ class TableStorage:
         if self.group is not None:  # (every member gathers: a collective)
             every = self.group.all_gather(pss, "numa_engram: the copies' PSS")
             pss = None if None in every else sum(every)
+        if self.filled:  # attached: no page is mapped here before its first read
+            pss = None
         doc["pss_copies"] = None if pss is None else round(pss / self.table.backing_bytes, 3)
+        copies = "copies by PSS not measured (attached: its pages map at their first read)" \
+            if self.filled else f"{doc['pss_copies']} copies by PSS"
         doc.update(layer_line(
             "Engram", self.table, f"heads [{doc['head_start']}, {doc['head_end']})",
             "attached" if self.filled else "built", f", group {doc['sharing_group']}, "
-            f"{doc['pss_copies']} copies by PSS, startup {doc['startup_s']}",
+            f"{copies}, startup {doc['startup_s']}",
             served=self._served(served_pages_per_node)))
         return doc
 
