@@ -23,7 +23,7 @@ VERSION = re.search(r'__version__ = "([^"]+)"',
 # The declarations are the parts' headers (src/*.h, plain declarations
 # cffi reads as they are) after the constants Python reads (constants.cdef,
 # their values taken from the compiled core).
-HEADERS = ("memory.h", "pool.h", "filemap.h", "lookup.h", "hashing.h", "ple.h")
+HEADERS = ("memory.h", "pool.h", "filemap.h", "lookup.h", "hashing.h", "ple.h", "step.h")
 CDEF = "\n".join([(HERE / "constants.cdef").read_text(),
                   *((HERE / "src" / name).read_text() for name in HEADERS)])
 

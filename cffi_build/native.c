@@ -12,6 +12,7 @@
  *   src/lookup.c   gathering rows for hash ids (BF16 or packed)
  *   src/hashing.c  DeepSeek's n-gram hashes, batch and serving windows
  *   src/ple.c      Qwen4-Exp's PLE ids and per-tensor-scale rows
+ *   src/step.c     a decode step's gathers for several layers in one call
  *
  * Every wrapper returns -1 (or NULL) and leaves errno set on failure; the
  * Python side (numa_engram/bindings/native.py) is the only caller and turns
@@ -24,6 +25,7 @@
 #include "src/lookup.h"
 #include "src/hashing.h"
 #include "src/ple.h"
+#include "src/step.h"
 #include "src/memory.c"
 #include "src/rows.c"
 #include "src/pool.c"
@@ -31,3 +33,4 @@
 #include "src/lookup.c"
 #include "src/hashing.c"
 #include "src/ple.c"
+#include "src/step.c"

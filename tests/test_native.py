@@ -185,5 +185,7 @@ def test_every_exported_c_function_has_a_python_caller():
     exported = [name for name in dir(native.lib)
                 if name.startswith("ne_") and callable(getattr(native.lib, name))]
     assert len(exported) > 20, exported
-    dead = [name for name in exported if f"lib.{name}(" not in sources]
+    # called, or bound with its first argument for calls (functools.partial)
+    dead = [name for name in exported
+            if f"lib.{name}(" not in sources and f"partial(lib.{name}," not in sources]
     assert dead == [], f"declared in cffi_build/src/*.h, called by no module: {dead}"

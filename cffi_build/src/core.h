@@ -94,6 +94,21 @@ static pid_t current_pid(void)
     return this_pid;
 }
 
+/* A lookup refused before it read anything: its output shares a byte with
+ * the ids it reads or the table's mapping (or, packed, its two outputs one
+ * another), which the kernel would write over (a read-only mapping: a
+ * SIGSEGV; ids: rows it has not read yet).  Checked per call in C, where
+ * it is a few compares; Python names the buffers after (docs/design.md,
+ * "The decode budget"). */
+#define NE_OVERLAP (-5)
+
+/* Whether the byte spans [a, a + a_n) and [b, b + b_n) meet (an empty one
+ * meets none). */
+static inline int spans_meet(uintptr_t a, uintptr_t a_n, uintptr_t b, uintptr_t b_n)
+{
+    return a_n && b_n && a < b + b_n && b < a + a_n;
+}
+
 /* Threads to use: at least 1, at most NE_MAX_THREADS and one per item. */
 static int clamp_threads(int n_threads, int64_t n_items)
 {

@@ -716,6 +716,41 @@ void ne_table_close(struct ne_table_state *st)
     }
 }
 
+/* The bytes a call of n_tokens tokens reads of ids: from head 0 of its
+ * first token to its last head of its last token. */
+static void lookup_ids_span(const struct ne_kernel *k, const void *ids, int64_t n_tokens,
+                            int64_t stride, uintptr_t *lo, uintptr_t *n)
+{
+    *lo = (uintptr_t)((const int64_t *)ids + k->col0);
+    *n = n_tokens > 0 ? (uintptr_t)((n_tokens - 1) * stride + k->g->n_heads) * 8 : 0;
+}
+
+/* The bytes a call of n_tokens tokens writes: BF16 rows into out, or
+ * packed rows into out and their scale bytes into out_scales. */
+static void lookup_out_spans(const struct ne_kernel *k, int64_t n_tokens, const void *out,
+                             const void *out_scales, uintptr_t spans[4])
+{
+    const struct ne_geometry *g = k->g;
+    const uintptr_t rows = n_tokens > 0 ? (uintptr_t)(n_tokens * g->n_heads) : 0;
+    spans[0] = (uintptr_t)out;
+    spans[1] = rows * (uintptr_t)g->dim * (out_scales ? 1 : 2);
+    spans[2] = (uintptr_t)out_scales;
+    spans[3] = out_scales ? rows * (uintptr_t)(g->dim / g->block) : 0;
+}
+
+/* Whether a call's outputs meet its ids, the table's mapping or each other. */
+static int lookup_overlaps(const struct ne_kernel *k, const void *ids, int64_t n_tokens,
+                           int64_t stride, const void *out, const void *out_scales)
+{
+    uintptr_t o[4], id_lo, id_n;
+    const uintptr_t map_lo = k->map_lo, map_n = k->map_hi - k->map_lo;
+    lookup_out_spans(k, n_tokens, out, out_scales, o);
+    lookup_ids_span(k, ids, n_tokens, stride, &id_lo, &id_n);
+    return spans_meet(o[0], o[1], id_lo, id_n) || spans_meet(o[2], o[3], id_lo, id_n) ||
+           spans_meet(o[0], o[1], map_lo, map_n) || spans_meet(o[2], o[3], map_lo, map_n) ||
+           spans_meet(o[0], o[1], o[2], o[3]);
+}
+
 /* A shard's rows for n_tokens tokens of ids (ids[t * stride + k->col0 + h]
  * for head h), over the fixed arguments in k (struct ne_kernel, bound once
  * per table): BF16 rows into out[n_tokens][n_heads][dim] when out_scales
@@ -729,14 +764,18 @@ void ne_table_close(struct ne_table_state *st)
  * k->state when there is one.  Returns the number of bad ids (ne_last_bad
  * gives the first), -1 with errno when a thread cannot be started (EAGAIN)
  * or its scratch (ENOMEM) allocated, -2 when the table is closed
- * (nothing read), or NE_FAULTED when a row's page could not be read
- * (SIGBUS: a mapped file truncated; ne_last_fault gives the address). */
+ * (nothing read), NE_FAULTED when a row's page could not be read
+ * (SIGBUS: a mapped file truncated; ne_last_fault gives the address), or
+ * NE_OVERLAP when an output shares bytes with the ids the call reads, the
+ * table's mapping or the other output (nothing read or written). */
 int64_t ne_lookup(const struct ne_kernel *k, const void *ids, int64_t n_tokens, int64_t stride,
                   int global_ids, void *out, void *out_scales)
 {
     const struct ne_geometry *g = k->g;
     const struct ne_tuning *tn = k->tuning ? k->tuning : &default_tuning;
     struct ne_table_state *st = k->state;
+    if (lookup_overlaps(k, ids, n_tokens, stride, out, out_scales))
+        return NE_OVERLAP;
     if (st && !table_enter(st))
         return -2;
     const int64_t started = st ? now_ns() : 0;

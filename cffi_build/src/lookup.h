@@ -48,8 +48,9 @@ struct ne_table_state {
 void ne_table_close(struct ne_table_state *st);
 /* A shard's lookup with all but the ids and the output bound once per
  * table (and process): its geometry, the first id column it reads, at
- * most n_threads threads, the CPUs fresh ones are bound to and the pool
- * of persistent ones (NULL: none).  A call then passes seven arguments,
+ * most n_threads threads, the CPUs fresh ones are bound to, the pool
+ * of persistent ones (NULL: none) and the bytes of the table's mapping
+ * [map_lo, map_hi), which no output may share (0, 0: none).  A call then passes seven arguments,
  * not twelve: each costs ~50 ns through cffi (docs/design.md, "The
  * decode budget"). */
 struct ne_kernel {
@@ -61,6 +62,7 @@ struct ne_kernel {
     struct ne_pool *pool;
     struct ne_table_state *state;   /* NULL: a one-off call, not a table's */
     const struct ne_tuning *tuning; /* NULL: the defaults */
+    uintptr_t map_lo, map_hi;
 };
 int64_t ne_lookup(const struct ne_kernel *k, const void *ids, int64_t n_tokens, int64_t stride,
                   int global_ids, void *out, void *out_scales);

@@ -299,13 +299,26 @@ ple_lookup_run(const struct ne_ple_shard *s, const void *ids, int64_t n_ids, int
     return -1;
 }
 
+/* Whether a call's output meets its ids or the table's mapping. */
+static int ple_overlaps(const struct ne_ple_shard *s, const void *ids, int64_t n_ids, int scaled,
+                        const void *out)
+{
+    const uintptr_t n = n_ids > 0 ? (uintptr_t)n_ids : 0;
+    const uintptr_t out_n = n * (uintptr_t)s->row_bytes * (scaled ? 2 : 1);
+    return spans_meet((uintptr_t)out, out_n, (uintptr_t)ids, n * 8) ||
+           spans_meet((uintptr_t)out, out_n, s->map_lo, s->map_hi - s->map_lo);
+}
+
 /* ple_lookup_run counted in s->state (a call with no id outside the layer:
- * its rows and time), or PLE_CLOSED (-4) once the table is closed: nothing
- * read. */
+ * its rows and time), PLE_CLOSED (-4) once the table is closed, or
+ * NE_OVERLAP when out shares bytes with the ids or the table's mapping:
+ * nothing read. */
 int64_t
 ne_ple_lookup(const struct ne_ple_shard *s, const void *ids, int64_t n_ids, int scaled, void *out)
 {
     struct ne_table_state *st = s->state;
+    if (ple_overlaps(s, ids, n_ids, scaled, out))
+        return NE_OVERLAP;
     if (st && !table_enter(st))
         return -4;
     const int64_t started = st ? now_ns() : 0;

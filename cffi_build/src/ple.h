@@ -18,6 +18,7 @@ struct ne_ple_shard {
     float scale;                  /* a BF16 value: the per-tensor scale */
     struct ne_pool *pool;         /* NULL: the caller alone */
     struct ne_table_state *state; /* the table's: counted, refused once closed; NULL: neither */
+    uintptr_t map_lo, map_hi;     /* the table's mapping: no output may share a byte of it */
     uint16_t lut[256];            /* BF16 bits of each FP8 byte times scale */
 };
 void ne_ple_shard_init(struct ne_ple_shard *s);

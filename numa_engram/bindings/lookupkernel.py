@@ -1,21 +1,23 @@
 """Typed Python over the C core's lookup kernels: ids and outputs as the
 kernel takes them, the persistent worker pools, a shard's geometry and
-tuning, ``ShardKernel`` (a table's lookup bound once) and ``PLEShard``.
+tuning, ``ShardKernel`` (a table's lookup bound once), ``PLEShard`` and
+``StepKernel`` (a step's layers in one call).
 No torch here."""
 
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
-from ..errors import SpecError, StorageError
+from ..errors import SpecError, StorageError, SyscallError
 from . import native
 from .native import ffi, lib, ptr, raise_errno
 
@@ -72,6 +74,12 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def this_pid() -> int:
+    """This process's pid without a system call (renewed in a forked child):
+    what a binding made in a parent compares, to bind again in the child."""
+    return _this_process[0]
 
 
 class Workers:
@@ -264,19 +272,22 @@ class ShardKernel:
     it reads (``col0``), the threads a call may use, the CPUs they are bound
     to and, for more than one thread, the persistent ``Workers`` (made at
     the first call, and again in a forked child, whose copy has no
-    threads; ``persistent=False``: fresh threads per call instead) and the
+    threads; ``persistent=False``: fresh threads per call instead), the
     table's ``TableState`` (``state``: its lookups counted, refused once it
-    is closed).  ``bound`` is that struct once a call (or ``bind()``) made
-    it in this process: None before, after ``close()`` and in a forked
-    child.  Every lookup goes through ``run`` (``ShardRows`` calls it with
-    ids and outputs already cast).  After ``close()`` a call raises
-    StorageError."""
+    is closed) and the bytes of the table's mapping (``mapped``), which the
+    kernel refuses an output over (NE_OVERLAP, as one over the ids).
+    ``bound`` is that struct once a call (or ``bind()``) made it in this
+    process: None before, after ``close()`` and in a forked child.  Every
+    lookup goes through ``run`` (``ShardRows`` calls it with ids and
+    outputs already cast).  After ``close()`` a call raises StorageError."""
 
     def __init__(self, geometry: Geometry, threads: int, cpus: Sequence[int] = (),
                  col0: int = 0, *, persistent: bool = True,
-                 state: TableState | None = None, tuning: Tuning | None = None) -> None:
+                 state: TableState | None = None, tuning: Tuning | None = None,
+                 mapped: tuple[int, int] = (0, 0)) -> None:
         self.geometry, self.threads, self.cpus = geometry, max(1, int(threads)), tuple(cpus)
         self.col0, self.persistent, self.state = int(col0), persistent, state
+        self.mapped = mapped  # the table's mapping: the kernel refuses outputs over it
         # checked here, bound with the struct: NULL for the defaults
         self._tuning = ffi.NULL if tuning is None else tuning.struct()
         self.closed = False
@@ -310,9 +321,13 @@ class ShardKernel:
 
     def bad_ids(self, bad: int, tokens: int) -> tuple[int, int, int]:
         """(bad ids, flat index of the first, its value); raises when the
-        call failed (-1: no thread or no scratch; -2: the table is closed)."""
+        call failed (-1: no thread or no scratch; -2: the table is closed;
+        NE_OVERLAP: an output over the ids or the table, which a caller
+        that knows the buffers names first)."""
         if bad == -2:
             raise StorageError("the table is closed")
+        if bad == NE_OVERLAP:
+            raise SpecError(OVERLAP_TEXT)
         if bad == native.NE_FAULTED:
             raise native.fault_error("an Engram lookup")
         if bad < 0:
@@ -340,7 +355,8 @@ class ShardKernel:
                     "g": self.geometry.struct, "col0": self.col0, "n_threads": self.threads,
                     "cpus": cpu_arg[0], "n_cpus": cpu_arg[1], "pool": pool,
                     "state": ffi.NULL if self.state is None else self.state.struct,
-                    "tuning": self._tuning})
+                    "tuning": self._tuning, "map_lo": self.mapped[0],
+                    "map_hi": self.mapped[1]})
                 # the struct points into these: they live as long as it does
                 self._keep = (cpu_arg, pool)
                 self.bound = bound
@@ -369,6 +385,9 @@ class ShardKernel:
 
 
 _NO_BAD_IDS = (0, -1, 0)
+NE_OVERLAP: int = lib.NE_OVERLAP  # either kernel's: an output over the ids or the table
+OVERLAP_TEXT = ("a lookup's output shares bytes with the ids it reads or the table's mapping; "
+                "pass a buffer of its own (e.g. torch.empty)")
 
 
 def _check_lookup_rc(rc: int, tokens: int, heads: int, threads: int) -> None:
@@ -387,42 +406,87 @@ class PLEShard:
     (a BF16 value: vLLM's ``rows.to(bf16) * scale.to(bf16)``; None: BF16
     rows), ``workers`` a large call is split over (with the caller), the
     table's ``TableState`` (``state``: lookups counted by the kernel,
-    refused once it is closed; None: neither).  Keeps the table, workers
-    and state alive while it is."""
+    refused once it is closed; None: neither) and the bytes of the table's
+    mapping (``mapped``), which the kernel refuses an output over.  Keeps
+    the table, workers and state alive while it is."""
 
     def __init__(self, table: np.ndarray, row_start: int, total_rows: int,
                  scale: float | None, workers: Workers | None = None,
-                 state: TableState | None = None) -> None:
+                 state: TableState | None = None, mapped: tuple[int, int] = (0, 0)) -> None:
         self.table, self.workers, self.state = table, workers, state
         self.struct = ffi.new("struct ne_ple_shard *", {
             "table": ptr(table, "uint8_t *") if table.size else ffi.NULL,
             "n_rows": table.shape[0], "row_bytes": table.shape[1], "row_start": row_start,
             "total_rows": total_rows, "scale": 0.0 if scale is None else scale,
             "pool": workers.pool if workers is not None and workers.usable else ffi.NULL,
-            "state": ffi.NULL if state is None else state.struct})
+            "state": ffi.NULL if state is None else state.struct,
+            "map_lo": mapped[0], "map_hi": mapped[1]})
         lib.ne_ple_shard_init(self.struct)  # the scale's table of the 256 FP8 bytes
-
-    def rows(self, ids: np.ndarray, out: np.ndarray, scaled: bool) -> int:
-        """``out[i]`` = row ``ids[i]`` (C-contiguous int64): BF16 bits of
-        byte x scale (``scaled``) or the stored bytes; zeros for ids outside
-        the shard.  Returns the position of the first id outside the layer
-        (its row zeros too), or -1.  The caller checks ``out``'s size."""
-        if not ids.size:
-            return -1
-        return self.run(ffi.from_buffer(ids), ids.size, ffi.from_buffer(out), scaled)
-
-    def run(self, ids: Any, n_ids: int, out: Any, scaled: bool) -> int:
-        """``rows`` over ids and an output already cast (``ffi.from_buffer``
-        of C-contiguous int64 ids, at least one; a pointer or buffer of
-        ``out``): the one place Python calls ``ne_ple_lookup``."""
-        found = lib.ne_ple_lookup(self.struct, ids, n_ids, scaled, out)
-        if found < -1:
-            if found == PLE_CLOSED:
-                raise StorageError("the table is closed")
-            if found == native.NE_FAULTED:
-                raise native.fault_error("a PLE lookup")
-            raise_errno("ne_ple_lookup", "a row of no bytes")
-        return found
+        # kernel(ids, n_ids, scaled, out): ``ne_ple_lookup`` on this shard
+        # (ids: C-contiguous int64 cast by ``ffi.from_buffer``, at least
+        # one; out: BF16 bits of byte x scale (scaled) or the stored bytes,
+        # zeros for ids outside the shard); its result: -1, the position of
+        # the first id outside the layer, or a failure (``ple_failed``).
+        # The one place Python calls it.
+        self.kernel = functools.partial(lib.ne_ple_lookup, self.struct)
 
 
 PLE_CLOSED = -4  # ne_ple_lookup's: the shard's TableState was closed, nothing read
+
+
+def ple_failed(code: int) -> NoReturn:
+    """The error of ``ne_ple_lookup``'s failure ``code`` (below -1)."""
+    if code == PLE_CLOSED:
+        raise StorageError("the table is closed")
+    if code == native.NE_FAULTED:
+        raise native.fault_error("a PLE lookup")
+    if code == NE_OVERLAP:
+        raise SpecError(OVERLAP_TEXT)
+    raise SyscallError("ne_ple_lookup", ffi.errno, "a row of no bytes")
+
+
+class StepKernel:
+    """A decode step's gathers for ``n`` layers in one C call
+    (``ne_gather_step``, the GIL released once): each layer is filled once
+    (``set_engram``, ``set_ple``: its bound kernel or shard and its
+    output), then a call writes only the layers' ids (``ids``, and an
+    Engram layer's row stride in ``strides``) and runs.  Keeps what the
+    structs point into alive."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.layers = ffi.new("struct ne_gather[]", max(n, 1))
+        self.ids = ffi.new("void *[]", max(n, 1))
+        self.strides = ffi.new("int64_t[]", max(n, 1))
+        self._keep: list[Any] = [None] * n
+
+    def set_engram(self, i: int, kernel: ShardKernel, tokens: int, global_ids: bool,
+                   rows: Any, scales: Any = ffi.NULL) -> None:
+        """Layer ``i``: an Engram shard's kernel (bound in this process
+        here) into ``rows`` (BF16 bits, or packed rows with ``scales``)."""
+        bound = kernel.bind()
+        layer = self.layers[i]
+        layer.engram, layer.ple, layer.global_ids, layer.scaled = bound, ffi.NULL, global_ids, 0
+        layer.tokens, layer.out, layer.out_scales = tokens, rows, scales
+        self._keep[i] = (kernel, bound, rows, scales)
+
+    def set_ple(self, i: int, shard: PLEShard, n_ids: int, scaled: bool, out: Any) -> None:
+        """Layer ``i``: a PLE shard's ``n_ids`` ids into ``out``."""
+        layer = self.layers[i]
+        layer.engram, layer.ple, layer.global_ids, layer.scaled = ffi.NULL, shard.struct, 0, scaled
+        layer.tokens, layer.out, layer.out_scales = n_ids, out, ffi.NULL
+        self._keep[i] = (shard, out)
+
+    def run(self) -> int:
+        """Every layer gathered from the ids written into ``ids`` (and
+        ``strides``): -1, or the index of the layer that failed
+        (``failure`` says how; the layers before it have their rows)."""
+        return lib.ne_gather_step(self.layers, self.n, self.ids, self.strides)
+
+    @staticmethod
+    def failure() -> tuple[int, int]:
+        """(the failed layer's kernel code, the layer whose ids its output
+        met, or -1) of this thread's last failed ``run``."""
+        got = ffi.new("int64_t[2]")
+        lib.ne_step_failure(got)
+        return int(got[0]), int(got[1])

@@ -23,7 +23,7 @@ try:  # numpy >= 2.0 moved it here and off numpy's namespace
 except ImportError:  # numpy 1.24-1.26 (the lower bound in pyproject.toml)
     from numpy import byte_bounds  # type: ignore[attr-defined,no-redef]
 
-from ..bindings import native
+from ..bindings import lookupkernel, native
 from ..errors import CapacityError, SpecError
 
 if TYPE_CHECKING:
@@ -76,17 +76,6 @@ def check_apart(written: Sequence[Named], read: Sequence[Named] = ()) -> None:
                     f"byte of {name}: pass a buffer of its own (e.g. torch.empty)")
 
 
-def check_apart_from(written: Sequence[Named], ids: Span, mapped: Span) -> None:
-    """``check_apart(written, (ids, mapped))`` for outputs already apart
-    from each other: a call's share, in integer compares (the decode
-    budget, docs/design.md)."""
-    i_start, i_end = ids
-    m_start, m_end = mapped
-    for _, (start, end) in written:
-        if start < i_end and i_start < end or start < m_end and m_start < end:
-            check_apart(written, (("the ids", ids), ("the table's mapping", mapped)))
-
-
 def aligned_empty(n: int, dtype: Any = np.uint16) -> np.ndarray:
     """``n`` items of ``dtype``, 64-byte aligned (the kernel's streaming
     stores need whole cache lines), from numpy's allocator: it asks for
@@ -117,10 +106,24 @@ def bf16_out(out: torch.Tensor | None,
     return out, out.view(torch.int16).numpy().view(np.uint16)
 
 
+# (torch.Tensor, torch.bfloat16) once torch is imported: check_bf16_out runs
+# every lookup(ids, out=) call, and an import statement there is ~60 ns
+_bf16_types: list[Any] = []
+
+
 def check_bf16_out(out: Any, shape: tuple[int, ...]) -> None:
     """``out`` must be a contiguous CPU BF16 tensor of ``shape``.  The
-    cheapest of torch's reads (``is_cpu``, not ``device.type``; ``shape``
-    compared as it is): ``lookup(ids, out=)`` runs this every call."""
+    cheapest of torch's reads (a plain tensor's type compared, ``is_cpu``
+    rather than ``device.type``; ``shape`` compared as it is):
+    ``lookup(ids, out=)`` runs this every call."""
+    if not _bf16_types:
+        import torch
+
+        _bf16_types[:] = [torch.Tensor, torch.bfloat16]
+    tensor, bf16 = _bf16_types
+    if type(out) is tensor and out.dtype is bf16 and out.shape == shape and out.is_cpu \
+            and out.is_contiguous():
+        return
     import torch
 
     if not (torch.is_tensor(out) and out.dtype is torch.bfloat16 and out.shape == shape
@@ -189,35 +192,22 @@ class PreparedOutput:
     dtype, shape and device checks and the numpy and buffer casts are
     skipped (~6 us, a third of a decode step's lookup).  Made by
     ``prepare_out``; ``result`` is what the lookup returns; ``spans`` the
-    bytes it writes (a call checks only ``check_apart``'s share:
-    ``check_ids``)."""
+    bytes it writes (a call's kernel checks them apart from its ids and
+    the table's mapping, in C: NE_OVERLAP, named after by ``check_apart``)."""
 
-    __slots__ = ("result", "bits", "buffer", "shape", "packed", "spans", "_ranges", "_table")
+    __slots__ = ("result", "bits", "buffer", "shape", "packed", "spans", "args")
 
     def __init__(self, result: Any, bits: Any, buffer: Any, shape: tuple[int, ...],
                  packed: bool, spans: tuple[Named, ...]) -> None:
         self.result, self.bits, self.buffer = result, bits, buffer
         self.shape, self.packed, self.spans = shape, packed, spans
-        # the spans as C pointers: compared with the ids' address as the
-        # kernel takes it, no int conversion (the decode budget)
-        self._ranges = [(_cast("char *", low), _cast("char *", high)) for _, (low, high) in spans]
-        self._table: Span | None = None  # the table's mapping it was last found apart from
-
-    def check_ids(self, address: Any, end: Any, mapped: Span) -> None:
-        """``check_apart`` of these spans, the ids the kernel reads
-        (``address`` .. ``end``, C pointers) and the table's ``mapped``
-        bytes (checked once per table: the same span object each call)."""
-        if self._table is not mapped:
-            self.check_table(mapped)
-        for low, high in self._ranges:
-            if low < end and address < high:
-                ids = (int(_cast("uintptr_t", address)), int(_cast("uintptr_t", end)))
-                check_apart(self.spans, (("the ids", ids),))
+        # the kernel's (rows, scales) outputs, cast once
+        self.args = lookupkernel.kernel_outputs(bits, buffer)
 
     def check_table(self, mapped: Span) -> None:
-        """``check_apart`` of these spans and a table's ``mapped`` bytes."""
+        """``check_apart`` of these spans and a table's ``mapped`` bytes
+        (a call's kernel checks them again, and the ids, in C)."""
         check_apart(self.spans, (("the table's mapping", mapped),))
-        self._table = mapped
 
 
 def prepare_out(out: Any, shape: tuple[int, ...], packed: bool = False,

@@ -15,7 +15,8 @@ torch only inside the calls that hand out tensors.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import math
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
@@ -24,12 +25,12 @@ from ..bindings.native import ffi
 from ..errors import LookupIdError, SpecError
 from ..model.ple import PLEDtype
 from .outputs import (
+    Named,
     OutputPool,
     PreparedOutput,
     Span,
     array_span,
     check_apart,
-    check_apart_from,
     check_bf16_out,
     ids_span,
     prepare_out,
@@ -99,6 +100,22 @@ def _ids(ids: Any) -> np.ndarray:
     return arr.astype(np.int64, order="C", copy=False)
 
 
+_from_buffer = ffi.from_buffer
+
+
+def _ids_arg(ids: Any) -> tuple[np.ndarray, Any]:
+    """(``_ids(ids)``, the kernel's view of them): the serving case (a
+    C-contiguous int64 array) in a type check and the buffer (cffi refuses
+    a strided one: the general path)."""
+    if type(ids) is np.ndarray and ids.dtype is _INT64:
+        try:
+            return ids, _from_buffer(ids)
+        except ValueError:
+            pass
+    flat = _ids(ids)
+    return flat, _from_buffer(flat)
+
+
 def row_ids(ids: Any) -> np.ndarray:
     """``ids`` as the lookups take them (int64, C order, the shape given),
     or the LookupIdError a lookup of them raises."""
@@ -134,24 +151,22 @@ class PLERows:
         self._mapped = (("the table's mapping", array_span(table) if mapped is None else mapped),)
         self.head_dim = table.shape[1] if dtype == "float8_e4m3fn" else table.shape[1] // 2
         self.scale_bf16 = None if scale is None else float(bf16_scale(scale))
+        self._mapped_span = self._mapped[0][1]
         self._shard = lookupkernel.PLEShard(table, row_start, total_rows, self.scale_bf16, workers,
-                                            state)
+                                            state, self._mapped_span)
         self._scaled = dtype == "float8_e4m3fn"
-        self._run = self._shard.run
-        self._mapped_span = self._mapped[0][1]  # (one object: PreparedOutput checks it once)
+        self._kernel = self._shard.kernel
         self._outputs = OutputPool()  # lookup(ids)'s tensors, reused once nothing holds them
+        self._last_out: tuple[int, Any] = (0, ffi.NULL)  # a caller's out=: (address, its cast)
 
     def lookup(self, ids: Any, out: Any = None) -> torch.Tensor:
         """BF16 ``[*ids.shape, head_dim]`` as a tensor: a pooled one (reused
         once nothing refers to it), or ``out`` (a contiguous CPU bfloat16
-        tensor of that shape, or what ``prepare_out`` made of one), checked
-        apart from the ids and the table's mapping at every call: a
-        prepared one in pointer compares, the decode budget
-        (docs/design.md)."""
-        flat = _ids(ids)
+        tensor of that shape, or what ``prepare_out`` made of one), which
+        the kernel checks apart from the ids and the table's mapping at
+        every call, in C (the decode budget, docs/design.md)."""
+        flat, address = _ids_arg(ids)
         shape = (*flat.shape, self.head_dim)
-        n = flat.size
-        address = ffi.from_buffer(flat)
         if out is None:
             result, _, buffer = self._outputs.take_with_buffer(shape)
         elif type(out) is PreparedOutput:
@@ -159,19 +174,45 @@ class PLERows:
                 raise SpecError(f"a prepared out= of {list(out.shape)}"
                                 f"{' packed' if out.packed else ''} for a lookup of "
                                 f"{list(shape)} BF16 values; prepare one of that shape")
-            out.check_ids(address, address + flat.nbytes, self._mapped_span)
             result, buffer = out.result, out.buffer
         else:
             check_bf16_out(out, shape)
             start = out.data_ptr()
-            check_apart_from((("out", (start, start + out.nbytes)),), ids_span(address, n, 1, 1),
-                             self._mapped_span)
-            result, buffer = out, ffi.cast("uint16_t *", start)
+            last = self._last_out
+            if last[0] != start:  # (a cast is ~0.15 us: a caller passes the same buffer)
+                last = self._last_out = (start, ffi.cast("uint16_t *", start))
+            result, buffer = out, last[1]
+        n = flat.size
         if n:
-            found = self._run(address, n, buffer, self._scaled)
-            if found >= 0:
-                self._raise_bad(flat, found)
+            found = self._kernel(address, n, self._scaled, buffer)
+            if found != -1:
+                self._failed(found, flat, address, buffer, 2 * n * self.head_dim)
         return result
+
+    def _failed(self, found: int, flat: np.ndarray, address: Any, out: Any,
+                out_bytes: int) -> NoReturn:
+        """The error of the kernel's result ``found`` (not -1) for ``flat``
+        ids at ``address`` into ``out`` (``out_bytes``): the first id
+        outside the layer, an output over the ids or the table named,
+        else the kernel's failure."""
+        if found >= 0:
+            self._raise_bad(flat, found)
+        if found == lookupkernel.NE_OVERLAP:
+            start = int(ffi.cast("uintptr_t", out))
+            check_apart((("out", (start, start + out_bytes)),), (
+                ("the ids", ids_span(address, flat.size, 1, 1)), *self._mapped))
+        lookupkernel.ple_failed(found)
+
+    def step_layer(self, out: Any) -> PLEStepLayer:
+        """This shard's part of a step gather (``lookup.stepgather``): ``out``
+        (what ``prepare_out`` takes) checked and cast once; a call's ids
+        are ``out.shape[:-1]``."""
+        prepared = out if isinstance(out, PreparedOutput) else self.prepare_out(out)
+        if prepared.packed or prepared.shape[-1] != self.head_dim:
+            raise SpecError(f"a PLE step layer's out must be BF16 [..., {self.head_dim}], got "
+                            f"{list(prepared.shape)}{' packed' if prepared.packed else ''}")
+        prepared.check_table(self._mapped_span)
+        return PLEStepLayer(self, prepared)
 
     def prepare_out(self, out: Any) -> PreparedOutput:
         """``out`` (a contiguous CPU bfloat16 tensor ``[*ids.shape,
@@ -192,7 +233,12 @@ class PLERows:
             out = np.empty(shape, dtype=np.uint16)
         else:
             self._check_out(out, shape, flat)
-        self._raise_bad(flat, self._shard.rows(flat, out, self._scaled))
+        if flat.size:
+            address = ffi.from_buffer(flat)
+            buffer = ffi.from_buffer(out)
+            found = self._kernel(address, flat.size, self._scaled, buffer)
+            if found != -1:
+                self._failed(found, flat, address, buffer, out.nbytes)
         return out
 
     def _check_out(self, out: Any, shape: tuple[int, ...], flat: np.ndarray) -> None:
@@ -210,18 +256,59 @@ class PLERows:
     def rows_packed(self, ids: Any) -> np.ndarray:
         """The stored bytes ``[*ids.shape, row_bytes]`` (FP8 rows to scale
         later, or BF16 bits as uint8)."""
-        flat = _ids(ids)
+        flat, address = _ids_arg(ids)
         out = np.empty((*flat.shape, self.table.shape[1]), dtype=np.uint8)
-        if flat.size:
-            found = self._run(ffi.from_buffer(flat), flat.size, ffi.from_buffer(out), False)
-            if found >= 0:
-                self._raise_bad(flat, found)
+        n = flat.size
+        if n:
+            buffer = _from_buffer(out)
+            found = self._kernel(address, n, False, buffer)
+            if found != -1:
+                self._failed(found, flat, address, buffer, out.nbytes)
         return out
 
     def _raise_bad(self, flat: np.ndarray, where: int) -> None:
         if where >= 0:
             raise LookupIdError(f"PLE row id {int(flat.reshape(-1)[where])} (position "
                                 f"{where}) is outside the layer's {self.total_rows} rows")
+
+
+class PLEStepLayer:
+    """A PLE shard's layer of a step gather (``PLERows.step_layer``): what
+    ``lookup.stepgather`` fills the C step with, the ids' shape a call
+    takes, and the shard, which names a failure as its own lookup would."""
+
+    family = "PLE"
+
+    def __init__(self, rows: PLERows, prepared: PreparedOutput) -> None:
+        self.rows, self.prepared = rows, prepared
+        self.ids_shape = tuple(prepared.shape[:-1])
+        self.result, self.spans = prepared.result, prepared.spans
+        self.mapped: Named = rows._mapped[0]
+        self._n = math.prod(self.ids_shape)
+
+    def fill(self, step: lookupkernel.StepKernel, i: int) -> None:
+        """Layer ``i`` of ``step``: the shard's ids into the prepared output."""
+        step.set_ple(i, self.rows._shard, self._n, self.rows._scaled, self.prepared.buffer)
+
+    def ids_arg(self, ids: Any) -> tuple[Any, Any, int]:
+        """(the ids kept alive, the kernel's view, 1) of a call's ids, of
+        the output's ids shape."""
+        flat, address = _ids_arg(ids)
+        if flat.shape != self.ids_shape:
+            raise SpecError(f"PLE ids of shape {list(flat.shape)} for an output of "
+                            f"{list(self.ids_shape)} ids; bind a step for this shape")
+        return flat, address, 1
+
+    def failed(self, code: int, address: Any, _stride: int) -> NoReturn:
+        """The error the shard's own lookup raises for the kernel's ``code``
+        (``address``: the call's ids)."""
+        flat = np.frombuffer(ffi.buffer(ffi.cast("int64_t *", address), 8 * self._n),
+                             dtype=np.int64).reshape(self.ids_shape)
+        self.rows._failed(code, flat, address, self.prepared.buffer, 2 * self._n *
+                          self.rows.head_dim)
+
+    def count_refused(self, exc: Exception) -> None:
+        """A call's ids refused before the kernel (the table counts its own)."""
 
 
 def reference_rows(table: np.ndarray, ids: np.ndarray, *, row_start: int,

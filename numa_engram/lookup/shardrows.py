@@ -31,11 +31,10 @@ from .outputs import (
     PreparedOutput,
     Span,
     array_span,
-    check_apart_from,
+    check_apart,
     check_bf16_out,
     ids_span,
     packed_out,
-    packed_spans,
     prepare_out,
     scales_shape,
 )
@@ -48,6 +47,8 @@ if TYPE_CHECKING:
     Rows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 _NULL = native.ffi.NULL
+_INT64 = np.dtype(np.int64)
+_from_buffer = native.ffi.from_buffer
 
 
 class ShardRows:
@@ -77,6 +78,7 @@ class ShardRows:
             weights, scales, prefix_offsets(self._bucket_sizes), self._bucket_sizes,
             self.id_base("global"), spec.block)
         self._kernel: lookupkernel.ShardKernel | None = None  # bound at the first lookup
+        self._last_out: tuple[int, Any] = (0, _NULL)  # a caller's out=: (address, its cast)
         self._lookup_cpus = tuple(lookup_cpus)
         self._lookup_threads = default_lookup_threads(self._lookup_cpus) \
             if lookup_threads is None else max(1, int(lookup_threads))
@@ -111,39 +113,36 @@ class ShardRows:
                 result, _, rows = self._outputs.take_with_buffer((tokens, *self._row_shape))
                 scales = _NULL
             else:
-                result, rows, scales = self._outputs_for(out, tokens, packed, address, stride)
+                result, rows, scales = self._outputs_for(out, tokens, packed)
         except Exception as exc:
             self._count_refused(exc)
             raise
         self._run(address, tokens, stride, global_ids, rows, scales)
         return result
 
-    def _outputs_for(self, out: Any, tokens: int, packed: bool, address: Any,
-                     stride: int) -> tuple[Any, Any, Any]:
+    def _outputs_for(self, out: Any, tokens: int, packed: bool) -> tuple[Any, Any, Any]:
         """(what the lookup returns, the kernel's rows and scales outputs)
         for ``out`` (a caller's tensor or pair, a PreparedOutput, or None
-        with ``packed``), a caller's checked apart from the ids the kernel
-        reads (at ``address``, ``stride`` apart) and from the table."""
+        with ``packed``).  The kernel refuses an output over the ids or the
+        table (NE_OVERLAP: ``_overlap_error`` names them)."""
         shape = (tokens, *self._row_shape)
-        if isinstance(out, PreparedOutput):
-            result, bits, buffer = _prepared(out, shape, packed)
-            end = address + ((tokens - 1) * stride + self._n_cols) * 8 if tokens else address
-            out.check_ids(address, end, self._mapped_span)
-            return (result, *lookupkernel.kernel_outputs(bits, buffer))
-        ids = ids_span(address, tokens, stride, self._n_cols)
+        if type(out) is PreparedOutput:
+            if out.shape != shape or out.packed != packed:
+                _prepared(out, shape, packed)  # (raises)
+            return out.result, *out.args
         if packed:
             if out is None:
                 result, bits = self._packed_outputs(shape)
             else:
                 result, bits = packed_out(out, shape, self.spec.block)
-                check_apart_from(packed_spans(*result), ids, self._mapped_span)
-            buffer = None
-        else:  # a caller's tensor: its address, not a numpy view (~3 us a call)
-            check_bf16_out(out, shape)
-            start = out.data_ptr()
-            check_apart_from((("out", (start, start + out.nbytes)),), ids, self._mapped_span)
-            result, bits, buffer = out, None, native.ffi.cast("uint16_t *", start)
-        return (result, *lookupkernel.kernel_outputs(bits, buffer))
+            return (result, *lookupkernel.kernel_outputs(bits))
+        # a caller's tensor: its address, not a numpy view (~3 us a call)
+        check_bf16_out(out, shape)
+        start = out.data_ptr()
+        last = self._last_out
+        if last[0] != start:  # (a cast is ~0.15 us: a caller passes the same buffer)
+            last = self._last_out = (start, native.ffi.cast("uint16_t *", start))
+        return out, last[1], _NULL
 
     def bind_lookup(self, out: Any, *, packed: bool = False,
                     id_format: IdFormat = "bucket") -> Callable[[Any], Rows]:
@@ -155,22 +154,29 @@ class ShardRows:
         raises and are counted alike."""
         check_id_format(id_format)
         prepared = out if isinstance(out, PreparedOutput) else self.prepare_out(out, packed=packed)
-        result, bits, buffer = _prepared(prepared, prepared.shape, packed)  # (packed checked)
-        mapped = self._mapped_span
-        prepared.check_table(mapped)  # now, not at the first call
-        check_ids = prepared.check_ids
-        rows, scales = lookupkernel.kernel_outputs(bits, buffer)
+        result = _prepared(prepared, prepared.shape, packed)[0]  # (packed checked)
+        prepared.check_table(self._mapped_span)  # now, not at the first call
+        rows, scales = prepared.args
         tokens, n_cols, run = prepared.shape[0], self._n_cols, self._run
-        global_ids = id_format == "global"
+        global_ids, want = id_format == "global", (tokens, n_cols)
 
         def lookup_into(hash_ids: Any) -> Rows:
+            # ids_for_kernel's common case, inline (the decode budget): the
+            # kernel checks the ids apart from the output
+            if type(hash_ids) is np.ndarray and hash_ids.dtype is _INT64 and \
+                    hash_ids.shape == want:
+                try:
+                    address = _from_buffer(hash_ids)
+                except ValueError:  # strided: the general path below
+                    address = None
+                if address is not None:
+                    run(address, tokens, n_cols, global_ids, rows, scales)
+                    return result
             try:
                 ids, address, stride, given = ids_for_kernel(hash_ids, n_cols)
                 if given != tokens:
                     raise SpecError(f"{given} tokens of ids for a lookup bound to an "
                                     f"output of {tokens}; bind one for this many tokens")
-                check_ids(address, address + ((given - 1) * stride + n_cols) * 8 if given
-                          else address, mapped)
             except Exception as exc:
                 self._count_refused(exc)
                 raise
@@ -195,7 +201,8 @@ class ShardRows:
     def _run(self, address: Any, tokens: int, stride: int, global_ids: bool, rows: Any,
              scales: Any) -> None:
         """The kernel over ids and outputs already cast: the one call site.
-        Bad ids raise LookupIdError, a closed table StorageError; failures
+        Bad ids raise LookupIdError, a closed table StorageError, an output
+        over the ids or the table SpecError (the kernel's check); failures
         are counted (the kernel counts the lookups, with their time)."""
         kernel = self._kernel
         try:
@@ -208,14 +215,20 @@ class ShardRows:
             self._count_failure("failed")
             raise
         if bad:
-            self._kernel_failed(kernel, bad, tokens, global_ids)
+            self._kernel_failed(kernel, bad, tokens, global_ids,
+                                (address, stride, rows, scales))
 
     def _kernel_failed(self, kernel: lookupkernel.ShardKernel, bad: int, tokens: int,
-                       global_ids: bool) -> NoReturn:
+                       global_ids: bool,
+                       call: tuple[Any, int, Any, Any] | None = None) -> NoReturn:
         """The kernel's call of ``tokens`` tokens returned ``bad`` (not 0):
-        LookupIdError for bad ids, StorageError once closed, else why it
-        failed; counted."""
+        LookupIdError for bad ids, StorageError once closed, SpecError
+        naming the buffers for an output over the ids or the table (``call``:
+        the call's ids address, stride and outputs), else why it failed;
+        counted."""
         try:
+            if bad == lookupkernel.NE_OVERLAP and call is not None:
+                self._overlap_error(tokens, *call)
             count, first, value = kernel.bad_ids(bad, tokens)
             t, h = divmod(first, self.shard.num_heads)
             base = self.id_base("global") if global_ids else None
@@ -229,6 +242,28 @@ class ShardRows:
         except BaseException:
             self._count_failure("failed")
             raise
+
+    def _overlap_error(self, tokens: int, address: Any, stride: int, rows: Any,
+                       scales: Any) -> None:
+        """The SpecError naming the buffers of a call the kernel refused
+        (NE_OVERLAP): its outputs and the ids or the table's mapping."""
+        n = tokens * self._row_shape[0] * self._row_shape[1]
+        written: tuple[Named, ...] = (("out", _span(rows, 2 * n)),)
+        if scales != _NULL:
+            written = (("out's rows", _span(rows, n)),
+                       ("out's scales", _span(scales, n // self.spec.block)))
+        check_apart(written, (("the ids", ids_span(address, tokens, stride, self._n_cols)),
+                              ("the table's mapping", self._mapped_span)))
+
+    def step_layer(self, out: Any, *, packed: bool = False,
+                   id_format: IdFormat = "bucket") -> StepLayer:
+        """This shard's part of a step gather (``lookup.stepgather``): its
+        kernel and ``out`` (what ``bind_lookup`` takes) checked and cast once."""
+        check_id_format(id_format)
+        prepared = out if isinstance(out, PreparedOutput) else self.prepare_out(out, packed=packed)
+        _prepared(prepared, prepared.shape, packed)
+        prepared.check_table(self._mapped_span)
+        return StepLayer(self, prepared, (prepared.shape[0], self._n_cols), id_format == "global")
 
     def _packed_outputs(self, shape: tuple[int, ...]) -> tuple[Any, Any]:
         """Pooled (rows, scales) uint8 tensors for a packed lookup, and their
@@ -279,7 +314,8 @@ class ShardRows:
                 assert self._geometry is not None  # (None only once closed)
                 self._kernel = lookupkernel.ShardKernel(self._geometry, self._lookup_threads,
                                                         self._lookup_cpus, self.shard.head_start,
-                                                        state=self.state, tuning=self._tuning)
+                                                        state=self.state, tuning=self._tuning,
+                                                        mapped=self._mapped_span)
             return self._kernel
 
     def _drop_kernel(self, stop: bool = False) -> None:
@@ -396,6 +432,57 @@ class ShardRows:
     def _check_open(self) -> None:
         if self._closed:
             raise StorageError("the table is closed")
+
+
+def _span(pointer: Any, nbytes: int) -> Span:
+    """The bytes ``[pointer, pointer + nbytes)`` of a cast output."""
+    start = int(native.ffi.cast("uintptr_t", pointer))
+    return start, start + nbytes
+
+
+class StepLayer:
+    """A shard's layer of a step gather (``ShardRows.step_layer``): what
+    ``lookup.stepgather`` fills the C step with, the ids' shape a call
+    takes, and the shard, which names a failure as its own lookup would."""
+
+    family = "Engram"
+
+    def __init__(self, rows: ShardRows, prepared: PreparedOutput, ids_shape: tuple[int, int],
+                 global_ids: bool) -> None:
+        self.rows, self.prepared, self.ids_shape = rows, prepared, ids_shape
+        self.global_ids, self.result, self.spans = global_ids, prepared.result, prepared.spans
+        self.mapped: Named = ("the table's mapping", rows._mapped_span)
+        self.layer_id = rows.layer_id
+
+    def fill(self, step: lookupkernel.StepKernel, i: int) -> None:
+        """Layer ``i`` of ``step``: the shard's kernel (bound here, in this
+        process) into the prepared output."""
+        step.set_engram(i, self.rows._shard_kernel(), self.ids_shape[0], self.global_ids,
+                        *self.prepared.args)
+
+    def ids_arg(self, hash_ids: Any) -> tuple[Any, Any, int]:
+        """(the ids kept alive, the kernel's view, their row stride) of a
+        call's ids, checked as ``lookup`` checks them; their token count
+        must be the output's."""
+        ids, address, stride, given = ids_for_kernel(hash_ids, self.ids_shape[1])
+        if given != self.ids_shape[0]:
+            raise SpecError(f"{given} tokens of ids for Engram layer {self.layer_id}'s output "
+                            f"of {self.ids_shape[0]}; bind a step for this many tokens")
+        return ids, address, stride
+
+    def failed(self, code: int, address: Any, stride: int) -> NoReturn:
+        """The error the shard's own lookup raises for the kernel's ``code``
+        (``address``, ``stride``: the call's ids), counted as its own."""
+        rows = self.rows
+        kernel = rows._kernel
+        if kernel is None:  # (closed since the step bound it)
+            raise StorageError("the table is closed")
+        rows._kernel_failed(kernel, code, self.ids_shape[0], self.global_ids,
+                            (address, stride, *self.prepared.args))
+
+    def count_refused(self, exc: Exception) -> None:
+        """A call's ids refused before the kernel, counted as the shard's."""
+        self.rows._count_refused(exc)
 
 
 def _prepared(out: PreparedOutput, shape: tuple[int, ...], packed: bool) -> tuple[Any, Any, Any]:
