@@ -157,6 +157,8 @@ class PLERows:
         self._scaled = dtype == "float8_e4m3fn"
         self._kernel = self._shard.kernel
         self._outputs = OutputPool()  # lookup(ids)'s tensors, reused once nothing holds them
+        self._take = self._outputs.take_with_buffer
+        self._row_tail = (self.head_dim,)
         self._last_out: tuple[int, Any] = (0, ffi.NULL)  # a caller's out=: (address, its cast)
 
     def lookup(self, ids: Any, out: Any = None) -> torch.Tensor:
@@ -165,10 +167,16 @@ class PLERows:
         tensor of that shape, or what ``prepare_out`` made of one), which
         the kernel checks apart from the ids and the table's mapping at
         every call, in C (the decode budget, docs/design.md)."""
-        flat, address = _ids_arg(ids)
-        shape = (*flat.shape, self.head_dim)
+        if type(ids) is np.ndarray and ids.dtype is _INT64:  # _ids_arg's case, inline
+            try:
+                flat, address = ids, _from_buffer(ids)
+            except ValueError:  # not C-contiguous
+                flat, address = _ids_arg(ids)
+        else:
+            flat, address = _ids_arg(ids)
+        shape = flat.shape + self._row_tail
         if out is None:
-            result, _, buffer = self._outputs.take_with_buffer(shape)
+            result, _, buffer = self._take(shape)
         elif type(out) is PreparedOutput:
             if out.shape != shape or out.packed:
                 raise SpecError(f"a prepared out= of {list(out.shape)}"

@@ -33,10 +33,10 @@ from .outputs import (
     array_span,
     check_apart,
     check_bf16_out,
+    check_packed_pair,
     ids_span,
     packed_out,
     prepare_out,
-    scales_shape,
 )
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 _NULL = native.ffi.NULL
 _INT64 = np.dtype(np.int64)
 _from_buffer = native.ffi.from_buffer
+_cast = native.ffi.cast
 
 
 class ShardRows:
@@ -84,6 +85,7 @@ class ShardRows:
             if lookup_threads is None else max(1, int(lookup_threads))
         self._tuning = tuning
         self._n_cols, self._row_shape = spec.n_hash_cols, (shard.num_heads, spec.head_dim)
+        self._scales_per_row = spec.head_dim // spec.block
         self._device_shard: DeviceShard | None = None
         self._closed = False
         # GPU lookups in flight (CPU ones: the kernel's count): close() waits
@@ -132,16 +134,19 @@ class ShardRows:
             return out.result, *out.args
         if packed:
             if out is None:
-                result, bits = self._packed_outputs(shape)
-            else:
-                result, bits = packed_out(out, shape, self.spec.block)
-            return (result, *lookupkernel.kernel_outputs(bits))
+                return self._packed_outputs(shape)
+            if not (isinstance(out, tuple) and len(out) == 2):
+                packed_out(out, shape, self.spec.block)  # (raises, naming what it got)
+            rows, scales = out
+            check_packed_pair(rows, scales, shape, self.spec.block)
+            # their addresses, not numpy views (~1 us a call)
+            return out, _cast("uint8_t *", rows.data_ptr()), _cast("uint8_t *", scales.data_ptr())
         # a caller's tensor: its address, not a numpy view (~3 us a call)
         check_bf16_out(out, shape)
         start = out.data_ptr()
         last = self._last_out
         if last[0] != start:  # (a cast is ~0.15 us: a caller passes the same buffer)
-            last = self._last_out = (start, native.ffi.cast("uint16_t *", start))
+            last = self._last_out = (start, _cast("uint16_t *", start))
         return out, last[1], _NULL
 
     def bind_lookup(self, out: Any, *, packed: bool = False,
@@ -265,13 +270,13 @@ class ShardRows:
         prepared.check_table(self._mapped_span)
         return StepLayer(self, prepared, (prepared.shape[0], self._n_cols), id_format == "global")
 
-    def _packed_outputs(self, shape: tuple[int, ...]) -> tuple[Any, Any]:
-        """Pooled (rows, scales) uint8 tensors for a packed lookup, and their
-        numpy views."""
-        rows, rows_bits, _ = self._packed_pools[0].take_with_buffer(shape)
-        scales, scales_bits, _ = self._packed_pools[1].take_with_buffer(
-            scales_shape(shape, self.spec.block))
-        return (rows, scales), (rows_bits, scales_bits)
+    def _packed_outputs(self, shape: tuple[int, ...]) -> tuple[Any, Any, Any]:
+        """Pooled (rows, scales) uint8 tensors for a packed lookup, and the
+        kernel's buffers of them."""
+        rows, _, rows_buffer = self._packed_pools[0].take_with_buffer(shape)
+        scales, _, scales_buffer = self._packed_pools[1].take_with_buffer(
+            (*shape[:2], self._scales_per_row))
+        return (rows, scales), rows_buffer, scales_buffer
 
     # ------------------------------------------------------------ threads --
     @property
