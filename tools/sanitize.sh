@@ -3,8 +3,9 @@
 # extension with NUMA_ENGRAM_SANITIZE=1 in a copy of the working tree (the
 # repository's own build is never replaced, so the host suite may run
 # beside this), and run there the tests that drive the native kernels
-# (lookups, hashes, PLE rows, out= guards, the mapped tier's file mappings,
-# readahead and SIGBUS guard, the memfd hand-over) with libasan preloaded.
+# (lookups, a step's layers in one call, hashes, PLE rows, out= guards, the
+# mapped tier's file mappings, readahead and SIGBUS guard, the memfd
+# hand-over) with libasan preloaded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -29,4 +30,4 @@ LD_PRELOAD="$ASAN" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   "$PY" -m pytest -q -p no:cacheprovider -m "not multiproc" tests/test_native.py tests/test_lookup.py \
     tests/test_out_guards.py tests/test_ple.py tests/test_hashing.py tests/test_hashstate.py \
-    tests/test_fp8.py tests/test_mapped_tier.py tests/test_memfd_sharing.py
+    tests/test_fp8.py tests/test_mapped_tier.py tests/test_memfd_sharing.py tests/test_stepgather.py

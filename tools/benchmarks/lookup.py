@@ -1,5 +1,6 @@
-"""Raw lookups against numpy take and a read-only ceiling, and the default
-(pooled) output against a caller's buffer."""
+"""Raw lookups against numpy take and a read-only ceiling, the default
+(pooled) output against a caller's buffer, and a step's layers in one C
+call against a call per layer."""
 
 from __future__ import annotations
 
@@ -7,8 +8,18 @@ import numpy as np
 
 from numa_engram.bindings import lookupkernel, native
 
-from .harness import best_interleaved, fill_random, filled_table, numpy_take
+from .harness import (
+    best_interleaved,
+    close_table,
+    fill_random,
+    filled_table,
+    numpy_take,
+    rotating_id_sets,
+    turns,
+)
+from .ple import _ple_table
 from .readlimit import read_rows
+from .serving import LAYER_PAUSE_S, _serving_table
 
 
 def bench_lookup(table_gib: float, tokens: int, heads: int = 24, head_dim: int = 256,
@@ -107,6 +118,7 @@ def bench_lookup(table_gib: float, tokens: int, heads: int = 24, head_dim: int =
         print(f"  {key}: {best['4K fused1'] / best[key]:.2f}x the default "
               f"{default.prefetch_ahead} ahead/hint {default.prefetch_hint}")
     print(f"  bit-exact vs reference on a sample: {exact}")
+    bench_step_gather(min(0.25, table_gib / 8))
 
 
 
@@ -144,3 +156,88 @@ def bench_default_out(table_gib: float, tokens: int, id_sets: int = 16) -> None:
     print(f"  default / out= time  : {best['default'] / best['out']:.2f} (target <= 1.10)")
     print(f"  packed FP8 output    : {best['packed'] * 1e3:7.2f} ms -> BF16 / packed time "
           f"{best['out'] / best['packed']:.2f}x (half the output bytes)")
+
+
+def bench_step_gather(layer_gib: float = 0.25, layers: int = 4,
+                      tokens_list: tuple[int, ...] = (1, 8, 64), repeat: int = 15) -> None:
+    """A decode step's lookups of ``layers`` Engram layers (V4-shaped: 24
+    heads of 256 FP8 bytes) and as many PLE layers (Qwen4-Exp-shaped: 16
+    heads of 160), each table ``layer_gib``: one C call for all of them
+    (``StepGather``) against one call per layer (each into its staging
+    buffer, checked once: ``bind_lookup`` and ``prepare_out``), both against
+    numpy take of the same rows, turns interleaved (``LAYER_PAUSE_S`` of
+    work before each, as a server's other work), every call on the next of
+    its rotating id sets."""
+    rng = np.random.default_rng(2)
+    engram = [_serving_table(layer_gib, "4K", rng) for _ in range(layers)]
+    ple = [_ple_table(layer_gib, "4K", rng) for _ in range(layers)]
+    try:
+        print(f"== a step's gathers in one C call: {layers} Engram + {layers} PLE layers of "
+              f"{layer_gib} GiB (4K pages); time in us, ratio to numpy take of the same rows")
+        print(f"  {'tokens':>6}  {'one call':>16}  {f'{2 * layers} calls':>16}  "
+              f"{'numpy take':>16}  one call / {2 * layers} calls")
+        for tokens in tokens_list:
+            fns = _step_variants(engram, ple, tokens, rng)
+            best = best_interleaved(fns, turns(fns, repeat, pause_s=LAYER_PAUSE_S),
+                                    LAYER_PAUSE_S)
+            take = best["numpy take"]
+            print(f"  {tokens:6d}  " + "  ".join(
+                f"{best[k] * 1e6:8.1f} ({best[k] / take:4.2f}x)"
+                for k in ("one call", "per layer", "numpy take"))
+                  + f"  {best['one call'] / best['per layer']:.2f}x")
+    finally:
+        for _, table in (*engram, *ple):
+            close_table(table)
+
+
+def _step_variants(engram, ple, tokens: int, rng) -> dict:
+    """``bench_step_gather``'s variants at one size: the step in one call,
+    a call per layer, numpy take; every one draws the step's ids alike."""
+    import torch
+
+    from numa_engram.lookup.stepgather import StepGather
+
+    pairs, per_layer, takes, sets = [], [], [], []
+    for spec, table in engram:
+        sizes = np.asarray(spec.bucket_sizes(1))
+        n = rotating_id_sets(tokens, len(sizes), spec.row_bytes)
+        layer_sets = list(rng.integers(0, sizes, (n, tokens, len(sizes))))
+        out = torch.empty((tokens, len(sizes), spec.head_dim), dtype=torch.bfloat16)
+        pairs.append((table, out))
+        per_layer.append(table.bind_lookup(torch.empty_like(out)))
+        gathered = (np.empty((tokens * len(sizes), spec.head_dim), np.uint8),
+                    np.empty((tokens * len(sizes), spec.scales_per_row), np.uint8))
+        flats = [(ids + spec.head_offsets(1)).reshape(-1) for ids in layer_sets]
+        takes.append((table, flats, gathered))
+        sets.append(layer_sets)
+    for spec, table in ple:
+        n = rotating_id_sets(tokens, spec.n_heads, spec.row_bytes)
+        layer_sets = list(rng.integers(0, spec.rows(1), (n, tokens, spec.n_heads)))
+        out = torch.empty((tokens, spec.n_heads, spec.head_dim), dtype=torch.bfloat16)
+        pairs.append((table, out))
+        prepared = table.prepare_out(torch.empty_like(out))
+        per_layer.append(lambda ids, table=table, prepared=prepared: table.lookup(ids, prepared))
+        gathered = np.empty((tokens * spec.n_heads, spec.row_bytes), np.uint8)
+        takes.append((table, [ids.reshape(-1) for ids in layer_sets], gathered))
+        sets.append(layer_sets)
+    step = StepGather(pairs)
+    turn = [0]
+
+    def ids() -> list:
+        turn[0] += 1
+        return [layer_sets[turn[0] % len(layer_sets)] for layer_sets in sets]
+
+    def per_layer_calls() -> None:
+        for lookup, layer_ids in zip(per_layer, ids()):
+            lookup(layer_ids)
+
+    def take_all() -> None:
+        ids()  # (the same draw as the others': the flat rows of this turn's sets)
+        for table, flats, gathered in takes:
+            flat = flats[turn[0] % len(flats)]
+            if isinstance(gathered, tuple):
+                numpy_take(table.weights, table.scales, flat, *gathered)
+            else:
+                table.weights.take(flat, axis=0, out=gathered, mode="clip")
+    return {"one call": lambda: step(ids()), "per layer": per_layer_calls,
+            "numpy take": take_all}

@@ -25,7 +25,9 @@ def _ple_table(table_gib: float, page: str, rng):
 
 def _ple_variants(spec, table, tokens: int, rng) -> dict:
     """Each PLE lookup of ``tokens`` tokens x 16 heads, on rotating id sets,
-    and numpy take of the same FP8 rows into a preallocated output."""
+    the table's rows' own (``rows.lookup``: what the table's wrapper adds
+    is the difference), and numpy take of the same FP8 rows into a
+    preallocated output."""
     import torch
 
     from numa_engram.model.plehashing import ple_ids
@@ -47,6 +49,8 @@ def _ple_variants(spec, table, tokens: int, rng) -> dict:
         "lookup(ids, out=)": lambda: table.lookup(sets[nxt()], out),
         "out=prepare_out()": lambda: table.lookup(sets[nxt()], prepared),
         "packed": lambda: table.lookup_packed(sets[nxt()]),
+        # the table's rows without its wrapper (the open check, the failure count)
+        "rows.lookup(ids)": lambda: table.rows.lookup(sets[nxt()]),
         "numpy take": lambda: table.weights.take(flats[nxt()], axis=0, out=gathered,
                                                  mode="clip"),
         "ids + lookup(out=)": lambda: table.lookup(ple_ids(spec, [1], streams[nxt()])[:, 0],
