@@ -26,74 +26,30 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first importe
 
 import logging  # noqa: E402
 import shutil  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from numa_engram import EngramSpec, write_synthetic_model  # noqa: E402
-from numa_engram.integrations.vllm import manifest, patch, patch_ple, patches  # noqa: E402
-from numa_engram.integrations.vllm.patch_vl_model import patch as patch_vl  # noqa: E402
+from numa_engram.integrations.vllm import manifest  # noqa: E402
 from numa_engram.integrations.vllm.settings import PluginError  # noqa: E402
-from numa_engram.model.ple import PLESpec  # noqa: E402
 
 from .conftest import run_python  # noqa: E402
-from .support import ple_scenarios  # noqa: E402
+from .support import ple_scenarios, vllm_releases  # noqa: E402
 from .support import vllm_harness as harness  # noqa: E402
-from .support.vllm_scenarios import global_ids, load_through_mapper, vl_module  # noqa: E402
+from .support.vllm_releases import PLE, SPEC  # noqa: E402
+from .support.vllm_scenarios import global_ids, load_through_mapper  # noqa: E402
 from .test_vllm_real import vllm_python  # noqa: E402, F401 (the real engine's fixture)
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'numa_engram[test]')")
 pytest.importorskip("safetensors", reason="safetensors is not installed")
 
-SPEC = EngramSpec.small(rows_per_head=300, n_head_per_ngram=4, head_dim=64, max_ngram_size=3)
-PLE = PLESpec(layer_ids=[2, 5], ple_embed_dim=160, vocab_size=5000, eos_token_id=7,
-              ngram_vocab_size_base=3000, split_ngram_parts=7)
+# the shared fixtures, found by pytest in this module's globals
+release = vllm_releases.release_fixture(patched=True)
+model_dir, ple_dir = vllm_releases.model_dir, vllm_releases.ple_dir
+one_rank = vllm_releases.one_rank
 MAPPED = {"tier": "mapped"}
-
-
-@pytest.fixture(scope="module", params=sorted(manifest.RELEASES))
-def release(request):
-    """One release's V4.1 and Qwen4-Exp modules, patched by the plugin,
-    loaded apart from any other release's (restored after)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("TRITON_INTERPRET is not 1 in this process: vLLM's kernels need the "
-                    "interpreter on CPU tensors")
-    version = request.param
-    root, why = harness.wheel_sources(version)
-    if root is None:
-        pytest.skip(why)
-    saved = dict(patches.FIRED)
-    patches.FIRED.clear()
-    with harness.isolated():
-        nv, common = harness.vllm_modules(root, version)
-        ple = harness.ple_modules(root, version)
-        patch(nv, common)
-        patch_ple(ple.common, ple.ple, ple.nv)
-        vl = vl_module(root)
-        patch_vl(vl)
-        yield SimpleNamespace(version=version, root=root, nv=nv, common=common, ple=ple,
-                              vl=vl)
-    patches.FIRED.clear()
-    patches.FIRED.update(saved)
-
-
-@pytest.fixture(autouse=True)
-def _one_rank():
-    harness.State.tp = harness.State.edp = harness.State.dp = None
-    yield
-    harness.State.tp = harness.State.edp = harness.State.dp = None
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(write_synthetic_model(tmp_path_factory.mktemp("v41"), SPEC))
-
-
-@pytest.fixture(scope="module")
-def ple_dir(tmp_path_factory):
-    return str(ple_scenarios.write_ple_model(tmp_path_factory.mktemp("qwen4") / "m", PLE))
 
 
 def _bits(t):
