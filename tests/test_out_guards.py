@@ -290,3 +290,62 @@ def test_lookup_rows_refuses_an_out_over_its_ids_or_rows(table):
     with pytest.raises(SpecError, match="out and the weights share bytes"):
         lookup_rows(rows, t.scales, _ids(spec, 8), out=over, **kwargs)
     assert not rows.any()
+
+
+def test_the_kernels_themselves_refuse_an_output_over_the_ids_or_the_table(table):
+    """The guards live in the C kernels (NE_OVERLAP: nothing read, nothing
+    written), so no Python path that casts its own outputs can skip them:
+    an Engram kernel's BF16 or packed output over its ids, its table or its
+    other output, a PLE shard's over its ids or its table."""
+    from numa_engram.bindings import lookupkernel
+    from numa_engram.bindings.native import ffi
+    from numa_engram.lookup.outputs import array_span
+    from numa_engram.model.sharding import prefix_offsets
+
+    spec, t = table
+    sizes = np.asarray(spec.bucket_sizes(14)[t.shard.head_start:t.shard.head_end])
+    geometry = lookupkernel.Geometry.of(t.weights, t.scales, prefix_offsets(sizes), sizes, None,
+                                        spec.block)
+    mapped = (min(array_span(t.weights)[0], array_span(t.scales)[0]),
+              max(array_span(t.weights)[1], array_span(t.scales)[1]))
+    kernel = lookupkernel.ShardKernel(geometry, 1, col0=t.shard.head_start, persistent=False,
+                                      mapped=mapped, ids_cols=spec.n_hash_cols)
+    tokens = 4
+    rows_n = tokens * t.shard.num_heads * spec.head_dim
+    whole = np.zeros(2 * rows_n + tokens * spec.n_hash_cols * 8, dtype=np.uint8)
+    ids = whole[:tokens * spec.n_hash_cols * 8].view(np.int64).reshape(tokens, spec.n_hash_cols)
+    ids[:] = _ids(spec, tokens)
+    before = (ids.copy(), t.weights.copy(), t.scales.copy())
+    at = ffi.from_buffer(ids)
+    over_ids = ffi.cast("uint16_t *", ffi.from_buffer(whole))
+    over_rows = ffi.cast("uint16_t *", ffi.from_buffer(t.weights))
+    apart = np.empty(rows_n, dtype=np.uint8)
+    pair = ffi.from_buffer(apart)
+    calls = {"BF16 over the ids": (over_ids, ffi.NULL),
+             "BF16 over the table": (over_rows, ffi.NULL),
+             "packed scales over the ids": (pair, ffi.from_buffer(whole)),
+             "packed rows over their scales": (pair, ffi.cast("uint8_t *", pair) + 8)}
+    for what, (rows, scales) in calls.items():
+        assert kernel.run(at, tokens, spec.n_hash_cols, False, rows, scales) == \
+            lookupkernel.NE_OVERLAP, what
+        with pytest.raises(ValueError, match="shares bytes"):
+            kernel.bad_ids(lookupkernel.NE_OVERLAP, tokens)
+    assert np.array_equal(ids, before[0]) and np.array_equal(t.weights, before[1]) and \
+        np.array_equal(t.scales, before[2])
+    # and a lookup into a buffer of its own runs
+    assert kernel.run(at, tokens, spec.n_hash_cols, False, ffi.from_buffer(
+        np.empty(rows_n, dtype=np.uint16))) == 0
+
+    rows = np.random.default_rng(3).integers(0, 256, (64, 160), dtype=np.uint8)
+    shard = lookupkernel.PLEShard(rows, 0, 64, 0.5, mapped=array_span(rows))
+    ple_ids = np.arange(4, dtype=np.int64)
+    kept = rows.copy()
+    assert shard.kernel(ffi.from_buffer(ple_ids), 4, True, ffi.from_buffer(rows)) == \
+        lookupkernel.NE_OVERLAP
+    assert shard.kernel(ffi.from_buffer(ple_ids), 4, False, ffi.from_buffer(ple_ids)) == \
+        lookupkernel.NE_OVERLAP
+    assert np.array_equal(rows, kept) and np.array_equal(ple_ids, np.arange(4))
+    with pytest.raises(ValueError, match="shares bytes"):
+        lookupkernel.ple_failed(lookupkernel.NE_OVERLAP)
+    out = np.empty((4, 160), dtype=np.uint16)
+    assert shard.kernel(ffi.from_buffer(ple_ids), 4, True, ffi.from_buffer(out)) == -1

@@ -716,13 +716,16 @@ void ne_table_close(struct ne_table_state *st)
     }
 }
 
-/* The bytes a call of n_tokens tokens reads of ids: from head 0 of its
- * first token to its last head of its last token. */
+/* The bytes of a call's n_tokens tokens of ids: whole tokens (k->ids_cols
+ * ids each), the columns of other shards' heads too, which an output over
+ * them would overwrite in the caller's ids. */
 static void lookup_ids_span(const struct ne_kernel *k, const void *ids, int64_t n_tokens,
                             int64_t stride, uintptr_t *lo, uintptr_t *n)
 {
-    *lo = (uintptr_t)((const int64_t *)ids + k->col0);
-    *n = n_tokens > 0 ? (uintptr_t)((n_tokens - 1) * stride + k->g->n_heads) * 8 : 0;
+    const int64_t own = k->col0 + k->g->n_heads;
+    const int64_t cols = k->ids_cols > own ? k->ids_cols : own;
+    *lo = (uintptr_t)ids;
+    *n = n_tokens > 0 ? (uintptr_t)((n_tokens - 1) * stride + cols) * 8 : 0;
 }
 
 /* The bytes a call of n_tokens tokens writes: BF16 rows into out, or

@@ -49,8 +49,10 @@ void ne_table_close(struct ne_table_state *st);
 /* A shard's lookup with all but the ids and the output bound once per
  * table (and process): its geometry, the first id column it reads, at
  * most n_threads threads, the CPUs fresh ones are bound to, the pool
- * of persistent ones (NULL: none) and the bytes of the table's mapping
- * [map_lo, map_hi), which no output may share (0, 0: none).  A call then passes seven arguments,
+ * of persistent ones (NULL: none), the bytes of the table's mapping
+ * [map_lo, map_hi), which no output may share (0, 0: none), and the ids'
+ * columns per token, whose whole rows no output may share either (0: the
+ * shard's own, col0 + n_heads).  A call then passes seven arguments,
  * not twelve: each costs ~50 ns through cffi (docs/design.md, "The
  * decode budget"). */
 struct ne_kernel {
@@ -63,6 +65,7 @@ struct ne_kernel {
     struct ne_table_state *state;   /* NULL: a one-off call, not a table's */
     const struct ne_tuning *tuning; /* NULL: the defaults */
     uintptr_t map_lo, map_hi;
+    int64_t ids_cols; /* a token's ids (whole tokens are checked apart from outputs) */
 };
 int64_t ne_lookup(const struct ne_kernel *k, const void *ids, int64_t n_tokens, int64_t stride,
                   int global_ids, void *out, void *out_scales);

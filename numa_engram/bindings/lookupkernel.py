@@ -238,7 +238,8 @@ def run_geometry_lookup(geom: Geometry, ids: np.ndarray, col0: int, global_ids: 
     ids another thread changes meanwhile never make it read outside the
     table; bad ones give zero rows.  ``cpus`` from ``cpu_list``.  Returns
     (bad ids, flat index of the first, its value)."""
-    kernel = ShardKernel(geom, threads, col0=col0, persistent=False, tuning=tuning)
+    kernel = ShardKernel(geom, threads, col0=col0, persistent=False, tuning=tuning,
+                         ids_cols=ids.shape[1])
     kernel.bind(cpus)
     return kernel(ids, global_ids, out)
 
@@ -275,7 +276,8 @@ class ShardKernel:
     threads; ``persistent=False``: fresh threads per call instead), the
     table's ``TableState`` (``state``: its lookups counted, refused once it
     is closed) and the bytes of the table's mapping (``mapped``), which the
-    kernel refuses an output over (NE_OVERLAP, as one over the ids).
+    kernel refuses an output over (NE_OVERLAP), as one over the ids'
+    whole tokens (``ids_cols`` columns each; 0: the shard's own).
     ``bound`` is that struct once a call (or ``bind()``) made it in this
     process: None before, after ``close()`` and in a forked child.  Every
     lookup goes through ``run`` (``ShardRows`` calls it with ids and
@@ -284,10 +286,12 @@ class ShardKernel:
     def __init__(self, geometry: Geometry, threads: int, cpus: Sequence[int] = (),
                  col0: int = 0, *, persistent: bool = True,
                  state: TableState | None = None, tuning: Tuning | None = None,
-                 mapped: tuple[int, int] = (0, 0)) -> None:
+                 mapped: tuple[int, int] = (0, 0), ids_cols: int = 0) -> None:
         self.geometry, self.threads, self.cpus = geometry, max(1, int(threads)), tuple(cpus)
         self.col0, self.persistent, self.state = int(col0), persistent, state
-        self.mapped = mapped  # the table's mapping: the kernel refuses outputs over it
+        # the table's mapping and the ids' whole tokens (ids_cols columns
+        # each): the kernel refuses an output over either
+        self.mapped, self.ids_cols = mapped, int(ids_cols)
         # checked here, bound with the struct: NULL for the defaults
         self._tuning = ffi.NULL if tuning is None else tuning.struct()
         self.closed = False
@@ -356,7 +360,7 @@ class ShardKernel:
                     "cpus": cpu_arg[0], "n_cpus": cpu_arg[1], "pool": pool,
                     "state": ffi.NULL if self.state is None else self.state.struct,
                     "tuning": self._tuning, "map_lo": self.mapped[0],
-                    "map_hi": self.mapped[1]})
+                    "map_hi": self.mapped[1], "ids_cols": self.ids_cols})
                 # the struct points into these: they live as long as it does
                 self._keep = (cpu_arg, pool)
                 self.bound = bound

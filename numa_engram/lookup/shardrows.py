@@ -320,7 +320,8 @@ class ShardRows:
                 self._kernel = lookupkernel.ShardKernel(self._geometry, self._lookup_threads,
                                                         self._lookup_cpus, self.shard.head_start,
                                                         state=self.state, tuning=self._tuning,
-                                                        mapped=self._mapped_span)
+                                                        mapped=self._mapped_span,
+                                                        ids_cols=self._n_cols)
             return self._kernel
 
     def _drop_kernel(self, stop: bool = False) -> None:
