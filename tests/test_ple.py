@@ -241,13 +241,17 @@ def test_the_c_kernels_product_equals_the_byte_table_for_4000_scales():
 
 
 @pytest.mark.slow  # starts an interpreter (~1 s)
-@pytest.mark.parametrize("disabled", [(), ("NUMA_ENGRAM_NO_AVX512",)], ids=["best", "portable"])
+@pytest.mark.parametrize("disabled", [(), ("NUMA_ENGRAM_NO_VBMI",), ("NUMA_ENGRAM_NO_AVX512",)],
+                         ids=["best", "avx512bw", "portable"])
 def test_every_row_path_gives_the_byte_tables_bits(disabled):
-    """The AVX-512BW row (eight-register word permutes of the scale's byte
-    table) where the CPU has it, else the portable table read: each gives
-    ``bf16_lut``'s bits for every byte under awkward scales, in rows whose
-    width leaves a vector tail (259 bytes), for calls shorter and longer
-    than the prefetch window (16 rows), ids outside the shard zeroed."""
+    """The AVX-512 VBMI rows (byte permutes of the scale's table's low and
+    high bytes, a block of rows at once) where the CPU has them, the
+    AVX-512BW row (eight-register word permutes) without VBMI, else the
+    portable table read: each gives ``bf16_lut``'s bits for every byte
+    under awkward scales, in rows whose width leaves a vector tail (259
+    bytes), for calls shorter and longer than the prefetch window (16
+    rows), ids outside the shard zeroed, and blocks whose rows are all
+    inside it (converted as one run)."""
     code = """
         import numpy as np
         from numa_engram.lookup.ple import PLERows, bf16_lut
@@ -259,10 +263,11 @@ def test_every_row_path_gives_the_byte_tables_bits(disabled):
             rows = PLERows(table, dtype="float8_e4m3fn", row_start=100, total_rows=500,
                            scale=scale)
             for n in (1, 15, 16, 17, 40, 3000):
-                ids = (np.arange(n, dtype=np.int64) * 7919) % 500
-                want = np.where(((ids >= 100) & (ids < 400))[:, None],
-                                bf16_lut(scale)[table[np.clip(ids - 100, 0, 299)]], 0)
-                ok = ok and np.array_equal(rows.rows_bf16(ids), want)
+                mixed = (np.arange(n, dtype=np.int64) * 7919) % 500
+                for ids in (mixed, mixed % 300 + 100):  # (the second: all in the shard)
+                    want = np.where(((ids >= 100) & (ids < 400))[:, None],
+                                    bf16_lut(scale)[table[np.clip(ids - 100, 0, 299)]], 0)
+                    ok = ok and np.array_equal(rows.rows_bf16(ids), want)
         print(ok)
     """
     assert_prints_true(code, disabled)

@@ -88,8 +88,11 @@ static uint16_t ple_bf16(uint32_t b, float scale)
 
 void ne_ple_shard_init(struct ne_ple_shard *s)
 {
-    for (uint32_t b = 0; b < 256; b++)
+    for (uint32_t b = 0; b < 256; b++) {
         s->lut[b] = ple_bf16(b, s->scale);
+        s->lut_lo[b] = (uint8_t)(s->lut[b] & 0xFF);
+        s->lut_hi[b] = (uint8_t)(s->lut[b] >> 8);
+    }
 }
 
 /* dst[j] = lut[src[j]]: the portable path. */
@@ -126,6 +129,38 @@ ple_row_lut512(const uint8_t *restrict src, int64_t n, const uint16_t *restrict 
         _mm512_mask_storeu_epi16(dst + j, m, _mm512_mask_blend_epi16(hi7, low, high));
     }
 }
+
+/* dst[j] = lut[src[j]] for n bytes, 64 at a time, where the CPU has
+ * AVX-512 VBMI: the entries' low and high bytes in four registers each,
+ * two two-register byte permutes (128 entries each) chosen by bit 7, the
+ * bytes interleaved into words.  A call converts a block of rows at once
+ * (the tables loaded once): a 1-token lookup's 2,560 values in 40 steps
+ * of 64, where the word permutes took 80 of 32 and a table load a row. */
+__attribute__((target("avx512bw,avx512vbmi"))) static void
+ple_lut_vbmi(const uint8_t *restrict src, int64_t n, const uint8_t *restrict lo_tab,
+             const uint8_t *restrict hi_tab, uint16_t *restrict dst)
+{
+    const __m512i l0 = _mm512_loadu_si512(lo_tab), l1 = _mm512_loadu_si512(lo_tab + 64);
+    const __m512i l2 = _mm512_loadu_si512(lo_tab + 128), l3 = _mm512_loadu_si512(lo_tab + 192);
+    const __m512i h0 = _mm512_loadu_si512(hi_tab), h1 = _mm512_loadu_si512(hi_tab + 64);
+    const __m512i h2 = _mm512_loadu_si512(hi_tab + 128), h3 = _mm512_loadu_si512(hi_tab + 192);
+    /* unpacklo/hi give values 16k..16k+7 and 16k+8..16k+15 in lane k */
+    const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+    const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    for (int64_t j = 0; j < n; j += 64) {
+        const __mmask64 m = n - j >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (n - j)) - 1;
+        const __m512i idx = _mm512_maskz_loadu_epi8(m, src + j);
+        const __mmask64 top = _mm512_movepi8_mask(idx);
+        const __m512i lo = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(l0, idx, l1),
+                                                  _mm512_permutex2var_epi8(l2, idx, l3));
+        const __m512i hi = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(h0, idx, h1),
+                                                  _mm512_permutex2var_epi8(h2, idx, h3));
+        const __m512i a = _mm512_unpacklo_epi8(lo, hi), b = _mm512_unpackhi_epi8(lo, hi);
+        _mm512_mask_storeu_epi16(dst + j, (__mmask32)m, _mm512_permutex2var_epi64(a, first, b));
+        _mm512_mask_storeu_epi16(dst + j + 32, (__mmask32)(m >> 32),
+                                 _mm512_permutex2var_epi64(a, second, b));
+    }
+}
 #endif
 
 /* Rows prefetched ahead of the one read: a 1-token call's 16 rows all at
@@ -139,8 +174,9 @@ struct ple_job {
     int64_t n_rows, row_bytes, row_start, total_rows;
     const int64_t *ids;
     int64_t begin, end;
-    int scaled, wide; /* wide: ple_row_lut512 */
+    int scaled, wide, vbmi; /* wide: ple_row_lut512; vbmi: ple_lut_vbmi */
     const uint16_t *lut;
+    const uint8_t *lut_lo, *lut_hi;
     uint8_t *out;
     int64_t first_bad;
     uint64_t fault; /* the address a SIGBUS stopped the job at, or 0 */
@@ -154,15 +190,26 @@ static inline void ple_prefetch(const struct ple_job *j, int64_t i)
             __builtin_prefetch(j->table + local * j->row_bytes + off, 0, 0);
 }
 
-static void ple_convert(const struct ple_job *j, const uint8_t *src, uint16_t *dst)
+/* n FP8 bytes from src converted into dst (a row, or a block of rows
+ * together). */
+static void ple_convert_n(const struct ple_job *j, const uint8_t *src, int64_t n, uint16_t *dst)
 {
 #if defined(__x86_64__)
+    if (j->vbmi) {
+        ple_lut_vbmi(src, n, j->lut_lo, j->lut_hi, dst);
+        return;
+    }
     if (j->wide) {
-        ple_row_lut512(src, j->row_bytes, j->lut, dst);
+        ple_row_lut512(src, n, j->lut, dst);
         return;
     }
 #endif
-    ple_row_lut(src, j->row_bytes, j->lut, dst);
+    ple_row_lut(src, n, j->lut, dst);
+}
+
+static void ple_convert(const struct ple_job *j, const uint8_t *src, uint16_t *dst)
+{
+    ple_convert_n(j, src, j->row_bytes, dst);
 }
 
 /* Rows of a block copied raw before any is converted: the copies' loads
@@ -213,8 +260,15 @@ static void ple_rows_run(struct ple_job *j)
         return;
     }
     for (int64_t b = j->begin; b < j->end; b += per_block) {
-        int64_t e = b + per_block < j->end ? b + per_block : j->end;
+        int64_t e = b + per_block < j->end ? b + per_block : j->end, all = 1;
         ple_rows_block(j, b, e, scratch, inside);
+        for (int64_t i = b; i < e; i++)
+            all &= inside[i - b];
+        if (all) { /* the block's rows are one run of bytes, in and out */
+            ple_convert_n(j, scratch, (e - b) * j->row_bytes,
+                          (uint16_t *)(j->out + b * j->row_bytes * 2));
+            continue;
+        }
         for (int64_t i = b; i < e; i++)
             if (inside[i - b])
                 ple_convert(j, scratch + (i - b) * j->row_bytes,
@@ -274,7 +328,10 @@ ple_lookup_run(const struct ne_ple_shard *s, const void *ids, int64_t n_ids, int
                                   .end = n_ids,
                                   .scaled = scaled,
                                   .wide = ne_cpu()->avx512bw,
+                                  .vbmi = ne_cpu()->avx512vbmi,
                                   .lut = s->lut,
+                                  .lut_lo = s->lut_lo,
+                                  .lut_hi = s->lut_hi,
                                   .out = out,
                                   .first_bad = -1};
     int n_jobs = ne_pool_size(s->pool) + 1;

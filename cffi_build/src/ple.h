@@ -15,11 +15,12 @@ struct ne_pool;
 struct ne_ple_shard {
     const uint8_t *table; /* [n_rows, row_bytes] */
     int64_t n_rows, row_bytes, row_start, total_rows;
-    float scale;                  /* a BF16 value: the per-tensor scale */
-    struct ne_pool *pool;         /* NULL: the caller alone */
-    struct ne_table_state *state; /* the table's: counted, refused once closed; NULL: neither */
-    uintptr_t map_lo, map_hi;     /* the table's mapping: no output may share a byte of it */
-    uint16_t lut[256];            /* BF16 bits of each FP8 byte times scale */
+    float scale;                      /* a BF16 value: the per-tensor scale */
+    struct ne_pool *pool;             /* NULL: the caller alone */
+    struct ne_table_state *state;     /* the table's: counted, refused once closed; NULL: neither */
+    uintptr_t map_lo, map_hi;         /* the table's mapping: no output may share a byte of it */
+    uint16_t lut[256];                /* BF16 bits of each FP8 byte times scale */
+    uint8_t lut_lo[256], lut_hi[256]; /* their low and high bytes */
 };
 void ne_ple_shard_init(struct ne_ple_shard *s);
 int64_t
