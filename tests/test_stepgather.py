@@ -151,6 +151,20 @@ def test_a_bad_id_in_layer_k_is_named_with_its_layer_and_the_layers_before_have_
         step(ids)
 
 
+def test_a_bad_id_is_named_after_the_table_let_go_of_the_kernel_the_step_bound(layers):
+    """A table's thread setters drop its kernel (its next lookup binds a new
+    one) while the step keeps the one it bound: a bad id is still named as
+    one, not taken for a closed table."""
+    spec, engram, *_ = layers
+    t = engram[0]
+    step = StepGather([(t, _bf16(2, t.shard.num_heads, spec.head_dim))])
+    t.lookup_threads = t.lookup_threads  # (the table's kernel dropped)
+    ids = _engram_ids(spec, 2, np.random.default_rng(10), dead=False)
+    ids[1, t.shard.head_start] = 10**6
+    with pytest.raises(LookupIdError, match="hash id 1000000 at token 1"):
+        step([ids])
+
+
 def test_ids_of_the_wrong_shape_or_count_are_refused_naming_the_layer(layers):
     spec, engram, pspec, ple, *_ = layers
     rng = np.random.default_rng(5)

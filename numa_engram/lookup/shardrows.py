@@ -459,11 +459,13 @@ class StepLayer:
         self.global_ids, self.result, self.spans = global_ids, prepared.result, prepared.spans
         self.mapped: Named = ("the table's mapping", rows._mapped_span)
         self.layer_id = rows.layer_id
+        self._kernel: lookupkernel.ShardKernel | None = None  # the one fill() bound
 
     def fill(self, step: lookupkernel.StepKernel, i: int) -> None:
         """Layer ``i`` of ``step``: the shard's kernel (bound here, in this
         process) into the prepared output."""
-        step.set_engram(i, self.rows._shard_kernel(), self.ids_shape[0], self.global_ids,
+        self._kernel = self.rows._shard_kernel()
+        step.set_engram(i, self._kernel, self.ids_shape[0], self.global_ids,
                         *self.prepared.args)
 
     def ids_arg(self, hash_ids: Any) -> tuple[Any, Any, int]:
@@ -479,12 +481,9 @@ class StepLayer:
     def failed(self, code: int, address: Any, stride: int) -> NoReturn:
         """The error the shard's own lookup raises for the kernel's ``code``
         (``address``, ``stride``: the call's ids), counted as its own."""
-        rows = self.rows
-        kernel = rows._kernel
-        if kernel is None:  # (closed since the step bound it)
-            raise StorageError("the table is closed")
-        rows._kernel_failed(kernel, code, self.ids_shape[0], self.global_ids,
-                            (address, stride, *self.prepared.args))
+        assert self._kernel is not None  # (a step fills its layers before it runs)
+        self.rows._kernel_failed(self._kernel, code, self.ids_shape[0], self.global_ids,
+                                 (address, stride, *self.prepared.args))
 
     def count_refused(self, exc: Exception) -> None:
         """A call's ids refused before the kernel, counted as the shard's."""
