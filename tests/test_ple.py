@@ -317,6 +317,36 @@ def test_row_range_shards_summed_as_vllm_reduces_them_equal_the_whole_table(vllm
         *ids.shape, spec.head_dim), whole.rows_bf16(ids))
 
 
+def test_packed_rows_are_pooled_and_a_held_result_is_never_written_again():
+    """rows_packed's arrays come from a pool: one nothing refers to any more
+    is handed out again (the same memory), one still held (or a slice or
+    tensor of it) is not, and every result keeps its rows."""
+    import torch
+
+    rng = np.random.default_rng(4)
+    table = rng.integers(0, 256, (500, 24), dtype=np.uint8)
+    rows = PLERows(table, dtype="float8_e4m3fn", row_start=0, total_rows=500, scale=0.5)
+    first_ids, second_ids = rng.integers(0, 500, (2, 3, 4))
+    first = rows.rows_packed(first_ids)
+    address = first.ctypes.data
+    second = rows.rows_packed(second_ids)  # the first is held: another buffer
+    assert second.ctypes.data != address
+    np.testing.assert_array_equal(first, table[first_ids])
+    np.testing.assert_array_equal(second, table[second_ids])
+    kept = [first[1], torch.from_numpy(second)]  # a slice of one, a tensor of the other
+    taken = {address, second.ctypes.data}
+    del first, second
+    third = rows.rows_packed(second_ids[::-1].copy())
+    assert third.ctypes.data not in taken
+    np.testing.assert_array_equal(kept[0], table[first_ids[1]])
+    np.testing.assert_array_equal(kept[1].numpy(), table[second_ids])
+    reused = third.ctypes.data
+    del kept, third
+    again = rows.rows_packed(first_ids)  # nothing held now: the last buffer again
+    assert again.ctypes.data == reused
+    np.testing.assert_array_equal(again, table[first_ids])
+
+
 def test_row_ids_outside_the_layer_are_refused_naming_the_id():
     rows = PLERows(np.zeros((256, 8), dtype=np.uint8), dtype="float8_e4m3fn", row_start=0,
                    total_rows=256, scale=1.0)

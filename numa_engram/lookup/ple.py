@@ -159,6 +159,9 @@ class PLERows:
         self._outputs = OutputPool()  # lookup(ids)'s tensors, reused once nothing holds them
         self._take = self._outputs.take_with_buffer
         self._row_tail = (self.head_dim,)
+        # rows_packed's arrays, pooled alike
+        self._take_packed = OutputPool(packed=True).take_with_buffer
+        self._packed_tail = (table.shape[1],)
         self._last_out: tuple[int, Any] = (0, ffi.NULL)  # a caller's out=: (address, its cast)
 
     def lookup(self, ids: Any, out: Any = None) -> torch.Tensor:
@@ -263,12 +266,22 @@ class PLERows:
 
     def rows_packed(self, ids: Any) -> np.ndarray:
         """The stored bytes ``[*ids.shape, row_bytes]`` (FP8 rows to scale
-        later, or BF16 bits as uint8)."""
-        flat, address = _ids_arg(ids)
-        out = np.empty((*flat.shape, self.table.shape[1]), dtype=np.uint8)
+        later, or BF16 bits as uint8), in a pooled buffer reused once
+        nothing refers to the array returned (a view of it: its base keeps
+        the buffer busy, ``OutputPool``)."""
+        if type(ids) is np.ndarray and ids.dtype is _INT64:  # _ids_arg's case, inline
+            try:
+                flat, address = ids, _from_buffer(ids)
+            except ValueError:  # not C-contiguous
+                flat, address = _ids_arg(ids)
+        else:
+            flat, address = _ids_arg(ids)
+        # (the tensor held until the view is made: the pool sees the buffer busy)
+        tensor, bits, buffer = self._take_packed(flat.shape + self._packed_tail)
+        out = bits.view()
+        del tensor
         n = flat.size
         if n:
-            buffer = _from_buffer(out)
             found = self._kernel(address, n, False, buffer)
             if found != -1:
                 self._failed(found, flat, address, buffer, out.nbytes)
