@@ -277,6 +277,8 @@ def test_a_closed_table_is_refused_naming_its_layer():
             step(ids)
         with pytest.raises(StorageError, match="closed"):
             StepGather([(engram[0], _bf16(tokens, engram[0].shard.num_heads, spec.head_dim))])
+        with pytest.raises(StorageError, match=rf"layer {ple[1].layer_id}'s table is closed"):
+            StepGather([(ple[1], _bf16(tokens, pspec.n_heads, pspec.head_dim))])
     finally:
         for t in (*engram, *ple):
             t.close()

@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from ..bindings import lookupkernel, native
-from ..errors import NumaEngramError, PrefetchError, SpecError
+from ..errors import NumaEngramError, PrefetchError, SpecError, StorageError
 from ..literals import IdFormat, check_id_format
 from .outputs import Named, PreparedOutput, check_apart
 from .ple import PLERows, PLEStepLayer
@@ -43,7 +43,11 @@ def bind_step(layers: Sequence[tuple[Any, Any]], *,
 
 
 def _step_layer(source: Any, out: Any, id_format: IdFormat) -> StepLayer | PLEStepLayer:
-    """The layer of ``source`` (a table or its rows) into ``out``."""
+    """The layer of ``source`` (a table or its rows) into ``out``; a closed
+    table is refused (a PLE table's rows are then an empty stand-in)."""
+    if getattr(source, "closed", False) is True:
+        raise StorageError(f"layer {getattr(source, 'layer_id', '?')}'s table is closed; a "
+                           "step gathers from open tables (create or attach it again)")
     rows = getattr(source, "rows", source)
     if isinstance(rows, ShardRows):
         packed = isinstance(out, tuple) or isinstance(out, PreparedOutput) and out.packed
