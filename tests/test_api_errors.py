@@ -201,16 +201,22 @@ def test_a_non_integer_etp_size_or_rank_is_named(field, value):
         SharedPLETable.create(SPEC, LAYER, mode="independent", **{field: value})
 
 
-def test_a_lookup_racing_close_says_closed(writable, monkeypatch):
-    """A close() landing between a lookup's open check and its read of the
-    rows was reported as ids "outside the layer's 0 rows"."""
-    check = writable._check_open
+def test_a_lookup_racing_close_says_closed(writable):
+    """A close() landing between a lookup's read of the table's rows and
+    the kernel's read of them (the first call), and lookups after it, say
+    closed; they were reported as ids "outside the layer's 0 rows"."""
+    rows = writable.rows
 
-    def check_then_close() -> None:
-        check()
-        writable.close()
+    class CloseFirst:
+        def __getattr__(self, name):
+            method = getattr(rows, name)
 
-    monkeypatch.setattr(writable, "_check_open", check_then_close)
+            def close_then(*args, **kwargs):
+                writable.close()
+                return method(*args, **kwargs)
+            return close_then
+
+    writable.rows = CloseFirst()
     for call in (lambda: writable.lookup([1, 2]), lambda: writable.lookup_packed([1, 2]),
                  lambda: writable.lookup([1], torch.empty((1, SPEC.head_dim),
                                                           dtype=torch.bfloat16))):

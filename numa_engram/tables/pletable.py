@@ -193,19 +193,14 @@ class SharedPLETable(FamilyTable):
         self._device_rows = None  # device views still alive keep the registration
 
     # ------------------------------------------------------------ lookup --
-    def _counted(self, look: Any, ids: Any, *args: Any) -> Any:
-        """``look(ids, *args)``, its failure counted (the kernel counts the
-        lookups: no clock or lock per call here, the decode budget)."""
-        try:
-            return look(ids, *args)
-        except (LookupIdError, StorageError) as exc:
-            if self._closed:  # close() ran since the open check: not a lookup
-                raise self._closed_error() from None
-            self._count_failure("bad_ids" if isinstance(exc, LookupIdError) else "failed")
-            raise
-        except Exception:
-            self._count_failure("failed")
-            raise
+    def _lookup_failed(self, exc: Exception) -> None:
+        """A lookup's failure ``exc``: the closed error when close() has run
+        (a lookup after it meets the emptied rows), else counted (the kernel
+        counts the lookups: no clock, lock or check per call here, the
+        decode budget)."""
+        if self._closed:
+            raise self._closed_error() from None
+        self._count_failure("bad_ids" if isinstance(exc, LookupIdError) else "failed")
 
     def _count_failure(self, failure: str) -> None:
         with self._count_lock:
@@ -217,8 +212,11 @@ class SharedPLETable(FamilyTable):
         contiguous CPU bfloat16 tensor of that shape, or what ``prepare_out``
         made of one, when given; without it a tensor of the table's, reused
         once nothing refers to it)."""
-        self._check_open()
-        return self._counted(self.rows.lookup, ids, out)
+        try:
+            return self.rows.lookup(ids, out)
+        except Exception as exc:
+            self._lookup_failed(exc)
+            raise
 
     def prepare_out(self, out: torch.Tensor) -> PreparedOutput:
         """``out`` checked and cast once for ``lookup(ids, out=...)`` call
@@ -252,8 +250,11 @@ class SharedPLETable(FamilyTable):
 
     def lookup_packed(self, ids: Any) -> np.ndarray:
         """The stored bytes ``[*ids.shape, row_bytes]`` (zeros likewise)."""
-        self._check_open()
-        return self._counted(self.rows.rows_packed, ids)
+        try:
+            return self.rows.rows_packed(ids)
+        except Exception as exc:
+            self._lookup_failed(exc)
+            raise
 
 
 def _shard(spec: PLESpec, layer_id: int, etp_rank: Any, etp_size: Any) -> ShardInfo:
