@@ -20,6 +20,7 @@ def _modules(folder: str) -> list[str]:
     return [prefix if n == "__init__" else f"{prefix}.{n}" for n in names]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("folder", TORCH_FREE + [""])
 def test_the_torch_free_folders_import_without_torch(folder):
     modules = [m for m in _modules(folder) if not m.endswith("__main__")]

@@ -227,6 +227,7 @@ if len(sys.argv) > 3:  # a read outside the lookups: the default action, not our
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["engram", "ple"])
 def test_a_checkpoint_truncated_under_a_mapped_table_is_an_error_naming_it(
         ckpt, ple_ckpt, tmp_path, family):
@@ -243,6 +244,7 @@ def test_a_checkpoint_truncated_under_a_mapped_table_is_an_error_naming_it(
     assert lines[-1] == "ALIVE"
 
 
+@pytest.mark.slow
 def test_a_sigbus_outside_a_lookup_still_takes_the_default_action(ckpt, tmp_path):
     """Our handler catches only faults inside a gather: a read of a
     truncated mapping anywhere else dies of SIGBUS as it would without us."""
@@ -275,6 +277,7 @@ print(int(table.weights[-1].sum()))
 """
 
 
+@pytest.mark.slow
 def test_a_handler_chained_both_ways_dies_once_instead_of_looping(ckpt, tmp_path):
     """faulthandler installed after our handler, ours again after it (a
     second mapped table): a lookup's fault is still ours, and a fault
@@ -316,6 +319,7 @@ print("SURVIVED", errors, flush=True)
 """
 
 
+@pytest.mark.slow
 def test_a_sigbus_sent_by_a_process_during_a_lookup_is_not_taken_for_a_lost_page(ckpt):
     """A SIGBUS another process (or library) sends with kill/pthread_kill
     is no fault of a mapped page: it takes its default action even when it
@@ -413,6 +417,7 @@ else:
 """
 
 
+@pytest.mark.slow
 def test_a_fault_outside_a_lookup_goes_to_the_handler_installed_before_ours(ckpt, tmp_path):
     """Another library's SA_SIGINFO handler installed before ours sees a
     fault of a thread of its own (no guard) with its address, cures it and

@@ -440,6 +440,7 @@ def test_a_late_attach_gets_a_ple_table_from_its_group_and_holds_it_after(runtim
     assert not os.listdir(runtime_dir)
 
 
+@pytest.mark.slow
 def test_a_late_attach_past_stopped_holders_keeps_to_its_timeout(runtime_dir):
     """Holders that accept (the kernel's queue) but never answer (stopped,
     or hung) sorted before a live one: the late attach still reaches the

@@ -54,6 +54,7 @@ def _samples(text: str) -> dict:
             for fam in text_string_to_metric_families(text) for smp in fam.samples}
 
 
+@pytest.mark.slow
 def test_two_processes_sharing_a_copy_are_scraped_with_labels_counted_once():
     """Each rank serves its own port; rank 0 scrapes both: rank and replica
     labels, latency histogram buckets, the bad-id and timeout counters

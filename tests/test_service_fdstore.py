@@ -139,6 +139,7 @@ def _fill(path):
         sender.close()
 
 
+@pytest.mark.slow
 def test_a_manager_that_does_not_read_holds_no_load_up(model, tmp_path, manager, caplog):
     """A full notify queue (a service manager that does not read): every
     notify waits NOTIFY_TIMEOUT_S at most, so every table still loads, each

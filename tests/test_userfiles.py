@@ -143,6 +143,7 @@ READERS = ["EngramSpec.named", "EngramSpec.from_config", "PLESpec.from_config",
            "plan --simulate", "config.json", "checkpoint index", "safetensors header"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reader", READERS)
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
 def test_every_reader_of_a_named_file_refuses_a_fifo_or_device_at_once(tmp_path, reader, kind):

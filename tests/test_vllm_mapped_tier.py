@@ -291,6 +291,7 @@ print("ALIVE")
 """
 
 
+@pytest.mark.slow
 def test_a_checkpoint_truncated_under_mapped_tables_is_an_error_naming_it(tmp_path):
     """Both families' checkpoints truncated under vLLM's mapped tables (the
     newest release): the next lookup of each raises a CheckpointError naming

@@ -174,6 +174,7 @@ def test_an_attached_ple_tables_report_gives_the_services_measured_pages_per_nod
         storage.table.close()
 
 
+@pytest.mark.slow
 def test_vllms_loader_writing_into_an_attached_ple_table_is_a_plugin_error_not_a_crash(
         model_dir, service):
     """Another part than the service's, handed by vLLM's loader to a table

@@ -274,6 +274,7 @@ def test_a_hub_id_without_tokenizer_builds_and_attaches_from_vllms_config(
             table.close()
 
 
+@pytest.mark.slow
 def test_vllms_loader_writing_into_an_attached_table_is_a_plugin_error_not_a_crash(
         vllm, model_dir, service):
     """An attached table is the service's read-only mapping: a tensor vLLM's
