@@ -170,3 +170,63 @@ def test_a_checkpoint_damaged_during_a_shared_load_fails_every_member_alike(
     if damage == "replace":
         assert all("changed since the checkpoint was resolved" in r["text"] for r in results)
     assert shm_files() == before
+
+
+def _family_model(family, path, seed):
+    """A model directory of ``family`` (config.json and its checkpoint)."""
+    from numa_engram import EngramSpec, write_synthetic_model
+
+    from .support.checkpoint_scenarios import PLE_SPEC
+    from .support.ple_scenarios import write_ple_model
+
+    if family == "engram":
+        spec = EngramSpec.small(rows_per_head=1000, n_head_per_ngram=4, head_dim=64,
+                                max_ngram_size=3)
+        return write_synthetic_model(path, spec, seed=seed, shards=1)
+    return write_ple_model(path, PLE_SPEC, seed=seed)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "replace"])
+@pytest.mark.parametrize("family", ["engram", "ple"])
+def test_a_checkpoint_damaged_while_serve_loads_fails_its_tables_naming_it(
+        tmp_path, monkeypatch, family, damage):
+    """The table service (``numa-engram serve``'s) loading a model whose
+    checkpoint file is truncated or replaced as the first table's rows are
+    read: every table it holds ends failed, each error a CheckpointError
+    naming the file; the service still answers, and nothing is left in
+    /dev/shm or beside the model."""
+    from numa_engram.checkpoints import checkpoint, plecheckpoint
+    from numa_engram.runtime.modeldirs import open_model_directory
+    from numa_engram.service.tableservice import TableService
+
+    from .conftest import shm_files
+
+    model = _family_model(family, tmp_path / "model", seed=0)
+    other = _family_model(family, tmp_path / "v2", seed=1)
+    [path] = sorted(model.glob("*.safetensors"))
+    module, name = (checkpoint, "load_rows") if family == "engram" else \
+        (plecheckpoint, "load_ple_rows")
+    real, damaged = getattr(module, name), []
+
+    def damage_then_load(*args, **kwargs):
+        if not damaged:
+            damaged.append(True)
+            if damage == "truncate":
+                os.truncate(path, os.path.getsize(path) // 2)
+            else:
+                os.replace(other / path.name, path)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, damage_then_load)
+    before, listing = shm_files(), sorted(os.listdir(model))
+    service = TableService(open_model_directory(str(model)), str(tmp_path / "s.sock"), tp=2)
+    try:
+        service.load_all()
+        assert damaged and service.tables
+        for t in service.tables:
+            assert t.state == "failed", (t.layer_id, t.tp_rank, t.state)
+            assert "CheckpointError" in t.error and str(path) in t.error, t.error
+        assert not service.status()["ready"]
+    finally:
+        service.stop()
+    assert shm_files() == before and sorted(os.listdir(model)) == listing
