@@ -18,6 +18,7 @@ from numa_engram.model.ple import PLESpec  # noqa: E402
 
 from .support import ple_scenarios  # noqa: E402
 from .support import vllm_harness as harness  # noqa: E402
+from .support.service import start_service  # noqa: E402
 from .test_deployments import hosts as simulated_hosts  # noqa: E402, F401 (a fixture)
 
 pytest.importorskip("safetensors", reason="safetensors is not installed")
@@ -107,12 +108,7 @@ def test_vllms_pinned_embedding_holds_its_rows_in_our_table(vllm, model_dir, pag
 
 @pytest.fixture
 def service(model_dir, tmp_path):
-    from numa_engram.runtime.plemodeldir import PLEModelDirectory
-    from numa_engram.service.tableservice import TableService
-
-    held = TableService(PLEModelDirectory.open(model_dir), str(tmp_path / "engram.sock"), tp=1)
-    held.start()
-    held.load_all()
+    held = start_service(model_dir, tmp_path / "engram.sock")
     yield held.socket_path
     held.stop()
 

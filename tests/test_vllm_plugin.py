@@ -18,6 +18,7 @@ from numa_engram.integrations.vllm.patch_vl_model import patch as patch_vl  # no
 from numa_engram.integrations.vllm.settings import PluginError, PluginSettings  # noqa: E402
 
 from .support import vllm_harness as harness  # noqa: E402
+from .support.service import start_service  # noqa: E402
 from .support.vllm_scenarios import global_ids, load_through_mapper, vl_module  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'numa_engram[test]')")
@@ -198,16 +199,6 @@ def test_tp2_dp2_dp_shared_tables_give_vllms_rows_with_one_copy(vllm, model_dir,
 
 
 # ------------------------------------------------- the table service --
-
-def start_service(model_dir, socket_path, tp=1):
-    from numa_engram.runtime.modeldir import ModelDirectory
-    from numa_engram.service.tableservice import TableService
-
-    held = TableService(ModelDirectory.open(model_dir), str(socket_path), tp=tp)
-    held.start()
-    held.load_all()
-    return held
-
 
 @pytest.fixture
 def service(model_dir, tmp_path):

@@ -28,6 +28,7 @@ from numa_engram.integrations.vllm.settings import PluginError  # noqa: E402
 
 from .support import ple_scenarios, vllm_releases  # noqa: E402
 from .support import vllm_harness as harness  # noqa: E402
+from .support.service import start_service  # noqa: E402
 from .support.vllm_releases import PLE, SPEC  # noqa: E402
 from .support.vllm_scenarios import global_ids, load_through_mapper  # noqa: E402
 
@@ -104,12 +105,7 @@ def test_v41_private_tables_give_vllms_rows_and_the_report_reaches_vllms_logger(
 
 @pytest.fixture
 def service(model_dir, tmp_path):
-    from numa_engram.runtime.modeldir import ModelDirectory
-    from numa_engram.service.tableservice import TableService
-
-    held = TableService(ModelDirectory.open(model_dir), str(tmp_path / "engram.sock"), tp=1)
-    held.start()
-    held.load_all()
+    held = start_service(model_dir, tmp_path / "engram.sock")
     yield held.socket_path
     held.stop()
 
@@ -144,14 +140,9 @@ def _ple_module(release, ple_dir, layer, **config):
 
 def test_ple_tables_hold_vllms_bytes_and_a_service_is_attached(release, ple_dir, tmp_path,
                                                                caplog):
-    from numa_engram.runtime.plemodeldir import PLEModelDirectory
-    from numa_engram.service.tableservice import TableService
-
     checkpoint = os.path.join(ple_dir, "model.safetensors")
     harness.State.tp = harness.Coordinator([0], None)
-    held = TableService(PLEModelDirectory.open(ple_dir), str(tmp_path / "ple.sock"), tp=1)
-    held.start()
-    held.load_all()
+    held = start_service(ple_dir, tmp_path / "ple.sock")
     try:
         for layer in PLE.layer_ids:
             own = _ple_module(release, ple_dir, layer, cpu_offload=False)  # vLLM's storage
@@ -268,15 +259,10 @@ def test_tp2_dp2_warm_restart_attaches_with_no_engram_loader_call(version, model
     """Each release: a table service of serve --tp 2 and vLLM's TP 2 x DP 2
     on one host, two engines in a row: every rank attaches its TP slice,
     rows bit-exact, 0 loader calls for Engram tensors."""
-    from numa_engram.runtime.modeldir import ModelDirectory
-    from numa_engram.service.tableservice import TableService
-
     from .support.dist_harness import run_world
     from .support.vllm_scenarios import warm_restart
 
-    held = TableService(ModelDirectory.open(model_dir), str(tmp_path / "engram.sock"), tp=2)
-    held.start()
-    held.load_all()
+    held = start_service(model_dir, tmp_path / "engram.sock", tp=2)
     try:
         results = run_world(4, warm_restart, timeout_s=300, model_dir=model_dir,
                             root=_root(version), spec=SPEC.to_dict(),

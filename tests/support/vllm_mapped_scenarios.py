@@ -12,10 +12,9 @@ from numa_engram import EngramSpec, SharedEngramTable, shard_heads
 from numa_engram.bindings import native
 from numa_engram.host.procfs import smaps
 from numa_engram.integrations.vllm import patch
-from numa_engram.integrations.vllm.patch_vl_model import patch as patch_vl
 
 from . import vllm_harness as harness
-from .vllm_scenarios import _groups, _vllms_own, global_ids, load_through_mapper, vl_module
+from .vllm_scenarios import _join, _patched_v41, _vllms_own, global_ids, load_through_mapper
 
 
 def tp2_dp2_mapped(rank, world, *, model_dir, root, spec, version, tp=2):
@@ -26,12 +25,8 @@ def tp2_dp2_mapped(rank, world, *, model_dir, root, spec, version, tp=2):
     the replicas of a TP rank map the same pages), and vLLM's forward with
     its TP gather against the whole table's rows and vLLM's own storage's."""
     spec = EngramSpec.from_dict(spec)
-    nv, common = harness.vllm_modules(Path(root), version)
-    patch(nv, common)
-    vl = vl_module(root)
-    patch_vl(vl)
-    harness.State.tp, harness.State.edp = _groups(rank, world, tp)
-    harness.State.dp = harness.State.edp
+    nv, common, vl = _patched_v41(root, version)
+    _join(rank, world, tp)
     harness.State.config = harness.config(model_dir, dp_shared=True,
                                           additional={"tier": "mapped"}, max_tokens=64)
     layout = harness.layout_of(common, model_dir)
@@ -75,8 +70,7 @@ def tiers_differ(rank, world, *, model_dir, root, version, family, ple_spec=None
     resident): what each rank's construction raised (V4.1: vLLM's
     can_share_engram_tables then the layer, as its model asks with
     dp_shared_memory; PLE: the layer of ``ple_spec``)."""
-    harness.State.tp, harness.State.edp = _groups(rank, world, 1)
-    harness.State.dp = harness.State.edp
+    _join(rank, world, 1)
     additional = {"tier": "mapped"} if rank == 0 else {}
     harness.State.config = harness.config(model_dir, dp_shared=True, additional=additional)
     try:

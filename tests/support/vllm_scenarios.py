@@ -30,6 +30,23 @@ def _groups(rank, world, tp):
             harness.Coordinator(edp_ranks[rank % tp], edp_pgs[rank % tp]))
 
 
+def _join(rank, world, tp):
+    """This rank's TP and Engram-DP groups set in the harness's state, its
+    DP group the Engram-DP one (one node)."""
+    harness.State.tp, harness.State.edp = _groups(rank, world, tp)
+    harness.State.dp = harness.State.edp
+
+
+def _patched_v41(root, version):
+    """A release's V4.1 modules and VL model module, patched by the plugin:
+    (nv, common, vl)."""
+    nv, common = harness.vllm_modules(Path(root), version)
+    patch(nv, common)
+    vl = vl_module(root)
+    patch_vl(vl)
+    return nv, common, vl
+
+
 def serve(rank, world, *, model_dir, root, spec, mode, tp=2, additional=None,
           version=harness.VERSION):
     """Every layer's embedding built by vLLM's Engram through the plugin
@@ -41,8 +58,7 @@ def serve(rank, world, *, model_dir, root, spec, mode, tp=2, additional=None,
     spec = EngramSpec.from_dict(spec)
     nv, common = harness.vllm_modules(Path(root), version)
     patch(nv, common)
-    harness.State.tp, harness.State.edp = _groups(rank, world, tp)
-    harness.State.dp = harness.State.edp
+    _join(rank, world, tp)
     harness.State.config = harness.config(model_dir, dp_shared=mode == "dp_shared",
                                           additional=additional)
     layout = harness.layout_of(common, model_dir)
@@ -96,8 +112,7 @@ def one_member_fails(rank, world, *, model_dir, root, tp=2):
     group: what each rank's construction raised."""
     nv, common = harness.vllm_modules(Path(root))
     patch(nv, common)
-    harness.State.tp, harness.State.edp = _groups(rank, world, tp)
-    harness.State.dp = harness.State.edp
+    _join(rank, world, tp)
     page = "2M" if rank == world - 1 else "4K"
     harness.State.config = harness.config(model_dir, dp_shared=True,
                                           additional={"page_size": page})
@@ -217,12 +232,8 @@ def warm_restart(rank, world, *, model_dir, root, spec, service, tp=2, restarts=
     tensors counted) and looks up through vLLM's forward; rows against the
     whole table's lookup(id_format="global") and vLLM's own storage."""
     spec = EngramSpec.from_dict(spec)
-    nv, common = harness.vllm_modules(Path(root), version)
-    patch(nv, common)
-    vl = vl_module(root)
-    patch_vl(vl)
-    harness.State.tp, harness.State.edp = _groups(rank, world, tp)
-    harness.State.dp = harness.State.edp
+    nv, common, vl = _patched_v41(root, version)
+    _join(rank, world, tp)
     replica = rank // tp
     counts = torch.tensor([40 + d for d in range(world // tp)])
     harness.State.forward = harness.SimpleNamespace(
@@ -274,8 +285,7 @@ def differing_settings(rank, world, *, model_dir, root, service, tp=2):
     raised on each rank."""
     nv, common = harness.vllm_modules(Path(root))
     patch(nv, common)
-    harness.State.tp, harness.State.edp = _groups(rank, world, tp)
-    harness.State.dp = harness.State.edp
+    _join(rank, world, tp)
     additional = {"service": service} if rank < tp else {}
     harness.State.config = harness.config(model_dir, dp_shared=True, additional=additional)
     layout = harness.layout_of(common, model_dir)
