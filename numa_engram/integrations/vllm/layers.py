@@ -377,14 +377,13 @@ class TableStorage:
         if self.group is not None:  # a member holding a handed-over memfd: the leader's name
             names = self.group.all_gather(name, "numa_engram: the table's name")
             name = next((n for n in names if n.startswith("numa-engram-")), name)
-        # (PSS counts no hugetlb page: a huge-page table's copies show in its pool)
+        # (PSS counts no hugetlb page: a huge-page table's copies show in its
+        # pool; an attached table has no page mapped here before its first read)
         pss = smaps("self", name).pss if name.startswith("numa-engram-") and \
-            not self.huge_pages else None
+            not self.huge_pages and not self.filled else None
         if self.group is not None:  # (every member gathers: a collective)
             every = self.group.all_gather(pss, "numa_engram: the copies' PSS")
             pss = None if None in every else sum(every)
-        if self.filled:  # attached: no page is mapped here before its first read
-            pss = None
         doc["pss_copies"] = None if pss is None else round(pss / self.table.backing_bytes, 3)
         copies = "copies by PSS not measured (attached: its pages map at their first read)" \
             if self.filled else f"{doc['pss_copies']} copies by PSS"
