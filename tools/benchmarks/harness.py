@@ -19,7 +19,8 @@ def best_of(fn, repeat=5):
     return best_interleaved({"x": fn}, repeat)["x"]
 
 
-def best_interleaved(fns: dict, repeat: int = 7, pause_s: float = 0.0) -> dict:
+def best_interleaved(fns: dict, repeat: int = 7, pause_s: float = 0.0,
+                     before=None) -> dict:
     """Best time of each function, run in turns (each variant once a turn,
     in a new seeded order each turn) so a noisy neighbour slows every
     variant alike instead of whichever ran then, and no variant always
@@ -28,13 +29,17 @@ def best_interleaved(fns: dict, repeat: int = 7, pause_s: float = 0.0) -> dict:
     ``pause_s`` before each call: what a server does between two lookups
     of a table (other layers), long enough that the table's workers are
     asleep; busy, as a server's thread is (an idle CPU comes back with
-    cold caches, which a server's does not)."""
+    cold caches, which a server's does not).  ``before(name)``: what a
+    variant needs before each of its calls (e.g. a file's pages dropped),
+    outside the timing."""
     best = {name: float("inf") for name in fns}
     names = list(fns)
     order = random.Random(0)
     for _ in range(repeat):
         order.shuffle(names)
         for name in names:
+            if before is not None:
+                before(name)
             if pause_s:
                 busy(pause_s)
             t0 = time.perf_counter()

@@ -5,7 +5,6 @@ table's, and cold decode steps with and without read-ahead by hash id."""
 from __future__ import annotations
 
 import os
-import random
 import tempfile
 import time
 
@@ -69,23 +68,15 @@ def _create(spec, shard, path: str, tier: str):
 
 
 def _best_starts(variants: dict, path: str, repeat: int) -> dict:
-    """Best time of each (tier, temperature) variant, in turns of a new
-    seeded order each (the harness's rule), the file's pages dropped before
-    a cold one and left cached before a warm one, outside the timing."""
-    best = {name: float("inf") for name in variants}
-    names = list(variants)
-    order = random.Random(0)
-    for _ in range(repeat):
-        order.shuffle(names)
-        for name in names:
-            if name.endswith("cold"):
-                drop_file_pages(path)
-            else:
-                _read_all(path)
-            t0 = time.perf_counter()
-            variants[name]()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+    """Best time of each (tier, temperature) variant, in turns (the
+    harness's rule), the file's pages dropped before a cold one and left
+    cached before a warm one, outside the timing."""
+    def temperature(name: str) -> None:
+        if name.endswith("cold"):
+            drop_file_pages(path)
+        else:
+            _read_all(path)
+    return best_interleaved(variants, repeat, before=temperature)
 
 
 def _read_all(path: str) -> None:
