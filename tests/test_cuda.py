@@ -104,3 +104,40 @@ def test_ple_rows_on_the_gpu_are_zero_copy_and_equal_the_cpu_lookup(tmp_path):
         table.lookup_cuda(bad)
         with pytest.raises(LookupIdError, match=f"first {spec.rows(2)} "):
             rows.check_errors()
+
+
+def test_tier_mapped_stages_rows_through_pinned_buffers_to_the_device(tmp_path):
+    """The vLLM plugin's tier mapped on a GPU (integrations/vllm/mapped.py):
+    ids computed on the device, the rows gathered from the checkpoint's
+    mapping into pinned host staging, copied to fixed device buffers and
+    dequantised there: the CPU lookup's rows bit for bit (BF16 and vLLM's
+    packed rows), call after call through the same buffers; the mapped
+    pages are never registered with CUDA."""
+    from numa_engram.integrations.vllm import mapped
+
+    spec = EngramSpec.small(rows_per_head=5000, head_dim=128)
+    ckpt = str(write_synthetic_checkpoint(tmp_path / "m.safetensors", spec, seed=2))
+    shard = shard_heads(spec.bucket_sizes(1), 2, 1)
+    heads = shard.head_end - shard.head_start
+    with SharedEngramTable.create(spec, 1, shard, checkpoint=ckpt, tier="mapped") as t:
+        assert t.tier == "mapped" and t.registration is None
+        staging = mapped.Staging(64, {"weights": (heads, spec.head_dim),
+                                      "scales": (heads, spec.scales_per_row)},
+                                 (spec.n_hash_cols,), 0)
+        assert staging.host["weights"].is_pinned() and staging.device["weights"].is_cuda
+        ahead = mapped.ReadAhead()
+        for seed in range(3):
+            ids = ngram_hashes(spec, np.random.default_rng(seed).integers(0, 1000, 64), 1)
+            ids = np.where(ids < 0, -1, ids + spec.head_offsets(1))  # global, as vLLM's
+            ids[::7] = -1
+            want = t.lookup(ids, id_format="global")
+            out = torch.empty((64, heads, spec.head_dim), dtype=torch.bfloat16, device="cuda")
+            mapped.engram_lookup(t, staging, ahead, torch.from_numpy(ids).cuda(), out)
+            np.testing.assert_array_equal(_bits(out), _bits(want))
+            w, s = t.lookup(ids, id_format="global", packed=True)
+            packed = torch.empty((64, heads, spec.head_dim + spec.scales_per_row),
+                                 dtype=torch.uint8, device="cuda")
+            mapped.engram_lookup(t, staging, ahead, torch.from_numpy(ids).cuda(), packed)
+            np.testing.assert_array_equal(packed.cpu().numpy(),
+                                          np.concatenate([w.numpy(), s.numpy()], axis=-1))
+        assert ahead.lookups == 6

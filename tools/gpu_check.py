@@ -12,7 +12,7 @@ baseline measured in the same run:
   (e) CUDA graph capture of a lookup and replays with new ids each time;
 every result bit-exact against the CPU kernel; cudaHostRegister seconds per
 GiB; a Qwen4-Exp PLE shard's GPU row gather beside a copy of as many
-bytes.  Writes everything as JSON to --out.
+bytes; tests/test_cuda.py run on the GPU.  Writes everything as JSON to --out.
 
     python tools/gpu_check.py --out gpu_check.json [--table-gib 16] [--tokens 8192]
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -205,9 +206,11 @@ def main() -> int:
     print(f"PLE rows on the device: {doc['ple']}")
     doc["vllm_plugin"] = plugin_check(a.vllm_cache)
     print(f"vLLM plugin on the device: {doc['vllm_plugin']}")
+    doc["cuda_tests"] = cuda_tests_check()
+    print(f"tests/test_cuda.py on this GPU: {doc['cuda_tests']}")
     doc["ok"] = all(exact.values()) and replays_exact and doc["runtime"]["exact"] and \
         doc["ple"]["exact"] and doc["ple"]["bad_id_recorded"] and \
-        doc["vllm_plugin"].get("exact", True)
+        doc["vllm_plugin"].get("exact", True) and doc["cuda_tests"]["returncode"] == 0
     write()
     return 0 if doc["ok"] else 1
 
@@ -298,6 +301,20 @@ def ple_check(gib: float = 2.0, tokens: int = 8192) -> dict:
             "table_gib": table.backing_bytes / 2**30, "rows": id_sets[0].size,
             "rows_gbs": nbytes / t_rows / 1e9, "copy_gbs": nbytes / t_copy / 1e9,
             "of_the_copy": t_copy / t_rows}
+
+
+def cuda_tests_check() -> dict:
+    """tests/test_cuda.py on this GPU, in a process of its own (registration,
+    UVA lookups, graph replays, tier mapped's pinned staging to the device):
+    its exit status and summary lines (a skip names why)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                           "tests/test_cuda.py"], cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    return {"returncode": proc.returncode,
+            "summary": [line for line in lines if "SKIPPED" in line or "FAILED" in line] +
+            lines[-1:]}
 
 
 def plugin_check(cache: str | None) -> dict:
