@@ -1,3 +1,4 @@
+import fcntl
 import os
 import subprocess
 import sys
@@ -16,12 +17,28 @@ def pytest_configure(config):
     """A session that may start gloo worlds starts their forkserver first,
     so its imports (torch's) run beside the collection's.  The NUMA tests
     start none (their worlds meet through SocketGroup, tests/support/socketworld.py),
-    so a session of them alone, a guest's, starts no forkserver."""
+    so a session of them alone, a guest's, starts no forkserver.  A
+    parallel worker (pytest-xdist) must hold a /dev/shm of its own."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and not _own_shm():
+        pytest.exit("a parallel test worker shares /dev/shm with the others, so each one's "
+                    "check that it is left as found would see the others' tables: start the "
+                    "workers through tools/shm_python (tools/suite.sh does)", returncode=4)
     markexpr = config.option.markexpr or ""
     if "not multiproc" not in markexpr and "numa" not in markexpr:
         from .support.dist_harness import start_forkserver
 
         start_forkserver()
+
+
+def _own_shm() -> bool:
+    """Whether /dev/shm is the tmpfs tools/shm_python mounts for a worker."""
+    mounted = ""  # the last mount on it is the one seen
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == SHM:
+                mounted = fields[fields.index("-") + 2]
+    return mounted == "numa-engram-worker"
 
 
 def pytest_sessionfinish(session):
@@ -57,6 +74,25 @@ def cli_in_process(*args, check=True):
 
 def shm_files() -> set[str]:
     return {n for n in os.listdir(SHM) if n.startswith(PREFIX)}
+
+
+@pytest.fixture(autouse=True)
+def alone_if_serial(request):
+    """Under parallel workers (tools/suite.sh), a `serial` test runs while
+    no other worker runs a test: it holds the suite's lock exclusive, every
+    other test holds it shared.  A turnstile taken first keeps tests from
+    joining the shared holders while a serial one waits (no starvation)."""
+    locks = os.environ.get("NUMA_ENGRAM_TEST_LOCKS")
+    if not (locks and os.environ.get("PYTEST_XDIST_WORKER")):
+        yield
+        return
+    alone = request.node.get_closest_marker("serial") is not None
+    with open(os.path.join(locks, "turnstile"), "w") as turnstile, \
+            open(os.path.join(locks, "tests"), "w") as tests:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(tests, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -127,19 +163,35 @@ class HugePool:
             Path(knob).write_text(str(value))
 
 
+POOLS = ("huge_pool", "gib_pool")
+
+
+def pytest_collection_modifyitems(items):
+    """A test that takes a huge page pool as an argument is `serial`: the
+    pools are the host's, and a test elsewhere may count on an empty one (a
+    test asking for a pool inside, through request.getfixturevalue, says
+    `serial` itself)."""
+    for item in items:
+        if any(pool in getattr(item, "fixturenames", ()) for pool in POOLS):
+            item.add_marker(pytest.mark.serial)
+
+
 @pytest.fixture
-def huge_pool(tmp_path):
+def huge_pool(tmp_path, request):
     """A HugePool of 2 MiB pages with a mounted hugetlbfs, or a skip that says why not."""
-    yield from _pool(tmp_path, 2048, "2M", 8)
+    yield from _pool(tmp_path, request, 2048, "2M", 8)
 
 
 @pytest.fixture
-def gib_pool(tmp_path):
+def gib_pool(tmp_path, request):
     """The same with 1 GiB pages (skips where 2 cannot be reserved)."""
-    yield from _pool(tmp_path, 1 << 20, "1G", 2)
+    yield from _pool(tmp_path, request, 1 << 20, "1G", 2)
 
 
-def _pool(tmp_path, size_kb: int, name: str, want: int):
+def _pool(tmp_path, request, size_kb: int, name: str, want: int):
+    if os.environ.get("PYTEST_XDIST_WORKER") and not request.node.get_closest_marker("serial"):
+        pytest.fail(f"{request.node.nodeid} reserves the host's {name} pages beside other "
+                    "workers' tests: mark it serial")
     pool = HugePool(tmp_path, size_kb)
     knob = pool._knob(None)
     if os.geteuid() != 0 or not os.access(knob, os.W_OK):

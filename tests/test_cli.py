@@ -215,6 +215,7 @@ def test_gc_says_why_once_without_padding(tmp_path):
     assert lines[1].count(str(short)) == 1 and "skipped" not in lines[1].split("0.10")[1]
 
 
+@pytest.mark.serial  # every process's tables: another worker's too
 def test_mem_and_verify_without_arguments_find_every_live_table(tmp_path):
     """A table held by the console script (`numa-engram create --hold`) and
     one by a worker whose command line never names us (as torchrun starts

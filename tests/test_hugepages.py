@@ -15,7 +15,7 @@ from numa_engram.checkpoints.synthetic import write_synthetic_checkpoint
 from numa_engram.errors import CapacityError, StorageError
 from numa_engram.host import hugepages, procfs
 from numa_engram.lookup.cpu import reference_lookup
-from numa_engram.store.fileformat import PREFIX, Layout
+from numa_engram.store.fileformat import Layout
 from numa_engram.store.storage import BackingFile
 
 from .conftest import run_python
@@ -110,7 +110,7 @@ def test_private_table_on_a_hugetlb_memfd_is_bit_exact(tmp_path, huge_pool):
         assert table.path.startswith("memfd:")
         pages = table.backing_bytes // MIB2
         assert before - _free() == pages, "the table's pages come from the pool"
-        assert procfs.smaps("self", PREFIX).page_size == MIB2
+        assert procfs.smaps("self", table.path).page_size == MIB2
         ids = np.random.default_rng(0).integers(0, 1 << 40, (500, spec.n_hash_cols))
         ids %= np.asarray(spec.bucket_sizes(layer))
         assert _exact(table, spec, layer, ids)
@@ -199,7 +199,7 @@ def test_a_private_table_needs_no_hugetlbfs_mount(tmp_path, huge_pool):
     with SharedEngramTable.create(spec, 1, shard, page_size="2M",
                                   directory=str(tmp_path)) as table:
         assert table.path.startswith("memfd:") and table.mode == "independent"
-        assert procfs.smaps("self", PREFIX).page_size == MIB2
+        assert procfs.smaps("self", table.path).page_size == MIB2
 
 
 def test_one_gib_pages_for_shared_and_private_tables(gib_pool):
@@ -213,7 +213,7 @@ def test_one_gib_pages_for_shared_and_private_tables(gib_pool):
     for directory in (gib_pool.mount, None):
         with BackingFile.create(layout, bytes(32), directory=directory, placement=plan) as f:
             assert hugepages.pool_pages(gib) == free - 1
-            assert procfs.smaps("self", PREFIX).page_size == gib
+            assert procfs.smaps("self", f.path).page_size == gib
             f.region("w")[:] = 7
             assert f.region("w")[-1] == 7
         assert hugepages.pool_pages(gib) == free

@@ -130,7 +130,7 @@ def test_on_2m_huge_pages(ckpt, huge_pool):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("page", ["4K", "2M"])
+@pytest.mark.parametrize("page", ["4K", pytest.param("2M", marks=pytest.mark.serial)])
 def test_tp2_dp2_one_copy_per_tp_shard_rows_equal_a_single_process_reference(ckpt, page,
                                                                               request):
     """Four ranks as vLLM's TP 2 x DP 2 (ETP = TP): the two replicas of each

@@ -6,6 +6,8 @@ read-write can neither write, map writable, punch nor shrink it."""
 
 import ctypes
 import errno
+import fcntl
+import gc
 import mmap
 import os
 import shutil
@@ -180,6 +182,26 @@ def test_a_service_never_hands_out_a_table_the_kernel_would_not_seal(
         assert err.value.reason == "unsealed"
     finally:
         service.stop()
+
+
+def test_a_writable_mapping_left_in_a_reference_cycle_is_collected_before_the_seal():
+    fd = os.memfd_create("numa-engram-seal-test", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, mmap.PAGESIZE)
+        cycle: list = [mmap.mmap(fd, mmap.PAGESIZE)]
+        cycle.append(cycle)  # only a collection frees the writable mapping
+        del cycle
+        gc_was = gc.isenabled()
+        gc.disable()  # no collection of its own between the two seals
+        try:
+            assert not tableservice.seal_contents(fd)  # the kernel refuses: EBUSY
+            assert tableservice._sealed(fd)
+        finally:
+            if gc_was:
+                gc.enable()
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE
+    finally:
+        os.close(fd)
 
 
 def _hand_out(sock_path, fd, stop):

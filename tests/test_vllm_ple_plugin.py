@@ -76,7 +76,7 @@ def bits(t):
     return t.contiguous().view(torch.int16)
 
 
-@pytest.mark.parametrize("page", ["4K", "2M"])
+@pytest.mark.parametrize("page", ["4K", pytest.param("2M", marks=pytest.mark.serial)])
 def test_vllms_pinned_embedding_holds_its_rows_in_our_table(vllm, model_dir, page, request):
     """The weight vLLM's module registers is our table's memory; vLLM's
     loader fills it; its bytes, scale and vLLM's own row path over it equal

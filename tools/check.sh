@@ -6,9 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 source tools/beside.sh
+source tools/suite.sh
 beside lint tools/lint.sh
 status=0
-"$PY" -m pytest -q -rs --durations=10 -m "not multiproc and not numa and not slow" "$@" \
-  || status=$?
+suite -q -rs --durations=10 -m "not multiproc and not numa and not slow" "$@" || status=$?
 report lint
 exit "$status"

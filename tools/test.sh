@@ -5,11 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-# setup.sh installs without bytecode; the many interpreters this run starts
-# at once would each compile torch's: compile it once, both CPUs, first
-# (a file that will not compile is left to its import, if any)
-"$PY" -m compileall -q -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
-  > /dev/null 2>&1 || true
 # The static checks, the package check, and (where this user may give them
 # a /dev/shm of their own: root) the lower-bounds check and the sanitizer
 # run beside the host suite, each a process or two that the suite's waits
@@ -35,8 +30,11 @@ if "${own_shm[@]}" true 2>/dev/null; then
 fi
 # coverage of the test process (spawned ranks and CLI subprocesses are not
 # measured), printed per module that has lines no test ran
-"$PY" -m pytest -q -rs --durations=15 --cov=numa_engram --cov-report=term:skip-covered "$@"
+source tools/suite.sh
+status=0
+suite -q -rs --durations=15 --cov=numa_engram --cov-report=term:skip-covered "$@" || status=$?
 report "${steps[@]}"
+[ "$status" = 0 ] || exit "$status"
 if [ ${#steps[@]} = 3 ]; then  # no private /dev/shm here: after the suite
   PYTHON="$PY" tools/check_min_deps.sh  # the dependencies' lower bounds, in a fresh venv
   PYTHON="$PY" tools/sanitize.sh  # the C core's tests under ASan + UBSan

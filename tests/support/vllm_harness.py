@@ -19,6 +19,7 @@ in a process that may have loaded another (``sys.modules`` restored after).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.util
 import logging
 import os
@@ -75,8 +76,16 @@ def wheel_sources(version: str = VERSION) -> tuple[Path | None, str]:
     if version not in RELEASES:
         return None, f"vLLM {version} is not a release the harness knows ({', '.join(RELEASES)})"
     root = cache_dir(version)
-    if all((root / f).is_file() for f in RELEASES[version]):
-        return root, ""
+    root.parent.mkdir(parents=True, exist_ok=True)
+    # one filler at a time: the suite's parallel workers may each want it first
+    with open(root.parent / f".vllm-{version}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if all((root / f).is_file() for f in RELEASES[version]):
+            return root, ""
+        return _fill(root, version)
+
+
+def _fill(root: Path, version: str) -> tuple[Path | None, str]:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
