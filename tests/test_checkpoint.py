@@ -274,10 +274,10 @@ def test_a_wrong_tensor_name_fails_before_anything_is_allocated(tmp_path):
     path = tmp_path / "other.safetensors"
     save_file({"something.else": torch.zeros((4, 4), dtype=torch.uint8)}, str(path))
     before = shm_files()
-    t0 = time.perf_counter()
+    t0 = time.thread_time()  # this thread's CPU time: the same on a loaded host
     with pytest.raises(CheckpointError, match="no weights tensor among the known names"):
         SharedEngramTable.create(big, 1, shard, checkpoint=str(path))
-    assert time.perf_counter() - t0 < 1.0
+    assert time.thread_time() - t0 < 1.0
     assert shm_files() == before
 
 

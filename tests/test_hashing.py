@@ -34,11 +34,11 @@ def test_demo_primes_and_multipliers_equal_the_reference():
 
 
 def test_v4_sized_primes_take_well_under_a_second():
-    t0 = time.perf_counter()
+    t0 = time.thread_time()  # this thread's CPU time: the same on a loaded host
     spec = EngramSpec(layer_ids=[1, 14], engram_vocab_sizes=[16_000_000] * 3, max_ngram_size=4,
                       n_head_per_ngram=8, head_dim=256, compressed_vocab_size=99092, pad_id=2)
     rows = spec.rows(1) + spec.rows(14)
-    assert time.perf_counter() - t0 < 0.5
+    assert time.thread_time() - t0 < 0.5
     assert spec.n_hash_cols == 24 and spec.row_bytes == 264 and rows > 768_000_000
 
 

@@ -69,8 +69,8 @@ def test_wait_blocks_only_until_its_own_layer():
         s.submit(1, _ids())
         s.submit(2, _ids())
         t0 = time.perf_counter()
-        s.wait(1)  # layer 2 is still blocked behind the gate
-        assert time.perf_counter() - t0 < 1.0
+        s.wait(1)  # layer 2 is still blocked behind the gate (waiting on it: forever)
+        assert time.perf_counter() - t0 < 30.0
         gate.set()
         assert (s.wait(2) == 2).all()
 

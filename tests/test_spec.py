@@ -39,17 +39,17 @@ def spec_with(**changes):
     ({"max_ngram_size": True}, "max_ngram_size must be an integer, got bool"),
 ])
 def test_specs_that_cannot_exist_are_refused_at_once(changes, text):
-    t0 = time.perf_counter()
+    t0 = time.thread_time()  # this thread's CPU time: the same on a loaded host
     with pytest.raises(SpecError, match=re.escape(text)):
         spec_with(**changes)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.thread_time() - t0 < 1.0
 
 
 def test_largest_allowed_head_count_builds_its_primes_in_well_under_a_second():
     spec = spec_with(n_head_per_ngram=1024, engram_vocab_sizes=(10**6,) * 2, layer_ids=(1, 2))
-    t0 = time.perf_counter()
+    t0 = time.thread_time()  # this thread's CPU time: the same on a loaded host
     assert len(spec.bucket_sizes(2)) == 2048
-    assert time.perf_counter() - t0 < 1.0
+    assert time.thread_time() - t0 < 1.0
 
 
 def _config(**changes):

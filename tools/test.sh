@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Run every test: the host suite, and beside it the NUMA placement tests
-# in a 2-node and a 4-node guest (tools/guests.sh) unless this host already
-# has >= 2 NUMA nodes, in which case they run in the host suite.
+# Run every test: the host suite, then the NUMA placement tests in a
+# 2-node and a 4-node guest (tools/guests.sh) unless this host already has
+# >= 2 NUMA nodes, in which case they ran directly in the host suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -28,20 +28,9 @@ if "${own_shm[@]}" true 2>/dev/null; then
   beside sanitize "${own_shm[@]}" tools/sanitize.sh
   steps+=(min_deps sanitize)
 fi
-# the NUMA placement tests in the 2- and 4-node guests, beside the suite
-# (unless this host has >= 2 nodes: they run in the suite then)
-nodes=$(ls -d /sys/devices/system/node/node[0-9]* 2>/dev/null | wc -l)
-if [ "${NUMA_ENGRAM_SKIP_VM:-0}" = 1 ]; then
-  echo "test.sh: NUMA_ENGRAM_SKIP_VM=1: placement tests in the VM skipped" >&2
-elif [ "$nodes" -lt 2 ]; then
-  beside guests tools/guests.sh
-  steps+=(guests)
-fi
 # coverage of the test processes (spawned ranks and CLI subprocesses are not
-# measured), printed per module that has lines no test ran.  A worker more
-# than the CPUs: the suite's tests wait on processes and timeouts.
+# measured), printed per module that has lines no test ran
 source tools/suite.sh
-export NUMA_ENGRAM_TEST_WORKERS=${NUMA_ENGRAM_TEST_WORKERS:-$(($(nproc) + 1))}
 status=0
 suite -q -rs --durations=15 --cov=numa_engram --cov-report=term:skip-covered "$@" || status=$?
 report "${steps[@]}"
@@ -49,4 +38,12 @@ report "${steps[@]}"
 if ! [[ " ${steps[*]} " = *" sanitize "* ]]; then  # no private /dev/shm here: after the suite
   PYTHON="$PY" tools/check_min_deps.sh  # the dependencies' lower bounds, in a fresh venv
   PYTHON="$PY" tools/sanitize.sh  # the C core's tests under ASan + UBSan
+fi
+# the NUMA placement tests in the 2- and 4-node guests, after the suite:
+# emulated CPUs beside it would each run several times slower
+nodes=$(ls -d /sys/devices/system/node/node[0-9]* 2>/dev/null | wc -l)
+if [ "${NUMA_ENGRAM_SKIP_VM:-0}" = 1 ]; then
+  echo "test.sh: NUMA_ENGRAM_SKIP_VM=1: placement tests in the VM skipped" >&2
+elif [ "$nodes" -lt 2 ]; then
+  tools/guests.sh
 fi
