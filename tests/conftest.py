@@ -170,10 +170,30 @@ def pytest_collection_modifyitems(items):
     """A test that takes a huge page pool as an argument is `serial`: the
     pools are the host's, and a test elsewhere may count on an empty one (a
     test asking for a pool inside, through request.getfixturevalue, says
-    `serial` itself)."""
+    `serial` itself).  Parallel workers take the longest files first."""
     for item in items:
         if any(pool in getattr(item, "fixturenames", ()) for pool in POOLS):
             item.add_marker(pytest.mark.serial)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items[:] = _longest_files_first(items)
+
+
+def _longest_files_first(items: list) -> list:
+    """The files (a worker's unit) ordered so that a long one is not the
+    last one left: those marked `slow` as a whole (a real vLLM engine's),
+    then by how many of their tests start worlds or interpreters; the rest
+    as collected.  Every worker sorts alike (the order is the collection's)."""
+    heavy: dict[str, int] = {}
+    whole: dict[str, bool] = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        module = item.getparent(pytest.Module)
+        whole[path] = any(m.name == "slow" for m in getattr(module, "own_markers", ()))
+        long = item.get_closest_marker("slow") or item.get_closest_marker("multiproc")
+        heavy[path] = heavy.get(path, 0) + (1 if long else 0)
+    first = {path: n for n, path in enumerate(heavy)}
+    return sorted(items, key=lambda item: (
+        not whole[p := item.nodeid.split("::")[0]], -heavy[p], first[p]))
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
+source tools/bytecode.sh
 source tools/beside.sh
 source tools/suite.sh
 beside lint tools/lint.sh

@@ -5,6 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
+# setup.sh installs without bytecode; the many interpreters this run starts
+# at once would each compile torch's: compile it once, both CPUs, first
+# (a file that will not compile is left to its import, if any)
+"$PY" -m compileall -q -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+  > /dev/null 2>&1 || true
+source tools/bytecode.sh
 # The static checks, the package check, and (where this user may give them
 # a /dev/shm of their own: root) the lower-bounds check and the sanitizer
 # run beside the host suite, each a process or two that the suite's waits
