@@ -634,8 +634,15 @@ def group_progress(rank, world, *, checkpoint):
     it keeps moving after the leader's own part, up to the whole table."""
     import numa_engram.groups.steps as steps
 
-    if rank != 0:  # the other loaders take longer
-        steps.STEP_HOOK = lambda step: time.sleep(0.05) if step == "load-progress" else None
+    if rank != 0:  # the other loaders pause after their first chunk, long
+        # enough for the leader's own part under any load: it waits on theirs
+        paused = []
+
+        def pause_once(step):
+            if step == "load-progress" and not paused:
+                paused.append(step)
+                time.sleep(2.0)
+        steps.STEP_HOOK = pause_once
     seen = []
     t = _whole_table_on_world(make_spec(1000), 60, checkpoint=checkpoint, load_threads=1,
                               shared_load=True,
