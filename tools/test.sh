@@ -35,8 +35,10 @@ if "${own_shm[@]}" true 2>/dev/null; then
   steps+=(min_deps sanitize)
 fi
 # coverage of the test processes (spawned ranks and CLI subprocesses are not
-# measured), printed per module that has lines no test ran
+# measured), printed per module that has lines no test ran.  A worker more
+# than the CPUs: the suite's tests wait on processes and timeouts.
 source tools/suite.sh
+export NUMA_ENGRAM_TEST_WORKERS=${NUMA_ENGRAM_TEST_WORKERS:-$(($(nproc) + 1))}
 status=0
 suite -q -rs --durations=15 --cov=numa_engram --cov-report=term:skip-covered "$@" || status=$?
 report "${steps[@]}"
@@ -45,8 +47,8 @@ if ! [[ " ${steps[*]} " = *" sanitize "* ]]; then  # no private /dev/shm here: a
   PYTHON="$PY" tools/check_min_deps.sh  # the dependencies' lower bounds, in a fresh venv
   PYTHON="$PY" tools/sanitize.sh  # the C core's tests under ASan + UBSan
 fi
-# the NUMA placement tests in the 2- and 4-node guests, after the suite:
-# emulated CPUs beside it would each run several times slower
+# the NUMA placement tests in the 2- and 4-node guests (at once), after the
+# suite: emulated CPUs beside it would each run several times slower
 nodes=$(ls -d /sys/devices/system/node/node[0-9]* 2>/dev/null | wc -l)
 if [ "${NUMA_ENGRAM_SKIP_VM:-0}" = 1 ]; then
   echo "test.sh: NUMA_ENGRAM_SKIP_VM=1: placement tests in the VM skipped" >&2
