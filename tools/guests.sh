@@ -17,7 +17,7 @@ trap 'rm -rf "$out"' EXIT
 tools/numa-vm -n 2 -m 2048 -t 1500 -- "$PY" -m pytest -q -rs -m numa -p no:cacheprovider \
   -o timeout=1200 "${numa_tests[@]}" > "$out/2" 2>&1 &
 two=$!
-NUMA_ENGRAM_TEST_NO_TORCH=1 tools/numa-vm -n 4 -m 768 -t 900 -- "$PY" -m pytest -q -rs \
+NUMA_ENGRAM_TEST_NO_TORCH=1 tools/numa-vm -n 4 -m 768 -t 1500 -- "$PY" -m pytest -q -rs \
   -m "numa and not torch" -p no:cacheprovider -o timeout=600 "${numa_tests[@]}" > "$out/4" 2>&1 &
 four=$!
 status=0

