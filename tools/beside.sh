@@ -24,8 +24,8 @@ beside() {
   PYTHON="$PY" setsid bash -c '
     log=$0 idle=$1; shift
     if [ "$idle" = 1 ]; then
-      [ ! -w /proc/self/autogroup ] || echo 10 > /proc/self/autogroup
-      renice -n 10 $$ > /dev/null
+      [ ! -w /proc/self/autogroup ] || echo 19 > /proc/self/autogroup
+      renice -n 19 $$ > /dev/null
     fi
     "$@" > "$log.log" 2>&1; echo $? > "$log.rc"' "$beside_dir/$name" "$idle" "$@" &
   beside_pids+=($!)

@@ -46,7 +46,7 @@ fi
 # measured), printed per module that has lines no test ran.  A worker more
 # than the CPUs: the suite's tests wait on processes and timeouts.
 source tools/suite.sh
-export NUMA_ENGRAM_TEST_WORKERS=${NUMA_ENGRAM_TEST_WORKERS:-$(($(nproc) + 2))}
+export NUMA_ENGRAM_TEST_WORKERS=${NUMA_ENGRAM_TEST_WORKERS:-$(($(nproc) + 1))}
 status=0
 suite -q -rs --durations=15 --cov=numa_engram --cov-report=term:skip-covered "$@" || status=$?
 report "${steps[@]}"
