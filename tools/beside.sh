@@ -5,9 +5,11 @@
 #                        (setsid: a failed run ends all it started); with
 #                        --idle at the lowest priority, taking only the CPU
 #                        the rest leaves
-#   report NAME...       each one's output, in order; exits with the status
-#                        of the first that failed
+#   report NAME...       each one's output and how long it took after the
+#                        run began, in order; exits with the status of the
+#                        first that failed
 beside_dir=$(mktemp -d)
+beside_start=$(date +%s)
 beside_pids=()
 beside_cleanup() {
   for p in "${beside_pids[@]}"; do kill -- "-$p" 2>/dev/null || true; done
@@ -27,7 +29,7 @@ beside() {
       [ ! -w /proc/self/autogroup ] || echo 19 > /proc/self/autogroup
       renice -n 19 $$ > /dev/null
     fi
-    "$@" > "$log.log" 2>&1; echo $? > "$log.rc"' "$beside_dir/$name" "$idle" "$@" &
+    "$@" > "$log.log" 2>&1; echo $? > "$log.rc"; date +%s > "$log.end"' "$beside_dir/$name" "$idle" "$@" &
   beside_pids+=($!)
 }
 report() {
@@ -35,7 +37,7 @@ report() {
   beside_pids=()
   local name rc
   for name in "$@"; do
-    echo "== $name (run beside the tests) =="
+    echo "== $name (run beside the tests, done $(($(cat "$beside_dir/$name.end") - beside_start)) s after they began) =="
     cat "$beside_dir/$name.log"
     rc=$(cat "$beside_dir/$name.rc")
     [ "$rc" = 0 ] || { echo "$(basename "$0"): $name failed (status $rc)" >&2; exit "$rc"; }
