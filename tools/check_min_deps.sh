@@ -10,6 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
+source tools/uv.sh
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 mkdir "$WORK/src"
@@ -28,10 +29,11 @@ PY
 torch=$("$PY" -c 'import torch; print(torch.__version__)')
 main_site=$("$PY" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
 base=$("$PY" -c 'import sys; print(sys._base_executable)')
-"$base" -m venv "$WORK/venv"
+"$UV" venv -q --python "$base" "$WORK/venv"
 echo "check_min_deps: $pins, torch $torch (the main venv's)"
 # shellcheck disable=SC2086  # (the pins are words)
-"$WORK/venv/bin/pip" install -q $pins pytest pytest-timeout hypothesis "setuptools>=77"
+"$UV" pip install -q --python "$WORK/venv/bin/python" $pins pytest pytest-timeout hypothesis \
+  "setuptools>=77"
 # the main venv's packages after this venv's own: the pins shadow their
 # newer copies, torch (and what it needs) is found there
 site=$("$WORK/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

