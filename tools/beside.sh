@@ -1,10 +1,11 @@
 # Sourced by test.sh and check.sh: commands run beside a test run, their
 # output held back until it is done.
-#   beside [--idle] NAME CMD...
+#   beside [--low|--idle] NAME CMD...
 #                        CMD in the background, in its own process group
-#                        (setsid: a failed run ends all it started); with
-#                        --idle at the lowest priority, taking only the CPU
-#                        the rest leaves
+#                        (a failed run ends all it started); with --low at
+#                        nice 19, with --idle under SCHED_IDLE (below that:
+#                        a third of its weight, and any other task that
+#                        wakes takes the CPU from it at once)
 #   report NAME...       each one's output and how long it took after the
 #                        run began, in order; exits with the status of the
 #                        first that failed
@@ -17,19 +18,25 @@ beside_cleanup() {
 }
 trap beside_cleanup EXIT
 beside() {
-  local idle=0
-  if [ "$1" = --idle ]; then idle=1; shift; fi
+  local prio=normal
+  case "$1" in --low|--idle) prio=${1#--}; shift;; esac
   local name=$1; shift
-  # setsid also starts a scheduler autogroup (where the kernel has them),
-  # which gets its CPU share as a whole whatever its processes' nice: an
-  # idle step lowers its group's weight too
-  PYTHON="$PY" setsid bash -c '
-    log=$0 idle=$1; shift
-    if [ "$idle" = 1 ]; then
-      [ ! -w /proc/self/autogroup ] || echo 19 > /proc/self/autogroup
-      renice -n 19 $$ > /dev/null
-    fi
-    "$@" > "$log.log" 2>&1; echo $? > "$log.rc"; date +%s > "$log.end"' "$beside_dir/$name" "$idle" "$@" &
+  # A step at normal priority starts a session (setsid) and with it a
+  # scheduler autogroup, which gets its CPU share as a whole, as the run's
+  # own does.  A low or idle one only starts a process group: in an
+  # autogroup of its own it would get that share too, whatever its
+  # processes' priority; in the run's, its priority counts against each of
+  # the suite's processes.
+  local start=(setsid)
+  [ "$prio" = normal ] ||
+    start=("$PY" -c 'import os, sys; os.setpgid(0, 0); os.execvp(sys.argv[1], sys.argv[1:])')
+  PYTHON="$PY" "${start[@]}" bash -c '
+    log=$0 prio=$1; shift
+    case $prio in
+      low) renice -n 19 $$ > /dev/null;;
+      idle) chrt --idle -p 0 $$;;
+    esac
+    "$@" > "$log.log" 2>&1; echo $? > "$log.rc"; date +%s > "$log.end"' "$beside_dir/$name" "$prio" "$@" &
   beside_pids+=($!)
 }
 report() {

