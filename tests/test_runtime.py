@@ -147,8 +147,10 @@ def test_two_threads_on_one_runtime_never_get_each_others_rows(model_dir):
     prepare or embed meanwhile (or any call during a call) is a
     PrefetchError naming the rule; every rows a thread does get are its own
     step's, bit-exact, with threads switching between any two bytecodes."""
+    import random
     import sys
     import threading
+    import time
 
     with EngramRuntime.from_pretrained(model_dir, max_tokens=16, max_requests=4) as rt:
         reference = _reference_tables(rt.spec, model_dir)
@@ -166,7 +168,11 @@ def test_two_threads_on_one_runtime_never_get_each_others_rows(model_dir):
         def drive(slot, tokens):
             # until both outcomes were seen (at least 150 tries): how the two
             # threads interleave is the scheduler's, and under a tracer
-            # (coverage) most tries can collide
+            # (coverage) most tries can collide.  A refused thread backs off a
+            # random while, as a caller would: with none, on a loaded host the
+            # two can fall into a lockstep where every try of both collides
+            # and no step is ever done
+            backoff = random.Random(slot)
             for n in range(5000):
                 if n >= 150 and done and refused:
                     break
@@ -187,6 +193,7 @@ def test_two_threads_on_one_runtime_never_get_each_others_rows(model_dir):
                     done.append(slot)
                 except PrefetchError as exc:
                     refused.append(str(exc))
+                    time.sleep(backoff.uniform(0, 2e-4))
         old = sys.getswitchinterval()
         sys.setswitchinterval(1e-6)
         try:
