@@ -495,13 +495,17 @@ def test_a_tables_lookup_longer_than_a_hand_off_stays_in_its_submit(small_table,
         assert where[0] is not threading.current_thread()  # the first: no lead known yet
         _until_a_short_lead(sched, layer, ids)
         where.clear()
-        before = sched.stats()[layer]
+        before, short = sched.stats()[layer], []
         for _ in range(8):
+            # (the last lead as the scheduler measured it: a preempted one
+            # rightly sends the next lookup ahead)
+            short.append(sched.metrics[layer].last_lead_s < HANDOFF_S)
             sched.submit(layer, ids)
             assert torch.equal(sched.wait(layer).view(torch.int16), want)
         stats = sched.stats()[layer]
     here = threading.current_thread()
-    assert len(where) == 8 and all(t is here for t in where), where
+    assert len(where) == 8 and sum(short) >= 6, (where, short)
+    assert all(t is here for t, s in zip(where, short) if s), where
     assert stats.lookups - before.lookups == 8
     assert stats.lead_seconds - before.lead_seconds >= 8 * 2 * HANDOFF_S  # (submit -> wait)
 
