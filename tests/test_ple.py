@@ -17,6 +17,7 @@ from numa_engram.model.plehashing import PLEHistory, ple_ids, ple_ids_numpy
 
 from .support import vllm_harness as harness
 from .support.kernel_paths import assert_prints_true
+from .support.untraced import untraced
 
 torch = pytest.importorskip("torch")
 
@@ -29,7 +30,8 @@ def vllm():
     root, why = harness.wheel_sources()
     if root is None:
         pytest.skip(why)
-    return harness.ple_modules(root)
+    with untraced():
+        return harness.ple_modules(root)
 
 
 def vllm_embedding(vllm, spec: PLESpec, layer: int):
@@ -98,10 +100,11 @@ def test_ids_equal_vllms_torch_path_and_triton_kernel(vllm, seed, ngram):
         for i, layer in enumerate(spec.layer_ids):
             emb = vllm_embedding(vllm, spec, layer)
             t_ids, t_qs, t_ctx = (torch.from_numpy(a.copy()) for a in (ids, qs, ctx))
-            torch_path = emb.compute_ngram_ids(t_ids, t_qs, t_ctx).numpy()
-            triton_path = vllm.ops.ple_ngram_ids(
-                t_ids, t_qs, t_ctx, emb.layer_multipliers, emb.ngram_heads_vocab_sizes,
-                emb.ngram_heads_offsets, spec.eos_token_id, spec.heads_per_ngram).numpy()
+            with untraced():
+                torch_path = emb.compute_ngram_ids(t_ids, t_qs, t_ctx).numpy()
+                triton_path = vllm.ops.ple_ngram_ids(
+                    t_ids, t_qs, t_ctx, emb.layer_multipliers, emb.ngram_heads_vocab_sizes,
+                    emb.ngram_heads_offsets, spec.eos_token_id, spec.heads_per_ngram).numpy()
             np.testing.assert_array_equal(ours[:, i], torch_path)
             np.testing.assert_array_equal(ours[:, i], triton_path)
             np.testing.assert_array_equal(ple_ids_numpy(spec, layer, ids, qs, ctx), torch_path)
@@ -119,7 +122,8 @@ def test_many_values_on_long_streams_equal_vllms_torch_path(vllm):
     ours = ple_ids(spec, spec.layer_ids, ids, qs, ctx)
     for i, layer in enumerate(spec.layer_ids):
         emb = vllm_embedding(vllm, spec, layer)
-        want = emb.compute_ngram_ids(*(torch.from_numpy(a.copy()) for a in (ids, qs, ctx)))
+        with untraced():
+            want = emb.compute_ngram_ids(*(torch.from_numpy(a.copy()) for a in (ids, qs, ctx)))
         np.testing.assert_array_equal(ours[:, i], want.numpy())
     assert ours.size >= 100_000
 
@@ -157,8 +161,10 @@ def test_history_hashes_chunks_as_the_whole_sequence(vllm):
         whole = seqs[r][:len(mine)]
         for i, layer in enumerate(spec.layer_ids):
             emb = vllm_embedding(vllm, spec, layer)
-            want = emb.compute_ngram_ids(torch.from_numpy(whole), torch.tensor([0, len(whole)]),
-                                         torch.full((1, 2), spec.eos_token_id))
+            with untraced():
+                want = emb.compute_ngram_ids(torch.from_numpy(whole),
+                                             torch.tensor([0, len(whole)]),
+                                             torch.full((1, 2), spec.eos_token_id))
             np.testing.assert_array_equal(mine[:, i], want.numpy())
 
 

@@ -32,6 +32,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
+from .untraced import untraced
+
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 
 VERSION = "0.31.0"  # the default release (the plugin's tests)
@@ -280,7 +282,8 @@ def load(root: Path, name: str, relative: str) -> types.ModuleType:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    with untraced():  # vLLM's own module body
+        spec.loader.exec_module(module)
     return module
 
 
