@@ -30,8 +30,7 @@ def vllm():
     root, why = harness.wheel_sources()
     if root is None:
         pytest.skip(why)
-    with untraced():
-        return harness.ple_modules(root)
+    return harness.ple_modules(root)
 
 
 def vllm_embedding(vllm, spec: PLESpec, layer: int):

@@ -178,9 +178,10 @@ def _module(name: str, **attrs: object) -> types.ModuleType:
 
 
 def install_stubs(version: str = VERSION) -> None:
-    import torch
-    import triton
-    import triton.language as tl
+    with untraced():  # (outside packages' imports, as vLLM's module bodies in load)
+        import torch
+        import triton
+        import triton.language as tl
 
     def tp_all_gather(tensor, dim=-1):
         return State.tp.all_gather(tensor, dim=dim) if State.tp else tensor
@@ -545,7 +546,8 @@ def _transformers(*names: str) -> None:
     used as an annotation): transformers' own where it has them, else
     stand-ins (a ``transformers`` stub where it is not installed)."""
     try:
-        import transformers
+        with untraced():
+            import transformers
     except ImportError:
         transformers = _module("transformers")
     for name in names:
